@@ -34,10 +34,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hetnet import (ACCURACY_NOTE, BUSY_NOTE, REPO, Case, Workload,  # noqa: E402
-                          accuracy_table, add_quiet_flags, bar_plot, busy_text, case_record,
-                          failures, fmt, link_table, load_line, profile_kind, run_case,
-                          save_json, table, wait_for_quiet)
+from bench_hetnet import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,  # noqa: E402
+                          Workload, accuracy_table, bar_plot, case_record, cpus_text, failures,
+                          fmt, link_table, load_line, profile_kind, run_case, save_json, table,
+                          wait_for_quiet)
 
 from hetjax.errors import HetjaxError  # noqa: E402
 from hetjax.plan import Plan  # noqa: E402
@@ -108,7 +108,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetaccel.json"))
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetaccel"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
-    add_quiet_flags(ap)
     args = ap.parse_args(argv)
     work = dataclasses.replace(WORKLOAD, steps=args.steps)
     t0 = time.monotonic()
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
         print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
 
     log(f"bench_hetaccel: {load_line()}")
-    wait_for_quiet(args.quiet_load, args.max_wait, log)
+    wait_for_quiet(log)
     log(work.describe())
     het = preset("testbed_hetaccel")
     hom_a = preset("testbed_hetaccel", kind_b="cpu")
@@ -132,16 +131,16 @@ def main(argv=None) -> int:
             log(f"profiling {kind} on {host} at {tb.cpus[het.clusters.index(cluster)]:.3g} CPUs")
             prof, means, err = profile_kind(tb, host, dataclasses.replace(work, steps=6), dp=2,
                                             workdir=os.path.join(args.workdir, "profile"),
-                                            layer_counts=(1, 4))
+                                            log=log, layer_counts=(1, 2, 4))
             if err:
                 print(f"FAILED: {err}")
                 return 1
             profiles[kind] = prof
             prof_rows.append([kind, f"{tb.cpus[het.clusters.index(cluster)]:.3g}",
-                              f"{means[0]:.3f}", f"{means[1]:.3f}",
+                              ", ".join(f"{m:.3f}" for m in means),
                               f"{(prof.fwd_s + prof.bwd_s) * 1e6:.1f}",
                               f"{(prof.head_fwd_s + prof.head_bwd_s) * 1e6:.2f}"])
-            log(f"  step s at 1 and 4 layers: {means[0]:.3f}, {means[1]:.3f}")
+            log(f"  step s at 1, 2, 4 layers: {', '.join(f'{m:.3f}' for m in means)}")
 
     choose = planner_choice(work, profiles)
     cases = [Case("homogeneous A (cpu)", hom_a, None, caps(hom_a, args.cpus), choose),
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
     print(f"\n## Per-layer compute, profiled on one host of each kind ({work.batch // 2} "
           f"sequences of {work.seq_len} per step in {work.microbatches} micro-batches, full "
           "recompute)\n")
-    print(table(["kind", "CPUs per host", "s/step, 1 layer", "s/step, 4 layers",
+    print(table(["kind", "CPUs per host", "s/step at 1, 2, 4 layers",
                  "us per token per layer", "us per token fixed"], prof_rows))
     rows = []
     for c in cases:
@@ -171,12 +170,12 @@ def main(argv=None) -> int:
                      f"{fmt(c.mean_s, '.3f')} ± {c.sd_s:.3f}" if c.step_s else "failed",
                      fmt(t, ",.1f"), fmt(c.predicted_s, ".3f"),
                      fmt(per_device(c, c.predicted_s), ",.1f"), fmt(c.bubble, ".0%"),
-                     busy_text(c)])
+                     cpus_text(c)])
     print(f"\n## Throughput ({work.steps - 2} timed steps each; {end_load} at the end)\n")
     print(table(["configuration", "layers per stage (pipeline order)", "s/step",
                  "tokens/s per device", "predicted s/step", "predicted tokens/s per device",
-                 "predicted bubble", "CPUs busy / caps"], rows))
-    print(BUSY_NOTE)
+                 "predicted bubble", CPUS_HEADER], rows))
+    print(CPUS_NOTE)
     t = {c.name: per_device(c, c.mean_s) for c in cases}
     tp = {c.name: per_device(c, c.predicted_s) for c in cases}
     summary, t_ub = upper_bound_lines(cases, t, "measured")

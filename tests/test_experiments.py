@@ -6,6 +6,7 @@ namespaces: the benches themselves need root and minutes (docs/experiments.md)."
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -201,9 +202,18 @@ def test_microbatch_sync_is_the_extra_syncs_of_the_slowest_stage():
 def test_report_helpers():
     assert bench_hetnet.table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
     c = bench_hetnet.Case("x", preset("testbed_hybrid"), None, None)
-    assert c.mean_s is None and c.tokens_per_s() is None and bench_hetnet.busy_text(c) == "-"
-    c.step_s, c.busy_cpus, c.caps_cpus = [1.0, 3.0], 1.7, 1.6
+    assert c.mean_s is None and c.tokens_per_s() is None and bench_hetnet.cpus_text(c) == "-"
+    c.step_s, c.cpus, c.caps_cpus, c.attempts = [1.0, 3.0], (1.5, 0.04), 1.6, 1
     assert c.mean_s == 2.0 and c.sd_s == pytest.approx(np.sqrt(2))
-    assert bench_hetnet.busy_text(c) == "1.70 / 1.60"
-    since = bench_hetnet.cpu_counters()
-    assert 0 <= bench_hetnet.busy_cpus(since) <= os.cpu_count()
+    assert bench_hetnet.cpus_text(c) == "1.50 / 0.04 / 1.60"
+    c.attempts = 2
+    assert bench_hetnet.cpus_text(c) == "1.50 / 0.04 / 1.60 (run 2)"
+
+
+def test_cpu_watch_splits_ours_from_the_rest():
+    watch = bench_hetnet.CpuWatch()
+    end = time.process_time() + 0.2
+    while time.process_time() < end:  # burn 0.2 s of our own CPU
+        pass
+    ours, others = watch.stop()
+    assert 0.5 < ours <= 1.05 and others >= 0.0
