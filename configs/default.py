@@ -20,4 +20,5 @@ def get_config():
     config.parallel.tp = 2  # shards inside a node
     config.pipeline.schedule = "1f1b"
     config.train.microbatches = 4
+    config.eval.every = 100  # loss on held-out documents, also reported in the summary
     return config

@@ -216,12 +216,13 @@ def even_split(n_layers: int, stages: int) -> tuple[int, ...]:
 
 
 def plan_from_config(c, topology: Topology) -> Plan:
-    """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0, else
-    the fixed layout (dp may be 0 = the rest)."""
+    """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0 (or
+    only the ZeRO point, by AMSP's enumeration, when zero.preset is 'auto'), else the fixed
+    layout (dp may be 0 = the rest)."""
     from hetjax.config import resolve_microbatches, validate_layout
 
     validate_layout(c, topology)
-    if not c.parallel.pp or not c.parallel.tp:
+    if not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto":
         from hetjax.planner import plan_for_config
 
         return plan_for_config(c, topology).plan

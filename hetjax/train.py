@@ -4,11 +4,11 @@ the jitted train step in a loop with metrics, progress and a final summary.
 `Trainer(config)` is the Python entry point (`hetjax train` uses it too). `train()` resumes
 from the latest checkpoint in the work directory, saves every `checkpoint.every` steps in the
 background and at the end (`hetjax.checkpoint`), and reports how long each step waited for
-input. The train step takes
-the global batch as [micro-batches, batch / micro-batches, length], accumulates gradients over
-the micro-batches, and applies AdamW (warmup + cosine decay, global-norm clipping). Parameter
-and optimizer-state shardings follow the parameters' logical axis names; optimizer-state specs
-are mapped from parameter specs through the optax state tree.
+input. The train step takes the global batch as [micro-batches, batch / micro-batches, length],
+accumulates gradients over the micro-batches (ZeRO-sharded, `parallel.zero`), and applies AdamW
+(warmup + cosine decay, global-norm clipping). Parameter and optimizer-state shardings follow
+the parameters' logical axis names; optimizer-state specs are mapped from parameter specs
+through the optax state tree.
 
 With pp > 1 the trainer keeps the parameters (and so gradients and optimizer states) in the
 stage-stacked layout of `parallel.pipeline` and hands forward and backward to its executor;
@@ -202,9 +202,10 @@ class Trainer:
         `params` are in the P spec. Gradients are accumulated in the G spec and reduced across
         data-parallel replicas once, after the micro-batch loop; they come back in the OS spec
         (parallel/zero.py accumulate_gradients). With pp > 1 the pipeline executor runs the
-        micro-batches and returns the stage-stacked gradients."""
+        micro-batches with the same ZeRO kernels inside each stage (reduced once, after its
+        tick loop) and returns the stage-stacked gradients in the OS spec."""
         if self.pipeline:
-            return self.pipeline.loss_and_grads(params, batch)
+            return self.pipeline.loss_and_grads(params, batch, self.zero_specs)
         return zero.accumulate_gradients(jax.value_and_grad(self.loss_fn), params, batch,
                                          self.zero_specs, self.mesh, self.rules)
 
@@ -381,14 +382,21 @@ class Trainer:
         t_after_first = t_mark = None
         mark_step = start
         waited_mark = waited_start = self.data.waited_s  # seconds next() blocked, so far
+        # Evaluation and checkpoint saves are not training: their time is kept out of the
+        # step time, tokens/s and MFU.
+        aside = aside_mark = 0.0
+        last_eval = None
         try:
             for step in range(start, total):
                 metrics = self.step()
                 done = step + 1
                 e = self.config.eval.every
+                t_aside = time.perf_counter()
                 eval_loss = self.eval_loss() if e and (done % e == 0 or done == total) else None
                 if ckpt.every and (done == total or self.checkpointer.should_save(done)):
                     self.save(eval_loss=eval_loss)
+                aside += time.perf_counter() - t_aside
+                last_eval = eval_loss if eval_loss is not None else last_eval
                 if done == start + 1 or done % cfg.log_every == 0 or done == total or \
                         eval_loss is not None:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -399,14 +407,16 @@ class Trainer:
                         m["eval_loss"] = eval_loss
                     if t_mark is None:  # the first step includes compilation: time it apart
                         t_after_first = t_mark = now
+                        aside_first = aside
                         m["compile_and_step_s"] = now - t_start
                         first_loss = m["loss"]
                     else:
-                        dt = (now - t_mark) / (done - mark_step)
+                        dt = (now - t_mark - (aside - aside_mark)) / (done - mark_step)
                         m["step_s"] = dt
                         m["tokens_per_s"] = self.tokens_per_step / dt
                         m["mfu"] = self.flops_per_step / dt / self.topology.peak_flops
                         t_mark = now
+                    aside_mark = aside
                     mark_step = done
                     last = m
                     writer.write(done, m)
@@ -420,11 +430,13 @@ class Trainer:
                 self._checkpointer.wait()  # an in-flight save completes before we return
         wall = time.perf_counter() - t_start
         steady_steps = total - start - 1
-        steady = (time.perf_counter() - t_after_first) if t_after_first else 0.0
+        steady = (time.perf_counter() - t_after_first - (aside - aside_first)) \
+            if t_after_first else 0.0
         tps = self.tokens_per_step * steady_steps / steady if steady_steps > 0 and steady else 0.0
         summary = {
             "steps": total, "first_loss": first_loss,
             "final_loss": last["loss"] if last else None,
+            "eval_loss": last_eval,
             "tokens_per_s": tps,
             "mfu": self.flops_per_step * steady_steps / steady / self.topology.peak_flops
             if tps else 0.0,
@@ -464,6 +476,8 @@ def format_summary(s: dict[str, Any]) -> str:
     rows = [
         ("steps", str(s["steps"])),
         ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}"),
+        *([("eval loss", f"{s['eval_loss']:.4f} (held-out documents)")]
+          if s.get("eval_loss") is not None else []),
         ("tokens/s", f"{s['tokens_per_s']:,.0f} (after the first step)"),
         ("MFU", f"{s['mfu']:.2%} of the topology's peak"),
         ("compile + first step", f"{num(s['compile_and_first_step_s'], '.1f')} s"),

@@ -5,8 +5,10 @@ all-reduces, all-to-alls and collective-permutes of the optimized HLO. Each repl
 mapped back to the mesh axes along which its devices differ (partition i is
 `mesh.devices.flat[i]`, the order jit assigns devices in), and each op is multiplied by the trip
 counts of the while loops around it, so a reduction inside the micro-batch loop shows up with
-`count == microbatches` and `loop_depth >= 1`. This is what the ZeRO audit compares with the
-cost model (parallel/zero.py `expected_collectives`), and what `scripts/bench_zero.py` sums.
+`count == microbatches` and `loop_depth >= 1`; one inside a branch of a conditional (the
+pipeline's B branch of its tick loop) is marked `conditional`, its count an upper bound. This
+is what the ZeRO audit compares with the cost model (parallel/zero.py `expected_collectives`),
+and what `scripts/bench_zero.py` sums.
 
 Bytes are the collective's full buffer V as cost models count it: the all-gather's result, the
 reduce-scatter's operand, the all-reduce's buffer. `traffic` converts V to bytes each device
@@ -22,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,6 +38,7 @@ _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (" + "|".join(KINDS) +
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PREDICATED = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -48,6 +51,9 @@ class Collective:
     count: int  # executions per call of the program
     loop_depth: int  # enclosing while loops (0: straight-line code)
     scalar: bool = False  # only rank-0 arrays (a loss, a norm): latency, not bandwidth
+    # Inside a branch of a conditional: `count` is the most it can run (the pipeline's tick
+    # loop runs its B branch on M of its ticks).
+    conditional: bool = False
 
     @property
     def traffic(self) -> float:
@@ -137,25 +143,29 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, tuple[int, int]]:
-    """(executions per call, loop depth) of every computation reachable from the entry."""
-    seen = {entry: (1, 0)}
+def _executions(comps: dict[str, list[str]],
+                entry: str) -> dict[str, tuple[int, int, bool]]:
+    """(executions per call, loop depth, inside a conditional's branch) of every computation
+    reachable from the entry."""
+    seen = {entry: (1, 0, False)}
     stack = [entry]
     while stack:
         name = stack.pop()
-        count, depth = seen[name]
+        count, depth, branch = seen[name]
         for line in comps.get(name, ()):
             trip = _TRIP.search(line)
             callees = [(k, c) for k, c in _CALLEE.findall(line)]
             for b in _BRANCHES.findall(line):
                 callees += [("branch", c.strip().lstrip("%")) for c in b.split(",")]
+            callees += [("branch", c) for c in _PREDICATED.findall(line)]
             for key, callee in callees:
                 if callee in seen or callee not in comps:
                     continue
                 if key == "body":
-                    seen[callee] = (count * (int(trip.group(1)) if trip else 1), depth + 1)
+                    seen[callee] = (count * (int(trip.group(1)) if trip else 1), depth + 1,
+                                    branch)
                 else:
-                    seen[callee] = (count, depth)
+                    seen[callee] = (count, depth, branch or key == "branch")
                 stack.append(callee)
     return seen
 
@@ -169,7 +179,7 @@ def collectives(hlo: str, axis_sizes) -> list[Collective]:
     comps, entry = _computations(hlo)
     runs = _executions(comps, entry)
     out = []
-    for name, (count, depth) in runs.items():
+    for name, (count, depth, branch) in runs.items():
         for line in comps[name]:
             m = _OP.match(line)
             if not m or m.group(2) == "while":
@@ -183,8 +193,18 @@ def collectives(hlo: str, axis_sizes) -> list[Collective]:
                 sizes = [max(sizes)]
             nbytes = sum(sizes) * (size if kind == "reduce-scatter" else 1)
             out.append(Collective(kind, _axes_of(groups, axis_sizes), size, nbytes, count,
-                                  depth, scalar))
+                                  depth, scalar, branch))
     return out
+
+
+def with_branch_runs(ops: list[Collective], trips: int, runs: int,
+                     axes) -> list[Collective]:
+    """`ops` with each collective over `axes` that sits in a conditional's branch inside a loop
+    of `trips` iterations counted as running `runs` times per loop instead, for a caller that
+    knows how often the branch is taken (the pipeline's B branch: once per micro-batch of its
+    tick loop on every stage)."""
+    return [replace(c, count=c.count // trips * runs)
+            if c.conditional and c.loop_depth and set(c.axes) <= set(axes) else c for c in ops]
 
 
 def _tuple_types(type_text: str) -> list[str]:
@@ -230,4 +250,5 @@ def totals(ops: list[Collective], axes=None) -> dict[tuple[str, tuple[str, ...]]
     return dict(out)
 
 
-__all__ = ["Collective", "KINDS", "collectives", "totals", "array_bytes", "loop_carry"]
+__all__ = ["Collective", "KINDS", "collectives", "with_branch_runs", "totals", "array_bytes",
+           "loop_carry"]

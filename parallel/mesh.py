@@ -3,7 +3,8 @@
 Axes run slowest first. The data-parallel devices of a stage are factored into three sub-axes
 for ZeRO sharding (AMSP): 'dp' (replicas), 'dp_os' and 'dp_p', with sizes
 dp / s_os, s_os / s_p and s_p. Parameters shard over 'dp_p', optimizer states over
-('dp_os', 'dp_p'), so every optimizer-state shard lies inside its device's parameter shard.
+('dp_p', 'dp_os') -- 'dp_p' major -- so every optimizer-state shard lies inside its device's
+parameter shard (parallel/zero.py).
 Anything that means "all data-parallel devices" uses `DP_AXES`. With plain data parallelism
 the two sub-axes have size 1.
 

@@ -21,6 +21,11 @@ logical constraints). At every tick each stage does what its column of the progr
   others from the output gradient waiting in their inbox; then layers n_s - 1 .. 0 each
   recompute their forward from the stashed input under `jax.vjp` and pull the gradient back,
   accumulating parameter gradients; stage 0 ends with the embedding's pullback.
+Every F and B is vmapped over a leading per-device dimension (`zero.per_device`): the batch
+is split [dp, b / dp, ...] and a B yields each data-parallel device's own partial gradients,
+which the ZeRO kernels (parallel/zero.py, nested shard_maps manual over every axis but 'pp')
+reduce-scatter into the G accumulator after each B and reduce across replicas to OS shards
+once, after the tick loop. Parameters are gathered from their P shards before the shard_map.
 Then outputs move with two `ppermute`s (activations s -> s + 1, gradients s -> s - 1), skipped
 on ticks where no stage sends. This is full activation recomputation at layer granularity:
 between its F and B a micro-batch keeps max_layers + 1 activations [b, S, d] on its stage,
@@ -30,8 +35,9 @@ forwards (F, then recompute plus the two of the backward in B). The stash has th
 under pp > 1: every layer is recomputed anyway.
 
 Shared parameters. The embedding is used by stage 0 (lookup) and, tied, by the last stage
-(logits); final norm and output projection by the last stage. Their gradient contributions are
-summed over the stages by passing them around the ring of stages with `ppermute`, so
+(logits); final norm and output projection by the last stage. Their gradient contributions,
+reduced inside each stage to OS shards first, are summed over the stages by passing them
+around the ring of stages with `ppermute`, so
 the only collectives between stages (clusters) are point-to-point. Every non-zero contribution
 comes from stage 0 or the last stage and the others add exact zeros, so every stage ends with
 bit-identical sums and the replicas stay identical. The loss is summed the same way.
@@ -39,6 +45,7 @@ bit-identical sums and the replicas stay identical. The loss is summed the same 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -52,6 +59,8 @@ from hetjax.errors import PlanError
 from hetjax.plan import Plan
 from layers import ModelConfig, Transformer, block_apply
 from parallel import schedules as sch
+from parallel import sharding as shd
+from parallel import zero
 
 STAGE_AXIS = "stage"  # logical name of the leading axis of stage-stacked leaves ('pp')
 
@@ -253,8 +262,13 @@ class Pipeline:
         return onehot_cross_entropy(logits, targets)
 
     # --- the tick loop -------------------------------------------------------------------------
-    def _stage_program(self, blocks, shared, inputs, targets):
-        """Body of the shard_map: one stage's whole step. blocks: this stage's [1, L, ...]."""
+    def _stage_program(self, zs, blocks, shared, inputs, targets):
+        """Body of the shard_map: one stage's whole step.
+
+        blocks: this stage's gathered [1, L, ...]; shared: gathered embedding / head; inputs,
+        targets: [M, dp, b / dp, S], data-parallel device i's rows at index i; zs: the ZeRO
+        specs of one stage (`ZeroSpecs.in_stage`). Returns the mean loss and the gradients in
+        the OS spec (blocks [1, L, ...]), reduced over the stage's data-parallel devices."""
         pp, prog, m_total = self.plan.pp, self.program, self.plan.microbatches
         stage = jax.lax.axis_index("pp")
         first, last = stage == 0, stage == pp - 1
@@ -266,58 +280,83 @@ class Pipeline:
         columns["send_x"] = jnp.asarray(prog.sends_activation)
         columns["send_dy"] = jnp.asarray(prog.sends_gradient)
 
-        act = (*inputs.shape[1:], self.cfg.d_model)
+        # Every value of a micro-batch is per data-parallel device: activations [dp, b / dp, S,
+        # d], and parameter gradients [dp, ...] partial sums (zero.per_device), which only the
+        # ZeRO kernels reduce -- G-group reduce-scatter after each B, the rest after the loop.
+        n_dp = inputs.shape[1]
+        act = (n_dp, *inputs.shape[2:], self.cfg.d_model)
         dtype = jnp.dtype(self.cfg.dtype)
-        zero_act = jnp.zeros(act, dtype)
-        zero_shared = jax.tree.map(jnp.zeros_like, shared)
-        names = ("batch", "length", "embed")
+        act_names = (shd.DEVICE, "batch", "length", "embed")
+        kept_names = (shd.DEVICE, None, "batch", "length", "embed")
+        zero_act = self._buffer(act, dtype, act_names)
+        zero_shared = jax.tree.map(lambda a: jnp.zeros((n_dp, *a.shape), a.dtype), shared)
+        # With s_g = 1 the accumulator holds each device's own partial sums [dp, ...], so a B
+        # adds its layer gradients into it in place; otherwise a B's gradients start from zero
+        # (mapped to [dp, ...] by the vmap) and are reduce-scattered into it.
+        in_place = not zs.axes.g
+        zero_blocks = jax.tree.map(jnp.zeros_like, blocks)
 
-        def read(buf, slot):  # cond branches must agree on sharding, so pin what is read
-            return nn.with_logical_constraint(buf[slot], (None,) * (buf.ndim - 4) + names)
+        embed = zero.per_device(self._embed, (None, 0))
+        forward = zero.per_device(self.layers_forward, (None, 0, None, 0))
+        backward = zero.per_device(self.layers_backward,
+                                   (None, 0, 0, None, 0 if in_place else None))
+        embed_pullback = zero.per_device(
+            lambda sh, tokens, dx: jax.vjp(lambda s: self._embed(s, tokens), sh)[1](dx)[0],
+            (None, 0, 0))
+
+        def head(sh, kept, tgt):  # the last stage's B starts from the loss of its rows
+            loss, pullback = jax.vjp(lambda s, y: self._head_loss(s, y, tgt), sh, kept[n_layers])
+            g_head, dy = pullback(jnp.float32(1.0))
+            return loss, dy, g_head
+
+        head = zero.per_device(head, (None, 0, 0))
+
+        def read(buf, slot, names):  # cond branches must agree on sharding, so pin what is read
+            return nn.with_logical_constraint(buf[slot], names)
 
         # One extra scratch slot each; a stash slot holds every layer input and the output.
-        x_inbox = self._buffer((prog.x_slots + 1, *act), dtype, (None, *names))
-        dy_inbox = self._buffer((prog.dy_slots + 1, *act), dtype, (None, *names))
-        stash = self._buffer((prog.stash_slots + 1, self.plan.max_stage_layers + 1, *act),
-                             dtype, (None, None, *names))
+        x_inbox = self._buffer((prog.x_slots + 1, *act), dtype, (None, *act_names))
+        dy_inbox = self._buffer((prog.dy_slots + 1, *act), dtype, (None, *act_names))
+        stash = self._buffer((prog.stash_slots + 1, n_dp, self.plan.max_stage_layers + 1,
+                              *act[1:]), dtype, (None, *kept_names))
         forward_pairs = [(s, s + 1) for s in range(pp - 1)]
         backward_pairs = [(s + 1, s) for s in range(pp - 1)]
 
         def tick(carry, c):
-            x_inbox, dy_inbox, stash, g_blocks, g_shared, loss_sum = carry
+            x_inbox, dy_inbox, stash, acc, losses = carry
             tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
             # Only one stash slot goes through the switch (the whole stash would be copied).
-            kept = read(stash, c["stash_slot"])
+            kept = read(stash, c["stash_slot"], kept_names)
 
             def idle():
-                return zero_act, zero_act, kept, g_blocks, g_shared, loss_sum
+                return zero_act, zero_act, kept, acc, losses
 
-            def forward():
-                x = jax.lax.cond(first, lambda: self._embed(shared, tokens),
-                                 lambda: read(x_inbox, c["x_slot"]))
-                y, kept_new = self.layers_forward(blocks, x, n_layers, kept)
-                return y, zero_act, kept_new, g_blocks, g_shared, loss_sum
+            def forward_tick():
+                x = jax.lax.cond(first, lambda: embed(shared, tokens),
+                                 lambda: read(x_inbox, c["x_slot"], act_names))
+                y, kept_new = forward(blocks, x, n_layers, kept)
+                return y, zero_act, kept_new, acc, losses
 
-            def backward():
-                def from_loss():  # the last stage: this micro-batch's loss / M
-                    loss, pullback = jax.vjp(lambda sh, y: self._head_loss(sh, y, tgt),
-                                             shared, kept[n_layers])
-                    g_head, dy = pullback(jnp.float32(1.0 / m_total))
-                    return loss, dy, g_head
+            def backward_tick():
+                loss, dy, g_head = jax.lax.cond(
+                    last, lambda: head(shared, kept, tgt),
+                    lambda: (jnp.zeros((n_dp,), jnp.float32),
+                             read(dy_inbox, c["dy_slot"], act_names), zero_shared))
+                acc_shared, acc_blocks = split_shared(acc)
+                dx, g_blocks = backward(blocks, kept, dy, n_layers,
+                                        acc_blocks if in_place else zero_blocks)
+                g_embed = jax.lax.cond(first, lambda: embed_pullback(shared, tokens, dx),
+                                       lambda: zero_shared)
+                g_shared = jax.tree.map(jnp.add, g_head, g_embed)
+                if in_place:
+                    acc_new = join_shared(jax.tree.map(jnp.add, acc_shared, g_shared), g_blocks)
+                else:
+                    acc_new = jax.tree.map(jnp.add, acc, zero.scatter_grads(
+                        join_shared(g_shared, g_blocks), zs, self.mesh))
+                return zero_act, dx, kept, acc_new, losses + loss
 
-                def from_next_stage():
-                    return jnp.zeros((), jnp.float32), read(dy_inbox, c["dy_slot"]), zero_shared
-
-                loss, dy, g_head = jax.lax.cond(last, from_loss, from_next_stage)
-                dx, g_blocks_new = self.layers_backward(blocks, kept, dy, n_layers, g_blocks)
-                g_embed = jax.lax.cond(
-                    first, lambda: jax.vjp(lambda sh: self._embed(sh, tokens), shared)[1](dx)[0],
-                    lambda: zero_shared)
-                g_shared_new = jax.tree.map(lambda g, h, e: g + h + e, g_shared, g_head, g_embed)
-                return zero_act, dx, kept, g_blocks_new, g_shared_new, loss_sum + loss
-
-            y, dx, kept, g_blocks, g_shared, loss_sum = jax.lax.switch(
-                c["action"], [idle, forward, backward])
+            y, dx, kept, acc, losses = jax.lax.switch(
+                c["action"], [idle, forward_tick, backward_tick])
             written = jnp.where(c["action"] == sch.FORWARD, c["stash_slot"], prog.stash_slots)
             stash = stash.at[written].set(kept)
             # The send flags are the same on every stage, so all take the same branch.
@@ -328,32 +367,52 @@ class Pipeline:
                                    lambda: zero_act)
             x_inbox = x_inbox.at[c["x_recv_slot"]].set(x_recv)
             dy_inbox = dy_inbox.at[c["dy_recv_slot"]].set(dy_recv)
-            return (x_inbox, dy_inbox, stash, g_blocks, g_shared, loss_sum), None
+            return (x_inbox, dy_inbox, stash, acc, losses), None
 
-        carry = (x_inbox, dy_inbox, stash, jax.tree.map(jnp.zeros_like, blocks), zero_shared,
-                 jnp.zeros((), jnp.float32))
-        (*_, g_blocks, g_shared, loss_sum), _ = jax.lax.scan(tick, carry, columns)
-        loss = ring_sum(loss_sum / m_total, pp)
-        g_shared = ring_sum(g_shared, pp)
+        like = join_shared(shared, blocks)
+        losses = nn.with_logical_constraint(jnp.zeros((n_dp,), jnp.float32), (shd.DEVICE,))
+        carry = (x_inbox, dy_inbox, stash, zero.new_accumulator(like, zs, self.mesh), losses)
+        (*_, acc, losses), _ = jax.lax.scan(tick, carry, columns)
+        # Once per step, in the stage: reduce over its data-parallel devices to OS shards ...
+        grads, loss = zero.finish_grads(acc, losses, zs, self.mesh, 1.0 / (m_total * n_dp))
+        g_shared, g_blocks = split_shared(grads)
+        # ... then sum the shared parameters' OS shards and the loss around the ring of stages.
+        loss, g_shared = ring_sum((loss, g_shared), pp)
         return loss, jax.tree.map(lambda g: g[None], g_blocks), g_shared
 
     def _buffer(self, shape, dtype, names):
         return nn.with_logical_constraint(jnp.zeros(shape, dtype), names)
 
-    def loss_and_grads(self, params, batch) -> tuple[jax.Array, Any]:
+    def loss_and_grads(self, params, batch, zs: zero.ZeroSpecs) -> tuple[jax.Array, Any]:
         """Mean loss over all micro-batches and its gradients, both layouts stage-stacked.
 
-        params: stage-stacked; batch: {'inputs', 'targets'} of [M, B / M, S] over dp."""
-        shared = {k: v for k, v in params.items() if k != "layers"}
+        params: stage-stacked, in the P spec of `zs`; batch: {'inputs', 'targets'} of
+        [M, B / M, S] over dp. The gradients come back in the OS spec, reduced across the
+        data-parallel replicas once, after the tick loop (zero.finish_grads)."""
+        # before the loop, once per step
+        shared, blocks = split_shared(zero.gather_params(params, zs, self.mesh))
+        n = zero.dp_size(self.mesh)
+        inputs, targets = (zero.split_devices(batch[k], n, axis=1) for k in ("inputs", "targets"))
         # check_vma=False: the body derives its gradients with explicit vjps and sums the
         # replicated ones itself (ring_sum), so no implicit psum over 'pp' may be inserted
         # and outputs declared P() are replicated by construction.
-        run = jax.shard_map(self._stage_program, mesh=self.mesh,
-                            in_specs=(P("pp"), P(), P(), P()), out_specs=(P(), P("pp"), P()),
-                            axis_names={"pp"}, check_vma=False)
-        loss, g_blocks, g_shared = run(params["layers"]["block"], shared, batch["inputs"],
-                                       batch["targets"])
-        return loss, {**g_shared, "layers": {"block": g_blocks}}
+        run = jax.shard_map(functools.partial(self._stage_program, zs.in_stage()),
+                            mesh=self.mesh, in_specs=(P("pp"), P(), P(), P()),
+                            out_specs=(P(), P("pp"), P()), axis_names={"pp"}, check_vma=False)
+        with nn.logical_axis_rules(shd.per_device_rules(nn.get_logical_axis_rules())):
+            loss, g_blocks, g_shared = run(blocks, shared, inputs, targets)
+        return loss, join_shared(g_shared, g_blocks)
+
+
+def split_shared(tree) -> tuple[dict, Any]:
+    """A parameter-shaped tree -> (its unstacked part: embedding, final norm, head; its
+    `layers/block` leaves)."""
+    return {k: v for k, v in tree.items() if k != "layers"}, tree["layers"]["block"]
+
+
+def join_shared(shared: dict, blocks):
+    """The inverse of `split_shared`."""
+    return {**shared, "layers": {"block": blocks}}
 
 
 def onehot_cross_entropy(logits, targets):

@@ -155,15 +155,36 @@ def tick_table(schedule: Schedule) -> list[list[Action | None]]:
     return table
 
 
-def lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float]) -> float:
-    """Step time of the tick grid when every tick lasts as long as its slowest stage, which is
-    how one SPMD program runs it: the sends after each tick couple neighbouring stages.
+def tick_codes(table: list[list[Action | None]]) -> np.ndarray:
+    """A tick grid as codes [ticks, stages]: 0 idle, 1 forward, 2 backward."""
+    return np.array([[0 if a is None else 1 if a.kind == "F" else 2 for a in row]
+                     for row in table], dtype=np.int8)
+
+
+def lockstep_ticks(codes: np.ndarray, fwd: Sequence[float], bwd: Sequence[float],
+                   send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = ()) -> np.ndarray:
+    """Duration of each tick of a grid (`tick_codes`) run in lockstep, which is how one SPMD
+    program runs it (the sends after each tick couple neighbouring stages): the tick's slowest
+    action, then the slowest activation sent forward and the slowest gradient sent back.
 
     Equals `timeline` for GPipe with equal stages (all stages do the same kind of action in a
     tick); 1F1B's steady state pairs an F on one stage with a B on the next, so its ticks cost
     max(F, B) each. Keeping 1F1B's memory bound, no denser grid avoids this."""
-    return sum(max((fwd[s] if a.kind == "F" else bwd[s]) for s, a in enumerate(row) if a)
-               for row in tick_table(schedule))
+    S = codes.shape[1]
+    f, b = np.asarray(fwd, float), np.asarray(bwd, float)
+    ahead, back = np.zeros(S), np.zeros(S)
+    ahead[:S - 1] = list(send_fwd) or 0.0  # stage s sends its output across boundary s
+    back[1:] = list(send_bwd) or 0.0  # stage s sends its input gradient across boundary s - 1
+    compute = np.where(codes == 1, f, np.where(codes == 2, b, 0.0)).max(axis=1)
+    return (compute + np.where(codes == 1, ahead, 0.0).max(axis=1)
+            + np.where(codes == 2, back, 0.0).max(axis=1))
+
+
+def lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
+                  send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = ()) -> float:
+    """Step time of the schedule's tick grid run in lockstep (see `lockstep_ticks`)."""
+    codes = tick_codes(tick_table(schedule))
+    return float(lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd).sum())
 
 
 @dataclass(frozen=True)

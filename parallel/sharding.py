@@ -67,3 +67,14 @@ def without_axes(rules, axes):
         kept = tuple(a for a in _names(target) if a not in axes)
         out.append((name, kept if len(kept) > 1 else (kept[0] if kept else None)))
     return tuple(out)
+
+
+# Logical name of a leading per-device dimension: index i holds data-parallel device i's own
+# slice (parallel/zero.py per_device), so it is split over all data-parallel axes.
+DEVICE = "device"
+
+
+def per_device_rules(rules):
+    """Rules for code that holds the batch as [dp, b / dp, ...]: the data-parallel axes move
+    from 'batch' (now each device's own rows) to the leading DEVICE dimension."""
+    return without_axes(rules, DP_AXES) + ((DEVICE, DP_AXES),)

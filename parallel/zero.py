@@ -28,17 +28,18 @@ the whole idea, from config to compiled step:
 from __future__ import annotations
 
 import math
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from hetjax.config import check_zero_order
 from hetjax.errors import ConfigError
+from hetjax.planner import zero as planner_zero
 from hetjax.plan import Plan, ZeroFactors
 from hetjax.topology import Topology
 from parallel import sharding as shd
@@ -52,43 +53,27 @@ STACKED = ("layers", "stage")
 
 
 # --- factors -------------------------------------------------------------------------------------
-def _node_of_replicas(plan: Plan, topology: Topology) -> list[list[int]]:
-    """For each data-parallel group of the plan, the node of each of its dp members."""
-    return [[topology.devices[r].global_node for r in g] for g in plan.dp_groups()]
+def _replica_nodes(plan: Plan, topology: Topology) -> np.ndarray:
+    """[groups, dp]: the node of each member of each of the plan's data-parallel groups."""
+    return np.array([[topology.devices[r].global_node for r in g] for g in plan.dp_groups()])
 
 
-def _fills_nodes(nodes: list[list[int]], s: int) -> bool:
-    """Every block of s consecutive members lies inside one node or holds whole nodes."""
-    for group in nodes:
-        per_node = Counter(group)
-        for start in range(0, len(group), s):
-            block = Counter(group[start:start + s])
-            if len(block) > 1 and any(per_node[n] != k for n, k in block.items()):
-                return False
-    return True
-
-
+# The factor rules are the planner's (jax-free, so the planner can enumerate them too).
 def valid_factors(plan: Plan, topology: Topology) -> list[int]:
     """The sharding factors the plan's placement allows: divisors of dp whose groups are node
     local or whole nodes (AMSP: fill a node before spanning nodes)."""
-    nodes = _node_of_replicas(plan, topology)
-    return [s for s in range(1, plan.dp + 1) if plan.dp % s == 0 and _fills_nodes(nodes, s)]
+    return planner_zero.valid_factors(_replica_nodes(plan, topology))
 
 
 def node_local_factor(plan: Plan, topology: Topology) -> int:
     """The data-parallel devices inside one node (MiCS' group): the largest valid factor whose
     groups all lie inside single nodes. 1 when a replica fills a node (tp >= devices/node)."""
-    nodes = _node_of_replicas(plan, topology)
-    local = [s for s in valid_factors(plan, topology)
-             if all(len(set(g[i:i + s])) == 1 for g in nodes for i in range(0, len(g), s))]
-    return max(local)
+    return planner_zero.node_local_factor(_replica_nodes(plan, topology))
 
 
 def preset_factors(name: str, dp: int, node_local: int) -> ZeroFactors:
     """The point (s_p, s_g, s_os) of a named system for `dp` data-parallel devices."""
-    points = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp),
-              "zero3": (dp, dp, dp), "mics": (node_local,) * 3}
-    return ZeroFactors(*points[name], name=name)
+    return planner_zero.named(name, dp, node_local)
 
 
 def check_factors(z: ZeroFactors, plan: Plan, topology: Topology) -> None:
@@ -106,11 +91,9 @@ def check_factors(z: ZeroFactors, plan: Plan, topology: Topology) -> None:
 
 def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
     """The ZeroFactors the `zero` config section asks for on this plan, checked."""
-    if zc.preset == "auto":
-        raise ConfigError("zero.preset", "'auto' asks the planner's AMSP solver, which this "
-                          "build does not include yet",
-                          f"choose one of {', '.join(PRESETS)}, or 'custom' with "
-                          "zero.s_p / s_g / s_os")
+    if zc.preset == "auto":  # plan_from_config asks the planner for these
+        raise ConfigError("zero.preset", "'auto' is chosen by the planner (plan_from_config), "
+                          "not here", "build the plan with hetjax.plan.plan_from_config")
     if zc.preset == "custom":
         z = ZeroFactors(zc.s_p, zc.s_g, zc.s_os, name="custom")
     else:
@@ -163,6 +146,21 @@ class ZeroSpecs:
     os: Any
     dims: Any
     unsharded: tuple[Unsharded, ...] = field(default=())
+
+    def in_stage(self) -> "ZeroSpecs":
+        """The specs as the pipeline's shard_map, manual over 'pp', sees them: a stage-stacked
+        leaf [pp, L, ...] is one stage's [L, ...] there, so its specs lose their leading 'pp'
+        and its split dimension moves down by one. Other leaves are unchanged."""
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        stacked = jax.tree.map(lambda s: tuple(s)[:1] == ("pp",), self.base, is_leaf=is_spec)
+
+        def drop(specs):
+            return jax.tree.map(lambda s, k: P(*tuple(s)[1:]) if k else s, specs, stacked,
+                                is_leaf=is_spec)
+
+        return replace(self, base=drop(self.base), p=drop(self.p), g=drop(self.g),
+                       os=drop(self.os), dims=jax.tree.map(
+                           lambda d, k: d - 1 if k and d >= 0 else d, self.dims, stacked))
 
     def describe(self) -> str:
         z, a = self.factors, self.axes
@@ -261,9 +259,13 @@ def split_bytes(abstract_params, zs: ZeroSpecs, mesh) -> tuple[int, int]:
 # mesh axes: a partially manual shard_map would re-lay-out the automatic axes (replicate tp) at
 # its boundary. To keep a micro-batch's gradient as per-device partial sums without shard_map
 # around the model, each data-parallel device's slice of the micro-batch is one index of a
-# leading dimension sharded over DP_AXES (vmap with spmd_axis_name): its gradient is then
-# [dp, ...] with device i holding its own partial sum, and nothing is reduced until a
-# collective below says so.
+# leading dimension sharded over DP_AXES (`per_device`, a vmap with spmd_axis_name): its
+# gradient is then [dp, ...] with device i holding its own partial sum, and nothing is reduced
+# until a collective below says so.
+#
+# The same kernels run inside the pipeline's shard_map, which is manual over 'pp'
+# (parallel/pipeline.py): there they are nested shard_maps manual over every other axis, on the
+# specs of one stage (`ZeroSpecs.in_stage`).
 def _lead(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
@@ -280,9 +282,45 @@ def _acc_replicas(zs: ZeroSpecs, dim: int) -> tuple[str, ...]:
 
 
 def _manual(f, mesh, in_specs, out_specs):
+    """`f` in a shard_map manual over every mesh axis not already manual in the context (all of
+    them at top level; all but 'pp' inside the pipeline, where the context's abstract mesh
+    must be used)."""
+    context = jax.sharding.get_abstract_mesh()
+    outer = set(context.manual_axes) if not context.empty else set()
     # check_vma=False: the kernels' outputs are equal across the axes their specs leave out
     # (gathered or summed there), which the varying-axes check cannot see through all_gather.
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(f, mesh=context if outer else mesh, in_specs=in_specs,
+                         out_specs=out_specs, axis_names=set(mesh.axis_names) - outer,
+                         check_vma=False)
+
+
+def dp_size(mesh) -> int:
+    """Data-parallel devices of a stage: the product of DP_AXES."""
+    return math.prod(mesh.shape[a] for a in DP_AXES)
+
+
+def split_devices(x, n: int, axis: int = 0):
+    """[..., b, ...] -> [..., n, b / n, ...] at `axis`: data-parallel device i's rows (the
+    batch is split over DP_AXES) at index i of the new dimension."""
+    return x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:])
+
+
+def per_device(f: Callable, in_axes) -> Callable:
+    """`f` on one data-parallel device's slice, mapped over a leading [dp] dimension placed on
+    DP_AXES: gradients of unmapped parameters come out per device ([dp, ...] partial sums).
+    Trace it under `sharding.per_device_rules`, where 'batch' is a device's own rows."""
+    return jax.vmap(f, in_axes=in_axes, spmd_axis_name=DP_AXES)
+
+
+def new_accumulator(like, zs: ZeroSpecs, mesh):
+    """Zeros in the G accumulator's layout for gradients shaped like `like`: [r, ...] with the
+    leading dimension over the data-parallel axes whose partial sums it still keeps apart (all
+    of them for an unsplit parameter) and the rest G-sharded. Needs the mesh in context."""
+    acc = jax.tree.map(lambda a, d: jnp.zeros(
+        (math.prod(mesh.shape[x] for x in _acc_replicas(zs, d)), *a.shape), a.dtype), like,
+        zs.dims)
+    return jax.lax.with_sharding_constraint(
+        acc, _leading(zs.g, zs, lambda d: _acc_replicas(zs, d)))
 
 
 def gather_params(params, zs: ZeroSpecs, mesh):
@@ -296,6 +334,7 @@ def gather_params(params, zs: ZeroSpecs, mesh):
 def scatter_grads(grads, zs: ZeroSpecs, mesh):
     """One micro-batch's per-device gradients [dp, ...] -> their G shards: reduce-scatter
     inside the G group. The result [dp / s_g, ...] still holds partial sums across replicas."""
+    grads = jax.lax.with_sharding_constraint(grads, _leading(zs.base, zs, lambda d: DP_AXES))
     if not zs.axes.g:
         return grads
     return _manual(lambda gs: jax.tree.map(lambda g, d: g if d < 0 else jax.lax.psum_scatter(
@@ -307,7 +346,8 @@ def scatter_grads(grads, zs: ZeroSpecs, mesh):
 def finish_grads(acc, losses, zs: ZeroSpecs, mesh, scale: float):
     """After the micro-batch loop, once per step: G shards -> OS shards (reduce-scatter over
     the OS axes G does not cover), then the sum across replicas (all-reduce); parameters
-    that are not split are summed over all data-parallel devices. Also sums the losses."""
+    that are not split are summed over all data-parallel devices. Also sums the per-device
+    losses [dp]. Both are multiplied by `scale`."""
     extra = tuple(a for a in zs.axes.os if a not in zs.axes.g)
 
     def finish(g, d):
@@ -326,37 +366,26 @@ def finish_grads(acc, losses, zs: ZeroSpecs, mesh, scale: float):
 
 
 def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, rules):
-    """Mean loss and gradients over the micro-batches of `batch` ([M, b, S] arrays).
+    """Mean loss and gradients over the micro-batches of `batch` ([M, b, S] arrays), pp = 1.
 
     `params` are in the P spec; `grad_fn(params, inputs, targets) -> (loss, grads)` is the
     value-and-grad of one micro-batch slice on full parameters. Gathers P once, reduce-scatters
     each micro-batch's gradient into a G-sharded accumulator, and reduces across replicas once,
-    after the loop. Returns the loss and the gradients in the OS spec."""
-    n = math.prod(mesh.shape[a] for a in DP_AXES)
-    m = batch["inputs"].shape[0]
+    after the loop. Returns the loss and the gradients in the OS spec. Trace it with `mesh`
+    in context."""
+    n, m = dp_size(mesh), batch["inputs"].shape[0]
     full = gather_params(params, zs, mesh)
-    vgrad = jax.vmap(grad_fn, in_axes=(None, 0, 0), spmd_axis_name=DP_AXES)
-    local_rules = shd.without_axes(rules, DP_AXES)  # the vmapped dimension holds DP_AXES
-    per_device = shd.named(mesh, _leading(zs.base, zs, lambda d: DP_AXES))
-    acc_sharding = shd.named(mesh, _leading(zs.g, zs, lambda d: _acc_replicas(zs, d)))
-
-    def split(x):  # [b, S] -> [dp, b / dp, S], device i's rows at index i
-        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    vgrad = per_device(grad_fn, (None, 0, 0))
 
     def body(carry, mb):
         losses, acc = carry
-        with nn.logical_axis_rules(local_rules):
-            loss, grads = vgrad(full, split(mb["inputs"]), split(mb["targets"]))
-        grads = scatter_grads(jax.lax.with_sharding_constraint(grads, per_device), zs, mesh)
-        return (losses + loss, jax.tree.map(jnp.add, acc, grads)), None
+        with nn.logical_axis_rules(shd.per_device_rules(rules)):
+            loss, grads = vgrad(full, split_devices(mb["inputs"], n),
+                                split_devices(mb["targets"], n))
+        return (losses + loss, jax.tree.map(jnp.add, acc, scatter_grads(grads, zs, mesh))), None
 
-    acc = jax.tree.map(lambda a, d: jnp.zeros(
-        (math.prod(mesh.shape[x] for x in _acc_replicas(zs, d)), *a.shape), a.dtype),
-        full, zs.dims)
-    losses = jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32),
-                                              NamedSharding(mesh, P(DP_AXES)))
-    (losses, acc), _ = jax.lax.scan(
-        body, (losses, jax.lax.with_sharding_constraint(acc, acc_sharding)), batch)
+    losses = jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), P(DP_AXES))
+    (losses, acc), _ = jax.lax.scan(body, (losses, new_accumulator(full, zs, mesh)), batch)
     # Each device's loss and gradient are means over its own slice of the micro-batch.
     grads, loss = finish_grads(acc, losses, zs, mesh, 1.0 / (m * n))
     return loss, grads

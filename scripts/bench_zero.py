@@ -5,6 +5,11 @@ on 1,024 abstract devices (nothing allocated).
     python scripts/bench_zero.py                 # default model, 8 devices, all points
     python scripts/bench_zero.py --steps 10 --config.model.d_model=256
 
+    python scripts/bench_zero.py --pp 2 --skip-7b  # only the pp = 2 points
+
+The pp = 2 rows run ZeRO inside each pipeline stage (docs/zero.md): bytes are a stage's, and
+"in the loop" is the tick loop's B branch, counted once per micro-batch.
+
 Bytes are per device as hetjax stores them (fp32 parameters, fp32 gradient accumulator, fp32
 Adam mu and nu), and in bytes per model parameter (Φ = parameter count; tp splits too). P and
 OS are read from the state's shards, G from the G spec (tests/test_zero.py reads it from the
@@ -42,6 +47,23 @@ POINTS = [  # (label, config overrides)
 ]
 
 
+# pp = 2: ZeRO inside each stage. Holmes' layout (one stage per cluster of 2 nodes x 2
+# devices, dp = 2 in a cluster, tp = 2 in a node, default model's 4 layers split 3 / 1), and
+# dp = 4 with tp = 1 on cpu_hybrid for a point with both ZeRO sub-axes of size 2.
+HOLMES = {"topology.preset": "holmes_hybrid", "topology.nodes": 2,
+          "topology.devices_per_node": 2, "parallel.pp": 2, "parallel.dp": 2,
+          "parallel.tp": 2, "pipeline.stage_layers": (3, 1)}
+PP_POINTS = [(label, {**HOLMES, **point}) for label, point in POINTS[:4]] + [
+    ("custom, dp=4 tp=1", {"parallel.pp": 2, "parallel.dp": 4, "pipeline.stage_layers": (3, 1),
+                           "zero.preset": "custom", "zero.s_p": 2, "zero.s_g": 2,
+                           "zero.s_os": 4}),
+]
+
+
+def _flag(v) -> str:
+    return f"[{','.join(map(str, v))}]" if isinstance(v, tuple) else str(v)
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.3f}"
 
@@ -59,6 +81,9 @@ def bench_point(config, steps: int) -> dict:
     abstract = jax.eval_shape(lambda: trainer.state.params)
     compiled = trainer.compiled_step()
     ops = hlo.collectives(compiled.as_text(), mesh.shape)
+    if trainer.pipeline:  # the tick loop's B branch runs once per micro-batch
+        ops = hlo.with_branch_runs(ops, trainer.pipeline.program.ticks,
+                                   trainer.plan.microbatches, DP_AXES)
     dp_ops = [c for c in ops if not c.scalar and set(c.axes) <= set(DP_AXES)]
     split, replicated = zero.split_bytes(abstract, zs, mesh)
     predicted = zero.expected_collectives(z, trainer.plan.dp, trainer.plan.microbatches, split,
@@ -88,14 +113,15 @@ def bench_point(config, steps: int) -> dict:
     }
 
 
-def table_8_devices(overrides: list[str], steps: int) -> str:
+def table_8_devices(overrides: list[str], steps: int, points=POINTS) -> str:
     from hetjax.config import load_config
 
     rows = ["| point | s_p/s_g/s_os | P / device | G / device | OS / device | collectives "
             "/ step | predicted | sent / device | step |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for label, point in POINTS:
-        c = load_config(None, [*overrides, *(f"--config.{k}={v}" for k, v in point.items())])
+    for label, point in points:
+        c = load_config(None, [*overrides, *(f"--config.{k}={_flag(v)}"
+                                             for k, v in point.items())])
         r = bench_point(c, steps)
         rows.append(
             f"| {label} | {'/'.join(map(str, r['factors']))} "
@@ -159,13 +185,20 @@ def table_7b(microbatches: int = 8) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps per point")
-    ap.add_argument("--skip-7b", action="store_true", help="only the 8-device table")
+    ap.add_argument("--skip-7b", action="store_true", help="no 7B table")
+    ap.add_argument("--pp", choices=("1", "2", "both"), default="both",
+                    help="8-device tables: pp = 1, pp = 2 (ZeRO inside stages), or both")
     args, overrides = ap.parse_known_args(argv)
     defaults = ["--config.data.source=synthetic", "--config.train.microbatches=4",
                 "--config.train.progress=False", "--config.tensorboard=False"]
     print("8 simulated devices (cpu_hybrid: 2 clusters x 2 nodes x 2 devices), "
           f"{' '.join(defaults[1:2] + overrides) or 'default model'}")
-    print(table_8_devices(defaults + overrides, args.steps))
+    if args.pp != "2":
+        print(table_8_devices(defaults + overrides, args.steps))
+    if args.pp != "1":
+        print("\npp = 2, ZeRO inside each stage (bytes per device are a stage's, padded slots "
+              "included; Φ counts the whole model)")
+        print(table_8_devices(defaults + overrides, args.steps, PP_POINTS))
     if not args.skip_7b:
         print("\nLLaMA-7B (Φ = 6.74e9) on 1,024 abstract devices (128 nodes x 8), dp = 1024")
         print(table_7b())

@@ -80,6 +80,47 @@ def accumulator_bytes(hlo_text: str) -> int:
                if updated and t.startswith("f32") and b > 4)
 
 
+def check_equals_reference(trainer, losses, reference):
+    """Loss and (natural-layout) parameters after the steps equal the single-device run."""
+    ref_losses, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
+                 jax.device_get(trainer.params), ref_params)
+
+
+def check_state_bytes(trainer, accumulator: int) -> int:
+    """Each device holds exactly 1/s_x of the bytes it would hold without ZeRO (after tp and
+    pp, a stage's padded slots included): P and OS read from the state's shard shapes, G =
+    `accumulator`, read from what the compiled loop carries. Returns those bytes."""
+    z, zs = trainer.plan.zero, trainer.zero_specs
+    # Every tiny parameter has a divisible dimension, so nothing is left replicated.
+    assert zs.unsharded == ()
+    full = zero.shard_bytes(jax.eval_shape(lambda: trainer.state.params), zs.base, trainer.mesh)
+    p_bytes = per_device_bytes(trainer.state.params)
+    os_bytes = per_device_bytes(trainer.state.opt_state, keep=lambda a: a.ndim > 0)
+    assert set(p_bytes.values()) == {full // z.s_p}
+    assert set(os_bytes.values()) == {2 * full // z.s_os}  # Adam mu and nu, fp32
+    assert accumulator == full // z.s_g
+    scalars = [a for a in jax.tree.leaves(trainer.state.opt_state) if a.ndim == 0]
+    assert scalars and all(a.sharding.is_fully_replicated for a in scalars)
+    return full
+
+
+def check_collectives(trainer, ops: list[hlo.Collective]):
+    """The data-parallel collectives of the compiled step, each with the times it runs per
+    step, are exactly the cost model's list; inside the micro-batch loop only the G-group
+    reduce-scatter (nothing for s_g = 1): the cross-replica reduction runs once per step."""
+    z, zs = trainer.plan.zero, trainer.zero_specs
+    split, replicated = zero.split_bytes(jax.eval_shape(lambda: trainer.state.params), zs,
+                                         trainer.mesh)
+    expected = zero.expected_collectives(z, trainer.plan.dp, MICRO, split, replicated)
+    assert hlo.totals(ops, DP_AXES) == hlo.totals(expected)
+    in_loop = {(c.kind, c.axes, c.count) for c in ops
+               if c.loop_depth and not c.scalar and set(c.axes) & set(DP_AXES)}
+    g_group = tuple(a for a in DP_AXES if a in zs.axes.g)  # in mesh order, as HLO reads
+    assert in_loop == ({("reduce-scatter", g_group, MICRO)} if z.s_g > 1 else set())
+
+
 # zero2's code paths (G beyond an unsplit P, the refresh all-gather) are also those of the
 # 2/4/4 point: heavy, to keep `-m "not heavy"` quicker.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n == "zero2"
@@ -89,40 +130,12 @@ def test_point_equals_single_device_with_sharded_bytes_and_audited_collectives(r
     trainer, compiled, losses = run_steps(tiny_config(**BASE, **overrides))
     z = trainer.plan.zero
     assert (z.s_p, z.s_g, z.s_os) == factors
-
-    # 1. Numerics: loss and parameters after 3 steps equal the unsharded run.
-    ref_losses, ref_params = reference
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
-                 jax.device_get(trainer.state.params), ref_params)
-
-    # 2. Bytes per device, read from shard shapes: exactly 1/s_x of the data-parallel-local
-    # bytes (every tiny parameter has a divisible dimension, so nothing is left replicated).
-    zs = trainer.zero_specs
-    assert zs.unsharded == ()
-    abstract = jax.eval_shape(lambda: trainer.state.params)
-    full = zero.shard_bytes(abstract, zs.base, trainer.mesh)  # 4 * Phi / tp-split
+    check_equals_reference(trainer, losses, reference)
+    hlo_text = compiled.as_text()
+    full = check_state_bytes(trainer, accumulator_bytes(hlo_text))  # G: the loop's carry
     if trainer.plan.tp == 1:
         assert full == 4 * trainer.model_cfg.num_params
-    p_bytes = per_device_bytes(trainer.state.params)
-    os_bytes = per_device_bytes(trainer.state.opt_state, keep=lambda a: a.ndim > 0)
-    assert set(p_bytes.values()) == {full // z.s_p}
-    assert set(os_bytes.values()) == {2 * full // z.s_os}  # Adam mu and nu, fp32
-    hlo_text = compiled.as_text()
-    assert accumulator_bytes(hlo_text) == full // z.s_g  # G: the micro-batch loop's carry
-    scalars = [a for a in jax.tree.leaves(trainer.state.opt_state) if a.ndim == 0]
-    assert scalars and all(a.sharding.is_fully_replicated for a in scalars)
-
-    # 3. Collectives of the compiled step: over the data-parallel axes, exactly the cost
-    # model's list; inside the micro-batch loop only the G-group reduce-scatter.
-    ops = hlo.collectives(hlo_text, trainer.mesh.shape)
-    split, replicated = zero.split_bytes(abstract, zs, trainer.mesh)
-    expected = zero.expected_collectives(z, trainer.plan.dp, MICRO, split, replicated)
-    assert hlo.totals(ops, DP_AXES) == hlo.totals(expected)
-    in_loop = {(c.kind, c.axes, c.count) for c in ops
-               if c.loop_depth and not c.scalar and set(c.axes) & set(DP_AXES)}
-    g_group = tuple(a for a in DP_AXES if a in zs.axes.g)  # in mesh order, as HLO reads
-    assert in_loop == ({("reduce-scatter", g_group, MICRO)} if z.s_g > 1 else set())
+    check_collectives(trainer, hlo.collectives(hlo_text, trainer.mesh.shape))
 
 
 def test_os_shard_lies_inside_the_p_shard_and_g_follows_p_or_os():
@@ -206,12 +219,9 @@ def test_groups_must_fill_a_node_before_spanning_nodes():
     assert e.value.field == "zero.s_p"
 
 
-def test_preset_rejects_explicit_factors_and_auto_asks_for_a_preset():
+def test_a_named_preset_rejects_explicit_factors():
     with pytest.raises(ConfigError, match="only read when zero.preset = 'custom'"):
         validate(tiny_config(**{"zero.preset": "zero3", "zero.s_p": 2}))
-    with pytest.raises(ConfigError, match="choose one of ddp, zero1, zero2, zero3, mics") as e:
-        plan_for(**{"zero.preset": "auto"})
-    assert e.value.field == "zero.preset"
 
 
 # --- real scale, nothing allocated -----------------------------------------------------------
@@ -272,6 +282,15 @@ HLO = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
   ROOT %lt = pred[] compare(%n, %k), direction=LT
 }
 
+%skip (s: f32[16]) -> f32[16] {
+  ROOT %s0 = f32[16]{0} parameter(0)
+}
+
+%reduce (r: f32[16]) -> f32[16] {
+  %r = f32[16]{0} parameter(0)
+  ROOT %ar2 = f32[16]{0} all-reduce(%r), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true, to_apply=%add
+}
+
 %body (p: (s32[], f32[4], f32[16])) -> (s32[], f32[4], f32[16]) {
   %p = (s32[], f32[4]{0}, f32[16]{0}) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
@@ -279,6 +298,7 @@ HLO = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
   %w = f32[16]{0} get-tuple-element(%p), index=2
   %rs = f32[4]{0} reduce-scatter(%w), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, dimensions={0}, to_apply=%add
   %new = f32[4]{0} add(%acc, %rs)
+  %branch = f32[16]{0} conditional(%i, %w, %w), branch_computations={%skip, %reduce}
   %one = s32[] constant(1)
   %i2 = s32[] add(%i, %one)
   ROOT %t = (s32[], f32[4]{0}, f32[16]{0}) tuple(%i2, %new, %w)
@@ -299,13 +319,43 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 def test_hlo_reader_maps_groups_to_mesh_axes_and_counts_loop_trips():
     ops = hlo.collectives(HLO, {"a": 2, "b": 4})
-    got = {(c.kind, c.axes, c.group_size, c.nbytes, c.count, c.loop_depth, c.scalar)
-           for c in ops}
+    got = {(c.kind, c.axes, c.group_size, c.nbytes, c.count, c.loop_depth, c.scalar,
+            c.conditional) for c in ops}
     assert got == {
-        ("all-gather", ("b",), 4, 64, 1, 0, False),  # explicit groups {0..3}, {4..7}
-        ("reduce-scatter", ("a",), 2, 32, 3, 1, False),  # iota groups {0,4}, ...; V = operand
-        ("all-reduce", ("a", "b"), 4, 16, 1, 0, False),  # mesh form; the scalar is not V
+        ("all-gather", ("b",), 4, 64, 1, 0, False, False),  # explicit groups {0..3}, {4..7}
+        ("reduce-scatter", ("a",), 2, 32, 3, 1, False, False),  # iota groups; V = operand
+        ("all-reduce", ("a", "b"), 4, 16, 1, 0, False, False),  # mesh form; scalar not in V
+        ("all-reduce", ("b",), 2, 64, 3, 1, False, True),  # in a branch: at most 3 times
     }
     assert hlo.totals(ops, axes=("a",)) == {("reduce-scatter", ("a",)): 96}
+    # A caller that knows the branch runs once per loop (only ops over the axes it names).
+    runs = {(c.kind, c.count) for c in hlo.with_branch_runs(ops, 3, 1, ("b",))}
+    assert runs == {("all-gather", 1), ("reduce-scatter", 3), ("all-reduce", 1)}
     assert hlo.loop_carry(HLO, 3) == [("s32[]", 4, True), ("f32[4]", 16, True),
                                       ("f32[16]", 64, False)]
+
+
+def test_auto_with_a_fixed_layout_asks_the_planner_for_the_zero_point_only():
+    from hetjax.config import build_topology
+    from hetjax.plan import plan_from_config
+
+    c = tiny_config(**{"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2,
+                       "pipeline.stage_layers": (1, 1), "train.microbatches": 2,
+                       "zero.preset": "auto"})
+    plan = plan_from_config(c, build_topology(c))
+    assert (plan.pp, plan.dp, plan.tp, plan.microbatches, plan.stage_layers) == \
+        (2, 2, 2, 2, (1, 1))
+    assert plan.source == "planner" and plan.zero.name == "ddp"  # tiny model: least traffic
+
+    # A 13B-class model on 32 A100s, pp=1 tp=2 dp=16: replicated fp32 states (16 bytes per
+    # parameter over tp=2) need ~100 GiB per device, so auto must shard them.
+    big = tiny_config(**{"topology.preset": "holmes_hybrid", "topology.nodes": 0,
+                         "topology.devices_per_node": 0, "parallel.pp": 1, "parallel.dp": 16,
+                         "parallel.tp": 2, "model.d_model": 5120, "model.n_heads": 40,
+                         "model.n_kv_heads": 40, "model.d_ff": 13824, "model.n_layers": 40,
+                         "model.max_seq_len": 2048, "train.seq_len": 2048,
+                         "train.batch_size": 64, "train.microbatches": 4,
+                         "zero.preset": "auto"})
+    plan = plan_from_config(big, build_topology(big))
+    assert (plan.pp, plan.dp, plan.tp) == (1, 16, 2)
+    assert plan.zero.s_os > 1 and plan.predicted["fits"]

@@ -36,14 +36,15 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                     top: int = 5) -> PlanResult:
     """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
 
-    Micro-batches: pipeline.microbatches (or train.microbatches when it is not the default 1)
-    fixes M; otherwise the planner chooses. zero.preset 'auto' lets AMSP's enumeration choose;
+    Micro-batches: pipeline.microbatches (or train.microbatches when it is not the default 1,
+    or when the layout is fixed) fixes M; otherwise the planner chooses. zero.preset 'auto' lets AMSP's enumeration choose;
     'custom' uses zero.s_p / s_g / s_os; a name picks that point."""
     from hetjax.config import resolve_microbatches
 
     model = model_from_config(c)
     m = resolve_microbatches(c)
-    fixed_m = c.pipeline.microbatches or (m if m != 1 else 0)
+    layout_fixed = bool(c.parallel.pp and c.parallel.tp)  # then only ZeRO is left to choose
+    fixed_m = c.pipeline.microbatches or (m if m != 1 or layout_fixed else 0)
     z = c.zero
     zero = ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
     return plan(topology, model, c.train.batch_size, c.train.seq_len,

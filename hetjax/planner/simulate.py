@@ -24,7 +24,9 @@ from typing import Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from parallel.schedules import Action, Event, Schedule, make_schedule, tick_table, timeline
+from parallel.schedules import (Action, Event, Schedule, make_schedule, tick_codes, tick_table,
+                              timeline)
+from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
 
 def exposed(comm: float, window: float, overlap: float) -> float:
@@ -72,25 +74,16 @@ def _ticks(name: str, stages: int, microbatches: int
            ) -> tuple[list[list[Action | None]], np.ndarray]:
     """The tick grid and its codes [ticks, stages]: 0 idle, 1 forward, 2 backward."""
     table = tick_table(schedule_table(name, stages, microbatches))
-    codes = np.array([[0 if a is None else 1 if a.kind == "F" else 2 for a in row]
-                      for row in table], dtype=np.int8)
-    return table, codes
+    return table, tick_codes(table)
 
 
 def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                    bwd: Sequence[float], send_fwd: Sequence[float] = (),
                    send_bwd: Sequence[float] = ()) -> np.ndarray:
-    """Duration of each tick of the grid run in lockstep: its slowest action, then the
-    slowest activation sent forward and the slowest gradient sent back after it."""
-    S = len(fwd)
-    codes = _ticks(schedule, S, microbatches)[1]
-    f, b = np.asarray(fwd, float), np.asarray(bwd, float)
-    ahead, back = np.zeros(S), np.zeros(S)
-    ahead[:S - 1] = list(send_fwd) or 0.0  # stage s sends its output across boundary s
-    back[1:] = list(send_bwd) or 0.0  # stage s sends its input gradient across boundary s - 1
-    compute = np.where(codes == 1, f, np.where(codes == 2, b, 0.0)).max(axis=1)
-    return (compute + np.where(codes == 1, ahead, 0.0).max(axis=1)
-            + np.where(codes == 2, back, 0.0).max(axis=1))
+    """Duration of each tick of the named schedule's grid run in lockstep
+    (`parallel.schedules.lockstep_ticks`, with the grid cached)."""
+    codes = _ticks(schedule, len(fwd), microbatches)[1]
+    return schedules_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd)
 
 
 def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[float],
