@@ -21,7 +21,7 @@ cluster (pp = 2), data parallelism inside each (dp = 2), 1F1B over 4 micro-batch
 The homogeneous runs use the planner's split too (their best layout, as HetHub's T_A and T_B
 are). Each run's step time is also predicted (as in bench_hetnet.py); first step (compile) and
 one warm-up step are not timed. The model is compute-heavy for its size (d_model 128, 8 layers,
-sequences of 256) so that compute, not the per-micro-batch gradient sync, dominates a step.
+sequences of 256) so that compute, not the once-per-step gradient sync, dominates a step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hetnet import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,  # noqa: E402
+from bench_hetnet import (CPUS_HEADER, CPUS_NOTE, REPO, Case,  # noqa: E402
                           Workload, accuracy_table, bar_plot, case_record, cpus_text, failures,
                           fmt, link_table, load_line, profile_kind, run_case, save_json, table,
                           wait_for_quiet)
@@ -183,7 +183,6 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(summary + summary_p))
     print("\n## Predicted vs measured step time\n")
     print(accuracy_table(cases))
-    print(ACCURACY_NOTE)
     if failures(cases):
         print("\n" + failures(cases))
     path = bar_plot(args.out, f"Heterogeneous accelerators on the testbed\ncpu hosts "

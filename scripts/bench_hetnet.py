@@ -20,9 +20,9 @@ at --cpus CPUs, trained for --steps steps in four environments:
 
 Every link is the topology's rate times --scale (default 0.002: InfiniBand 400 Mbit/s,
 Ethernet 50 Mbit/s). The model is sized so communication dominates all-Ethernet: with d_model
-256 and 4 layers a stage's gradients are 6.7 MB, and hetjax's pipeline executor all-reduces them
-once per micro-batch (the measured bytes show it), which is seconds at 50 Mbit/s against about
-half a second of compute.
+256 and 4 layers a stage's gradients (its layers, plus the tied embedding) are about 6.7 MB,
+all-reduced over its data-parallel pair once per step -- about a second each way at 50 Mbit/s,
+against about half a second of compute per step.
 
 For every configuration the cost model predicts the step time (hetjax executor), calibrated on
 the testbed itself: measured goodput and round trip of every link class (`hetjax testbed
@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetjax import linkcheck  # noqa: E402
 from hetjax.errors import HetjaxError  # noqa: E402
 from hetjax.plan import Plan, even_split  # noqa: E402
-from hetjax.planner import CostModel, CostOptions, predict  # noqa: E402
+from hetjax.planner import CostOptions, predict  # noqa: E402
 from hetjax.planner.calibrate import (emulated_topology, prediction_errors,  # noqa: E402
                                       profile_from_step_times)
 from hetjax.testbed import DEFAULT_SCALE, Testbed, cpu_quotas  # noqa: E402
@@ -170,7 +170,6 @@ class Case:
     # filled in by run_case
     step_s: list[float] = field(default_factory=list)
     predicted_s: float | None = None
-    resync_s: float = 0.0  # see microbatch_sync
     bubble: float | None = None  # predicted share of stage time not computing
     cpus: tuple[float, float] | None = None  # (ours, others) on average during the run
     caps_cpus: float = 0.0  # sum of the hosts' CPU caps
@@ -256,29 +255,11 @@ def _attempt(case: Case, work: Workload, workdir: str, scale: float, profiles: d
         options = CostOptions(profiles=profiles, executor="hetjax")
         pred = predict(case.plan, emulated, work.model(), options)
         case.predicted_s, case.bubble = pred.step_time, pred.bubble
-        case.resync_s = microbatch_sync(case.plan, emulated, work.model(), options)
     except HetjaxError as e:
         case.error = case.error or f"prediction failed: {e}"
     log(f"  {case.name}: " + (f"{case.mean_s:.3f} s/step measured, {case.predicted_s:.3f} s "
                               f"predicted, {case.wall_s:.0f} s wall"
                               if case.step_s and case.predicted_s else f"FAILED {case.error}"))
-
-
-def microbatch_sync(plan: Plan, topology: Topology, model, options: CostOptions) -> float:
-    """What the cost model leaves out for hetjax's pipeline executor as it runs today: the
-    compiled pipeline all-reduces each stage's layer and embedding gradients over dp inside
-    the backward of every micro-batch (the HLO's all-reduce sits in the loop body, and the
-    testbed's byte counters show M times one sync per step), where the cost model prices one
-    sync after the loop. The extra M - 1 syncs of the slowest stage, in seconds; 0 without a
-    pipeline (pp = 1 accumulates and syncs once, as priced)."""
-    if plan.pp == 1 or plan.dp == 1:
-        return 0.0
-    cm = CostModel(topology, model, options)
-    mesh = plan.mesh_ranks()
-    shared = model.embed_params + model.head_params
-    sync = [cm.collective("all_reduce", (n * model.layer_params + shared) * 4, mesh[s].T)
-            for s, n in enumerate(plan.stage_layers)]
-    return (plan.microbatches - 1) * max(sync)
 
 
 # --- reporting ------------------------------------------------------------------------------------
@@ -311,18 +292,13 @@ def fmt(x: float | None, spec: str) -> str:
 def accuracy_table(cases: list[Case]) -> str:
     ok = [c for c in cases if c.step_s and c.predicted_s]
     rows = [[c.name, fmt(c.mean_s, ".3f"), fmt(c.predicted_s, ".3f"),
-             f"{(c.predicted_s - c.mean_s) / c.mean_s:+.0%}",
-             fmt(c.predicted_s + c.resync_s, ".3f"),
-             f"{(c.predicted_s + c.resync_s - c.mean_s) / c.mean_s:+.0%}"] for c in ok]
-    text = table(["configuration", "measured s/step", "predicted s/step", "error",
-                  "+ per-micro-batch DP sync", "error"], rows)
-    for what, extra in (("cost model", 0), ("with the per-micro-batch DP sync", 1)):
-        if len(ok) >= 2:
-            e = prediction_errors([c.predicted_s + extra * c.resync_s for c in ok],
-                                  [c.mean_s for c in ok])
-            text += (f"\n{what}: mean absolute error {e.mae_s:.3f} s ({e.mean_relative:.0%} "
-                     f"of the measured step on average) over {e.n} configurations; rank "
-                     f"agreement: Spearman {e.spearman:.2f}, Kendall tau-b {e.kendall:.2f}")
+             f"{(c.predicted_s - c.mean_s) / c.mean_s:+.0%}"] for c in ok]
+    text = table(["configuration", "measured s/step", "predicted s/step", "error"], rows)
+    if len(ok) >= 2:
+        e = prediction_errors([c.predicted_s for c in ok], [c.mean_s for c in ok])
+        text += (f"\nmean absolute error {e.mae_s:.3f} s ({e.mean_relative:.0%} of the "
+                 f"measured step on average) over {e.n} configurations; rank agreement: "
+                 f"Spearman {e.spearman:.2f}, Kendall tau-b {e.kendall:.2f}")
     return text
 
 
@@ -332,12 +308,6 @@ CPUs: averages over the run of what our processes used (workers, launcher, link 
 everything else used (other processes, the kernel's network work), and the sum of the
 emulated hosts' caps. A run during which the others used more than {OTHERS_LIMIT:g} CPUs is
 repeated once the machine is quiet (up to twice; "run N" marks a repeat)."""
-
-ACCURACY_NOTE = """
-The last two columns add, outside the cost model, the M - 1 extra gradient all-reduces per
-step that the compiled pipeline performs (one per micro-batch instead of one after the loop;
-the MiB per step on each cluster's link show it): a diagnosis, not a calibration."""
-
 
 def failures(cases: list[Case]) -> str:
     bad = [c for c in cases if c.error]
@@ -437,7 +407,7 @@ def case_record(c: Case) -> dict:
     return {"name": c.name, "topology": c.topology.name,
             "plan": c.plan.to_dict() if c.plan else None,
             "step_s": c.step_s, "mean_s": c.mean_s, "predicted_s": c.predicted_s,
-            "microbatch_sync_s": c.resync_s, "bubble_predicted": c.bubble,
+            "bubble_predicted": c.bubble,
             "cpus_ours_others": c.cpus, "caps_cpus": c.caps_cpus, "attempts": c.attempts,
             "traffic_mib_per_step": c.traffic, "dp_links": c.dp_links, "pp_links": c.pp_links,
             "links": [dataclasses.asdict(m) for m in c.links], "wall_s": c.wall_s,
@@ -554,7 +524,6 @@ def report(cases: list[Case], work: Workload, args, means, profile, end_load: st
     print("\n## Predicted vs measured step time (cost model, hetjax executor, calibrated on "
           "the testbed's measured links and a single-host profile)\n")
     print(accuracy_table(cases))
-    print(ACCURACY_NOTE)
     if failures(cases):
         print("\n" + failures(cases))
     names = [c.name.replace(", ", ",\n") for c in cases]

@@ -15,7 +15,7 @@ from hetjax import testbed as tbm
 from hetjax.errors import HetjaxError, PlanError, TopologyError
 from hetjax.linkcheck import LinkMeasurement
 from hetjax.plan import Plan
-from hetjax.planner import CostOptions, LayerProfile, predict
+from hetjax.planner import LayerProfile
 from hetjax.planner.calibrate import (emulated_topology, kendall_tau, prediction_errors,
                                       profile_from_step_times, spearman)
 from hetjax.topology import Link, Topology, preset
@@ -181,22 +181,6 @@ def test_nic_layouts_put_each_parallelism_on_the_intended_links():
     assert bench_hetnet.host_order(tb, unaware) == ["ib-0", "roce-0", "ib-1", "roce-1"]
     with pytest.raises(HetjaxError, match="one device per host"):
         bench_hetnet.host_order(tbm.Testbed(preset("cpu_hybrid")), hetjax_plan)
-
-
-def test_microbatch_sync_is_the_extra_syncs_of_the_slowest_stage():
-    w = bench_hetnet.Workload()
-    topo = emulated_topology(preset("testbed_all_ethernet"), 0.002)
-    cases = {c.name: c for c in bench_hetnet.nic_cases(w, 0.4)}
-    opts = CostOptions(profiles={"cpu": LayerProfile(1e-4, 3e-4)}, executor="hetjax")
-    m = w.model()
-    pipe = cases["hybrid, hetjax plan"].plan
-    extra = bench_hetnet.microbatch_sync(pipe, topo, m, opts)
-    # One ring all-reduce over 2 hosts moves the stage's gradients once: bytes / bandwidth.
-    nbytes = (2 * m.layer_params + m.embed_params + m.head_params) * 4
-    assert extra == pytest.approx(3 * nbytes / (0.05e9 / 8), rel=0.01)
-    assert bench_hetnet.microbatch_sync(cases["hybrid, dp=4 (no pipeline)"].plan, topo, m,
-                                        opts) == 0.0
-    assert predict(pipe, topo, m, opts).step_time > 0
 
 
 def test_report_helpers():
