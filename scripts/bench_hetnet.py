@@ -164,14 +164,14 @@ class Case:
     name: str
     topology: Topology
     plan: Plan | None
-    cpus: dict[str, float] | float | None
+    cpus: dict[str, float] | float | None  # CPU cap per host (Testbed's `cpus`)
     # Chooses the plan once the testbed's links are measured (given the emulated topology).
     choose: Callable[[Topology], Plan] | None = None
     # filled in by run_case
     step_s: list[float] = field(default_factory=list)
     predicted_s: float | None = None
     bubble: float | None = None  # predicted share of stage time not computing
-    cpus: tuple[float, float] | None = None  # (ours, others) on average during the run
+    cpu_use: tuple[float, float] | None = None  # CPUs (ours, others) on average during the run
     caps_cpus: float = 0.0  # sum of the hosts' CPU caps
     attempts: int = 0
     traffic: dict[str, float] = field(default_factory=dict)  # MiB per step by link class
@@ -210,7 +210,7 @@ def run_case(case: Case, work: Workload, workdir: str, scale: float, profiles: d
     for attempt in range(retries + 1):
         case.attempts = attempt + 1
         _attempt(case, work, workdir, scale, profiles, timeout, log)
-        others = case.cpus[1] if case.cpus else 0.0
+        others = case.cpu_use[1] if case.cpu_use else 0.0
         if others <= OTHERS_LIMIT or attempt == retries:
             break
         log(f"  other processes used {others:.2f} CPUs during that run; repeating it")
@@ -220,7 +220,7 @@ def run_case(case: Case, work: Workload, workdir: str, scale: float, profiles: d
 
 def _attempt(case: Case, work: Workload, workdir: str, scale: float, profiles: dict,
              timeout: float, log) -> None:
-    case.error, case.step_s, case.cpus = "", [], None
+    case.error, case.step_s, case.cpu_use = "", [], None
     os.makedirs(workdir, exist_ok=True)
     topo_path = os.path.join(workdir, "topology.json")
     with open(topo_path, "w") as f:
@@ -238,7 +238,7 @@ def _attempt(case: Case, work: Workload, workdir: str, scale: float, profiles: d
             watch = CpuWatch()
             run = tb.train(args, os.path.join(workdir, "run"), host_order(tb, case.plan),
                            timeout=timeout)
-            case.cpus = watch.stop()
+            case.cpu_use = watch.stop()
             case.wall_s = run.seconds
             with open(os.path.join(workdir, "output.log"), "w") as f:
                 f.write(run.output)
@@ -408,7 +408,7 @@ def case_record(c: Case) -> dict:
             "plan": c.plan.to_dict() if c.plan else None,
             "step_s": c.step_s, "mean_s": c.mean_s, "predicted_s": c.predicted_s,
             "bubble_predicted": c.bubble,
-            "cpus_ours_others": c.cpus, "caps_cpus": c.caps_cpus, "attempts": c.attempts,
+            "cpus_ours_others": c.cpu_use, "caps_cpus": c.caps_cpus, "attempts": c.attempts,
             "traffic_mib_per_step": c.traffic, "dp_links": c.dp_links, "pp_links": c.pp_links,
             "links": [dataclasses.asdict(m) for m in c.links], "wall_s": c.wall_s,
             "error": c.error}
@@ -417,10 +417,10 @@ def case_record(c: Case) -> dict:
 # --- the experiment -------------------------------------------------------------------------------
 def cpus_text(c: Case) -> str:
     """CPUs used during the run by us and by everything else, and the hosts' caps."""
-    if c.cpus is None:
+    if c.cpu_use is None:
         return "-"
     retried = f" (run {c.attempts})" if c.attempts > 1 else ""
-    return f"{c.cpus[0]:.2f} / {c.cpus[1]:.2f} / {c.caps_cpus:.2f}{retried}"
+    return f"{c.cpu_use[0]:.2f} / {c.cpu_use[1]:.2f} / {c.caps_cpus:.2f}{retried}"
 
 
 def nic_cases(work: Workload, cpus: float) -> list[Case]:

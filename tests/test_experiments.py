@@ -187,7 +187,7 @@ def test_report_helpers():
     assert bench_hetnet.table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
     c = bench_hetnet.Case("x", preset("testbed_hybrid"), None, None)
     assert c.mean_s is None and c.tokens_per_s() is None and bench_hetnet.cpus_text(c) == "-"
-    c.step_s, c.cpus, c.caps_cpus, c.attempts = [1.0, 3.0], (1.5, 0.04), 1.6, 1
+    c.step_s, c.cpu_use, c.caps_cpus, c.attempts = [1.0, 3.0], (1.5, 0.04), 1.6, 1
     assert c.mean_s == 2.0 and c.sd_s == pytest.approx(np.sqrt(2))
     assert bench_hetnet.cpus_text(c) == "1.50 / 0.04 / 1.60"
     c.attempts = 2
@@ -201,3 +201,21 @@ def test_cpu_watch_splits_ours_from_the_rest():
         pass
     ours, others = watch.stop()
     assert 0.5 < ours <= 1.05 and others >= 0.0
+
+
+def test_a_case_builds_its_testbed_with_its_cpu_caps(monkeypatch, tmp_path):
+    """The cap a case asks for reaches the Testbed on every attempt (the measured CPU use is a
+    separate field, reset per attempt)."""
+    seen = []
+
+    class RecordingTestbed:
+        def __init__(self, topology, scale, cpus):
+            seen.append(cpus)
+            raise HetjaxError("no testbed in this test")
+
+    monkeypatch.setattr(bench_hetnet, "Testbed", RecordingTestbed)
+    case = bench_hetnet.nic_cases(bench_hetnet.Workload(), 0.4)[0]
+    bench_hetnet.run_case(case, bench_hetnet.Workload(), str(tmp_path), 0.002, {}, 60,
+                          log=lambda msg: None, retries=0)
+    assert seen == [0.4] and case.cpus == 0.4 and case.cpu_use is None
+    assert "no testbed in this test" in case.error
