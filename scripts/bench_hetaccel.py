@@ -34,14 +34,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hetnet import (CPUS_HEADER, CPUS_NOTE, REPO, Case,  # noqa: E402
+from bench_hetnet import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,  # noqa: E402
                           Workload, accuracy_table, bar_plot, case_record, cpus_text, failures,
                           fmt, link_table, load_line, profile_kind, run_case, save_json, table,
-                          wait_for_quiet)
+                          testbed_options, wait_for_quiet)
 
 from hetjax.errors import HetjaxError  # noqa: E402
 from hetjax.plan import Plan  # noqa: E402
-from hetjax.planner import CostOptions, plan  # noqa: E402
+from hetjax.planner import plan  # noqa: E402
 from hetjax.planner.partition import holmes_split  # noqa: E402
 from hetjax.planner.formulas import (hethub_efficiency, hethub_throughput,  # noqa: E402
                                      hethub_upper_bound)
@@ -78,7 +78,7 @@ def planner_choice(work: Workload, profiles: dict):
     def choose(emulated: Topology) -> Plan:
         return plan(emulated, work.model(), work.batch, work.seq_len, pp=2, dp=2, tp=1,
                     microbatches=work.microbatches, schedule=work.schedule, zero="ddp",
-                    options=CostOptions(profiles=profiles, executor="hetjax")).plan
+                    options=testbed_options(profiles)).plan
     return choose
 
 
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(summary + summary_p))
     print("\n## Predicted vs measured step time\n")
     print(accuracy_table(cases))
+    print(ACCURACY_NOTE)
     if failures(cases):
         print("\n" + failures(cases))
     path = bar_plot(args.out, f"Heterogeneous accelerators on the testbed\ncpu hosts "
