@@ -626,7 +626,7 @@ DTFM_SCENARIOS = ("dtfm_datacenter_ondemand", "dtfm_datacenter_spot", "dtfm_mult
                   "dtfm_regional", "dtfm_worldwide")
 
 
-# --- the testbed's miniatures (docs/testbed.md, docs/experiments.md) ---------------------------
+# --- the testbed's miniatures (docs/testbed.md; README, Results) -------------------------------
 # 2 clusters x 2 single-device hosts: on the 2-core testbed machine one process per emulated
 # host, 4 in all, is what fits. Link rates are nominal; the testbed scales them all by one
 # factor. A slower accelerator is a CPU device with half the nominal peak: the testbed's

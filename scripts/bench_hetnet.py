@@ -20,9 +20,9 @@ at --cpus CPUs, trained for --steps steps in four environments:
 
 Every link is the topology's rate times --scale (default 0.002: InfiniBand 400 Mbit/s,
 Ethernet 50 Mbit/s). The model is sized so communication dominates all-Ethernet: with d_model
-256 and 4 layers a stage's gradients (its layers, plus the tied embedding) are about 6.7 MB,
-all-reduced over its data-parallel pair once per step -- about a second each way at 50 Mbit/s,
-against about half a second of compute per step.
+256 and 4 layers a stage's gradients (2 layers and the tied embedding) are 7.2 MiB, all-reduced
+over its data-parallel pair once per step: each host sends 7.2 MiB, 1.2 s at 50 Mbit/s, against
+a whole step of about 0.6 s on all-fast.
 
 For every configuration the cost model predicts the step time (hetjax executor, its stages
 priced as the separate processes they are here, and in lockstep for comparison), calibrated on
