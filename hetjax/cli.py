@@ -26,7 +26,7 @@ commands:
   launch     run training as several processes: --local N, --hostfile FILE or --slurm
   topology   print the topology a config describes
   tokenizer  train a SentencePiece tokenizer on the config's corpus
-  testbed    emulate the topology on this machine (root): up | measure | smoke | down
+  testbed    emulate the topology on this machine (root): up | measure | smoke | run | down
   help       show this message
 
 Examples:
@@ -128,20 +128,25 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-TESTBED_USAGE = """usage: hetjax testbed up|measure|smoke|down [--scale=S] [--cpus=N|CLUSTER:N,...]
-         [--seconds=S] [--force] [--config=FILE] [--config.topology.FIELD=VALUE ...]
+TESTBED_USAGE = """usage: hetjax testbed up|measure|smoke|run|down [--scale=S]
+         [--cpus=N|CLUSTER:N,...] [--seconds=S] [--order=HOST,...] [--timeout=S] [--force]
+         [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
 Emulate the config's topology on this machine (needs root): one network namespace per node,
 links shaped with tc per link class, optional CPU quotas per host (see docs/testbed.md).
   up       build it, print its hosts and how to enter one, hold until Ctrl-C, tear down
   measure  build it, time a socket transfer per link class: measured vs configured rate
   smoke    build it, run a 2-process jax.distributed psum across the shaped inter-cluster link
+  run      build it, run `hetjax launch` with one `hetjax train` worker per emulated host
+           (the --config flags go to the workers), then print the bytes each link class carried
   down     remove what crashed runs left (a run whose owner process lives stays unless --force)
 flags:
   --scale=S    every link rate times S (default 0.002: InfiniBand 200 Gb/s -> 400 Mbit/s)
   --cpus=N     CPU quota per host: N CPUs for the fastest accelerator kind, the others fewer
                by peak TFLOPS; or per cluster, e.g. --cpus=ib:1,roce:0.5 (default: no quota)
   --seconds=S  measure: how long each transfer lasts at the configured rate (default 0.5)
+  --order=H,.. run: hosts in process order (default: topology node order, process i on host i)
+  --timeout=S  run: stop the job after S seconds (default 1800)
   --force      down: also remove runs whose owner process is alive
 """
 
@@ -158,11 +163,13 @@ def cmd_testbed(argv: list[str]) -> int:
         return 0
     parser = argparse.ArgumentParser(prog="hetjax testbed", usage=TESTBED_USAGE[len("usage: "):],
                                      allow_abbrev=False)
-    parser.add_argument("action", choices=("up", "measure", "smoke", "down"))
+    parser.add_argument("action", choices=("up", "measure", "smoke", "run", "down"))
     parser.add_argument("--scale", type=float, default=testbed.DEFAULT_SCALE)
     parser.add_argument("--cpus", type=testbed.parse_cpus, default=None)
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--order", type=lambda v: [h for h in v.split(",") if h], default=None)
+    parser.add_argument("--timeout", type=float, default=1800)
     args, config_argv = parser.parse_known_args(argv)
     if args.action == "down":
         removed, kept = testbed.cleanup(force=args.force)
@@ -175,6 +182,14 @@ def cmd_testbed(argv: list[str]) -> int:
     topology = hconfig.build_topology(_parse("testbed", config_argv))
     with testbed.Testbed(topology, scale=args.scale, cpus=args.cpus) as tb:
         print(f"{topology.describe()}\n{tb.describe()}", flush=True)
+        if args.action == "run":
+            before = {h.name: tb.class_bytes(h) for h in tb.hosts}
+            rc = tb.launch(config_argv, args.order, timeout=args.timeout).wait()
+            traffic = {h.name: {c: n - before[h.name][c] for c, n in tb.class_bytes(h).items()}
+                       for h in tb.hosts}
+            print(f"traffic per link class during the run:\n"
+                  f"{linkcheck.format_traffic(tb, traffic)}")
+            return rc
         if args.action == "measure":
             print(linkcheck.format_table(tb.measure_links(seconds=args.seconds), tb.scale))
         elif args.action == "smoke":

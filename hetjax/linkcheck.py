@@ -129,6 +129,32 @@ def format_table(ms: list[LinkMeasurement], scale: float) -> str:
     return "\n".join(lines)
 
 
+def traffic_by_link(tb, traffic: dict[str, dict[int, int]]) -> dict[str, int]:
+    """Bytes per link class, both directions summed, from per-host egress counters
+    ({host name: {destination cluster: bytes}}, e.g. `TrainingRun.traffic`): "ib" is the
+    traffic inside cluster ib (its NIC), "ib <-> roce" the traffic between the two clusters."""
+    names = [c.name for c in tb.topology.clusters]
+    out: dict[str, int] = {}
+    for h in tb.hosts:
+        for dst, nbytes in traffic.get(h.name, {}).items():
+            a, b = sorted((h.cluster, dst))
+            label = names[a] if a == b else f"{names[a]} <-> {names[b]}"
+            out[label] = out.get(label, 0) + nbytes
+    return out
+
+
+def format_traffic(tb, traffic: dict[str, dict[int, int]]) -> str:
+    """One line per link class: the bytes a run moved over it and the link's kind and rate."""
+    lines = []
+    for label, nbytes in traffic_by_link(tb, traffic).items():
+        ends = [next(i for i, c in enumerate(tb.topology.clusters) if c.name == n)
+                for n in label.split(" <-> ")]
+        cls = tb.egress[ends[0]][ends[-1]]
+        lines.append(f"  {label + ' (' + cls.link.kind + ')':<28}{nbytes / 2**20:>10.2f} MiB  "
+                     f"(shaped to {cls.rate_bps / 1e6:g} Mbit/s)")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class PsumResult:
     hosts: tuple[str, str]

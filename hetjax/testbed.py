@@ -27,6 +27,7 @@ Everything created is named hjtb-<id>-... and removed on exit, on error and on S
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -34,6 +35,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -55,6 +57,7 @@ CFS_PERIOD_US = 100_000
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
 STATE_ROOT = tempfile.gettempdir()
 IFACE = "eth0"
+LAUNCH_PORT = 8476  # coordinator port of the first launch in a testbed (hosts have own stacks)
 
 
 # --- the emulated cluster as plain data (no root needed) -----------------------------------------
@@ -79,6 +82,33 @@ class EgressClass:
     subnet: str  # "10.77.1.0/24"
     link: Link  # the topology's link, unscaled
     rate_bps: int  # scaled rate, bits per second
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a `hetjax train` run inside the testbed did (`Testbed.train`)."""
+
+    returncode: int
+    seconds: float  # wall time, start-up and compilation included
+    metrics: tuple[dict, ...]  # rows of the run's metrics.jsonl (written by process 0)
+    # Bytes each host sent through each of its egress classes during the run:
+    # {host name: {destination cluster: bytes}}
+    traffic: dict[str, dict[int, int]]
+    output: str  # what the run printed (the launcher prefixes each worker's lines)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and any("step_s" in m for m in self.metrics)
+
+    def step_times(self, skip: int = 1) -> list[float]:
+        """Seconds per step of the logged steps after the first (which includes compiling)
+        and `skip` more warm-up steps. Log every step (train.log_every=1) to get each."""
+        rows = [m for m in self.metrics if "step_s" in m]
+        return [m["step_s"] for m in rows[skip:]]
+
+    def error(self) -> str:
+        """The last lines the run printed, for a failed run's report."""
+        return "\n".join(self.output.strip().splitlines()[-15:])
 
 
 def cluster_subnet(cluster: int) -> str:
@@ -222,6 +252,39 @@ def host_command(host: Host, argv: Sequence[str], hosts_path: str,
               f"mount --bind {q(hosts_path)} /etc/hosts", 'exec "$@"']
     return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--",
             "sh", "-c", " && ".join(steps), f"{PREFIX}{host.name}", *argv]
+
+
+def rsh_script(run_id: str, commands: Mapping[str, Sequence[str]], pythonpath: str) -> str:
+    """A shell script `rsh HOST COMMAND` that runs COMMAND (with sh -c) inside emulated host
+    HOST: what `hetjax launch --hostfile ... --rsh '<script> {host}'` uses instead of ssh.
+
+    `commands` maps each host name to its wrapper (`host_command(host, ["sh", "-c"])`); the
+    command follows as the last argument. PYTHONPATH gets `pythonpath` (this checkout) first,
+    as `Testbed.run` does, so workers import the launcher's hetjax."""
+    q = shlex.quote
+    lines = ["#!/bin/sh",
+             f"# rsh HOST COMMAND: run COMMAND in emulated host HOST of testbed {run_id}",
+             f"PYTHONPATH={q(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}",
+             "export PYTHONPATH",
+             'if [ $# -ne 2 ]; then echo "usage: $0 HOST COMMAND" >&2; exit 2; fi',
+             'case "$1" in']
+    for name, wrapper in commands.items():
+        lines.append(f'  {q(name)}) exec {shlex.join(wrapper)} "$2" ;;')
+    lines += [f'  *) echo "testbed {run_id} has no host $1; its hosts are '
+              f'{" ".join(commands)}" >&2; exit 2 ;;', "esac"]
+    return "\n".join(lines) + "\n"
+
+
+def hostfile_text(hosts: Sequence[Host], order: Sequence[str] | None = None) -> str:
+    """A `hetjax launch` hostfile: host names, process i on line i (topology node order
+    unless `order` lists the names in another)."""
+    names = [h.name for h in hosts]
+    order = list(order) if order is not None else names
+    unknown = [n for n in order if n not in names]
+    if unknown or len(set(order)) != len(order) or len(order) != len(names):
+        raise HetjaxError(f"a testbed launch needs each of the hosts {names} exactly once, in "
+                          f"the order processes 0, 1, ... run on them; got {list(order)}")
+    return "".join(f"{n}\n" for n in order)
 
 
 # --- running commands -----------------------------------------------------------------------------
@@ -391,12 +454,17 @@ def cleanup(force: bool = False) -> tuple[list[str], list[str]]:
 
 
 # --- the testbed ----------------------------------------------------------------------------------
+def _checkout() -> str:
+    """The directory holding the hetjax package this process imported."""
+    import hetjax
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(hetjax.__file__)))
+
+
 def _hetjax_pythonpath(current: str | None) -> str:
     """PYTHONPATH with this hetjax's checkout first: the venv's editable install may point at
     another checkout, and processes inside hosts must run the same code as the caller."""
-    import hetjax
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(hetjax.__file__)))
+    root = _checkout()
     rest = [p for p in (current or "").split(os.pathsep) if p and p != root]
     return os.pathsep.join([root, *rest])
 
@@ -414,6 +482,7 @@ class Testbed:
         self.cpus = cpu_quotas(topology, cpus)
         self._name(secrets.token_hex(2))
         self._procs: list[subprocess.Popen] = []
+        self._launches = 0
         self._old_handlers: dict[int, object] = {}
         self._up = False
 
@@ -453,6 +522,11 @@ class Testbed:
     def switch_netns(self) -> str:
         return f"{PREFIX}{self.run_id}-sw"
 
+    @property
+    def rsh_path(self) -> str:
+        """`rsh HOST COMMAND` for this testbed's hosts (see `rsh_script`)."""
+        return os.path.join(self.state_dir, "rsh")
+
     def _cgroup(self, host: Host | None = None) -> str:
         base = os.path.join(CGROUP_CPU, PREFIX + self.run_id)
         return base if host is None else os.path.join(base, host.name)
@@ -463,6 +537,10 @@ class Testbed:
             f.write(str(os.getpid()))
         with open(os.path.join(self.state_dir, "hosts"), "w") as f:
             f.write(hosts_file(self.hosts))
+        with open(self.rsh_path, "w") as f:
+            f.write(rsh_script(self.run_id, {h.name: self.command(h, ["sh", "-c"])
+                                             for h in self.hosts}, _hetjax_pythonpath(None)))
+        os.chmod(self.rsh_path, 0o755)
         sw = self.switch_netns
         _run(["ip", "netns", "add", sw])
         _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
@@ -582,6 +660,81 @@ class Testbed:
                              **popen_kwargs)
         self._procs.append(p)
         return p
+
+    def launch_args(self, order: Sequence[str] | None = None,
+                    port: int = LAUNCH_PORT) -> list[str]:
+        """`hetjax launch` flags that run one worker per emulated host: a hostfile of host
+        names (topology node order, or `order`), the rsh script, process 0's address on the
+        emulated network as coordinator, and this checkout and python on every host."""
+        if not self._up:
+            raise HetjaxError("the testbed is not up; launch inside `with Testbed(...) as tb:`")
+        text = hostfile_text(self.hosts, order)
+        self._launches += 1
+        path = os.path.join(self.state_dir, f"hostfile{self._launches}")
+        with open(path, "w") as f:
+            f.write(text)
+        first = text.split()[0]
+        return ["--hostfile", path, "--rsh", f"{self.rsh_path} {{host}}",
+                "--coordinator", f"{self.address(first)}:{port}",
+                "--chdir", _checkout(), "--python", sys.executable]
+
+    def launch(self, config_args: Sequence[str], order: Sequence[str] | None = None,
+               timeout: float = 600, port: int | None = None, launch_flags: Sequence[str] = (),
+               **popen_kwargs) -> subprocess.Popen:
+        """Start `hetjax launch` (in this namespace) with one `hetjax train` worker per
+        emulated host, so every worker's jax.distributed traffic crosses the shaped links.
+
+        `config_args` are the workers' `--config...` flags; their topology must have the
+        testbed's node count (normally the testbed's own topology). `order` lists host names
+        in process order (default: topology node order, process i on host i). The launcher
+        stops the job after `timeout` s; the launcher itself is stopped at teardown.
+        Pass stdout/stderr as for subprocess.Popen."""
+        # A fresh coordinator port per launch: the previous job's sockets may linger.
+        port = port or LAUNCH_PORT + self._launches
+        argv = [sys.executable, "-m", "hetjax", "launch",
+                *self.launch_args(order, port), "--timeout", f"{timeout:g}",
+                *launch_flags, *config_args]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["PYTHONPATH"] = _hetjax_pythonpath(env.get("PYTHONPATH"))
+        p = subprocess.Popen(argv, env=env, cwd=_checkout(), start_new_session=True,
+                             **popen_kwargs)
+        self._procs.append(p)
+        return p
+
+    def train(self, config_args: Sequence[str], workdir: str,
+              order: Sequence[str] | None = None, timeout: float = 600,
+              host: Host | str | int | None = None) -> TrainingRun:
+        """Run `hetjax train` with `config_args` and wait for it: one worker per emulated
+        host through `launch` (process order `order`), or, with `host`, a single process in
+        that host (for profiling; its topology must have one node). Metrics go to `workdir`
+        (emptied first); the result carries them, the output and the traffic per egress class.
+        The run is stopped after `timeout` s and then counts as failed."""
+        shutil.rmtree(workdir, ignore_errors=True)
+        os.makedirs(workdir)
+        args = [*config_args, f"--config.workdir={workdir}"]
+        before = {h.name: self.class_bytes(h) for h in self.hosts}
+        t0 = time.monotonic()
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if host is None:
+            p = self.launch(args, order, timeout=timeout, **pipe)
+        else:  # jax sizes its devices from the 1-node topology (hetjax.cli.cmd_train)
+            p = self.run(host, [sys.executable, "-u", "-m", "hetjax", "train", *args],
+                         env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}, **pipe)
+        try:  # the launcher enforces `timeout` itself; this is the backstop
+            out, _ = p.communicate(timeout=timeout + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            out += f"\n(stopped: no exit within {timeout + 30:g} s)"
+        seconds = time.monotonic() - t0
+        after = {h.name: self.class_bytes(h) for h in self.hosts}
+        traffic = {n: {c: after[n][c] - before[n][c] for c in after[n]} for n in after}
+        path = os.path.join(workdir, "metrics.jsonl")
+        rows = ()
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = tuple(json.loads(line) for line in f if line.strip())
+        return TrainingRun(p.returncode, seconds, rows, traffic, out)
 
     def class_bytes(self, key: Host | str | int) -> dict[int, int]:
         """Bytes a host has sent so far to each destination cluster (its htb class counters)."""

@@ -626,6 +626,62 @@ DTFM_SCENARIOS = ("dtfm_datacenter_ondemand", "dtfm_datacenter_spot", "dtfm_mult
                   "dtfm_regional", "dtfm_worldwide")
 
 
+# --- the testbed's miniatures (docs/testbed.md; README, Results) -------------------------------
+# 2 clusters x 2 single-device hosts: on the 2-core testbed machine one process per emulated
+# host, 4 in all, is what fits. Link rates are nominal; the testbed scales them all by one
+# factor. A slower accelerator is a CPU device with half the nominal peak: the testbed's
+# `cpus=N` gives its hosts half the CPU quota of a `cpu` host.
+CPU_HALF = Accelerator("cpu_half", ACCELERATORS["cpu"].peak_tflops / 2, 2.0, vendor="cpu")
+TESTBED_ACCELERATORS = {"cpu": ACCELERATORS["cpu"], "cpu_half": CPU_HALF}
+
+
+@register_preset
+def testbed_all_fast(nodes: int = 2, devices_per_node: int = 1) -> Topology:
+    """Holmes' all-RDMA baseline in miniature: two InfiniBand clusters joined by a link as fast
+    as InfiniBand."""
+    return Topology(
+        name="testbed_all_fast",
+        clusters=(make_cluster("ib", nodes, devices_per_node, "cpu", "infiniband"),
+                  make_cluster("ib2", nodes, devices_per_node, "cpu", "infiniband")),
+        inter_cluster=LINKS["infiniband"])
+
+
+@register_preset
+def testbed_all_ethernet(nodes: int = 2, devices_per_node: int = 1) -> Topology:
+    """Every link 25 Gb/s Ethernet, inside and between the two clusters."""
+    return Topology(
+        name="testbed_all_ethernet",
+        clusters=(make_cluster("eth", nodes, devices_per_node, "cpu", "ethernet"),
+                  make_cluster("eth2", nodes, devices_per_node, "cpu", "ethernet")),
+        inter_cluster=LINKS["ethernet"])
+
+
+@register_preset
+def testbed_hybrid(nodes: int = 2, devices_per_node: int = 1) -> Topology:
+    """Holmes' hybrid setting in miniature: an InfiniBand and a RoCE cluster joined by
+    Ethernet (cpu_hybrid with one device per host)."""
+    return dataclasses.replace(cpu_hybrid(nodes, devices_per_node), name="testbed_hybrid")
+
+
+@register_preset
+def testbed_hetaccel(nodes: int = 2, devices_per_node: int = 1, kind_a: str = "cpu",
+                     kind_b: str = "cpu_half") -> Topology:
+    """HetHub's setting in miniature: cluster `a` of accelerator kind_a (InfiniBand inside),
+    cluster `b` of kind_b (RoCE inside), joined by Ethernet. Kinds: cpu, cpu_half (equal kinds
+    give the homogeneous runs HetHub's upper bound needs)."""
+    kinds = []
+    for k in (kind_a, kind_b):
+        if k not in TESTBED_ACCELERATORS:
+            raise TopologyError(f"testbed accelerator kind {k!r} is unknown; choose from "
+                                f"{', '.join(TESTBED_ACCELERATORS)}")
+        kinds.append(TESTBED_ACCELERATORS[k])
+    return Topology(
+        name="testbed_hetaccel",
+        clusters=(make_cluster("a", nodes, devices_per_node, kinds[0], "infiniband"),
+                  make_cluster("b", nodes, devices_per_node, kinds[1], "roce")),
+        inter_cluster=LINKS["ethernet"])
+
+
 __all__ = [
     "Accelerator", "Cluster", "ClusterLink", "DeviceInfo", "Link", "NicSettings", "Topology",
     "ACCELERATORS", "LINKS", "PRESETS", "preset", "register_preset", "make_cluster", "link",

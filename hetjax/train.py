@@ -391,9 +391,15 @@ class Trainer:
                 metrics = self.step()
                 done = step + 1
                 e = self.config.eval.every
+                evaluate = bool(e) and (done % e == 0 or done == total)
+                save = bool(ckpt.every) and (done == total or self.checkpointer.should_save(done))
+                if evaluate or save:
+                    # The step is dispatched asynchronously: let it finish first, or its
+                    # compute would be timed as evaluation or saving, not as training.
+                    jax.block_until_ready((metrics, self.state))
                 t_aside = time.perf_counter()
-                eval_loss = self.eval_loss() if e and (done % e == 0 or done == total) else None
-                if ckpt.every and (done == total or self.checkpointer.should_save(done)):
+                eval_loss = self.eval_loss() if evaluate else None
+                if save:
                     self.save(eval_loss=eval_loss)
                 aside += time.perf_counter() - t_aside
                 last_eval = eval_loss if eval_loss is not None else last_eval

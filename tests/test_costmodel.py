@@ -222,6 +222,32 @@ def test_hetjax_executor_runs_ticks_in_lockstep():
     assert simulate("1f1b", 2, [1, 1], [3, 3], lockstep=True).step_time == 14
 
 
+def test_hetjax_executor_across_processes_is_priced_asynchronously():
+    """CostOptions(lockstep=False): the same executor (same stage costs and memory), its
+    stages played on the asynchronous timeline, as one process per stage runs them."""
+    m = tiny_model(n_layers=8)
+    t = preset("cpu_single")
+    p = Plan(pp=4, dp=2, tp=1, stage_layers=(3, 2, 2, 1), microbatches=16, global_batch=32,
+             seq_len=128, schedule="1f1b")
+    lock, free = (CostModel(t, m, CostOptions(lockstep=flag)) for flag in (True, False))
+    layout = Layout.of(p)
+    assert lock.runs_in_lockstep(layout) and not free.runs_in_lockstep(layout)
+    assert free.stage_costs(layout) == lock.stage_costs(layout)
+    stages = free.stage_costs(layout)
+    send, _ = free.boundary_times(layout)
+    fwd = [c.fwd(n) for c, n in zip(stages, p.stage_layers)]
+    bwd = [c.bwd(n) for c, n in zip(stages, p.stage_layers)]
+    sync = [c.sync(n) for c, n in zip(stages, p.stage_layers)]
+    asynchronous = simulate("1f1b", 16, fwd, bwd, send, send, sync, free.options.overlap)
+    assert free.predict(p).step_time == pytest.approx(asynchronous.step_time)
+    assert free.predict(p).step_time < lock.predict(p).step_time
+    assert free.predict(p).stage_memory == lock.predict(p).stage_memory
+    # Without a pipeline there is nothing to run in lockstep.
+    one = Layout.of(Plan(pp=1, dp=8, tp=1, stage_layers=(8,), microbatches=4,
+                         global_batch=32, seq_len=128))
+    assert not lock.runs_in_lockstep(one)
+
+
 def test_in_flight_matches_the_schedule_tables():
     for name in ("gpipe", "1f1b"):
         for S in range(1, 7):

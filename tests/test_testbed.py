@@ -163,6 +163,69 @@ def test_a_testbed_that_is_not_up_refuses_to_run_and_names_its_hosts():
     tb.close()  # closing what was never started is harmless
 
 
+# --- launching training across the hosts ----------------------------------------------------------
+def test_rsh_script_runs_a_command_in_each_named_host():
+    hosts = tbm.layout(cpu_hybrid(nodes=1), "ab12")
+    wrappers = {h.name: tbm.host_command(h, ["sh", "-c"], "/tmp/hjtb-ab12/hosts") for h in hosts}
+    text = tbm.rsh_script("ab12", wrappers, "/src/hetjax")
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    assert "PYTHONPATH=/src/hetjax${PYTHONPATH:+:$PYTHONPATH}" in lines
+    ib = next(line for line in lines if line.strip().startswith("ib-0)"))
+    assert "--net=/run/netns/hjtb-ab12-h0" in ib and ib.endswith('sh -c "$2" ;;')
+    assert "printf %s ib-0 > /proc/sys/kernel/hostname" in ib
+    roce = next(line for line in lines if line.strip().startswith("roce-0)"))
+    assert "hjtb-ab12-h1" in roce
+    assert "has no host $1; its hosts are ib-0 roce-0" in text
+
+
+def test_rsh_script_executes_in_a_shell(tmp_path):
+    """The script's shell syntax, with `env` standing in for the namespace wrapper."""
+    script = tmp_path / "rsh"
+    script.write_text(tbm.rsh_script("x", {"h-0": ["sh", "-c"]}, "/src/hetjax"))
+    script.chmod(0o755)
+    out = subprocess.run([str(script), "h-0", 'echo "$PYTHONPATH" ok'], capture_output=True,
+                         text=True, env={"PATH": os.environ["PATH"], "PYTHONPATH": "/other"})
+    assert out.stdout.split() == ["/src/hetjax:/other", "ok"]
+    bad = subprocess.run([str(script), "h-9", "true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no host h-9" in bad.stderr
+
+
+def test_hostfile_lists_hosts_in_process_order():
+    hosts = tbm.layout(cpu_hybrid(nodes=2, devices_per_node=1), "ab12")
+    assert tbm.hostfile_text(hosts).split() == ["ib-0", "ib-1", "roce-0", "roce-1"]
+    swapped = ["ib-0", "roce-0", "ib-1", "roce-1"]
+    assert tbm.hostfile_text(hosts, swapped).split() == swapped
+    for bad in (["ib-0", "ib-1", "roce-0"], ["ib-0", "ib-0", "roce-0", "roce-1"],
+                ["ib-0", "ib-1", "roce-0", "gpu-0"]):
+        with pytest.raises(HetjaxError, match="each of the hosts"):
+            tbm.hostfile_text(hosts, bad)
+    with pytest.raises(HetjaxError, match="not up"):
+        tbm.Testbed(cpu_hybrid(nodes=1)).launch_args()
+
+
+def test_traffic_is_summed_per_link_class_in_both_directions():
+    tb = tbm.Testbed(three_clusters())
+    traffic = {"ib-0": {0: 100, 1: 10, 2: 1}, "ib-1": {0: 200, 1: 0, 2: 0},
+               "roce-0": {0: 20, 1: 0, 2: 5}, "eth-0": {0: 2, 1: 0, 2: 0}}
+    assert linkcheck.traffic_by_link(tb, traffic) == {
+        "ib": 300, "ib <-> roce": 30, "ib <-> eth": 3, "roce": 0, "roce <-> eth": 5, "eth": 0}
+    text = linkcheck.format_traffic(tb, {"ib-0": {0: 2**20, 1: 2**21, 2: 0}})
+    assert re.search(r"ib \(infiniband\)\s+1.00 MiB\s+\(shaped to 400 Mbit/s\)", text)
+    assert re.search(r"ib <-> roce \(ethernet\)\s+2.00 MiB\s+\(shaped to 50 Mbit/s\)", text)
+
+
+def test_a_training_run_reports_its_timed_steps():
+    rows = ({"step": 1, "loss": 5.9, "compile_and_step_s": 9.0},
+            {"step": 2, "loss": 5.8, "step_s": 0.7}, {"step": 3, "loss": 5.7, "step_s": 0.5},
+            {"step": 4, "loss": 5.6, "step_s": 0.6})
+    run = tbm.TrainingRun(0, 12.0, rows, {}, "line 1\nline 2\n")
+    assert run.ok and run.step_times() == [0.5, 0.6] and run.step_times(0) == [0.7, 0.5, 0.6]
+    assert run.error() == "line 1\nline 2"
+    assert not tbm.TrainingRun(1, 1.0, rows, {}, "").ok
+    assert not tbm.TrainingRun(0, 1.0, rows[:1], {}, "").ok
+
+
 # --- refusing early -------------------------------------------------------------------------------
 def test_not_root_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -242,7 +305,7 @@ def test_format_table_shows_configured_measured_and_latency():
 # --- CLI ------------------------------------------------------------------------------------------
 def test_cli_testbed_help_and_errors(capsys, monkeypatch):
     assert cli.main(["hetjax", "testbed", "--help"]) == 0
-    assert "up|measure|smoke|down" in capsys.readouterr().out
+    assert "up|measure|smoke|run|down" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         cli.main(["hetjax", "testbed", "bogus"])
     assert e.value.code == 2
@@ -294,6 +357,35 @@ def test_two_hosts_run_a_psum_across_the_shaped_link_and_leave_nothing():
         assert result.hosts == ("ib-0", "roce-0") and result.link.kind == "ethernet"
         assert result.crossed_shaped_link, result.traffic  # >= 4 MiB through each class
     assert sleeper.poll() is not None  # processes started in hosts are stopped
+    _nothing_left(run_id)
+
+
+@pytest.mark.root
+@needs_testbed
+def test_a_two_process_training_runs_through_the_launcher_across_the_shaped_link(tmp_path):
+    """`hetjax launch` with one `hetjax train` worker per emulated host: a tiny pp = 2 job
+    whose stages sit in different clusters, so its activations cross the shaped link."""
+    topo = cpu_hybrid(nodes=1, devices_per_node=1)  # ib-0 and roce-0
+    config = [f"--config.{k}={v}" for k, v in {
+        "topology.preset": "cpu_hybrid", "topology.nodes": 1, "topology.devices_per_node": 1,
+        "parallel.pp": 2, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
+        "model.n_kv_heads": 2, "model.d_ff": 64, "model.max_seq_len": 16,
+        "train.seq_len": 16, "train.batch_size": 8, "train.microbatches": 2,
+        "train.steps": 3, "train.log_every": 1, "train.progress": False,
+        "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0}.items()]
+    with tbm.Testbed(topo) as tb:
+        run_id = tb.run_id
+        run = tb.train(config, str(tmp_path / "run"), timeout=150)
+        assert run.ok, run.output[-3000:]
+        # Process i runs on the emulated host of topology node i, named in the hostfile.
+        assert "0        ib-0" in run.output and "1        roce-0" in run.output
+        assert "[p0] summary" in run.output and "[p1] summary" not in run.output
+    assert [m["step"] for m in run.metrics] == [1, 2, 3]
+    assert all(0 < m["loss"] < 10 for m in run.metrics)
+    # Each direction carried at least the activations of 3 steps x 2 micro-batches (4 x 16 x
+    # 32 fp32 values each) through the shaped inter-cluster class.
+    acts = 3 * 2 * 4 * 16 * 32 * 4
+    assert run.traffic["ib-0"][1] > acts and run.traffic["roce-0"][0] > acts, run.traffic
     _nothing_left(run_id)
 
 

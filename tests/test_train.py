@@ -67,6 +67,25 @@ def test_loss_decreases_on_synthetic_data(tmp_path):
     assert (plan["pp"], plan["dp"], plan["tp"]) == (1, 8, 1)
 
 
+def test_evaluation_and_saves_start_after_the_step_has_computed(tmp_path):
+    """Eval and checkpoint time is kept out of tokens/s; the step's own (asynchronously
+    dispatched) compute must not leak into it, so both start on a finished state."""
+    config = tiny_config(**{"train.steps": 4, "eval.every": 2, "checkpoint.every": 2,
+                            "workdir": str(tmp_path)})
+    trainer = Trainer(config, quiet=True)
+    ready_at = []
+
+    def ready() -> bool:
+        return all(x.is_ready() for x in jax.tree.leaves(trainer.state))
+
+    eval_loss, save = trainer.eval_loss, trainer.save
+    trainer.eval_loss = lambda: (ready_at.append(("eval", ready())), eval_loss())[1]
+    trainer.save = lambda **kw: (ready_at.append(("save", ready())), save(**kw))[1]
+    summary = trainer.train()
+    assert ready_at == [("eval", True), ("save", True)] * 2
+    assert summary["tokens_per_s"] > 0
+
+
 def test_train_step_reduces_gradients_over_dp_inside_the_step():
     trainer = Trainer(tiny_config(**{"parallel.dp": 4, "parallel.tp": 2}), quiet=True)
     hlo = trainer.compiled_step().as_text()

@@ -6,19 +6,27 @@ a measured run equals the measurement (the prediction falls monotonically as eff
 drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
 A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
 (`scripts/bench_planner.py calibrate`).
+
+For the testbed (hetjax/testbed.py), the cost model is calibrated on the emulated cluster's
+own measurements instead: `emulated_topology` puts the measured goodput and round trip of
+every link class into the topology, `profile_from_step_times` turns single-host step times at
+two or more layer counts into a per-layer `LayerProfile`, and `rank_agreement` /
+`prediction_errors` score predicted against measured step times (scripts/bench_het*.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
-from hetjax.planner.cost import CostModel, CostOptions
+from hetjax.planner.cost import CostModel, CostOptions, LayerProfile
 from hetjax.planner.zero import named
-from hetjax.topology import Topology, preset
+from hetjax.topology import ClusterLink, Link, Topology, preset
 
 if TYPE_CHECKING:
     from layers.config import ModelConfig
@@ -108,6 +116,112 @@ def holmes_table1(microbatch_per_replica: int = 1) -> list[Measurement]:
             for nic, rate in HOLMES_TABLE1.items()]
 
 
-__all__ = ["Measurement", "fit_efficiency", "fit_nic_bandwidth", "with_nic_bandwidth",
+# --- calibrating on the testbed ------------------------------------------------------------------
+def emulated_topology(topology: Topology, scale: float, links=()) -> Topology:
+    """The topology as the testbed emulates it: every link at its rate times `scale`, and,
+    for each measured link class (`hetjax.linkcheck.LinkMeasurement`s, labelled "ib" for a
+    cluster's NIC and "ib -> roce" between two clusters), the measured goodput and half the
+    measured round trip instead. The testbed does not emulate latency, so the measured one,
+    not the configured one, is what its runs see."""
+    names = [c.name for c in topology.clusters]
+    measured = {m.label: Link(m.link.kind, m.measured_bps / 1e9, m.rtt_s / 2 * 1e6)
+                for m in links}
+
+    def scaled(lk: Link) -> Link:
+        return dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * scale)
+
+    clusters = tuple(dataclasses.replace(c, nic=measured.get(c.name, scaled(c.nic)))
+                     for c in topology.clusters)
+    pairs = []
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            if topology.has_link(a, b):
+                lk = measured.get(f"{names[a]} -> {names[b]}",
+                                  scaled(topology.cluster_link(a, b)))
+                pairs.append(ClusterLink(names[a], names[b], lk))
+    inter = scaled(topology.inter_cluster) if topology.inter_cluster is not None else None
+    return dataclasses.replace(topology, name=f"{topology.name} (emulated)", clusters=clusters,
+                               inter_cluster=inter, cluster_links=tuple(pairs))
+
+
+def profile_from_step_times(layers: Sequence[int], step_s: Sequence[float],
+                            tokens_per_step: float, bwd_per_fwd: float = 3.0,
+                            head_bwd_per_fwd: float = 2.0) -> LayerProfile:
+    """A per-token LayerProfile from one device's step times at several layer counts.
+
+    The least-squares line step_s = fixed + per_layer * layers gives a layer's time (the
+    slope) and the rest (the intercept: embedding, head, loss, and the optimizer's fixed
+    part), each divided by the tokens one step processes. The measurement cannot split
+    forward from backward; the split follows the FLOPs: a recomputed layer's backward is
+    three forwards (`bwd_per_fwd`, hetjax's pipeline recomputes every layer), the head's two."""
+    x, y = np.asarray(layers, float), np.asarray(step_s, float)
+    if len(set(x)) < 2:
+        raise PlanError(f"a layer profile needs step times at two or more layer counts, got "
+                        f"layers {list(layers)}")
+    per_layer, fixed = np.polyfit(x, y, 1)
+    if per_layer <= 0:
+        raise PlanError(f"step times {list(step_s)} at layers {list(layers)} do not grow with "
+                        "the layer count; the profile runs were too noisy (a busy machine?)")
+    layer_tok = float(per_layer) / tokens_per_step
+    fixed_tok = max(float(fixed), 0.0) / tokens_per_step
+    return LayerProfile(fwd_s=layer_tok / (1 + bwd_per_fwd),
+                        bwd_s=layer_tok * bwd_per_fwd / (1 + bwd_per_fwd),
+                        head_fwd_s=fixed_tok / (1 + head_bwd_per_fwd),
+                        head_bwd_s=fixed_tok * head_bwd_per_fwd / (1 + head_bwd_per_fwd))
+
+
+def _ranks(x: Sequence[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing their mean rank."""
+    x = np.asarray(x, float)
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        ranks[x == v] = ranks[x == v].mean()
+    return ranks
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged)."""
+    ra, rb = _ranks(a), _ranks(b)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-b: (concordant - discordant) pairs over the pairs not tied, with ties
+    in either sequence corrected for."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    i, j = np.triu_indices(len(a), k=1)
+    da, db = np.sign(a[i] - a[j]), np.sign(b[i] - b[j])
+    n_a, n_b = np.count_nonzero(da), np.count_nonzero(db)
+    if n_a == 0 or n_b == 0:
+        return float("nan")
+    return float(np.sum(da * db) / np.sqrt(n_a * n_b))
+
+
+@dataclass(frozen=True)
+class PredictionErrors:
+    """How well predicted step times match measured ones."""
+
+    n: int
+    mae_s: float  # mean absolute error, seconds
+    mean_relative: float  # mean |predicted - measured| / measured
+    spearman: float
+    kendall: float
+
+
+def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> PredictionErrors:
+    p, m = np.asarray(predicted, float), np.asarray(measured, float)
+    if len(p) != len(m) or not len(p):
+        raise PlanError(f"need as many predictions as measurements, got {len(p)} and {len(m)}")
+    return PredictionErrors(len(p), float(np.mean(np.abs(p - m))),
+                            float(np.mean(np.abs(p - m) / m)), spearman(p, m), kendall_tau(p, m))
+
+
+__all__ = ["emulated_topology", "profile_from_step_times", "spearman", "kendall_tau",
+           "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",
+           "fit_nic_bandwidth", "with_nic_bandwidth",
            "predicted_samples_per_s", "holmes_model",
            "holmes_table1", "HOLMES_TABLE1"]

@@ -75,7 +75,11 @@ class CostOptions:
     of FLOPs when given; overlap: fraction of gradient sync and ZeRO traffic that can hide
     behind compute; memory_fraction: share of device memory the plan may use; share_nics:
     concurrent groups leaving a node split its NIC bandwidth; executor: how the pipeline runs
-    (see EXECUTORS)."""
+    (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
+    does in one process, where every collective-permute is a rendezvous of all devices; across
+    processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
+    the asynchronous timeline -- the emulated cluster measures this (scripts/bench_hetnet.py)
+    -- and the gradient sync may then overlap the last backward."""
 
     efficiency: float = DEFAULT_EFFICIENCY
     efficiency_by_kind: dict[str, float] = field(default_factory=dict)
@@ -84,6 +88,7 @@ class CostOptions:
     memory_fraction: float = 0.9
     share_nics: bool = True
     executor: str = "hetjax"
+    lockstep: bool = True
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -446,6 +451,10 @@ class CostModel:
         """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
         return self.options.executor == "hetjax" and layout.pp > 1
 
+    def runs_in_lockstep(self, layout: Layout) -> bool:
+        """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
+        return self.pipelined_by_hetjax(layout) and self.options.lockstep
+
     def _price_slots(self, layout: Layout) -> list["_Slot"]:
         m, o, sb, f = self.model, self.options, self.state_bytes, layout.zero
         zr.check(f, layout.dp)
@@ -582,7 +591,7 @@ class CostModel:
                        [c.fwd(n) for c, n in zip(stages, layers)],
                        [c.bwd(n) for c, n in zip(stages, layers)], send, send,
                        [c.sync(n) for c, n in zip(stages, layers)], self.options.overlap,
-                       lockstep=self.pipelined_by_hetjax(layout))
+                       lockstep=self.runs_in_lockstep(layout))
         tokens = plan.global_batch * plan.seq_len
         lmax = max(layers)
         step = float(sim.step_time)

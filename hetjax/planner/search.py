@@ -308,14 +308,14 @@ class _Search:
 
     def _price(self, layout: Layout, layers: tuple[int, ...], tag: str) -> _Candidate:
         """The candidate's estimate (the step time played without events: lockstep ticks for
-        hetjax's executor, the closed form otherwise) and its lower bound."""
+        hetjax's executor in one process, the closed form otherwise) and its lower bound."""
         stages = self.cm.stage_costs(layout)
         send, _ = self.cm.boundary_times(layout)
         M = layout.microbatches
         fwd = [c.fwd(n) for c, n in zip(stages, layers)]
         bwd = [c.bwd(n) for c, n in zip(stages, layers)]
         sync = [c.sync(n) for c, n in zip(stages, layers)]
-        if self.cm.pipelined_by_hetjax(layout):
+        if self.cm.runs_in_lockstep(layout):
             estimate = float(lockstep_ticks(layout.schedule, M, fwd, bwd, send, send).sum())
         else:
             sync = [exposed(x, b, self.cm.options.overlap) for x, b in zip(sync, bwd)]
