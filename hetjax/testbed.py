@@ -607,15 +607,17 @@ class Testbed:
         self._procs.clear()
 
     def _catch_signals(self) -> None:
-        """Turn SIGTERM/SIGHUP into KeyboardInterrupt, as SIGINT already is, so `with` blocks
-        unwind and tear down instead of the process dying with namespaces left behind."""
+        """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt, so `with` blocks unwind and tear
+        down instead of the process dying with namespaces left behind. SIGINT too: a process
+        started in the background (or by a test runner's worker) inherits it ignored, and
+        `hetjax testbed up` must still go down on Ctrl-C or `kill -INT`."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def interrupt(signum, _frame):
             raise KeyboardInterrupt(f"testbed received {signal.Signals(signum).name}")
 
-        for s in (signal.SIGTERM, signal.SIGHUP):
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[s] = signal.signal(s, interrupt)
 
     def _restore_signals(self) -> None:

@@ -433,10 +433,16 @@ def test_teardown_on_error():
     _nothing_left(run_id)
 
 
-def _start_up_command():
+def _start_up_command(sigint_ignored=False):
+    """`testbed up` in a child; with sigint_ignored it starts with SIGINT ignored, as a
+    background job (or a test runner's worker's child) does."""
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "testbed.py"), "up",
                           "--cpus=1", "--config.topology.nodes=1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=ignore_sigint if sigint_ignored else None)
     run_id = None
     for line in p.stdout:
         run_id = run_id or (re.match(r"testbed (\w+):", line) or [None, None])[1]
@@ -447,13 +453,20 @@ def _start_up_command():
 
 @pytest.mark.root
 @needs_testbed
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_up_tears_down_on_a_signal(sig):
-    p, run_id = _start_up_command()
-    assert tbm.leftovers(run_id)
-    p.send_signal(sig)
-    assert p.wait(timeout=30) == 130
-    p.stdout.close()
+@pytest.mark.parametrize("sig,sigint_ignored", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                                (signal.SIGINT, True)])
+def test_up_tears_down_on_a_signal(sig, sigint_ignored):
+    p, run_id = _start_up_command(sigint_ignored)
+    try:
+        assert tbm.leftovers(run_id)
+        p.send_signal(sig)
+        assert p.wait(timeout=30) == 130
+    finally:  # a failed test must not leave its testbed up
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            tbm.cleanup()
+        p.stdout.close()
     _nothing_left(run_id)
 
 
