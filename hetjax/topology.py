@@ -635,25 +635,27 @@ CPU_HALF = Accelerator("cpu_half", ACCELERATORS["cpu"].peak_tflops / 2, 2.0, ven
 TESTBED_ACCELERATORS = {"cpu": ACCELERATORS["cpu"], "cpu_half": CPU_HALF}
 
 
+def _uniform_pair(name: str, cluster: str, nic: str, nodes: int, devices_per_node: int
+                  ) -> Topology:
+    """Two `cpu` clusters (`cluster`, `cluster`2) whose every link, between them too, is `nic`."""
+    return Topology(
+        name=name,
+        clusters=tuple(make_cluster(c, nodes, devices_per_node, "cpu", nic)
+                       for c in (cluster, cluster + "2")),
+        inter_cluster=LINKS[nic])
+
+
 @register_preset
 def testbed_all_fast(nodes: int = 2, devices_per_node: int = 1) -> Topology:
     """Holmes' all-RDMA baseline in miniature: two InfiniBand clusters joined by a link as fast
     as InfiniBand."""
-    return Topology(
-        name="testbed_all_fast",
-        clusters=(make_cluster("ib", nodes, devices_per_node, "cpu", "infiniband"),
-                  make_cluster("ib2", nodes, devices_per_node, "cpu", "infiniband")),
-        inter_cluster=LINKS["infiniband"])
+    return _uniform_pair("testbed_all_fast", "ib", "infiniband", nodes, devices_per_node)
 
 
 @register_preset
 def testbed_all_ethernet(nodes: int = 2, devices_per_node: int = 1) -> Topology:
     """Every link 25 Gb/s Ethernet, inside and between the two clusters."""
-    return Topology(
-        name="testbed_all_ethernet",
-        clusters=(make_cluster("eth", nodes, devices_per_node, "cpu", "ethernet"),
-                  make_cluster("eth2", nodes, devices_per_node, "cpu", "ethernet")),
-        inter_cluster=LINKS["ethernet"])
+    return _uniform_pair("testbed_all_ethernet", "eth", "ethernet", nodes, devices_per_node)
 
 
 @register_preset

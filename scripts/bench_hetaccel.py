@@ -31,13 +31,12 @@ import dataclasses
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hetnet import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,  # noqa: E402
                           Workload, accuracy_table, bar_plot, case_record, cpus_text, failures,
-                          fmt, link_table, load_line, profile_kind, run_case, save_json, table,
-                          testbed_options, wait_for_quiet)
+                          fmt, link_table, load_line, profile_kind, run_case, save_json, start,
+                          table, testbed_options)
 
 from hetjax.errors import HetjaxError  # noqa: E402
 from hetjax.plan import Plan  # noqa: E402
@@ -110,13 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
     args = ap.parse_args(argv)
     work = dataclasses.replace(WORKLOAD, steps=args.steps)
-    t0 = time.monotonic()
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
-
-    log(f"bench_hetaccel: {load_line()}")
-    wait_for_quiet(log)
+    log = start("bench_hetaccel")
     log(work.describe())
     het = preset("testbed_hetaccel")
     hom_a = preset("testbed_hetaccel", kind_b="cpu")

@@ -415,6 +415,19 @@ def wait_for_quiet(log, limit: float = OTHERS_LIMIT, max_wait: float = QUIET_WAI
             f"({load_line()})")
 
 
+def start(name: str) -> Callable[[str], None]:
+    """A logger that stamps each line with the seconds since now; logs the machine's load and
+    waits for it to be quiet before returning."""
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
+
+    log(f"{name}: {load_line()}")
+    wait_for_quiet(log)
+    return log
+
+
 def load_line() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
@@ -476,13 +489,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=420, help="seconds per training run")
     args = ap.parse_args(argv)
     work = Workload(steps=args.steps)
-    t0 = time.monotonic()
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
-
-    log(f"bench_hetnet: {load_line()}")
-    wait_for_quiet(log)
+    log = start("bench_hetnet")
     log(work.describe())
     cases = nic_cases(work, args.cpus)
     # Per-layer compute, measured inside one emulated host under the same CPU cap.
