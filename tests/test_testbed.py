@@ -436,13 +436,11 @@ def test_teardown_on_error():
 def _start_up_command(sigint_ignored=False):
     """`testbed up` in a child; with sigint_ignored it starts with SIGINT ignored, as a
     background job (or a test runner's worker's child) does."""
-    def ignore_sigint():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "testbed.py"), "up",
-                          "--cpus=1", "--config.topology.nodes=1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=ignore_sigint if sigint_ignored else None)
+    argv = [sys.executable, os.path.join(REPO, "scripts", "testbed.py"), "up", "--cpus=1",
+            "--config.topology.nodes=1"]
+    if sigint_ignored:  # exec keeps an ignored signal ignored
+        argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_id = None
     for line in p.stdout:
         run_id = run_id or (re.match(r"testbed (\w+):", line) or [None, None])[1]
