@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_EXECUTORS = ("spmd", "mpmd")
 ZERO_PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics", "auto", "custom")
 
 
@@ -61,6 +62,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.stage_layers = ()  # layers per stage, e.g. (3, 1); empty: even split
     c.pipeline.schedule = "1f1b"
+    # spmd: one shard_map program, stages in lockstep ticks; mpmd: one program per stage,
+    # stages run asynchronously
+    c.pipeline.executor = "spmd"
     c.pipeline.microbatches = 0  # alias of train.microbatches for pipeline users; 0: unset
 
     c.zero = ml_collections.ConfigDict()
@@ -270,6 +274,9 @@ def validate(c) -> None:
         v = _get(c, f)
         _require(isinstance(v, int) and v >= 0, f, f"must be >= 1 (or 0 for automatic), got {v!r}",
                  f"set --config.{f}=1")
+    _require(c.pipeline.executor in PIPELINE_EXECUTORS, "pipeline.executor",
+             f"unknown executor {c.pipeline.executor!r}",
+             f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
     _require(c.zero.preset in ZERO_PRESETS, "zero.preset", f"unknown preset {c.zero.preset!r}",

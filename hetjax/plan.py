@@ -24,6 +24,9 @@ from hetjax.errors import ConfigError
 from hetjax.topology import Topology
 
 
+EXECUTORS = ("spmd", "mpmd")  # pipeline executors a Plan can name (parallel/executor.py)
+
+
 @dataclass(frozen=True)
 class ZeroFactors:
     """AMSP sharding factors over the data-parallel devices of a stage.
@@ -49,6 +52,9 @@ class Plan:
     seq_len: int
     schedule: str = "1f1b"
     zero: ZeroFactors = ZeroFactors()
+    # How a pipeline runs (pp > 1): "spmd", one shard_map program whose stages advance in
+    # lockstep ticks, or "mpmd", one program per stage, stages running asynchronously.
+    executor: str = "spmd"
     # Topology ranks in mesh order: reshape(pp, dp, tp)[s, d, t] is the rank at stage s,
     # data-parallel replica d, tensor shard t. Rank order unless the planner reordered devices.
     device_order: tuple[int, ...] = ()
@@ -63,6 +69,8 @@ class Plan:
             raise ValueError(f"device_order must be a permutation of range({n})")
         if len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers {self.stage_layers} does not have pp={self.pp} stages")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor {self.executor!r}: choose one of {', '.join(EXECUTORS)}")
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -150,8 +158,9 @@ class Plan:
 
     def header(self) -> str:
         z = self.zero
+        executor = f"  executor={self.executor}" if self.pp > 1 else ""
         return (f"plan ({self.source}): pp={self.pp} dp={self.dp} tp={self.tp}  "
-                f"schedule={self.schedule}  micro-batches={self.microbatches} x "
+                f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")
 
@@ -244,7 +253,8 @@ def plan_from_config(c, topology: Topology) -> Plan:
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                 global_batch=c.train.batch_size, seq_len=c.train.seq_len,
-                schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config")
+                schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
+                executor=c.pipeline.get("executor", "spmd"))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
     from parallel.zero import factors_from_config
 
