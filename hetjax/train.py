@@ -36,13 +36,14 @@ from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import HetjaxError
 from hetjax.metrics import MetricsWriter, Progress, read_metrics
-from hetjax.plan import Plan, plan_from_config
+from hetjax.plan import Plan
+from hetjax.planner import check_placement, plan_from_config
 from hetjax.tokenizer import load_tokenizer
 from hetjax.topology import Topology
 from layers import ModelConfig, Transformer, cross_entropy
 from parallel import sharding as shd
 from parallel import zero
-from parallel.mesh import build_mesh, check_placement
+from parallel.mesh import build_mesh
 from parallel.pipeline import Pipeline, StageLayout
 
 

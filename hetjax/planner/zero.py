@@ -1,5 +1,7 @@
-"""ZeRO sharding factors (AMSP, spec/amsp.md): the space of (s_p, s_g, s_os), the named points,
-the model-state memory formula and the communication terms.
+"""ZeRO sharding factors (AMSP, spec/amsp.md): the one owner of their rules -- the named points
+(presets), the ordering and node rules, the factors a config asks for on a plan -- and the
+space of (s_p, s_g, s_os), the model-state memory formula, the communication terms and the
+list of collectives parallel/zero.py issues (`expected_collectives`, what the HLO audit checks).
 
 Parameters, gradients and optimizer states of a stage are each sharded over s_p, s_g and s_os
 of its dp data-parallel devices. hetjax's mesh factors the dp axis into (dp / s_os, s_os / s_p,
@@ -17,16 +19,22 @@ two ways of running the step:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from hetjax.errors import PlanError
-from hetjax.plan import ZeroFactors
+from hetjax.errors import ConfigError, PlanError
+from hetjax.plan import DP_AXES, Plan, ZeroAxes, ZeroFactors
+from hetjax.topology import Topology
+from parallel.hlo import Collective as HloCollective
 
 NAMED = ("ddp", "zero1", "zero2", "zero3", "mics")
+# What config.zero.preset accepts: a named point, 'auto' (AMSP's enumeration by the planner)
+# or 'custom' (zero.s_p / s_g / s_os).
+CONFIG_PRESETS = NAMED + ("auto", "custom")
 
 
 @dataclass(frozen=True)
@@ -103,9 +111,33 @@ def named(name: str, dp: int, node_local: int) -> ZeroFactors:
     return ZeroFactors(*points[name], name=name)
 
 
+def order_problem(s_p: int, s_g: int, s_os: int) -> tuple[str, str, str] | None:
+    """AMSP's ordering rule, as (field, problem, fix), or None when kept: s_p divides s_os
+    (each optimizer-state shard lies inside its parameter shard) and s_g is s_p or s_os."""
+    if s_os % s_p:
+        return ("zero.s_os",
+                f"s_os = {s_os} is not a multiple of s_p = {s_p}; each optimizer-state shard "
+                "must lie inside its device's parameter shard",
+                f"choose s_os from the multiples of s_p = {s_p} (and divisors of dp)")
+    if s_g not in (s_p, s_os):
+        return ("zero.s_g",
+                f"s_g = {s_g} must equal s_p = {s_p} or s_os = {s_os} (gradients are sharded "
+                "like the parameters or like the optimizer states)",
+                f"set zero.s_g to {s_p} or {s_os}")
+    return None
+
+
+def check_order(s_p: int, s_g: int, s_os: int) -> None:
+    """Raise ConfigError (naming the zero.* field) unless the factors keep the ordering rule.
+    Divisibility by dp and the node rules need the plan (`check_factors`)."""
+    problem = order_problem(s_p, s_g, s_os)
+    if problem:
+        raise ConfigError(*problem)
+
+
 def check(f: ZeroFactors, dp: int) -> None:
     """Raise PlanError unless `f` fits hetjax's mesh for `dp` data-parallel devices."""
-    if dp % f.s_os or f.s_os % f.s_p or f.s_g not in (f.s_p, f.s_os):
+    if dp % f.s_os or order_problem(f.s_p, f.s_g, f.s_os):
         raise PlanError(
             f"ZeRO factors (s_p={f.s_p}, s_g={f.s_g}, s_os={f.s_os}) do not fit dp={dp}: "
             f"hetjax needs s_p | s_os | dp and s_g in {{s_p, s_os}}; nearest valid: "
@@ -201,3 +233,67 @@ def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.nda
         sync=collective("all_reduce", g_bytes / f.s_p, groups["replicas"]),
         refresh=refresh,
     )
+
+
+# --- the factors of a config on a plan ----------------------------------------------------
+def replica_nodes(plan: Plan, topology: Topology) -> np.ndarray:
+    """[groups, dp]: the node of each member of each of the plan's data-parallel groups."""
+    return np.array([[topology.devices[r].global_node for r in g] for g in plan.dp_groups()])
+
+
+def check_factors(z: ZeroFactors, plan: Plan, topology: Topology) -> None:
+    """Raise ConfigError unless (s_p, s_g, s_os) keeps AMSP's ordering, divisibility and
+    node-filling rules for the plan's dp and placement; the message lists the valid choices."""
+    valid = valid_factors(replica_nodes(plan, topology))
+    rule = (f"valid factors for dp = {plan.dp} on {topology.name!r}: {valid} (divisors of dp "
+            "whose groups stay inside a node or take whole nodes)")
+    for name, s in (("s_p", z.s_p), ("s_g", z.s_g), ("s_os", z.s_os)):
+        if s not in valid:
+            raise ConfigError(f"zero.{name}", f"{name} = {s} is not usable with dp = {plan.dp}",
+                              f"choose from the {rule}")
+    check_order(z.s_p, z.s_g, z.s_os)
+
+
+def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
+    """The ZeroFactors the `zero` config section asks for on this plan, checked."""
+    if zc.preset == "auto":  # plan_from_config asks the planner's search for these
+        raise ConfigError("zero.preset", "'auto' is chosen by the planner's search, not here",
+                          "build the plan with hetjax.planner.plan_from_config")
+    if zc.preset == "custom":
+        z = ZeroFactors(zc.s_p, zc.s_g, zc.s_os, name="custom")
+    else:
+        z = named(zc.preset, plan.dp, node_local_factor(replica_nodes(plan, topology)))
+    check_factors(z, plan, topology)
+    return z
+
+
+# --- the collectives hetjax's ZeRO step issues (what the HLO audit compares with) ------------
+def expected_collectives(z: ZeroFactors, dp: int, microbatches: int, split: int,
+                         replicated: int) -> list[HloCollective]:
+    """The data-parallel collectives one step of parallel/zero.py `accumulate_gradients` + the
+    sharded update issues for point z, with V in bytes per device (`split` / `replicated`
+    from parallel/zero.py `split_bytes`).
+
+    AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per step
+    (parameters are gathered before the micro-batch loop) and its reduce-scatter each
+    micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
+    reduce-scatter to the OS shard plus an all-reduce across the dp / s_os replicas after the
+    loop; T_os1 as an all-gather inside the OS sub-group. Scalar reductions (loss, gradient
+    norm) are left out."""
+    axes = ZeroAxes.of(z)
+    sizes = {"dp": dp // z.s_os, "dp_os": z.s_os // z.s_p, "dp_p": z.s_p}
+    out = []
+
+    def add(kind, ax, nbytes, count=1, depth=0):
+        ax = tuple(a for a in DP_AXES if a in ax and sizes[a] > 1)  # as the mesh orders them
+        if ax and nbytes:
+            out.append(HloCollective(kind, ax, math.prod(sizes[a] for a in ax), nbytes,
+                                     count, depth))
+
+    add("all-gather", axes.p, split)  # T_p: gather P, once per step
+    add("reduce-scatter", axes.g, split, microbatches, 1)  # T_p + T_g: each micro-batch
+    add("reduce-scatter", set(axes.os) - set(axes.g), split // z.s_g)  # T_os0: to OS shards,
+    add("all-reduce", axes.replica, split // z.s_os)  # then across replicas, once per step
+    add("all-reduce", DP_AXES, replicated)  # parameters left unsplit: plain data parallel
+    add("all-gather", set(axes.os) - set(axes.p), split // z.s_p)  # T_os1: refresh P
+    return out
