@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import DP_AXES, MESH_AXES as AXES, Plan
+from hetjax.plan import DP_AXES, MESH_AXES as AXES, Plan  # noqa: F401 - DP_AXES re-exported
 from hetjax.topology import Topology
 
 

@@ -30,7 +30,6 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from hetjax.plan import Plan, ZeroAxes, ZeroFactors
