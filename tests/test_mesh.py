@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import holmes_dp_group, holmes_pp_group, holmes_tp_group
 from hetjax import topology as topo
 from hetjax.errors import PlanError
 from hetjax.plan import Plan, ZeroFactors
@@ -13,9 +14,9 @@ from parallel import mesh as pmesh
 def test_holmes_group_formulas_match_the_worked_example():
     # 2 clusters x 2 nodes x 4 GPUs, t=2, d=4, p=2 (1-indexed ranks, as in the paper)
     t, d, p = 2, 4, 2
-    assert [placement.holmes_tp_group(i, t, d, p) for i in (1, 2)] == [[1, 2], [3, 4]]
-    assert [placement.holmes_pp_group(i, t, d, p) for i in (1, 2)] == [[1, 9], [2, 10]]
-    assert [placement.holmes_dp_group(i, t, d, p) for i in range(1, 5)] == [
+    assert [holmes_tp_group(i, t, d, p) for i in (1, 2)] == [[1, 2], [3, 4]]
+    assert [holmes_pp_group(i, t, d, p) for i in (1, 2)] == [[1, 9], [2, 10]]
+    assert [holmes_dp_group(i, t, d, p) for i in range(1, 5)] == [
         [1, 3, 5, 7], [2, 4, 6, 8], [9, 11, 13, 15], [10, 12, 14, 16]]
 
 
@@ -24,11 +25,11 @@ def test_plan_groups_equal_holmes_formulas():
     plan = Plan(pp=p, dp=d, tp=t, stage_layers=(15, 15), microbatches=4, global_batch=16,
                 seq_len=8)
     one = lambda groups: sorted(sorted(r + 1 for r in g) for g in groups)  # noqa: E731
-    assert one(plan.tp_groups()) == sorted(placement.holmes_tp_group(i, t, d, p)
+    assert one(plan.tp_groups()) == sorted(holmes_tp_group(i, t, d, p)
                                            for i in range(1, p * d + 1))
-    assert one(plan.pp_groups()) == sorted(placement.holmes_pp_group(i, t, d, p)
+    assert one(plan.pp_groups()) == sorted(holmes_pp_group(i, t, d, p)
                                            for i in range(1, t * d + 1))
-    assert one(plan.dp_groups()) == sorted(placement.holmes_dp_group(i, t, d, p)
+    assert one(plan.dp_groups()) == sorted(holmes_dp_group(i, t, d, p)
                                            for i in range(1, p * t + 1))
 
 
