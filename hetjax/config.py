@@ -19,7 +19,7 @@ import ml_collections
 from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
-from hetjax.planner.config_plan import resolve_microbatches  # noqa: F401 - re-exported
+from hetjax.planner.config_plan import resolve_microbatches
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
