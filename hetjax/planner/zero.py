@@ -165,25 +165,69 @@ def space(nodes: np.ndarray) -> list[ZeroFactors]:
     return out
 
 
-def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
-    """Rank groups of each ZeRO collective, from the stage's DP groups [k, dp].
+def axis_groups(dp_groups: np.ndarray, f: ZeroFactors, axes: tuple[str, ...]) -> np.ndarray:
+    """Rank groups of a collective over the data-parallel mesh `axes` (a subset of DP_AXES),
+    from the stage's DP groups [k, dp]: the dp axis is laid out as the mesh factors it,
+    ('dp', 'dp_os', 'dp_p') = (dp / s_os, s_os / s_p, s_p) with p innermost. [instances, size]."""
+    k, dp = dp_groups.shape
+    grid = dp_groups.reshape(k, dp // f.s_os, f.s_os // f.s_p, f.s_p)
+    inside = [1 + DP_AXES.index(a) for a in DP_AXES if a in axes]
+    outside = [i for i in range(grid.ndim) if i not in inside]
+    return grid.transpose(outside + inside).reshape(-1, math.prod(grid.shape[i] for i in inside))
 
-    The dp axis is laid out as (replica, os-extra, p) with p innermost, as in the mesh:
+
+def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
+    """Rank groups of each ZeRO collective, from the stage's DP groups [k, dp]:
     "p": the s_p devices sharing one parameter shard's gather / scatter;
     "replicas": the dp / s_p devices holding the same P shard (gradient sync);
     "os": the s_os / s_p devices of one OS subgroup inside a P shard (G beyond P, refresh);
     "shard": the s_os devices that together hold one copy of the optimizer states;
     "os_replicas": the dp / s_os devices holding the same OS shard.
     Each value is [instances, size]."""
-    k, dp = dp_groups.shape
-    grid = dp_groups.reshape(k, dp // f.s_os, f.s_os // f.s_p, f.s_p)
-    return {
-        "p": grid.reshape(-1, f.s_p),
-        "replicas": grid.transpose(0, 3, 1, 2).reshape(-1, dp // f.s_p),
-        "os": grid.transpose(0, 1, 3, 2).reshape(-1, f.s_os // f.s_p),
-        "shard": grid.reshape(-1, f.s_os),
-        "os_replicas": grid.transpose(0, 2, 3, 1).reshape(-1, dp // f.s_os),
-    }
+    axes = {"p": ("dp_p",), "replicas": ("dp", "dp_os"), "os": ("dp_os",),
+            "shard": ("dp_os", "dp_p"), "os_replicas": ("dp",)}
+    return {name: axis_groups(dp_groups, f, ax) for name, ax in axes.items()}
+
+
+# --- the collectives of hetjax's ZeRO step: one description, read by the cost model
+# (`zero_times`, executor "hetjax") and by the audit of the compiled step (`expected_collectives`)
+@dataclass(frozen=True)
+class StepCollective:
+    """One collective parallel/zero.py issues for the split parameters of a step: its kind,
+    the data-parallel mesh axes of its group (mesh order), the bytes it moves (those of the
+    state `of`, "p" or "g", per device, divided by `divisor`) and when it runs: "microbatch"
+    (every micro-batch), "sync" (once per step, around the micro-batch loop) or "refresh"
+    (after the update)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    of: str
+    divisor: int
+    when: str
+
+
+def step_collectives(z: ZeroFactors) -> list[StepCollective]:
+    """AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per
+    step (parameters are gathered before the micro-batch loop) and its reduce-scatter each
+    micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
+    reduce-scatter to the OS shard plus an all-reduce across the dp / s_os replicas after the
+    loop; T_os1 as an all-gather inside the OS sub-group. A group may have one member (no
+    collective runs)."""
+    axes = ZeroAxes.of(z)
+
+    def ordered(ax) -> tuple[str, ...]:
+        return tuple(a for a in DP_AXES if a in ax)
+
+    return [
+        StepCollective("all-gather", ordered(axes.p), "p", 1, "sync"),  # T_p: gather P
+        StepCollective("reduce-scatter", ordered(axes.g), "g", 1, "microbatch"),  # T_p + T_g
+        StepCollective("reduce-scatter", ordered(set(axes.os) - set(axes.g)), "g", z.s_g,
+                       "sync"),  # T_os0: to the OS shards,
+        StepCollective("all-reduce", ordered(axes.replica), "g", z.s_os, "sync"),  # then across
+        # the replicas, once per step
+        StepCollective("all-gather", ordered(set(axes.os) - set(axes.p)), "p", z.s_p,
+                       "refresh"),  # T_os1: refresh P inside the OS subgroup
+    ]
 
 
 Collective = Callable[[str, float, np.ndarray], float]
@@ -213,20 +257,19 @@ def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.nda
 
     megatron: AMSP's T_p, T_g, T_os0, T_os1, with even sharding (as in JAX) G beyond P a
     reduce-scatter and the refresh an all-gather inside the OS subgroup (spec/amsp.md).
-    hetjax: parallel/zero.py's expected collectives: P gathered once per step, G
+    hetjax: `step_collectives`, what parallel/zero.py issues: P gathered once per step, G
     reduce-scattered over its group every micro-batch, after the loop a reduce-scatter to the
     OS shards and an all-reduce across the OS replicas, then the refresh."""
+    if executor == "hetjax":
+        nbytes = {"p": p_bytes, "g": g_bytes}
+        times: dict[str, list[float]] = {"microbatch": [], "sync": [], "refresh": []}
+        for c in step_collectives(f):
+            times[c.when].append(collective(c.kind.replace("-", "_"), nbytes[c.of] / c.divisor,
+                                            axis_groups(dp_groups, f, c.axes)))
+        return ZeroTimes(gather=0.0, scatter=sum(times["microbatch"]), accumulate=0.0,
+                         sync=sum(times["sync"]), refresh=sum(times["refresh"]))
     groups = subgroups(dp_groups, f)
     refresh = collective("all_gather", p_bytes / f.s_p, groups["os"])
-    if executor == "hetjax":
-        g_group = groups["p"] if f.s_g == f.s_p else groups["shard"]
-        return ZeroTimes(
-            gather=0.0, scatter=collective("reduce_scatter", g_bytes, g_group), accumulate=0.0,
-            sync=(collective("all_gather", p_bytes, groups["p"])
-                  + (collective("reduce_scatter", g_bytes / f.s_g, groups["os"])
-                     if f.s_g < f.s_os else 0.0)
-                  + collective("all_reduce", g_bytes / f.s_os, groups["os_replicas"])),
-            refresh=refresh)
     return ZeroTimes(
         gather=collective("all_gather", p_bytes, groups["p"]),
         scatter=collective("reduce_scatter", g_bytes, groups["p"]),
@@ -273,29 +316,22 @@ def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
 def expected_collectives(z: ZeroFactors, dp: int, microbatches: int, split: int,
                          replicated: int) -> list[HloCollective]:
     """The data-parallel collectives one step of parallel/zero.py `accumulate_gradients` + the
-    sharded update issues for point z, with V in bytes per device (`split` / `replicated`
-    from parallel/zero.py `split_bytes`).
-
-    AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per step
-    (parameters are gathered before the micro-batch loop) and its reduce-scatter each
-    micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
-    reduce-scatter to the OS shard plus an all-reduce across the dp / s_os replicas after the
-    loop; T_os1 as an all-gather inside the OS sub-group. Scalar reductions (loss, gradient
-    norm) are left out."""
-    axes = ZeroAxes.of(z)
+    sharded update issues for point z (`step_collectives`), as the audit of the compiled
+    program reads them (parallel/hlo.py), with V in bytes per device (`split` / `replicated`
+    from parallel/zero.py `split_bytes`). Parameters left unsplit are all-reduced over every
+    data-parallel device, as plain data parallelism; scalar reductions (loss, gradient norm)
+    are left out."""
     sizes = {"dp": dp // z.s_os, "dp_os": z.s_os // z.s_p, "dp_p": z.s_p}
     out = []
 
     def add(kind, ax, nbytes, count=1, depth=0):
-        ax = tuple(a for a in DP_AXES if a in ax and sizes[a] > 1)  # as the mesh orders them
+        ax = tuple(a for a in ax if sizes[a] > 1)
         if ax and nbytes:
-            out.append(HloCollective(kind, ax, math.prod(sizes[a] for a in ax), nbytes,
-                                     count, depth))
+            out.append(HloCollective(kind, ax, math.prod(sizes[a] for a in ax), nbytes, count,
+                                     depth))
 
-    add("all-gather", axes.p, split)  # T_p: gather P, once per step
-    add("reduce-scatter", axes.g, split, microbatches, 1)  # T_p + T_g: each micro-batch
-    add("reduce-scatter", set(axes.os) - set(axes.g), split // z.s_g)  # T_os0: to OS shards,
-    add("all-reduce", axes.replica, split // z.s_os)  # then across replicas, once per step
-    add("all-reduce", DP_AXES, replicated)  # parameters left unsplit: plain data parallel
-    add("all-gather", set(axes.os) - set(axes.p), split // z.s_p)  # T_os1: refresh P
+    for c in step_collectives(z):
+        each = c.when == "microbatch"
+        add(c.kind, c.axes, split // c.divisor, microbatches if each else 1, int(each))
+    add("all-reduce", DP_AXES, replicated)
     return out
