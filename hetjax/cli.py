@@ -250,7 +250,7 @@ def cmd_plan(argv: list[str]) -> int:
     import dataclasses
 
     from hetjax import config as hconfig
-    from hetjax.plan import plan_from_config
+    from hetjax.planner import plan_from_config
     from hetjax.planner import model_from_config, predict
 
     opts, rest = _take_options(argv, ("json", "plot"))

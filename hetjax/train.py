@@ -33,12 +33,12 @@ from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import HetjaxError
 from hetjax.metrics import MetricsWriter, Progress, read_metrics
-from hetjax.plan import Plan, plan_from_config
+from hetjax.plan import Plan
+from hetjax.planner import check_placement, plan_from_config
 from hetjax.tokenizer import load_tokenizer
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel.executor import TrainState, make_executor, opt_state_specs
-from parallel.mesh import check_placement
 
 
 def learning_rate_schedule(t) -> optax.Schedule:

@@ -50,13 +50,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
-from hetjax.errors import PlanError
 from layers import Transformer, block_apply
 from layers.model import REMAT_POLICIES
 from parallel import schedules as sch
 from parallel import sharding as shd
 from parallel import zero
-from parallel.executor import Executor, TrainState, opt_state_specs
+from parallel.train_state import Executor, TrainState, opt_state_specs
 from parallel.mesh import DP_AXES, build_mesh
 from parallel.pipeline import check_plan, onehot_cross_entropy
 

@@ -31,10 +31,10 @@ from hetjax.errors import PlanError
 from hetjax.plan import Plan, ZeroFactors, even_split
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import CostModel, CostOptions, Layout, MissingLinkError, StageCost
+from hetjax.planner.placement import placement_problems
 from hetjax.planner.simulate import (closed_form, exposed, in_flight, lockstep_ticks,
                                      lower_bound)
 from hetjax.topology import Topology
-from parallel.mesh import placement_problems
 from parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:
