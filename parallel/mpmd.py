@@ -23,8 +23,9 @@ accumulator, reduce across replicas once:
   accumulating parameter gradients; or, split for zero-bubble schedules, I(m) pulls back only
   the activation gradients (XLA drops the weight-gradient work) and keeps each piece's output
   gradient, and W(m) computes the weight gradients from them.
-- After a stage's last backward of the step its gradients are reduced across its replicas at
-  once (`finish`), while other stages still work.
+- A stage's last backward of the step also reduces its gradients across its replicas, in the
+  same program (so XLA may overlap the reduction with the remaining layers' backward), while
+  other stages still work.
 - The update: the global gradient norm is summed from one scalar per stage; each stage clips
   with it and applies the optimizer to its own OS shards.
 
@@ -321,13 +322,23 @@ class Stage:
             out, _ = forward(pieces, x, inputs, targets, m)
             return out
 
+        def last_backward(pieces, stash, dy, acc, losses):
+            # The step's last backward of this stage and its gradient reduction in one
+            # program, so XLA may overlap the reduction with the backward's remaining layers.
+            dx, acc = backward(pieces, stash, dy, acc)
+            return dx, finish(acc, losses)
+
+        def last_weight_grads(pieces, stash, douts, acc, losses):
+            return finish(weight_grads(pieces, stash, douts, acc), losses)
+
         self.gather = jax.jit(gather)
+        self.last_backward = jax.jit(last_backward, donate_argnums=3)
+        self.last_weight_grads = jax.jit(last_weight_grads, donate_argnums=3)
         self.forward = jax.jit(forward)
         self.backward = jax.jit(backward, donate_argnums=3)
         self.input_grads = jax.jit(input_grads)
         self.weight_grads = jax.jit(weight_grads, donate_argnums=3)
         self.new_accumulator = jax.jit(new_accumulator)
-        self.finish = jax.jit(finish)
         self.squared_norm = jax.jit(squared_norm)
         self.update = jax.jit(update, out_shardings=self.state_sharding, donate_argnums=0)
         self.eval_forward = jax.jit(eval_forward)
@@ -449,21 +460,28 @@ class MpmdExecutor(Executor):
                 continue
             dy = (jnp.ones((plan.dp,), jnp.float32, device=st.activation) if st.last
                   else grad_inbox.pop((s, m)))
-            if a.kind == "B":
+            if a.kind in ("B", "W"):
+                remaining[s] -= 1
+            # The stage's last backward also reduces its gradients, while others still work.
+            last = a.kind in ("B", "W") and not remaining[s]
+            stage_losses = losses if st.last else zeros[s]
+            dx = None
+            if a.kind == "B" and last:
+                dx, finished[s] = st.run(st.last_backward, pieces[s], stash.pop((s, m)), dy,
+                                         acc[s], stage_losses)
+            elif a.kind == "B":
                 dx, acc[s] = st.run(st.backward, pieces[s], stash.pop((s, m)), dy, acc[s])
             elif a.kind == "I":
                 dx, douts[s, m] = st.run(st.input_grads, pieces[s], stash[s, m], dy)
-            else:  # "W"
+            elif last:  # "W"
+                finished[s] = st.run(st.last_weight_grads, pieces[s], stash.pop((s, m)),
+                                     douts.pop((s, m)), acc[s], stage_losses)
+            else:
                 acc[s] = st.run(st.weight_grads, pieces[s], stash.pop((s, m)),
                                 douts.pop((s, m)), acc[s])
-                dx = None
-            if a.kind in ("B", "I") and not st.first:
+            if dx is not None:
                 grad_inbox[s - 1, m] = jax.device_put(dx, stages[s - 1].activation)
-            if a.kind in ("B", "W"):
-                remaining[s] -= 1
-                if not remaining[s]:  # the stage's last backward: reduce its gradients now
-                    finished[s] = st.run(st.finish, acc[s], losses if st.last else zeros[s])
-        grads = [f[0] for f in finished]
+        grads = [g for g, _ in finished]
         if self.tied:  # the embedding's two gradients, summed between its two stages only
             a, b = grads[0]["embedder"], grads[-1]["embedder"]
             grads[0] = {**grads[0], "embedder": stages[0].run(

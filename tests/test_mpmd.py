@@ -60,7 +60,9 @@ def test_three_training_steps_equal_the_spmd_executor_and_one_device():
         "topology.devices_per_node": 1, "train.batch_size": 16}))
     for other in (spmd, single):
         np.testing.assert_allclose(mpmd[0], other[0], rtol=1e-6)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
+        # AdamW moves every element by about lr whatever its gradient's size, so an element
+        # whose gradient is at rounding level may differ by a few 1e-5 (lr = 3e-3).
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
                      mpmd[1], other[1])
 
 
