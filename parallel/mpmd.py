@@ -40,6 +40,8 @@ see docs/pipeline.md for where the timing is measured.)
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -429,9 +431,13 @@ class MpmdExecutor(Executor):
         loss, grads, _ = self.stage_loss_and_grads(state, batch)
         return loss, self._natural(lambda g: g, MpmdState(stages=tuple(grads)))
 
-    def stage_loss_and_grads(self, state: MpmdState, batch):
+    def stage_loss_and_grads(self, state: MpmdState, batch,
+                             task_times: dict[tuple[int, str], list[float]] | None = None):
         """Run the schedule's tasks: the mean loss, each stage's gradients (OS shards, reduced
-        across its replicas, the tied embedding's summed) and the global gradient norm."""
+        across its replicas, the tied embedding's summed) and the global gradient norm.
+
+        With `task_times` (for benchmarks) every task is waited for and its seconds appended
+        under (stage, kind), which serialises the stages."""
         plan, stages = self.plan, self.stages
         inputs, targets = batch["inputs"], batch["targets"]
         pieces = [st.run(st.gather, s.params) for st, s in zip(stages, state.stages)]
@@ -449,9 +455,11 @@ class MpmdExecutor(Executor):
         finished: list[Any] = [None] * plan.pp
         for s, a in self.order:
             st, m = stages[s], a.microbatch
+            run = st.run if task_times is None else functools.partial(_timed, st, (s, a.kind),
+                                                                     task_times)
             if a.kind == "F":
                 x = inbox.pop((s, m)) if not st.first else None
-                out, stash[s, m] = st.run(st.forward, pieces[s], x, inputs, targets,
+                out, stash[s, m] = run(st.forward, pieces[s], x, inputs, targets,
                                           jnp.int32(m))
                 if st.last:
                     losses = losses + out
@@ -467,17 +475,17 @@ class MpmdExecutor(Executor):
             stage_losses = losses if st.last else zeros[s]
             dx = None
             if a.kind == "B" and last:
-                dx, finished[s] = st.run(st.last_backward, pieces[s], stash.pop((s, m)), dy,
+                dx, finished[s] = run(st.last_backward, pieces[s], stash.pop((s, m)), dy,
                                          acc[s], stage_losses)
             elif a.kind == "B":
-                dx, acc[s] = st.run(st.backward, pieces[s], stash.pop((s, m)), dy, acc[s])
+                dx, acc[s] = run(st.backward, pieces[s], stash.pop((s, m)), dy, acc[s])
             elif a.kind == "I":
-                dx, douts[s, m] = st.run(st.input_grads, pieces[s], stash[s, m], dy)
+                dx, douts[s, m] = run(st.input_grads, pieces[s], stash[s, m], dy)
             elif last:  # "W"
-                finished[s] = st.run(st.last_weight_grads, pieces[s], stash.pop((s, m)),
+                finished[s] = run(st.last_weight_grads, pieces[s], stash.pop((s, m)),
                                      douts.pop((s, m)), acc[s], stage_losses)
             else:
-                acc[s] = st.run(st.weight_grads, pieces[s], stash.pop((s, m)),
+                acc[s] = run(st.weight_grads, pieces[s], stash.pop((s, m)),
                                 douts.pop((s, m)), acc[s])
             if dx is not None:
                 grad_inbox[s - 1, m] = jax.device_put(dx, stages[s - 1].activation)
@@ -506,6 +514,13 @@ class MpmdExecutor(Executor):
                     x = jax.device_put(out, self.stages[st.index + 1].activation)
             total += float(jnp.mean(out))
         return total / self.plan.microbatches
+
+
+def _timed(stage: Stage, key, times: dict, fn, *args):
+    t = time.perf_counter()
+    out = jax.block_until_ready(stage.run(fn, *args))
+    times.setdefault(key, []).append(time.perf_counter() - t)
+    return out
 
 
 def issue_order(schedule: sch.Schedule) -> list[tuple[int, sch.Action]]:
