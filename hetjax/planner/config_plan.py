@@ -109,7 +109,7 @@ def _with_executor(result: PlanResult, executor: str) -> PlanResult:
 
 def _note_executor_choice(best: Plan, priced: list[Plan]) -> None:
     """Record in the chosen plan's predictions why its executor won."""
-    times = ", ".join(f"{p.executor} {p.predicted['step_time_s']:.3g} s" for p in priced)
+    times = ", ".join(f"{p.executor} {p.predicted['step_time_s']:.4g} s" for p in priced)
     best.predicted["executor_choice"] = f"{best.executor} (predicted step: {times})"
 
 
@@ -125,7 +125,7 @@ def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | 
     for executor, name in PLAN_EXECUTORS.items():
         cm = CostModel(topology, model, dataclasses.replace(options or CostOptions(),
                                                             executor=name))
-        p = dataclasses.replace(plan_, executor=executor)
+        p = dataclasses.replace(plan_, executor=executor, predicted={})
         p.predicted.update(cm.predict(p).as_dict())
         priced.append(p)
     best = min(priced, key=lambda p: p.predicted["step_time_s"])
