@@ -38,6 +38,20 @@ def opt_state_specs(tx, abstract_opt_state, specs):
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
 
+def batch_rows(plan: Plan, inputs_sharding) -> np.ndarray:
+    """Rows of the global batch [B, S] that this process's devices hold, ascending (all rows in
+    a single-process run), given the sharding of the [M, B / M, S] inputs.
+
+    The batch is fed as [M, B / M, S] (row r is micro-batch r // (B / M)) with the middle axis
+    split over data parallelism, so a process holds, in every micro-batch, the slices of its
+    data-parallel positions."""
+    m, b = plan.microbatches, plan.microbatch_size
+    held = np.zeros((m, b), bool)
+    for idx in inputs_sharding.addressable_devices_indices_map((m, b, plan.seq_len)).values():
+        held[idx[0], idx[1]] = True
+    return np.flatnonzero(held)
+
+
 class Executor(abc.ABC):
     """Runs training steps of `model_cfg` under `plan` on `topology`'s devices.
 
@@ -74,20 +88,9 @@ class Executor(abc.ABC):
     # --- batches: the executor sets `batch_sharding` {"inputs", "targets"} of [M, B / M, S] --
     @property
     def data_rows(self) -> np.ndarray:
-        """Rows of the global batch [B, S] that this process's devices hold, ascending (all
-        rows in a single-process run).
-
-        The batch is fed as [M, B / M, S] (row r is micro-batch r // (B / M)) with the middle
-        axis split over data parallelism, so a process holds, in every micro-batch, the slices
-        of its data-parallel positions."""
+        """Rows of the global batch [B, S] that this process's devices hold (`batch_rows`)."""
         if self._rows is None:
-            m, b = self.plan.microbatches, self.plan.microbatch_size
-            held = np.zeros((m, b), bool)
-            index_map = self.batch_sharding["inputs"].addressable_devices_indices_map(
-                (m, b, self.plan.seq_len))
-            for idx in index_map.values():
-                held[idx[0], idx[1]] = True
-            self._rows = np.flatnonzero(held)
+            self._rows = batch_rows(self.plan, self.batch_sharding["inputs"])
         return self._rows
 
     def put_batch(self, batch: dict[str, np.ndarray], rows: np.ndarray | None = None):
@@ -129,4 +132,4 @@ class Executor(abc.ABC):
         return cross_entropy(logits, targets)
 
 
-__all__ = ["Executor", "TrainState", "opt_state_specs"]
+__all__ = ["Executor", "TrainState", "batch_rows", "opt_state_specs"]
