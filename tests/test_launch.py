@@ -329,16 +329,14 @@ class _FakeSharding:
 
 
 def test_each_process_reads_only_its_rows_of_the_batch():
-    from types import SimpleNamespace
 
     from hetjax.data import Loader
     from hetjax.plan import Plan
-    from hetjax.train import Trainer
+    from parallel.train_state import batch_rows
 
     plan = Plan(pp=1, dp=8, tp=1, stage_layers=(2,), microbatches=2, global_batch=32,
                 seq_len=4)
-    process = SimpleNamespace(plan=plan, batch_sharding={"inputs": _FakeSharding(range(4, 8))})
-    rows = Trainer.process_batch_rows(process)
+    rows = batch_rows(plan, _FakeSharding(range(4, 8)))
     # Micro-batches of 16 rows; dp positions 4-7 hold rows 8-15 of each.
     assert rows.tolist() == list(range(8, 16)) + list(range(24, 32))
     data = np.arange(100 * 5).reshape(100, 5)
