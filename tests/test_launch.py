@@ -329,7 +329,6 @@ class _FakeSharding:
 
 
 def test_each_process_reads_only_its_rows_of_the_batch():
-
     from hetjax.data import Loader
     from hetjax.plan import Plan
     from parallel.train_state import batch_rows
