@@ -33,8 +33,11 @@ class Link:
     """A point-to-point link class with an alpha-beta cost: latency plus bytes / bandwidth."""
 
     kind: str
-    bandwidth_gbps: float  # gigabits per second, as NICs are quoted
+    bandwidth_gbps: float  # gigabits per second, as NICs are quoted (nominal)
     latency_us: float
+    # Achieved / nominal bandwidth of this fabric under collective traffic (the catalogue's
+    # values are fitted on Holmes Table 1, see LINKS); 1.0 for a link given by measurement.
+    efficiency: float = 1.0
 
     def __post_init__(self):
         if self.kind not in LINK_KINDS:
@@ -45,10 +48,14 @@ class Link:
                 f"{self.kind} link bandwidth must be > 0 Gbit/s, got {self.bandwidth_gbps}")
         if self.latency_us < 0:
             raise TopologyError(f"{self.kind} link latency must be >= 0 us, got {self.latency_us}")
+        if not 0 < self.efficiency <= 1:
+            raise TopologyError(f"{self.kind} link efficiency (achieved / nominal bandwidth) "
+                                f"must lie in (0, 1], got {self.efficiency}")
 
     @property
     def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9 / 8
+        """Achieved bandwidth: nominal times the fabric's efficiency."""
+        return self.bandwidth_gbps * 1e9 / 8 * self.efficiency
 
     @property
     def latency_s(self) -> float:
@@ -382,17 +389,22 @@ class Topology:
 
 
 def _fmt_link(lk: Link) -> str:
-    return f"{lk.kind} {lk.bandwidth_gbps:g}Gb/s {lk.latency_us:g}us"
+    eff = f" x{lk.efficiency:.2f}" if lk.efficiency != 1 else ""
+    return f"{lk.kind} {lk.bandwidth_gbps:g}Gb/s{eff} {lk.latency_us:g}us"
 
 
 # --- link and accelerator catalogue -----------------------------------------------------------
-# Nominal figures for planning; a real deployment overrides them from measurements.
+# Nominal figures for planning; a real deployment overrides them from measurements
+# (`hetjax calibrate`). Efficiency = achieved / nominal bandwidth under NCCL collectives:
+# InfiniBand, RoCE and Ethernet fitted on Holmes Table 1 (`hetjax.planner.calibrate.
+# fit_fabrics`, `python scripts/bench_planner.py calibrate`); NVLink from NCCL's own tuning
+# model, which caps an A100's NVLink bus bandwidth at 235 of its 300 GB/s; PCIe unmeasured.
 LINKS = {
-    "nvlink": Link("nvlink", 2400.0, 2.0),  # A100 NVLink3: 300 GB/s per direction
+    "nvlink": Link("nvlink", 2400.0, 2.0, efficiency=0.78),  # A100 NVLink3: 300 GB/s per direction
     "pcie": Link("pcie", 256.0, 5.0),  # PCIe 4.0 x16
-    "infiniband": Link("infiniband", 200.0, 5.0),  # HDR 200 Gb/s
-    "roce": Link("roce", 200.0, 8.0),  # RoCE v2, 200 Gb/s
-    "ethernet": Link("ethernet", 25.0, 50.0),  # 25 GbE via TCP sockets
+    "infiniband": Link("infiniband", 200.0, 5.0, efficiency=0.79),  # HDR 200 Gb/s
+    "roce": Link("roce", 200.0, 8.0, efficiency=0.26),  # RoCE v2, 200 Gb/s
+    "ethernet": Link("ethernet", 25.0, 50.0),  # 25 GbE via TCP sockets; Table 1's anchor (1.0)
 }
 
 ACCELERATORS = {
@@ -418,8 +430,9 @@ def accelerator(name: str) -> Accelerator:
 
 def link(name: str, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> Link:
     base = LINKS[name]
-    return Link(base.kind, bandwidth_gbps if bandwidth_gbps is not None else base.bandwidth_gbps,
-                latency_us if latency_us is not None else base.latency_us)
+    return dataclasses.replace(
+        base, bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else base.bandwidth_gbps,
+        latency_us=latency_us if latency_us is not None else base.latency_us)
 
 
 IB_SETTINGS = NicSettings(hcas=("mlx5_0:1", "mlx5_1:1", "mlx5_2:1", "mlx5_3:1"),

@@ -72,10 +72,66 @@ def fit_efficiency(m: Measurement, options: CostOptions | None = None,
 
 
 def with_nic_bandwidth(topology: Topology, gbps: float) -> Topology:
-    """The topology with every cluster's inter-node NIC at `gbps`."""
+    """The topology with every cluster's inter-node NIC achieving `gbps`."""
     return dataclasses.replace(topology, clusters=tuple(
-        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps))
+        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps,
+                                                       efficiency=1.0))
         for c in topology.clusters))
+
+
+def with_nic_efficiency(topology: Topology, efficiency: float) -> Topology:
+    """The topology with every cluster's inter-node NIC at `efficiency` of its nominal rate."""
+    return dataclasses.replace(topology, clusters=tuple(
+        dataclasses.replace(c, nic=dataclasses.replace(c.nic, efficiency=efficiency))
+        for c in topology.clusters))
+
+
+def nominal_links(topology: Topology) -> Topology:
+    """The topology with every link at its nominal bandwidth (efficiency 1)."""
+    def nominal(lk):
+        return None if lk is None else dataclasses.replace(lk, efficiency=1.0)
+
+    return dataclasses.replace(
+        topology,
+        clusters=tuple(dataclasses.replace(c, nic=nominal(c.nic), intra_node=nominal(
+            c.intra_node)) for c in topology.clusters),
+        inter_cluster=nominal(topology.inter_cluster),
+        cluster_links=tuple(dataclasses.replace(cl, link=nominal(cl.link))
+                            for cl in topology.cluster_links))
+
+
+def fit_nic_efficiency(m: Measurement, options: CostOptions | None = None,
+                       tolerance: float = 1e-6) -> float:
+    """The NIC efficiency (achieved / nominal bandwidth) at which the cost model predicts
+    the measured throughput, given the compute efficiency of `options`."""
+    options = options or CostOptions()
+    return _solve(lambda eff: predicted_samples_per_s(
+        dataclasses.replace(m, topology=with_nic_efficiency(m.topology, eff)), options),
+        m.samples_per_s, 1e-3, 1.0, "NIC efficiency", tolerance)
+
+
+@dataclass(frozen=True)
+class FabricFit:
+    """Holmes Table 1 fitted: one compute efficiency and one NIC efficiency per fabric."""
+
+    compute_efficiency: float
+    fabric_efficiency: dict[str, float]
+    anchor: str  # the fabric taken at its nominal rate
+
+
+def fit_fabrics(rows: Sequence[Measurement] | None = None) -> FabricFit:
+    """Fit Table 1's three rows with four unknowns (compute efficiency and three fabric
+    efficiencies): the rows fix the fabric efficiencies only relative to the compute
+    efficiency, so take the smallest compute efficiency at which no fabric beats its nominal
+    rate -- the one that puts the best fabric (here Ethernet, whose row implies a rate just
+    above its nominal 25 Gb/s at the InfiniBand-fitted compute efficiency) at efficiency 1 --
+    then fit each fabric's NIC efficiency at that compute efficiency."""
+    rows = list(rows or holmes_table1(nominal=True))
+    fits = {m.name: fit_efficiency(m) for m in rows}
+    anchor = max(fits, key=fits.get)  # its nominal rate asks the most of compute
+    options = CostOptions(efficiency=fits[anchor])
+    effs = {m.name: 1.0 if m.name == anchor else fit_nic_efficiency(m, options) for m in rows}
+    return FabricFit(fits[anchor], effs, anchor)
 
 
 def fit_nic_bandwidth(m: Measurement, options: CostOptions | None = None,
@@ -103,16 +159,21 @@ def holmes_model() -> "ModelConfig":
 HOLMES_TABLE1 = {"infiniband": 99.23, "roce": 80.54, "ethernet": 61.32}
 
 
-def holmes_table1(microbatch_per_replica: int = 1) -> list[Measurement]:
+def holmes_table1(microbatch_per_replica: int = 1, nominal: bool = False) -> list[Measurement]:
     """The three rows as Measurements. Holmes runs Megatron-LM (1F1B, a ZeRO-1 style
     distributed optimizer); the micro-batch size is not reported (1 sequence per replica is
-    assumed, so M = 768 / 16 = 48)."""
+    assumed, so M = 768 / 16 = 48). The links are the catalogue's (with its fabric
+    efficiencies), or at their nominal rates with `nominal`."""
     model = holmes_model()
     dp = 16
     plan = Plan(pp=2, dp=dp, tp=1, stage_layers=(15, 15),
                 microbatches=768 // (dp * microbatch_per_replica), global_batch=768,
                 seq_len=2048, schedule="1f1b", zero=named("zero1", dp, 8))
-    return [Measurement(nic, preset(f"holmes_{nic}"), model, plan, rate, executor="megatron")
+    def topology(nic):
+        t = preset(f"holmes_{nic}")
+        return nominal_links(t) if nominal else t
+
+    return [Measurement(nic, topology(nic), model, plan, rate, executor="megatron")
             for nic, rate in HOLMES_TABLE1.items()]
 
 
@@ -128,7 +189,8 @@ def emulated_topology(topology: Topology, scale: float, links=()) -> Topology:
                 for m in links}
 
     def scaled(lk: Link) -> Link:
-        return dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * scale)
+        # tc shapes the nominal rate; the fabric's efficiency belongs to real hardware.
+        return dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * scale, efficiency=1.0)
 
     clusters = tuple(dataclasses.replace(c, nic=measured.get(c.name, scaled(c.nic)))
                      for c in topology.clusters)
@@ -220,7 +282,8 @@ def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> 
                             float(np.mean(np.abs(p - m) / m)), spearman(p, m), kendall_tau(p, m))
 
 
-__all__ = ["emulated_topology", "profile_from_step_times", "spearman", "kendall_tau",
+__all__ = ["fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
+           "nominal_links", "emulated_topology", "profile_from_step_times", "spearman", "kendall_tau",
            "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",
            "fit_nic_bandwidth", "with_nic_bandwidth",
            "predicted_samples_per_s", "holmes_model",

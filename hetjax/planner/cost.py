@@ -27,20 +27,18 @@ import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
 from hetjax.plan import Plan, ZeroFactors
-from hetjax.planner import zero as zr
+from hetjax.planner import collectives as coll, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, simulate
 from hetjax.topology import Accelerator, Link, Topology
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
     from layers.config import ModelConfig
 
-# Fraction of peak FLOP/s a decoder layer reaches, fitted on Holmes Table 1 (InfiniBand row);
-# see hetjax/planner/calibrate.py and docs/planner.md.
-DEFAULT_EFFICIENCY = 0.70
+# Fraction of peak FLOP/s a decoder layer reaches, fitted on Holmes Table 1 together with the
+# fabric efficiencies of hetjax.topology.LINKS (calibrate.fit_fabrics); docs/planner.md.
+DEFAULT_EFFICIENCY = 0.72
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1,
-               "all_gather": lambda p: p - 1}
 _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node's NIC
 
 # How a pipeline (pp > 1) is executed, which changes its time and memory:
@@ -67,6 +65,26 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class LinkFit:
+    """Achieved bus bandwidth and per-hop latency of one operation on one link class, as
+    measured by `hetjax calibrate` (hetjax/planner/calibrate.py)."""
+
+    bandwidth_gbps: float
+    latency_us: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+COLLECTIVE_MODELS = ("nccl", "ring")
+
+
+@dataclass(frozen=True)
 class CostOptions:
     """Knobs of the cost model.
 
@@ -79,7 +97,11 @@ class CostOptions:
     does in one process, where every collective-permute is a rendezvous of all devices; across
     processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
     the asynchronous timeline -- the emulated cluster measures this (scripts/bench_hetnet.py)
-    -- and the gradient sync may then overlap the last backward."""
+    -- and the gradient sync may then overlap the last backward. collectives: "nccl" prices
+    each collective with NCCL's cheapest algorithm (ring, tree, hierarchical; see
+    hetjax/planner/collectives.py), "ring" with the flat alpha-beta ring; link_fits: measured
+    bandwidth and latency per link kind and operation ("all_reduce", "reduce_scatter",
+    "all_gather", "p2p"), used instead of the topology's links."""
 
     efficiency: float = DEFAULT_EFFICIENCY
     efficiency_by_kind: dict[str, float] = field(default_factory=dict)
@@ -89,11 +111,16 @@ class CostOptions:
     share_nics: bool = True
     executor: str = "hetjax"
     lockstep: bool = True
+    collectives: str = "nccl"
+    link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
             raise PlanError(f"cost option executor = {self.executor!r}; choose one of "
                             f"{', '.join(EXECUTORS)}")
+        if self.collectives not in COLLECTIVE_MODELS:
+            raise PlanError(f"cost option collectives = {self.collectives!r}; choose one of "
+                            f"{', '.join(COLLECTIVE_MODELS)}")
         for name, v in (("efficiency", self.efficiency), ("overlap", self.overlap),
                         ("memory_fraction", self.memory_fraction),
                         *self.efficiency_by_kind.items()):
@@ -110,14 +137,7 @@ class MissingLinkError(PlanError):
 def ring_time(op: str, nbytes: float, group: int, link: Link) -> float:
     """Alpha-beta ring collective of `nbytes` over `group` devices on `link`: all_reduce
     2(p-1)(a + v/(p b)), reduce_scatter / all_gather (p-1)(a + v/(p b))."""
-    if group <= 1 or nbytes <= 0:
-        return 0.0
-    return _ring(op, nbytes, group, link.bytes_per_s, link.latency_s)
-
-
-def _ring(op, nbytes, group, bytes_per_s, latency_s):
-    """The ring formula; works on numpy arrays of per-group bandwidth and latency."""
-    return _RING_STEPS[op](group) * (latency_s + nbytes / (group * bytes_per_s))
+    return coll.flat_ring_time(op, nbytes, group, link.bytes_per_s, link.latency_s)
 
 
 # --- layouts and stage costs ----------------------------------------------------------------------
@@ -190,12 +210,11 @@ class StageCost:
 
 @dataclass(frozen=True)
 class _Net:
-    """Links of a set of concurrent groups (see CostModel._net)."""
+    """Concurrent groups' links (see CostModel._net), one entry per distinct kind of group."""
 
-    ids: np.ndarray  # link id of each group
-    bw: np.ndarray  # distinct effective bandwidths [bytes/s] (NIC shared by concurrent flows)
-    lat: np.ndarray  # and their latencies [s]
-    link_ids: np.ndarray  # a link with each distinct (bw, lat)
+    ids: np.ndarray  # slowest link id of each group
+    kinds: np.ndarray  # [distinct, 5]: slowest link id, NIC flows, nodes, max per node,
+    # intra-node link id (groups alike in these are priced alike)
 
 
 @dataclass(frozen=True)
@@ -342,14 +361,20 @@ class CostModel:
             ids[mixed] = self._mixed_link_ids(groups[mixed], snodes[mixed], new_node[mixed])
         links = self._links
         off = np.array([lk.kind not in _ON_NODE for lk in links])[ids] & ~one_node
-        flows = np.ones(len(groups))
+        flows = np.ones(len(groups), dtype=int)
         if self.options.share_nics and off.any():
             counts = np.bincount(snodes[off][new_node[off]], minlength=self._node.max() + 1)
-            flows = np.where(off, counts[snodes].max(axis=1), 1).astype(float)
-        bw = np.array([lk.bytes_per_s for lk in links])[ids] / flows
-        lat = np.array([lk.latency_s for lk in links])[ids]
-        _, first = np.unique(np.stack([bw, lat]), axis=1, return_index=True)
-        net = _Net(ids, bw[first], lat[first], ids[first])
+            flows = np.where(off, counts[snodes].max(axis=1), 1)
+        # Members per node: the longest run of one node in the sorted row.
+        pos = np.arange(groups.shape[1])
+        run_start = np.maximum.accumulate(np.where(new_node, pos, 0), axis=1)
+        per_node = (pos - run_start + 1).max(axis=1)
+        # The slower intra-node link of the first and last member's cluster.
+        ends = self._intra_id[clusters[:, [0, -1]]]
+        intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
+        intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
+        kinds = np.stack([ids, flows, new_node.sum(axis=1), per_node, intra], axis=1)
+        net = _Net(ids, np.unique(kinds, axis=0))
         self._nets[key] = net
         return net
 
@@ -396,14 +421,44 @@ class CostModel:
         """Slowest link of each row of `groups`."""
         return [self._links[i] for i in self._net(np.asarray(groups)).ids]
 
+    def _group(self, op: str, kind: np.ndarray, p: int) -> coll.Group:
+        """The collectives model's view of one kind of group (see _Net.kinds), with the
+        calibrated bandwidth and latency of `op` on its links when a calibration has them."""
+        link_id, flows, nodes, per_node, intra_id = (int(x) for x in kind)
+        bw, lat = self._achieved(self._links[link_id], op)
+        bw_intra, lat_intra = self._achieved(self._links[intra_id], op)
+        return coll.Group(p, nodes, per_node, bw / flows, lat, bw_intra, lat_intra)
+
+    def _achieved(self, lk: Link, op: str) -> tuple[float, float]:
+        """Bandwidth [bytes/s] and latency [s] of `op` on link `lk`: the calibration's fit for
+        the link's class, else the link's achieved bandwidth (nominal x efficiency)."""
+        fit = self.options.link_fits.get(lk.kind, {}).get(op)
+        if fit is not None:
+            return fit.bytes_per_s, fit.latency_s
+        return lk.bytes_per_s, lk.latency_s
+
     def collective(self, op: str, nbytes: float, groups: np.ndarray) -> float:
-        """Time of ring `op` run concurrently by every row of `groups`: the slowest row's."""
+        """Time of collective `op` run concurrently by every row of `groups`: the slowest
+        row's, each priced with NCCL's algorithm choice (hetjax/planner/collectives.py), or
+        the flat alpha-beta ring with CostOptions(collectives="ring")."""
+        return self.collective_choice(op, nbytes, groups)[0]
+
+    def collective_choice(self, op: str, nbytes: float, groups: np.ndarray
+                          ) -> tuple[float, str]:
+        """(time, algorithm) of the slowest row of `groups` (see `collective`)."""
         groups = np.asarray(groups)
         p = groups.shape[1]
         if p <= 1 or nbytes <= 0:
-            return 0.0
-        net = self._net(groups)
-        return float(np.max(_ring(op, nbytes, p, net.bw, net.lat)))
+            return 0.0, "none"
+        worst = (0.0, "none")
+        for kind in self._net(groups).kinds:
+            g = self._group(op, kind, p)
+            if self.options.collectives == "ring":
+                t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
+            else:
+                t = coll.collective_time(op, nbytes, g)
+            worst = max(worst, t)
+        return worst
 
     def zero_times(self, f: ZeroFactors, params: float, dp_groups: np.ndarray) -> zr.ZeroTimes:
         """AMSP's communication terms for `params` parameters per device of these DP groups
@@ -418,10 +473,14 @@ class CostModel:
     def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
         """Concurrent point-to-point transfers between each row's two ranks: the slowest, and
         its link."""
-        net = self._net(np.asarray(pairs))
-        times = net.lat + nbytes / net.bw
-        worst = int(np.argmax(times))
-        return float(times[worst]), self._links[net.link_ids[worst]]
+        best = (-1.0, None)
+        for kind in self._net(np.asarray(pairs)).kinds:
+            lk = self._links[int(kind[0])]
+            bw, lat = self._achieved(lk, "p2p")
+            t = lat + nbytes * kind[1] / bw
+            if t > best[0]:
+                best = (float(t), lk)
+        return best
 
     # --- memory ----------------------------------------------------------------------------------
     def activation_bytes_per_token(self, tp: int, seq_len: int,
