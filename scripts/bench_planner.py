@@ -1,6 +1,8 @@
 """Planner benchmarks; each prints a markdown table.
 
-    python scripts/bench_planner.py calibrate      # Holmes Table 1: fit on one row, predict
+    python scripts/bench_planner.py calibrate      # Holmes Table 1: fit on one row, predict;
+                                                   # one efficiency per fabric
+    python scripts/bench_planner.py allreduce      # 1,024-rank all-reduce: flat ring vs NCCL
     python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
@@ -19,9 +21,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetjax.planner import assign, plan  # noqa: E402
-from hetjax.planner.calibrate import (fit_efficiency, fit_nic_bandwidth,  # noqa: E402
-                                      holmes_table1, predicted_samples_per_s)
-from hetjax.planner.cost import CostOptions  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics,  # noqa: E402
+                                      fit_nic_bandwidth, holmes_table1,
+                                      predicted_samples_per_s)
+from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions  # noqa: E402
 from hetjax.topology import DTFM_SCENARIOS, preset  # noqa: E402
 
 
@@ -32,28 +37,72 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def calibrate(_args) -> None:
-    rows_in = holmes_table1()
+    nominal = holmes_table1(nominal=True)
     rows = []
-    for fit in rows_in:
+    for fit in nominal:
         eff = fit_efficiency(fit)
         options = CostOptions(efficiency=eff)
         cells = [fit.name, f"{eff:.3f}"]
-        for m in rows_in:
+        for m in nominal:
             got = predicted_samples_per_s(m, options)
             cells.append(f"{got:.2f} ({(got / m.samples_per_s - 1) * 100:+.1f}%)")
         rows.append(cells)
-    print("Holmes Table 1 (GPT 3.6B, 32 A100, PP 2, DP 16, ZeRO-1, 1F1B, M = 48): efficiency "
-          "fitted on one row, samples/s predicted for all (error vs measured)\n")
+    print("Holmes Table 1 (GPT 3.6B, 32 A100, PP 2, DP 16, ZeRO-1, 1F1B, M = 48), every link "
+          "at its nominal rate: compute efficiency fitted on one row, samples/s predicted for "
+          "all (error vs measured)\n")
     print(table(["fitted on", "efficiency"] +
-                [f"{m.name} (measured {m.samples_per_s})" for m in rows_in], rows))
-    ib, roce, eth = rows_in
+                [f"{m.name} (measured {m.samples_per_s})" for m in nominal], rows))
+    ib, roce, eth = nominal
     options = CostOptions(efficiency=fit_efficiency(ib))
     print("\nEffective NIC bandwidth each row implies, with the efficiency fitted on "
           "InfiniBand:\n")
     print(table(["row", "nominal Gb/s", "fitted Gb/s"],
                 [[m.name, f"{m.topology.clusters[0].nic.bandwidth_gbps:g}",
                   f"{fit_nic_bandwidth(m, options):.1f}"] for m in (roce, eth)]))
+    fit = fit_fabrics(nominal)
+    print(f"\nOne efficiency per fabric (calibrate.fit_fabrics): compute efficiency "
+          f"{fit.compute_efficiency:.3f} (the smallest at which no fabric beats its nominal "
+          f"rate: {fit.anchor} at 1.0); the catalogue (hetjax.topology.LINKS) rounds these, "
+          f"and the last column predicts each row with the catalogue and the default compute "
+          f"efficiency {DEFAULT_EFFICIENCY}:\n")
+    rows = []
+    for m in holmes_table1():
+        lk = m.topology.clusters[0].nic
+        got = predicted_samples_per_s(m, CostOptions())
+        rows.append([m.name, f"{lk.bandwidth_gbps:g}", f"{fit.fabric_efficiency[m.name]:.3f}",
+                     f"{lk.efficiency:.2f}", f"{lk.bandwidth_gbps * lk.efficiency:.1f}",
+                     f"{m.samples_per_s}",
+                     f"{got:.2f} ({(got / m.samples_per_s - 1) * 100:+.1f}%)"])
+    print(table(["fabric", "nominal Gb/s", "fitted efficiency", "catalogue", "achieved Gb/s",
+                 "measured samples/s", "predicted"], rows))
 
+
+def allreduce(_args) -> None:
+    """1 GB and 1 MB all-reduces over 1,024 data-parallel A100s (128 nodes x 8, InfiniBand):
+    the flat ring against NCCL's algorithm choice (hetjax/planner/collectives.py)."""
+    from hetjax.planner.cost import CostModel
+    from hetjax.planner.calibrate import holmes_model
+
+    t = preset("holmes_infiniband", nodes=128)
+    group = np.arange(1024)[None, :]
+    nccl = CostModel(t, holmes_model())
+    ring = CostModel(t, holmes_model(), CostOptions(collectives="ring"))
+    rows = []
+    for nbytes in (1e6, 1e8, 1e9):
+        t_ring = ring.collective("all_reduce", nbytes, group)
+        t_nccl, algo = nccl.collective_choice("all_reduce", nbytes, group)
+        algbw = nbytes / t_nccl / 1e9
+        rows.append([f"{nbytes / 1e6:g} MB", f"{t_ring * 1e3:.2f}", f"{t_nccl * 1e3:.2f}", algo,
+                     f"{t_ring / t_nccl:.2f}x", f"{algbw:.2f}",
+                     f"{algbw * 2 * 1023 / 1024:.2f}"])
+    nic = t.clusters[0].nic
+    print(f"All-reduce over 1,024 data-parallel A100s (128 nodes x 8, {nic.kind} "
+          f"{nic.bandwidth_gbps:g} Gb/s x {nic.efficiency} = "
+          f"{nic.bytes_per_s / 1e9:.2f} GB/s per node, {nic.latency_us:g} us; NVLink "
+          f"{t.clusters[0].intra_node.latency_us:g} us): the flat ring 2(p-1)(a + S/(pB)) "
+          "against NCCL's cheaper of ring and tree\n")
+    print(table(["buffer", "flat ring ms", "NCCL-like ms", "algorithm", "ring / NCCL",
+                 "algbw GB/s", "busbw GB/s"], rows))
 
 def gpt13b(topology, stages: int) -> assign.Problem:
     """DT-FM's workload: GPT3-1.3B (24 layers, hidden 2048, seq 2048), 1M-token batch split
@@ -128,7 +177,8 @@ def assign_speed(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["calibrate", "dtfm", "speed", "assign-speed", "all"])
+    parser.add_argument("what", choices=["calibrate", "allreduce", "dtfm", "speed",
+                                         "assign-speed", "all"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
@@ -137,9 +187,9 @@ def main() -> None:
     parser.add_argument("--executor", choices=["hetjax", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
     args = parser.parse_args()
-    steps = {"calibrate": [calibrate], "dtfm": [dtfm], "speed": [speed],
-             "assign-speed": [assign_speed],
-             "all": [calibrate, dtfm, speed, assign_speed]}[args.what]
+    steps = {"calibrate": [calibrate], "allreduce": [allreduce], "dtfm": [dtfm],
+             "speed": [speed], "assign-speed": [assign_speed],
+             "all": [calibrate, allreduce, dtfm, speed, assign_speed]}[args.what]
     for i, step in enumerate(steps):
         if i:
             print()
