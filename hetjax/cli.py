@@ -251,7 +251,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     from hetjax import config as hconfig
     from hetjax.plan import plan_from_config
-    from hetjax.planner import model_from_config, predict
+    from hetjax.planner import model_from_config, options_from_config, predict
 
     opts, rest = _take_options(argv, ("json", "plot"))
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
@@ -259,9 +259,14 @@ def cmd_plan(argv: list[str]) -> int:
     plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
-        plan = dataclasses.replace(plan, predicted=predict(plan, topology, model).as_dict())
+        plan = dataclasses.replace(plan, predicted=predict(
+            plan, topology, model, options_from_config(cfg, topology)).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    from hetjax.planner.search import bound_lines
+
+    for line in bound_lines(plan):
+        print(line)
     if "json" in opts:
         with open(opts["json"], "w") as f:
             f.write(plan.to_json(indent=1))

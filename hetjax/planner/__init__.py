@@ -32,6 +32,17 @@ def predict(plan_: Plan, topology: Topology, model: "ModelConfig",
     return CostModel(topology, model, options).predict(plan_)
 
 
+def options_from_config(c, topology: Topology | None = None) -> CostOptions:
+    """The cost options a config asks for: usable memory 1 - planner.memory_margin, and the
+    measurements of planner.calibration (a `hetjax calibrate` file) when set."""
+    options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin)
+    if c.planner.calibration:
+        from hetjax.planner.calibrate import load_calibration
+
+        options = load_calibration(c.planner.calibration).options(options)
+    return options
+
+
 def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                     top: int = 5) -> PlanResult:
     """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
@@ -50,9 +61,10 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
     return plan(topology, model, c.train.batch_size, c.train.seq_len,
                 pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,
                 schedule=c.pipeline.schedule, zero=zero,
-                stage_layers=tuple(c.pipeline.stage_layers), options=options, top=top,
+                stage_layers=tuple(c.pipeline.stage_layers),
+                options=options or options_from_config(c, topology), top=top,
                 allow_straddle=c.parallel.allow_straddle)
 
 
-__all__ = ["plan", "plan_for_config", "predict", "PlanResult", "CostModel", "CostOptions",
+__all__ = ["plan", "plan_for_config", "options_from_config", "predict", "PlanResult", "CostModel", "CostOptions",
            "LayerProfile", "Prediction", "model_from_config"]

@@ -497,6 +497,18 @@ class CostModel:
             split += m.n_heads * seq_len
         return (4 * m.d_model + split / tp) * self.act_bytes
 
+    def temporary_bytes(self, layout: Layout, remat: str, full_layer: float) -> float:
+        """Transient bytes per device beyond states and kept activations: the recompute
+        workspace, one layer's full activations less what it keeps, for one micro-batch.
+        (Gradients are reduced in place in their buffer, part of the G states; the logits
+        and a prefetched layer are counted where they live.)"""
+        if remat == "none":
+            return 0.0
+        kept = 0.0 if self.pipelined_by_hetjax(layout) else \
+            self.activation_bytes_per_token(layout.tp, layout.seq_len, remat) * \
+            layout.tokens_per_device()
+        return full_layer - kept
+
     # --- stages ----------------------------------------------------------------------------------
     def _slots(self, layout: Layout) -> list["_Slot"]:
         """Costs of each mesh row's devices that do not depend on where the stage sits
@@ -553,9 +565,10 @@ class CostModel:
                 act_layer=0.0 if hetjax else
                 self.activation_bytes_per_token(tp, layout.seq_len) * tok,
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
-                # (in mem_slot) and recomputes one layer at a time.
+                # (in mem_slot). Temporaries: the layer being recomputed holds its full
+                # activations (hetjax's pipeline always recomputes).
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
-                          else 0.0) + (full_layer if hetjax else 0.0),
+                          else 0.0) + self.temporary_bytes(layout, remat, full_layer),
                 head_fwd=tok * hf / tp, head_bwd=tok * hb / tp,
                 embed_sync=ze.sync + ze.refresh,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, o.executor),
