@@ -3,6 +3,7 @@
     python scripts/bench_planner.py calibrate      # Holmes Table 1: fit on one row, predict;
                                                    # one efficiency per fabric
     python scripts/bench_planner.py allreduce      # 1,024-rank all-reduce: flat ring vs NCCL
+    python scripts/bench_planner.py amsp           # AMSP's ZeRO choice, LLaMA 7/13/30B, 1,024 A800
     python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
@@ -20,7 +21,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetjax.planner import assign, plan  # noqa: E402
+from hetjax.errors import PlanError  # noqa: E402
+from hetjax.planner import assign, cost, plan  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics,  # noqa: E402
@@ -104,6 +106,50 @@ def allreduce(_args) -> None:
     print(table(["buffer", "flat ring ms", "NCCL-like ms", "algorithm", "ring / NCCL",
                  "algbw GB/s", "busbw GB/s"], rows))
 
+LLAMA = {  # d_model, layers, heads, d_ff (LLaMA-1 7B / 13B / 30B)
+    "7B": (4096, 32, 32, 11008), "13B": (5120, 40, 40, 13824), "30B": (6656, 60, 52, 17920)}
+
+
+def amsp(_args) -> None:
+    """AMSP's setting: LLaMA 7B / 13B / 30B on 128 nodes x 8 A800 (InfiniBand assumed),
+    sequence 4096, 4M tokens per step (1,024 sequences), ZeRO-only data parallelism priced
+    as Megatron / DeepSpeed run it; the planner chooses the ZeRO point (and nothing else)."""
+    from hetjax.planner.search import _Search
+    from hetjax.topology import Topology, make_cluster
+    from layers.config import ModelConfig
+
+    topo = Topology("amsp_a800", (make_cluster("a800", 128, 8, "a800", "infiniband"),), None)
+    options = CostOptions(executor="megatron")
+    rows = []
+    for name, (d, layers, heads, ff) in LLAMA.items():
+        model = ModelConfig(vocab_size=32000, d_model=d, n_layers=layers, n_heads=heads,
+                            n_kv_heads=heads, d_ff=ff, max_seq_len=4096, remat="full",
+                            dtype="bfloat16", param_dtype="bfloat16", tie_embeddings=False)
+        result = plan(topo, model, 1024, 4096, pp=1, tp=1, options=options)
+        p, pr = result.plan, result.plan.predicted
+        # AMSP's own objective: the least traffic among the points that fit memory.
+        s = _Search(topo, model, 1024, 4096, options, False, False, 0)
+        for least in s.zero_points(cost.Layout.of(p), "auto"):
+            try:
+                least_plan = plan(topo, model, 1024, 4096, pp=1, tp=1, zero=least,
+                                  options=options)
+                break
+            except PlanError:
+                continue
+        rows.append([name, f"{model.num_params / 1e9:.1f}B",
+                     f"{p.zero.name} ({p.zero.s_p},{p.zero.s_g},{p.zero.s_os})",
+                     f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}",
+                     f"{max(pr['stage_memory_gib']):.1f} / {max(pr['stage_capacity_gib']):.0f}",
+                     f"{least.name}: {least_plan.plan.predicted['step_time_s']:.2f}",
+                     pr["bound"]["zero"]])
+    print("AMSP's setting: LLaMA on 128 nodes x 8 A800 (80 GiB, InfiniBand 200 Gb/s x "
+          f"{topo.clusters[0].nic.efficiency}), dp = 1,024, sequence 4096, 1,024 sequences "
+          "(4M tokens) per step, M = 1, full recompute, Megatron's accounting; ZeRO point "
+          "chosen by predicted step time within 90% of memory\n")
+    print(table(["model", "params", "chosen (s_p,s_g,s_os)", "step s", "MFU",
+                 "GiB / usable", "least traffic: step s", "what bound it"], rows))
+
+
 def gpt13b(topology, stages: int) -> assign.Problem:
     """DT-FM's workload: GPT3-1.3B (24 layers, hidden 2048, seq 2048), 1M-token batch split
     over the pipelines; fp32 gradients of a stage's layers, fp16 activations."""
@@ -177,7 +223,7 @@ def assign_speed(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["calibrate", "allreduce", "dtfm", "speed",
+    parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
                                          "assign-speed", "all"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
@@ -187,9 +233,9 @@ def main() -> None:
     parser.add_argument("--executor", choices=["hetjax", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
     args = parser.parse_args()
-    steps = {"calibrate": [calibrate], "allreduce": [allreduce], "dtfm": [dtfm],
+    steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed],
-             "all": [calibrate, allreduce, dtfm, speed, assign_speed]}[args.what]
+             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed]}[args.what]
     for i, step in enumerate(steps):
         if i:
             print()

@@ -453,3 +453,29 @@ def test_fit_fabrics_anchors_the_best_fabric_and_matches_the_catalogue():
         assert eff == pytest.approx(LINKS[fabric].efficiency, abs=0.005)
     # RoCE's row: about 53 Gb/s achieved of its nominal 200.
     assert 40 < fit.fabric_efficiency["roce"] * 200 < 60
+
+
+# --- compute efficiency that depends on the kernel's size ------------------------------------------
+def test_compute_curve_interpolates_efficiency_in_log_kernel_flops():
+    from hetjax.planner.cost import ComputeCurve
+
+    m = tiny_model()
+    t = preset("cpu_single")
+    tok = 8 / 8 * 128  # tokens per device per micro-batch (B = 8, dp = 8, M = 1)
+    x = m.layer_flops(128) * tok
+    # Measured at x / 10 (30% / 20% of peak) and x * 10 (60% / 40%): x sits midway in log.
+    curve = ComputeCurve(flops=(x * 10, x / 10), fwd=(0.6, 0.3), bwd=(0.4, 0.2))
+    assert curve.efficiency(x) == pytest.approx((0.45, 0.3))
+    assert curve.efficiency(x * 1e6) == pytest.approx((0.6, 0.4))  # held beyond the range
+    cm = CostModel(t, m, CostOptions(curves={"cpu": curve}))
+    stage = cm.stage_costs(_layout(1, 8, M=1, B=8))[0]
+    peak = t.clusters[0].accelerator.peak_tflops * 1e12
+    assert stage.fwd_layer == pytest.approx(tok * m.layer_flops(128) / (peak * 0.45))
+    assert stage.bwd_layer == pytest.approx(tok * 2 * m.layer_flops(128) / (peak * 0.3))
+    # Bigger micro-batches run closer to peak: twice the tokens, less than twice the time.
+    big = cm.stage_costs(_layout(1, 8, M=1, B=16))[0]
+    assert big.fwd_layer < 2 * stage.fwd_layer
+    # Another kind without a curve falls back to peak x efficiency.
+    flat = CostModel(t, m, CostOptions(efficiency=0.5, curves={"a100": curve}))
+    assert flat.stage_costs(_layout(1, 8, M=1, B=8))[0].fwd_layer == pytest.approx(
+        tok * m.layer_flops(128) / (peak * 0.5))

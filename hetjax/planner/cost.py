@@ -65,6 +65,34 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class ComputeCurve:
+    """Measured fraction of peak FLOP/s one accelerator kind reaches, against the size of the
+    work: the FLOPs of one kernel call (a layer's forward on one device's micro-batch, which
+    grows with the matrices' sizes -- bigger models and micro-batches run closer to peak).
+    Forward and (pure) backward separately; interpolated linearly in log FLOPs, held
+    constant beyond the measured range (`hetjax calibrate` measures it)."""
+
+    flops: tuple[float, ...]
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+
+    def __post_init__(self):
+        if not (len(self.flops) == len(self.fwd) == len(self.bwd) >= 1):
+            raise PlanError(f"a compute curve needs as many efficiencies as sizes, got "
+                            f"{len(self.flops)} sizes, {len(self.fwd)} / {len(self.bwd)}")
+        if min(self.flops) <= 0 or min(self.fwd) <= 0 or min(self.bwd) <= 0:
+            raise PlanError("a compute curve's sizes and efficiencies must be > 0")
+
+    def efficiency(self, flops: float) -> tuple[float, float]:
+        """(forward, backward) fraction of peak at a kernel of `flops` FLOPs."""
+        order = np.argsort(self.flops)
+        x = np.log(np.asarray(self.flops, float)[order])
+        at = np.log(max(flops, 1e-30))
+        return (float(np.interp(at, x, np.asarray(self.fwd, float)[order])),
+                float(np.interp(at, x, np.asarray(self.bwd, float)[order])))
+
+
+@dataclass(frozen=True)
 class LinkFit:
     """Achieved bus bandwidth and per-hop latency of one operation on one link class, as
     measured by `hetjax calibrate` (hetjax/planner/calibrate.py)."""
@@ -90,7 +118,8 @@ class CostOptions:
 
     efficiency: fraction of peak FLOP/s a layer reaches (per accelerator kind overrides in
     `efficiency_by_kind`); profiles: measured per-layer times by accelerator name, used instead
-    of FLOPs when given; overlap: fraction of gradient sync and ZeRO traffic that can hide
+    of FLOPs when given; curves: measured efficiency against kernel size by accelerator name
+    (`ComputeCurve`), used before the flat efficiency; overlap: fraction of gradient sync and ZeRO traffic that can hide
     behind compute; memory_fraction: share of device memory the plan may use; share_nics:
     concurrent groups leaving a node split its NIC bandwidth; executor: how the pipeline runs
     (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
@@ -106,6 +135,7 @@ class CostOptions:
     efficiency: float = DEFAULT_EFFICIENCY
     efficiency_by_kind: dict[str, float] = field(default_factory=dict)
     profiles: dict[str, LayerProfile] = field(default_factory=dict)
+    curves: dict[str, ComputeCurve] = field(default_factory=dict)
     overlap: float = 0.5
     memory_fraction: float = 0.9
     share_nics: bool = True
@@ -308,22 +338,37 @@ class CostModel:
         return acc.peak_tflops * 1e12 * eff
 
     def layer_seconds_per_token(self, acc: Accelerator, seq_len: int,
-                                remat: str | None = None) -> tuple[float, float]:
+                                remat: str | None = None, tokens: float | None = None
+                                ) -> tuple[float, float]:
         """(forward, backward) seconds per token of one layer at tp = 1 on `acc`; the backward
-        includes the recompute of `remat` (default: the model's)."""
+        includes the recompute of `remat` (default: the model's). `tokens`: tokens one kernel
+        call processes (a device's micro-batch / tp), which sets the efficiency read from a
+        measured `ComputeCurve`; without a curve (or tokens) peak x efficiency."""
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.fwd_s, prof.bwd_s
-        m = self.model
-        fwd = m.layer_flops(seq_len) / self._rate(acc)
-        return fwd, 2 * fwd + self._recompute_flops(seq_len, remat) / self._rate(acc)
+        flops = self.model.layer_flops(seq_len)
+        rate_f, rate_b = self._rates(acc, None if tokens is None else flops * tokens)
+        fwd = flops / rate_f
+        return fwd, 2 * flops / rate_b + self._recompute_flops(seq_len, remat) / rate_f
 
-    def head_seconds_per_token(self, acc: Accelerator) -> tuple[float, float]:
+    def head_seconds_per_token(self, acc: Accelerator, tokens: float | None = None
+                               ) -> tuple[float, float]:
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.head_fwd_s, prof.head_bwd_s
-        fwd = self.model.head_flops() / self._rate(acc)
-        return fwd, 2 * fwd
+        flops = self.model.head_flops()
+        rate_f, rate_b = self._rates(acc, None if tokens is None else flops * tokens)
+        return flops / rate_f, 2 * flops / rate_b
+
+    def _rates(self, acc: Accelerator, kernel_flops: float | None) -> tuple[float, float]:
+        """Achieved (forward, backward) FLOP/s of `acc` on a kernel of `kernel_flops`."""
+        curve = self.options.curves.get(acc.name)
+        if curve is None or kernel_flops is None:
+            return self._rate(acc), self._rate(acc)
+        ef, eb = curve.efficiency(kernel_flops)
+        peak = acc.peak_tflops * 1e12
+        return peak * ef, peak * eb
 
     def _recompute_flops(self, seq_len: int, remat: str | None = None) -> float:
         """Forward FLOPs per token a layer recomputes in its backward under `remat`."""
@@ -544,9 +589,9 @@ class CostModel:
             ranks = mesh[s].ravel()
             accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
             # A stage is as slow as its slowest device.
-            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat)
+            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp)
                              for a in accs], axis=0)
-            hf, hb = np.max([self.head_seconds_per_token(a) for a in accs], axis=0)
+            hf, hb = np.max([self.head_seconds_per_token(a, tok / tp) for a in accs], axis=0)
             cf, cb = tok * lf / tp, tok * lb / tp
             # Megatron TP: two all-reduces of the activations in each of forward and backward.
             tp_ar = 2 * self.collective("all_reduce", tok * m.d_model * self.act_bytes, mesh[s])
@@ -740,5 +785,6 @@ def model_from_config(c, vocab_size: int | None = None) -> "ModelConfig":
         c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
 
 
-__all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile", "Layout", "StageCost", "Prediction",
+__all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile",
+           "ComputeCurve", "LinkFit", "Layout", "StageCost", "Prediction",
            "ring_time", "DEFAULT_EFFICIENCY", "model_from_config"]
