@@ -308,13 +308,13 @@ class Topology:
         lines = [f"topology {self.name!r}: {len(self.clusters)} clusters, "
                  f"{self.num_nodes} nodes, {self.num_devices} devices"]
         lines.append(f"  {'cluster':<12}{'nodes x dev':<13}{'ranks':<12}{'accelerator':<24}"
-                     f"{'NIC':<24}{'intra-node':<20}")
+                     f"{'NIC':<30}{'intra-node':<20}")
         for ci, c in enumerate(self.clusters):
             r = self.cluster_ranks(ci)
             acc = f"{c.accelerator.name} {c.accelerator.peak_tflops:g}TF {c.accelerator.memory_gib:g}GiB"
             lines.append(
                 f"  {c.name:<12}{f'{c.nodes} x {c.devices_per_node}':<13}"
-                f"{f'{r.start}-{r.stop - 1}':<12}{acc:<24}{_fmt_link(c.nic):<24}"
+                f"{f'{r.start}-{r.stop - 1}':<12}{acc:<24}{_fmt_link(c.nic):<30}"
                 f"{_fmt_link(c.intra_node):<20}")
         lines.append("  between clusters: " + (_fmt_link(self.inter_cluster)
                                                 if self.inter_cluster is not None

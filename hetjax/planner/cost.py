@@ -462,6 +462,10 @@ class CostModel:
         """The (global) node of each rank."""
         return self._node[np.asarray(ranks)]
 
+    def nic_flows(self, groups: np.ndarray) -> int:
+        """The most concurrent groups of `groups` sharing one node's NIC (1: none shared)."""
+        return int(self._net(np.asarray(groups)).kinds[:, 1].max())
+
     def group_links(self, groups: np.ndarray) -> list[Link]:
         """Slowest link of each row of `groups`."""
         return [self._links[i] for i in self._net(np.asarray(groups)).ids]

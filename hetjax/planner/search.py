@@ -99,14 +99,21 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          schedule: str | Sequence[str] = SCHEDULES, zero: str | ZeroFactors = "auto",
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
-         assign_seconds: float = 10.0) -> PlanResult:
+         assign_seconds: float = 10.0, calibration=None) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
     Degrees, micro-batches, schedule, ZeRO point and stage layers given here are fixed (0 or
     "auto": the planner chooses). `network_aware` adds DT-FM's device assignment as a
-    candidate (default: when the topology has more than two sites)."""
+    candidate (default: when the topology has more than two sites). `calibration`: a
+    `hetjax calibrate` file (path) or `Calibration`, whose measurements replace the
+    options' compute efficiency and link speeds."""
     t0 = time.perf_counter()
+    if calibration is not None:
+        from hetjax.planner.calibrate import load_calibration
+
+        cal = load_calibration(calibration) if isinstance(calibration, str) else calibration
+        options = cal.options(options)
     for name, v in (("global_batch", global_batch), ("seq_len", seq_len), ("top", top)):
         if not (isinstance(v, int) and v >= 1):
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
