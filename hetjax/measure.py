@@ -111,38 +111,58 @@ def group_layouts(topology: Topology) -> list[np.ndarray]:
     return out
 
 
+def split_by_class(topology: Topology, groups: np.ndarray) -> list[np.ndarray]:
+    """The rows of a layout grouped by the link class each crosses (its slowest link), so
+    each measurement belongs to one class."""
+    from hetjax.planner.cost import CostModel
+    from layers.config import ModelConfig
+
+    cm = CostModel(topology, ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1,
+                                         n_kv_heads=1, d_ff=8))
+    kinds = np.array([lk.kind for lk in cm.group_links(groups)])
+    return [groups[kinds == k] for k in dict.fromkeys(kinds.tolist())]
+
+
 def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence[int],
                   repeats: int = 3) -> list[LinkRow]:
-    """Seconds of each operation over each group layout of `group_layouts` at each size
-    (float32 elements; all-gather's size is the gathered result, reduce-scatter's its input,
-    point-to-point's what each device sends)."""
+    """Seconds of each operation over each group layout of `group_layouts` (split by link
+    class) at each size (float32 elements; all-gather's size is the gathered result,
+    reduce-scatter's its input, point-to-point's what each device sends). A process owning
+    none of a layout's devices does not run it and records 0 s (see _gather)."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    me = jax.process_index()
     rows = []
-    for groups in group_layouts(topology):
-        r, g = groups.shape
-        mesh = Mesh(np.asarray(devices, dtype=object)[groups], ("r", "g"))
-        sharding = NamedSharding(mesh, P("r", "g"))
-        bodies = {
-            "all_reduce": lambda x: jax.lax.psum(x, "g"),
-            "reduce_scatter": lambda x: jax.lax.psum_scatter(x, "g", scatter_dimension=2,
-                                                              tiled=True),
-            "all_gather": lambda x: jax.lax.all_gather(x, "g", axis=2, tiled=True),
-            "p2p": lambda x: jax.lax.ppermute(x, "g", [(i, (i + 1) % g) for i in range(g)]),
-        }
-        for op in OPS_MEASURED:
-            fn = jax.jit(jax.shard_map(bodies[op], mesh=mesh, in_specs=P("r", "g"),
-                                       out_specs=P("r", "g")))
-            for nbytes in message_bytes:
-                elems = max(g, nbytes // 4 // g * g)  # divisible by the group
-                local = elems // g if op == "all_gather" else elems
-                x = jax.make_array_from_callback(
-                    (r, g, local), sharding,
-                    lambda idx, local=local: np.ones((1, 1, local), np.float32))
-                seconds = _median_seconds(fn, (x,), repeats)
-                rows.append(LinkRow(op, elems * 4, tuple(map(tuple, groups.tolist())), seconds))
+    for layout in group_layouts(topology):
+        for groups in split_by_class(topology, layout):
+            r, g = groups.shape
+            devs = np.asarray(devices, dtype=object)[groups]
+            mine = any(d.process_index == me for d in devs.ravel())
+            mesh = Mesh(devs, ("r", "g"))
+            sharding = NamedSharding(mesh, P("r", "g"))
+            bodies = {
+                "all_reduce": lambda x: jax.lax.psum(x, "g"),
+                "reduce_scatter": lambda x, g=g: jax.lax.psum_scatter(
+                    x, "g", scatter_dimension=2, tiled=True),
+                "all_gather": lambda x: jax.lax.all_gather(x, "g", axis=2, tiled=True),
+                "p2p": lambda x, g=g: jax.lax.ppermute(x, "g",
+                                                       [(i, (i + 1) % g) for i in range(g)]),
+            }
+            for op in OPS_MEASURED:
+                fn = jax.jit(jax.shard_map(bodies[op], mesh=mesh, in_specs=P("r", "g"),
+                                           out_specs=P("r", "g")))
+                for nbytes in message_bytes:
+                    elems = max(g, nbytes // 4 // g * g)  # divisible by the group
+                    seconds = 0.0
+                    if mine:
+                        local = elems // g if op == "all_gather" else elems
+                        x = jax.make_array_from_callback(
+                            (r, g, local), sharding,
+                            lambda idx, local=local: np.ones((1, 1, local), np.float32))
+                        seconds = _median_seconds(fn, (x,), repeats)
+                    rows.append(LinkRow(op, elems * 4, tuple(map(tuple, groups.tolist())),
+                                        seconds))
     return rows
 
 
