@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from layers.config import ModelConfig
 
 GIB = 2.0 ** 30
+# ZeRO points priced per layout during the search (least traffic first); the winning layout
+# then has all of them priced (every point's best split costs a partition search).
+ZERO_POINTS_PRICED = 3
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,15 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         raise s.infeasible()
     ranked = s.confirm(cands, top)
     best = ranked[0]
+    if zero == "auto":  # every ZeRO point on the winning layout, by predicted step time
+        lay = dataclasses.replace(Layout.of(best), zero=ZeroFactors())
+        c = s.evaluate(lay, None, best.predicted.get("layout", ""), zero, tuple(stage_layers),
+                       limit=math.inf)
+        if c is not None and c.layout.zero != best.zero:
+            alt = s.confirm([c], 1)[0]
+            if alt.predicted["step_time_s"] < best.predicted["step_time_s"]:
+                ranked = [alt] + [p for p in ranked if p != alt][:top - 1]
+                best = alt
     free = {}
     if zero == "auto":
         free["zero"] = [dataclasses.replace(Layout.of(best), zero=f)
@@ -322,14 +334,21 @@ class _Search:
 
     # --- pricing ------------------------------------------------------------------------------
     def evaluate(self, layout: Layout, orders, tag: str, zero: str | ZeroFactors,
-                 stage_layers: tuple[int, ...]) -> _Candidate | None:
-        """The ZeRO point (of those whose best split fits memory) with the least predicted
-        step time, priced; None when none fits."""
-        best = None
+                 stage_layers: tuple[int, ...], limit: int = ZERO_POINTS_PRICED
+                 ) -> _Candidate | None:
+        """Of the first `limit` ZeRO points (in AMSP's order, least traffic first) whose best
+        split fits memory, the one with the least predicted step time, priced; None when
+        none fits. (`plan` then tries every point on the winning layout.)"""
+        best, fitted = None, 0
         for f in self.zero_points(layout, zero):
             cand = self._fitted(dataclasses.replace(layout, zero=f), orders, tag, stage_layers)
-            if cand is not None and (best is None or cand.estimate < best.estimate):
+            if cand is None:
+                continue
+            fitted += 1
+            if best is None or cand.estimate < best.estimate:
                 best = cand
+            if fitted >= limit:
+                break
         return best
 
     def _fitted(self, lay: Layout, orders, tag: str, stage_layers: tuple[int, ...]
