@@ -279,14 +279,14 @@ def test_memory_margin_from_the_config_reaches_the_cost_options():
     assert options_from_config(c).memory_fraction == pytest.approx(0.75)
 
 
-def test_amsp_setting_llama7b_on_1024_a800_chooses_a_zero_point_and_says_why():
-    """scripts/bench_planner.py amsp, the 7B row: ZeRO-only data parallelism over 1,024
+def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
+    """scripts/bench_planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
     devices; plain DDP would be faster but cannot hold 16 bytes per parameter."""
     from layers.config import ModelConfig
 
     topo = Topology("amsp_a800", (make_cluster("a800", 128, 8, "a800", "infiniband"),), None)
-    model = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                        d_ff=11008, max_seq_len=4096, remat="full", dtype="bfloat16",
+    model = ModelConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                        d_ff=13824, max_seq_len=4096, remat="full", dtype="bfloat16",
                         param_dtype="bfloat16", tie_embeddings=False)
     best = plan(topo, model, 1024, 4096, pp=1, tp=1,
                 options=CostOptions(executor="megatron")).plan

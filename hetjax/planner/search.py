@@ -44,6 +44,9 @@ GIB = 2.0 ** 30
 # ZeRO points priced per layout during the search (least traffic first); the winning layout
 # then has all of them priced (every point's best split costs a partition search).
 ZERO_POINTS_PRICED = 3
+# A choice must be predicted this much faster to beat a simpler one (less traffic, fewer
+# micro-batches): the cost model does not resolve smaller differences.
+TIE = 0.01
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                        limit=math.inf)
         if c is not None and c.layout.zero != best.zero:
             alt = s.confirm([c], 1)[0]
-            if alt.predicted["step_time_s"] < best.predicted["step_time_s"]:
+            if alt.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
                 ranked = [alt] + [p for p in ranked if p != alt][:top - 1]
                 best = alt
     free = {}
@@ -345,7 +348,7 @@ class _Search:
             if cand is None:
                 continue
             fitted += 1
-            if best is None or cand.estimate < best.estimate:
+            if best is None or cand.estimate < best.estimate * (1 - TIE):
                 best = cand
             if fitted >= limit:
                 break
@@ -429,7 +432,7 @@ class _Search:
                 worst, need = self._even_need(lay, table)
                 est = self._price(lay, even_split(self.model.n_layers, lay.pp), "").estimate
                 refused.append((est, lay, need, table[worst][worst].capacity))
-            faster = [r for r in refused if r[0] < chosen.estimate * (1 - 1e-6)]
+            faster = [r for r in refused if r[0] < chosen.estimate * (1 - TIE)]
             if faster:
                 est, lay, need, cap = min(faster, key=lambda r: r[0])
                 value = {"zero": lay.zero.name, "microbatches": f"M={lay.microbatches}",
@@ -439,7 +442,8 @@ class _Search:
                     f"needs {need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable "
                     f"({self.cm.options.memory_fraction:.0%} of memory)")
             else:
-                reasons[what] = (f"time: the fastest predicted of the {fit} that fit memory"
+                reasons[what] = (f"time: the fastest predicted (within {TIE:.0%}) of the "
+                                 f"{fit} that fit memory"
                                  + (f" ({len(refused)} more do not)" if refused else ""))
         self.shortfall = shortfall
         return reasons
