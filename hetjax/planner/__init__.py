@@ -5,10 +5,11 @@
     result.plan          # the best Plan, with result.plan.predicted filled in
     result.runners_up    # the next best Plans
 
-Modules: `cost` (the cost model: compute, alpha-beta communication, memory), `simulate` (the
-schedule simulator), `partition` (layers per stage: Holmes, HetHub, exact), `assign` (DT-FM's
+Modules: `cost` (the cost model: compute, communication, memory), `collectives` (NCCL's ring
+and tree algorithms), `simulate` (the schedule simulator), `partition` (layers per stage: Holmes, HetHub, exact), `assign` (DT-FM's
 device assignment on slow networks), `zero` (AMSP's sharding factors), `search` (the outer
-search), `formulas` (the papers' metric formulas). Pure Python + numpy: importing the planner
+search), `calibrate` (fits to measured runs; `hetjax calibrate`'s file), `formulas` (the
+papers' metric formulas). Pure Python + numpy: importing the planner
 does not start JAX.
 """
 

@@ -1,17 +1,24 @@
-"""Calibrating the cost model on measured throughputs, and Holmes' Table 1 as the data.
+"""Calibrating the cost model: on measured throughputs (Holmes' Table 1), on the testbed, and
+from `hetjax calibrate`'s measurements of a job's devices (the calibration file).
 
 The cost model's one free compute parameter is the efficiency factor (fraction of peak a
 layer reaches). `fit_efficiency` finds the value at which the model's predicted throughput of
 a measured run equals the measurement (the prediction falls monotonically as efficiency
 drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
 A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
-(`scripts/bench_planner.py calibrate`).
+(`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
+with the compute efficiency (the catalogue's defaults in hetjax.topology.LINKS).
 
 For the testbed (hetjax/testbed.py), the cost model is calibrated on the emulated cluster's
 own measurements instead: `emulated_topology` puts the measured goodput and round trip of
 every link class into the topology, `profile_from_step_times` turns single-host step times at
 two or more layer counts into a per-layer `LayerProfile`, and `rank_agreement` /
 `prediction_errors` score predicted against measured step times (scripts/bench_het*.py).
+
+`Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
+block per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
+a `LinkFit` per link class and operation (`options()`), compares measured with modelled
+times (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names.
 """
 
 from __future__ import annotations
