@@ -2,7 +2,6 @@
 with known answers), the file round trip, the planner reading it, and measuring on the
 simulated CPU devices of this process and under `hetjax launch`."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetjax.errors import PlanError
-from hetjax.planner import CostOptions, plan
+from hetjax.planner import plan
 from hetjax.planner.calibrate import (Calibration, ComputeRow, LinkRow, load_calibration,
                                       save_calibration)
 from hetjax.planner.cost import CostModel
@@ -118,7 +117,7 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
 def test_hetjax_calibrate_under_launch_then_plan(tmp_path):
     """Two processes (gloo): process 0 writes the file, which `hetjax plan` then reads."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    args = ["--config.model.d_model=64", "--config.model.d_ff=128",
+    args = ["--config.model.d_model=64", "--config.model.d_ff=128", "--config.train.seq_len=16",
             f"--config.workdir={tmp_path}"]
     run = subprocess.run([sys.executable, "-m", "hetjax", "launch", "--local", "2",
                           "--command=calibrate", *args], cwd=ROOT, env=env,

@@ -31,7 +31,8 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
-from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostModel, CostOptions, LayerProfile
+from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
+                                 LayerProfile, LinkFit)
 from hetjax.planner.zero import named
 from hetjax.topology import ClusterLink, Link, Topology, preset
 
@@ -336,9 +337,7 @@ class Calibration:
     links: tuple[LinkRow, ...]
 
     # --- fits --------------------------------------------------------------------------------
-    def curves(self) -> dict[str, "ComputeCurve"]:
-        from hetjax.planner.cost import ComputeCurve
-
+    def curves(self) -> dict[str, ComputeCurve]:
         out = {}
         for kind in sorted({r.kind for r in self.compute}):
             rows = [r for r in self.compute if r.kind == kind]
@@ -358,7 +357,7 @@ class Calibration:
         groups = r.pairs() if r.op == "p2p" else np.asarray(r.groups)
         return min(cm.group_links(groups), key=lambda lk: lk.bandwidth_gbps).kind
 
-    def link_fits(self) -> dict[str, dict[str, "LinkFit"]]:
+    def link_fits(self) -> dict[str, dict[str, LinkFit]]:
         """Per link class and operation, the alpha-beta fit (least squares, latency >= 0) of
         the flat ring, steps(p) a + flows steps(p) / p S / B (point-to-point: a + flows S / B),
         flows being the groups that share a NIC as the cost model counts them."""
@@ -478,10 +477,8 @@ class Calibration:
                             "one with 'hetjax calibrate'") from None
 
 
-def _alpha_beta(rows: np.ndarray) -> "LinkFit":
+def _alpha_beta(rows: np.ndarray) -> LinkFit:
     """Least-squares latency a >= 0 and inverse bandwidth 1/B > 0 of t = lat a + byte / B."""
-    from hetjax.planner.cost import LinkFit
-
     lat, byte, t = rows.T
     a, inv_b = np.linalg.lstsq(np.stack([lat, byte], axis=1), t, rcond=None)[0]
     if a < 0 or inv_b <= 0:
