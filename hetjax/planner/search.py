@@ -149,8 +149,9 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     best = ranked[0]
     if zero == "auto":  # every ZeRO point on the winning layout, by predicted step time
         lay = dataclasses.replace(Layout.of(best), zero=ZeroFactors())
-        c = s.evaluate(lay, None, best.predicted.get("layout", ""), zero, tuple(stage_layers),
-                       limit=math.inf)
+        tag = best.predicted.get("layout", "")
+        keep_order = [tuple(range(best.pp))] if tag == "DT-FM assignment" else None
+        c = s.evaluate(lay, keep_order, tag, zero, tuple(stage_layers), limit=math.inf)
         if c is not None and c.layout.zero != best.zero:
             alt = s.confirm([c], 1)[0]
             if alt.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
@@ -419,7 +420,10 @@ class _Search:
         shortfall, self.shortfall = self.shortfall, _Shortfall()  # keep the search's note
         chosen = self._fitted(Layout.of(plan), None, "", plan.stage_layers
                               if self.fixed_layers else ())
-        reasons = {}
+        reasons: dict[str, str] = {}
+        if chosen is None:  # cannot happen for a plan the search found; say nothing then
+            self.shortfall = shortfall
+            return reasons
         for what, alternatives in choices.items():
             fit, refused = 1, []  # the chosen value fits
             for lay in alternatives:
