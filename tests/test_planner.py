@@ -293,3 +293,18 @@ def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
     assert best.dp == 1024 and best.zero.name != "ddp"
     assert max(best.predicted["stage_memory_gib"]) <= 0.9 * 80
     assert best.predicted["bound"]["zero"].startswith("memory: ddp would be")
+
+
+def test_layout_bound_names_the_faster_layout_memory_refused():
+    """With 19% of an A100's memory usable, a faster layout (fewer micro-batches) exists but
+    does not fit: the plan says memory bound its layout; with 90%, time did."""
+    from hetjax.planner.calibrate import holmes_model
+
+    def bound(fraction):
+        return plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, tp=1,
+                    schedule="1f1b", options=CostOptions(memory_fraction=fraction)
+                    ).plan.predicted["bound"]
+
+    assert bound(0.9)["layout"].startswith("time: the fastest predicted")
+    tight = bound(0.19)["layout"]
+    assert tight.startswith("memory: pp=") and "usable" in tight

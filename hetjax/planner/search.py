@@ -169,8 +169,9 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if len(schedules) > 1 and best.pp > 1:
         free["schedule"] = [dataclasses.replace(Layout.of(best), schedule=n)
                             for n in schedules if n != best.schedule]
-    ranked[0] = dataclasses.replace(best, predicted={**best.predicted,
-                                                     "bound": s.explain(best, free)})
+    free_layout = not (pp and dp and tp)
+    ranked[0] = dataclasses.replace(best, predicted={
+        **best.predicted, "bound": s.explain(best, free, len(cands) if free_layout else 0)})
     plans = [dataclasses.replace(p, source="planner") for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
                       time.perf_counter() - t0)
@@ -198,6 +199,8 @@ class _Search:
         self.shortfall = _Shortfall()
         self.rejected: list[str] = []
         self.fixed_layers = False
+        self.refused_layouts = 0  # layouts no ZeRO point fits, and the fastest of them
+        self.refused_best: tuple[float, Layout, float, float] | None = None
 
     # --- the choices ---------------------------------------------------------------------------
     def degrees(self, pp: int, dp: int, tp: int, stage_layers: Sequence[int]
@@ -353,7 +356,21 @@ class _Search:
                 best = cand
             if fitted >= limit:
                 break
+        if best is None and limit == ZERO_POINTS_PRICED:
+            self._note_refused(layout, (self.zero_points(layout, zero) or
+                                        [zr.named("zero3", layout.dp, 1)])[0])
         return best
+
+    def _note_refused(self, layout: Layout, f: ZeroFactors) -> None:
+        """Remember the fastest layout refused for memory (priced with its even split and
+        its least-traffic ZeRO point, memory ignored), for `explain`."""
+        lay = dataclasses.replace(layout, zero=f)
+        table = self.cm.stage_table(lay)
+        worst, need = self._even_need(lay, table)
+        est = self._price(lay, even_split(self.model.n_layers, lay.pp), "").estimate
+        self.refused_layouts += 1
+        if self.refused_best is None or est < self.refused_best[0]:
+            self.refused_best = (est, lay, need, table[worst][worst].capacity)
 
     def _fitted(self, lay: Layout, orders, tag: str, stage_layers: tuple[int, ...]
                 ) -> _Candidate | None:
@@ -413,10 +430,13 @@ class _Search:
             f"{c.mem_fixed / GIB:.2f}) but has {c.capacity / GIB:.2f} GiB usable"))
 
     # --- why the choices were made ---------------------------------------------------------------
-    def explain(self, plan: Plan, choices: dict[str, list[Layout]]) -> dict[str, str]:
+    def explain(self, plan: Plan, choices: dict[str, list[Layout]],
+                layouts: int = 0) -> dict[str, str]:
         """For each free choice ("zero", "microbatches", "schedule" -> the plan's layout with
         each alternative value), what bound it: "time" when no alternative is predicted
-        faster, "memory" when a faster one does not fit (named, with its need)."""
+        faster, "memory" when a faster one does not fit (named, with its need). With
+        `layouts` (the candidates the search priced), also the layout ("layout": degrees,
+        device order, M and schedule) against the layouts no ZeRO point fitted."""
         shortfall, self.shortfall = self.shortfall, _Shortfall()  # keep the search's note
         chosen = self._fitted(Layout.of(plan), None, "", plan.stage_layers
                               if self.fixed_layers else ())
@@ -449,8 +469,21 @@ class _Search:
                 reasons[what] = (f"time: the fastest predicted (within {TIE:.0%}) of the "
                                  f"{fit} that fit memory"
                                  + (f" ({len(refused)} more do not)" if refused else ""))
+        if layouts:
+            reasons = {"layout": self._layout_reason(chosen.estimate, layouts), **reasons}
         self.shortfall = shortfall
         return reasons
+
+    def _layout_reason(self, estimate: float, layouts: int) -> str:
+        best = self.refused_best
+        if best is not None and best[0] < estimate * (1 - TIE):
+            est, lay, need, cap = best
+            return (f"memory: pp={lay.pp} dp={lay.dp} tp={lay.tp} M={lay.microbatches} "
+                    f"{lay.schedule} would be {1 - est / estimate:.1%} faster but needs "
+                    f"{need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable")
+        return (f"time: the fastest predicted (within {TIE:.0%}) of the {layouts} layouts that "
+                f"fit memory" + (f" ({self.refused_layouts} more do not)"
+                                 if self.refused_layouts else ""))
 
     def _note(self, ratio: float, text: str) -> None:
         if ratio < self.shortfall.ratio:
