@@ -252,8 +252,7 @@ def cmd_plan(argv: list[str]) -> int:
     import dataclasses
 
     from hetjax import config as hconfig
-    from hetjax.plan import plan_from_config
-    from hetjax.planner import model_from_config, options_from_config, predict
+    from hetjax.planner import model_from_config, options_from_config, plan_from_config, predict
 
     opts, rest = _take_options(argv, ("json", "plot"))
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
@@ -262,7 +261,7 @@ def cmd_plan(argv: list[str]) -> int:
     model = model_from_config(cfg)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict(
-            plan, topology, model, options_from_config(cfg, topology)).as_dict())
+            plan, topology, model, options_from_config(cfg)).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
     from hetjax.planner.search import bound_lines

@@ -4,8 +4,9 @@
 what their scenario needs. `load_config(path, overrides)` reads a `get_config()` file with
 `--config.a.b=value` overrides exactly as the CLI does (ml_collections.config_flags).
 `validate(config)` checks everything that does not need JAX and raises a `ConfigError` naming
-the field and the fix; checks that need the topology (degrees against device counts) live in
-`validate_layout`.
+the field and the fix. Layout rules are not repeated here: the ZeRO presets and factor rules
+are hetjax/planner/zero.py's, and the checks that need the topology (degrees against device
+counts, placement) run where the Plan is built (hetjax/planner/config_plan.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import ml_collections
 
 from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
+from hetjax.planner import zero as zr
+from hetjax.planner.config_plan import resolve_microbatches
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 SCHEDULES = ("gpipe", "1f1b")
-ZERO_PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics", "auto", "custom")
+PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -61,6 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.stage_layers = ()  # layers per stage, e.g. (3, 1); empty: even split
     c.pipeline.schedule = "1f1b"
+    # spmd: one shard_map program, stages in lockstep ticks; mpmd: one program per stage,
+    # stages run asynchronously; auto: the one the planner predicts faster
+    c.pipeline.executor = "spmd"
     c.pipeline.microbatches = 0  # alias of train.microbatches for pipeline users; 0: unset
 
     c.zero = ml_collections.ConfigDict()
@@ -190,30 +196,6 @@ def warmup_steps(t) -> int:
     return t.steps // 10 if t.warmup_steps == -1 else t.warmup_steps
 
 
-def resolve_microbatches(c) -> int:
-    """train.microbatches, or pipeline.microbatches if the user set that alias instead."""
-    pm, tm = c.pipeline.microbatches, c.train.microbatches
-    if pm and tm not in (1, pm):
-        raise ConfigError("pipeline.microbatches",
-                          f"= {pm} disagrees with train.microbatches = {tm}",
-                          "set only one of them (they name the same number)")
-    return pm or tm
-
-
-def check_zero_order(s_p: int, s_g: int, s_os: int) -> None:
-    """AMSP's ordering rules for ZeRO factors: s_p divides s_os (each optimizer-state shard
-    lies inside its parameter shard) and s_g is s_p or s_os. Divisibility by dp and the
-    node rules need the plan (parallel/zero.py check_factors)."""
-    _require(s_os % s_p == 0, "zero.s_os",
-             f"s_os = {s_os} is not a multiple of s_p = {s_p}; each optimizer-state shard must "
-             "lie inside its device's parameter shard",
-             f"choose s_os from the multiples of s_p = {s_p} (and divisors of dp)")
-    _require(s_g in (s_p, s_os), "zero.s_g",
-             f"s_g = {s_g} must equal s_p = {s_p} or s_os = {s_os} (gradients are sharded like "
-             "the parameters or like the optimizer states)",
-             f"set zero.s_g to {s_p} or {s_os}")
-
-
 def validate(c) -> None:
     """Check every field that can be checked without JAX. Raises ConfigError."""
     m, tr = c.model, c.train
@@ -280,15 +262,19 @@ def validate(c) -> None:
         v = _get(c, f)
         _require(isinstance(v, int) and v >= 0, f, f"must be >= 1 (or 0 for automatic), got {v!r}",
                  f"set --config.{f}=1")
+    _require(c.pipeline.executor in PIPELINE_EXECUTORS, "pipeline.executor",
+             f"unknown executor {c.pipeline.executor!r}",
+             f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
-    _require(c.zero.preset in ZERO_PRESETS, "zero.preset", f"unknown preset {c.zero.preset!r}",
-             f"choose one of {', '.join(ZERO_PRESETS)}")
+    _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
+             f"unknown preset {c.zero.preset!r}",
+             f"choose one of {', '.join(zr.CONFIG_PRESETS)}")
     for f in ("zero.s_p", "zero.s_g", "zero.s_os"):
         _positive_int(c, f, 1)
     factors = (c.zero.s_p, c.zero.s_g, c.zero.s_os)
     if c.zero.preset == "custom":
-        check_zero_order(*factors)
+        zr.check_order(*factors)
     else:
         _require(factors == (1, 1, 1), "zero.preset",
                  f"zero.s_p / s_g / s_os = {factors} are only read when zero.preset = 'custom', "
@@ -345,29 +331,3 @@ def _validate_data_and_checkpoints(c) -> None:
 def _common_divisors(*xs: int) -> list[int]:
     g = math.gcd(*xs)
     return [d for d in range(1, g + 1) if g % d == 0]
-
-
-def validate_layout(c, topology: topo.Topology) -> None:
-    """Check the fixed degrees in the config against the topology's device count."""
-    n = topology.num_devices
-    p = c.parallel
-    fixed = [d for d in (p.pp, p.dp, p.tp) if d]
-    prod = math.prod(fixed)
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    for f, v in (("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp)):
-        _require(not v or n % v == 0, f,
-                 f"{v} does not divide the {n} devices of topology {topology.name!r}",
-                 f"choose {f.split('.')[1]} from {divisors}")
-    _require(n % prod == 0, "parallel",
-             f"pp x dp x tp = {prod} does not divide the {n} devices of {topology.name!r}",
-             f"choose degrees whose product is {n}")
-    if len(fixed) == 3:
-        _require(prod == n, "parallel",
-                 f"pp x dp x tp = {p.pp} x {p.dp} x {p.tp} = {prod}, but topology "
-                 f"{topology.name!r} has {n} devices", f"choose degrees whose product is {n}, "
-                 "or set one of them to 0 to let hetjax fill it in")
-    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 0)
-    if pp:
-        _require(pp <= c.model.n_layers, "parallel.pp",
-                 f"{pp} stages for model.n_layers = {c.model.n_layers} layers",
-                 f"use at most {c.model.n_layers} stages")

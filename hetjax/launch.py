@@ -39,7 +39,8 @@ from hetjax.distributed import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, DistributedError,
                                 ProcessSlot, WorkerSpec, initialize, process_slots)
 from hetjax.errors import HetjaxError
-from hetjax.plan import Plan, plan_from_config
+from hetjax.plan import Plan
+from hetjax.planner import plan_from_config
 from hetjax.topology import Topology
 from parallel import nic
 

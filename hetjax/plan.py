@@ -7,8 +7,8 @@ model states are ZeRO-sharded. It may carry the planner's predictions. Everythin
 (mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan and a Topology; a Plan
 is saved as JSON next to checkpoints.
 
-`plan_from_config` turns a config whose layout is fixed into a Plan; when degrees are left at 0
-it asks the planner.
+This module is a leaf: it imports only the topology and the errors. Turning a config into a
+Plan is the planner's (`hetjax.planner.plan_from_config`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from hetjax.errors import ConfigError
 from hetjax.topology import Topology
+
+# The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
+# data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p') for ZeRO, with
+# sizes dp / s_os, s_os / s_p and s_p. Anything meaning "all data-parallel devices" uses DP_AXES.
+MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "tp")
+DP_AXES = ("dp", "dp_os", "dp_p")
+
+
+EXECUTORS = ("spmd", "mpmd")  # pipeline executors a Plan can name (parallel/executor.py)
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,26 @@ class ZeroFactors:
 
 
 @dataclass(frozen=True)
+class ZeroAxes:
+    """The mesh axes P, G and OS shard over for one point; axes of size 1 are left out."""
+
+    p: tuple[str, ...]
+    g: tuple[str, ...]
+    os: tuple[str, ...]
+
+    @staticmethod
+    def of(z: ZeroFactors) -> "ZeroAxes":
+        p = ("dp_p",) if z.s_p > 1 else ()
+        os = p + (("dp_os",) if z.s_os > z.s_p else ())
+        return ZeroAxes(p=p, g=p if z.s_g == z.s_p else os, os=os)
+
+    @property
+    def replica(self) -> tuple[str, ...]:
+        """Data-parallel axes an OS shard is replicated over (summed once per step)."""
+        return tuple(a for a in DP_AXES if a not in self.os)
+
+
+@dataclass(frozen=True)
 class Plan:
     pp: int
     dp: int
@@ -49,6 +77,9 @@ class Plan:
     seq_len: int
     schedule: str = "1f1b"
     zero: ZeroFactors = ZeroFactors()
+    # How a pipeline runs (pp > 1): "spmd", one shard_map program whose stages advance in
+    # lockstep ticks, or "mpmd", one program per stage, stages running asynchronously.
+    executor: str = "spmd"
     # Topology ranks in mesh order: reshape(pp, dp, tp)[s, d, t] is the rank at stage s,
     # data-parallel replica d, tensor shard t. Rank order unless the planner reordered devices.
     device_order: tuple[int, ...] = ()
@@ -63,6 +94,8 @@ class Plan:
             raise ValueError(f"device_order must be a permutation of range({n})")
         if len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers {self.stage_layers} does not have pp={self.pp} stages")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor {self.executor!r}: choose one of {', '.join(EXECUTORS)}")
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -150,8 +183,9 @@ class Plan:
 
     def header(self) -> str:
         z = self.zero
+        executor = f"  executor={self.executor}" if self.pp > 1 else ""
         return (f"plan ({self.source}): pp={self.pp} dp={self.dp} tp={self.tp}  "
-                f"schedule={self.schedule}  micro-batches={self.microbatches} x "
+                f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")
 
@@ -165,6 +199,8 @@ class Plan:
             lines += ["  " + g for g in self.group_lines(topology)]
         if self.summary_line():
             lines.append("  " + self.summary_line())
+        if "executor_choice" in self.predicted:
+            lines.append("  executor: " + self.predicted["executor_choice"])
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -213,39 +249,3 @@ def even_split(n_layers: int, stages: int) -> tuple[int, ...]:
     """Layers per stage as even as possible, earlier stages taking the remainder."""
     q, r = divmod(n_layers, stages)
     return tuple(q + (1 if s < r else 0) for s in range(stages))
-
-
-def plan_from_config(c, topology: Topology) -> Plan:
-    """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0 (or
-    only the ZeRO point, by AMSP's enumeration, when zero.preset is 'auto'), else the fixed
-    layout (dp may be 0 = the rest)."""
-    from hetjax.config import resolve_microbatches, validate_layout
-
-    validate_layout(c, topology)
-    if not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto":
-        from hetjax.planner import plan_for_config
-
-        return plan_for_config(c, topology).plan
-    n = topology.num_devices
-    p = c.parallel
-    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
-    tp = p.tp or 1
-    dp = p.dp or n // (pp * tp)
-    if pp * dp * tp != n:
-        raise ConfigError("parallel", f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp} "
-                          f"does not use the {n} devices of {topology.name!r}",
-                          f"choose degrees whose product is {n}")
-    mb = resolve_microbatches(c)
-    if (c.train.batch_size // mb) % dp:
-        raise ConfigError("train.batch_size",
-                          f"each of the {mb} micro-batches has {c.train.batch_size // mb} "
-                          f"sequences, not divisible by dp = {dp}",
-                          f"make train.batch_size a multiple of microbatches x dp = {mb * dp}")
-    stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
-    plan = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
-                global_batch=c.train.batch_size, seq_len=c.train.seq_len,
-                schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config")
-    # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
-    from parallel.zero import factors_from_config
-
-    return dataclasses.replace(plan, zero=factors_from_config(c.zero, plan, topology))

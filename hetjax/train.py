@@ -1,56 +1,44 @@
-"""The trainer: builds model, optimizer, mesh and shardings from a config and a Plan, and runs
-the jitted train step in a loop with metrics, progress and a final summary.
+"""The trainer: the step loop over an executor, with evaluation, checkpoints, metrics, progress
+and timing as hooks.
 
-`Trainer(config)` is the Python entry point (`hetjax train` uses it too). `train()` resumes
-from the latest checkpoint in the work directory, saves every `checkpoint.every` steps in the
-background and at the end (`hetjax.checkpoint`), and reports how long each step waited for
-input. The train step takes the global batch as [micro-batches, batch / micro-batches, length],
-accumulates gradients over the micro-batches (ZeRO-sharded, `parallel.zero`), and applies AdamW
-(warmup + cosine decay, global-norm clipping). Parameter and optimizer-state shardings follow
-the parameters' logical axis names; optimizer-state specs are mapped from parameter specs
-through the optax state tree.
+`Trainer(config)` is the Python entry point (`hetjax train` uses it too). It turns the config
+into a topology, a Plan and an optimizer, and asks an executor (`parallel.executor`) for
+everything that depends on how a step runs: the train state in its shardings, one optimizer
+step, the parameters in the natural layout, the checkpoint layout. The Trainer owns the loop and
+the data. Nothing is compiled or loaded until it is needed: the state is created on first use,
+the loaders when training starts.
 
-With pp > 1 the trainer keeps the parameters (and so gradients and optimizer states) in the
-stage-stacked layout of `parallel.pipeline` and hands forward and backward to its executor;
-`Trainer.params` always returns the natural layout.
+The loop (`iter_steps`) yields a `StepInfo` after every step and runs the hooks that are due
+(`Hook`: a function with an interval). `train()` installs the standard hooks -- evaluation,
+checkpoints (both kept out of the step time), timing, the metrics file / TensorBoard and the
+progress bar -- resumes from the latest checkpoint, runs the loop and returns the run summary.
+A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and its
+metrics.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
-import flax.linen as nn
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import HetjaxError
 from hetjax.metrics import MetricsWriter, Progress, read_metrics
-from hetjax.plan import Plan, plan_from_config
+from hetjax.plan import Plan
+from hetjax.planner import check_placement, plan_from_config
 from hetjax.tokenizer import load_tokenizer
 from hetjax.topology import Topology
-from layers import ModelConfig, Transformer, cross_entropy
-from parallel import sharding as shd
-from parallel import zero
-from parallel.mesh import build_mesh, check_placement
-from parallel.pipeline import Pipeline, StageLayout
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any
-    opt_state: Any
+from layers import ModelConfig
+from parallel.executor import TrainState, make_executor, opt_state_specs
 
 
 def learning_rate_schedule(t) -> optax.Schedule:
@@ -75,18 +63,119 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
     return tx, schedule
 
 
-def opt_state_specs(tx, abstract_opt_state, specs):
-    """PartitionSpecs of the optimizer state: each parameter-shaped leaf takes its parameter's
-    spec (optax.tree_map_params walks every transform of the chain); the rest is replicated."""
-    return optax.tree_map_params(
-        tx, lambda _, spec: spec, abstract_opt_state, specs,
-        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+# --- hooks -------------------------------------------------------------------------------------
+class StepInfo:
+    """What a hook sees after a step: the step number (steps done), whether it is the run's
+    first or last step, the trainer, and the step's metrics.
+
+    `metrics` fetches the step's device metrics on first access (so hooks that do not read them
+    never wait for the step) and holds what earlier hooks added with `add` (eval_loss, step_s,
+    tokens_per_s, ...)."""
+
+    def __init__(self, trainer: "Trainer", step: int, first: bool, last: bool,
+                 device_metrics: dict[str, jax.Array], aside_s: float):
+        self.trainer = trainer
+        self.step = step
+        self.first = first
+        self.last = last
+        self.aside_s = aside_s  # seconds spent so far in hooks that are not training
+        self.added: dict[str, float] = {}
+        self._device = device_metrics
+        self._values: dict[str, float] | None = None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        if self._values is None:
+            self._values = {k: float(v) for k, v in jax.device_get(self._device).items()}
+            self._values.update(self.added)
+        return self._values
+
+    def add(self, **values: float) -> None:
+        self.added.update(values)
+        if self._values is not None:
+            self._values.update(values)
+
+
+@dataclass
+class Hook:
+    """`fn(info)` after every `every`-th step (0: never by interval), also after the run's
+    first step when `first`, its last when `last`, and whenever `also(info)` says so.
+
+    `aside` hooks (evaluation, checkpoints) are not training: the loop lets the step finish
+    before running them and keeps their time out of the step time, tokens/s and MFU."""
+
+    fn: Callable[[StepInfo], Any]
+    every: int = 1
+    first: bool = False
+    last: bool = False
+    aside: bool = False
+    also: Callable[[StepInfo], bool] | None = None
+
+    def due(self, info: StepInfo) -> bool:
+        return bool((self.every and info.step % self.every == 0) or (self.first and info.first)
+                    or (self.last and info.last) or (self.also and self.also(info)))
+
+
+class Timing:
+    """The timing hook: step time, tokens/s and MFU over each interval since the last call, and
+    the totals for the summary. The first step (compilation) is timed apart; the time of aside
+    hooks (evaluation, checkpoints) is left out."""
+
+    def __init__(self, trainer: "Trainer", start: int):
+        self.trainer = trainer
+        self.start = start
+        self.t_start = time.perf_counter()
+        self.t_first = self.t_mark = None  # when the first step's metrics were read
+        self.aside_first = self.aside_mark = 0.0
+        self.mark_step = start
+        self.waited_start = self.waited_mark = trainer.data.waited_s  # seconds next() blocked
+        self.first_loss = None
+        self.last: dict[str, float] | None = None  # the metrics of the last call
+
+    def __call__(self, info: StepInfo) -> None:
+        tr = self.trainer
+        m = info.metrics  # waits for the step
+        now = time.perf_counter()
+        info.add(input_wait_s=(tr.data.waited_s - self.waited_mark) / (info.step - self.mark_step))
+        self.waited_mark = tr.data.waited_s
+        if self.t_mark is None:  # the first step includes compilation: time it apart
+            self.t_first = self.t_mark = now
+            self.aside_first = info.aside_s
+            info.add(compile_and_step_s=now - self.t_start)
+            self.first_loss = m["loss"]
+        else:
+            dt = (now - self.t_mark - (info.aside_s - self.aside_mark)) / \
+                (info.step - self.mark_step)
+            info.add(step_s=dt, tokens_per_s=tr.tokens_per_step / dt,
+                     mfu=tr.flops_per_step / dt / tr.topology.peak_flops)
+            self.t_mark = now
+        self.aside_mark = info.aside_s
+        self.mark_step = info.step
+        self.last = info.metrics
+
+    def summary(self, total: int, aside_s: float) -> dict[str, Any]:
+        tr = self.trainer
+        steady_steps = total - self.start - 1
+        steady = (time.perf_counter() - self.t_first - (aside_s - self.aside_first)) \
+            if self.t_first else 0.0
+        tps = tr.tokens_per_step * steady_steps / steady if steady_steps > 0 and steady else 0.0
+        return {
+            "steps": total, "first_loss": self.first_loss,
+            "final_loss": self.last["loss"] if self.last else None,
+            "tokens_per_s": tps,
+            "mfu": tr.flops_per_step * steady_steps / steady / tr.topology.peak_flops
+            if tps else 0.0,
+            "wall_s": time.perf_counter() - self.t_start,
+            "compile_and_first_step_s": (self.t_first - self.t_start) if self.t_first else None,
+            "input_wait_s": (tr.data.waited_s - self.waited_start) / max(total - self.start, 1),
+        }
 
 
 class Trainer:
     """Train a hetjax model from a config.
 
     >>> trainer = Trainer(load_config("configs/default.py", ["--config.train.steps=20"]))
+    >>> trainer.add_hook(lambda info: print(info.step, info.metrics["loss"]), every=5)
     >>> summary = trainer.train()
     """
 
@@ -99,192 +188,120 @@ class Trainer:
         self.plan = plan or plan_from_config(config, self.topology)
         self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle)
         self.workdir = workdir or config.workdir
-        self.mesh = build_mesh(self.plan, self.topology)
-        self.rules = shd.LOGICAL_RULES
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
-        self.model = Transformer(self.model_cfg)
-        self.pipeline = Pipeline(self.plan, self.model_cfg, self.mesh) if self.plan.pp > 1 \
-            else None
         self.tx, self.schedule = make_optimizer(config.train)
-        if self.pipeline:
-            self.tx = self.pipeline.freeze_padding(self.tx)
+        self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
+                                      self.schedule, config.train.grad_clip)
         self.tokens_per_step = self.plan.global_batch * self.plan.seq_len
         self.flops_per_step = self.model_cfg.flops_per_token(self.plan.seq_len) * \
             self.tokens_per_step
-        self._build_shardings()
-        self._step_fn = jax.jit(self._train_step, in_shardings=(self.state_sharding,
-                                                                self.batch_sharding),
-                                out_shardings=(self.state_sharding, None), donate_argnums=0)
-        self.state = self.init_state()
-        # This process loads only the rows of each global batch that its devices hold.
-        self.data_rows = self.process_batch_rows()
-        self.data, self.data_spec = make_loader(config, self.tokenizer, self.data_rows)
-        # Built now when evaluation is on, so missing held-out data stops the run before step 1.
-        self._eval_data = make_loader(config, self.tokenizer, split="eval")[0] \
-            if config.eval.every else None
-        self._eval_fn = None
+        self.hooks: list[Hook] = []  # the user's, run after the standard ones
+        self._state = None
+        self._data = None
+        self._eval_data = None
         self._checkpointer = None
 
-    # --- shardings and state ------------------------------------------------------------------
-    def _init_boxed(self, key):
-        tokens = jnp.zeros((1, self.plan.seq_len), jnp.int32)
-        boxed = self.model.init(key, tokens)["params"]
-        return self.pipeline.to_stages(boxed) if self.pipeline else boxed
+    # --- state and data (created on first use) --------------------------------------------------
+    @property
+    def state(self):
+        if self._state is None:
+            self._state = self.init_state()
+        return self._state
 
-    def _build_shardings(self):
-        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
-        self.logical_specs = shd.logical_specs(boxed)
-        abstract_params = nn.unbox(boxed)
-        # ZeRO (parallel/zero.py): parameters are stored in the P spec, optimizer states in the
-        # OS spec; gradients are accumulated in the G spec inside loss_and_grads.
-        self.zero_specs = zero.zero_specs(abstract_params, shd.param_specs(boxed, self.rules),
-                                          self.logical_specs, self.plan.zero)
-        self.param_specs = self.zero_specs.p
-        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
-        self.state_specs = TrainState(step=P(), params=self.param_specs,
-                                      opt_state=opt_state_specs(self.tx, abstract_opt,
-                                                                self.zero_specs.os))
-        self.state_sharding = shd.named(self.mesh, self.state_specs)
-        self.os_param_sharding = shd.named(self.mesh, self.zero_specs.os)
-        self.batch_sharding = shd.named(self.mesh, {"inputs": shd.batch_spec(),
-                                                    "targets": shd.batch_spec()})
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
 
-    def process_batch_rows(self) -> np.ndarray:
-        """Rows of the global batch [B, S] that this process's devices hold, ascending (all
-        rows in a single-process run).
-
-        The batch is fed as [M, B / M, S] (row r is micro-batch r // (B / M)) with the middle
-        axis split over data parallelism, so a process holds, in every micro-batch, the slices
-        of its data-parallel positions."""
-        m, b = self.plan.microbatches, self.plan.microbatch_size
-        held = np.zeros((m, b), bool)
-        index_map = self.batch_sharding["inputs"].addressable_devices_indices_map(
-            (m, b, self.plan.seq_len))
-        for idx in index_map.values():
-            held[idx[0], idx[1]] = True
-        return np.flatnonzero(held)
-
-    def init_state(self) -> TrainState:
+    def init_state(self):
         """Fresh parameters from train.seed, created directly in their shardings."""
-        def init(key):
-            params = nn.unbox(self._init_boxed(key))
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                              opt_state=self.tx.init(params))
-
-        with self._context():
-            return jax.jit(init, out_shardings=self.state_sharding)(
-                jax.random.key(self.config.train.seed))
+        return self.executor.init_state(self.config.train.seed)
 
     @property
     def params(self):
         """The current parameters in the model's natural layout (block leaves [n_layers, ...],
-        no pipeline padding), whatever the plan."""
-        p = self.state.params
-        return self.pipeline.from_stages(p) if self.pipeline else p
+        no pipeline padding), whatever the plan and executor."""
+        return self.executor.params(self.state)
+
+    @property
+    def data_rows(self) -> np.ndarray:
+        """Rows of each global batch this process's devices consume."""
+        return self.executor.data_rows
+
+    @property
+    def data(self):
+        """The training batch stream (this process's rows)."""
+        if self._data is None:
+            self._data, self._data_spec = make_loader(self.config, self.tokenizer,
+                                                      self.data_rows)
+        return self._data
+
+    @property
+    def data_spec(self):
+        self.data  # noqa: B018 - opening the loader sets it
+        return self._data_spec
+
+    # --- what single-program executors expose (HLO audits, tests, benches) ---------------------
+    @property
+    def mesh(self):
+        return self.executor.mesh
+
+    @property
+    def pipeline(self):
+        """The shard_map pipeline of an SPMD pipeline plan, else None."""
+        return getattr(self.executor, "pipeline", None)
+
+    @property
+    def zero_specs(self):
+        return self.executor.zero_specs
+
+    @property
+    def state_sharding(self):
+        return self.executor.state_sharding
 
     def _context(self):
-        """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nn.logical_axis_rules(self.rules))
-        return stack
+        return self.executor.context()
 
-    # --- the step -----------------------------------------------------------------------------
     def loss_fn(self, params, inputs, targets):
-        logits = self.model.apply({"params": params}, inputs)
-        return cross_entropy(logits, targets)
+        return self.executor.loss_fn(params, inputs, targets)
 
     def loss_and_grads(self, params, batch):
-        """Mean loss and gradients over the micro-batches of `batch` ([M, b, S] arrays).
+        return self.executor.loss_and_grads(params, batch)
 
-        `params` are in the P spec. Gradients are accumulated in the G spec and reduced across
-        data-parallel replicas once, after the micro-batch loop; they come back in the OS spec
-        (parallel/zero.py accumulate_gradients). With pp > 1 the pipeline executor runs the
-        micro-batches with the same ZeRO kernels inside each stage (reduced once, after its
-        tick loop) and returns the stage-stacked gradients in the OS spec."""
-        if self.pipeline:
-            return self.pipeline.loss_and_grads(params, batch, self.zero_specs)
-        return zero.accumulate_gradients(jax.value_and_grad(self.loss_fn), params, batch,
-                                         self.zero_specs, self.mesh, self.rules)
+    def compiled_step(self):
+        """The compiled train step (for reading its HLO, cost and memory analyses)."""
+        return self.executor.compiled_step(self.state)
 
-    def _train_step(self, state: TrainState, batch):
-        loss, grads = self.loss_and_grads(state.params, batch)
-        # AdamW on the OS shards: each device updates the slice of its P shard it owns (a
-        # local slice, no communication) ...
-        params = jax.lax.with_sharding_constraint(state.params, self.os_param_sharding)
-        updates, opt_state = self.tx.update(grads, state.opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # ... and the refreshed parameters are re-gathered inside the OS sub-group to P.
-        params = jax.lax.with_sharding_constraint(params, self.state_sharding.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": self.schedule(state.step)}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
+    # --- steps ----------------------------------------------------------------------------------
     def put_batch(self, batch: dict[str, np.ndarray], rows: np.ndarray | None = None):
-        """Numpy batch -> sharded device arrays [M, B / M, S] of the global batch [B, S].
-
-        `batch` holds the global batch's rows `rows` (ascending; default all B rows); it must
-        include every row this process's devices hold (`self.data_rows`)."""
-        m, b = self.plan.microbatches, self.plan.microbatch_size
-        rows = np.arange(m * b) if rows is None else np.asarray(rows)
-        where = np.full(m * b, -1)  # global row -> its position in `batch`
-        where[rows] = np.arange(len(rows))
-
-        def shard(v, idx):
-            pos = where[np.arange(m)[idx[0]][:, None] * b + np.arange(b)[idx[1]][None, :]]
-            if (pos < 0).any():
-                raise ValueError(f"process {jax.process_index()} was given batch rows "
-                                 f"{rows.tolist()} but its devices hold rows "
-                                 f"{self.data_rows.tolist()}")
-            return v[pos][..., idx[2]]
-
-        out = {}
-        for k, v in batch.items():
-            v = np.asarray(v, np.int32)
-            out[k] = jax.make_array_from_callback((m, b, v.shape[1]), self.batch_sharding[k],
-                                                  lambda idx, v=v: shard(v, idx))
-        return out
+        """Host batch (rows `rows` of the global batch, default all) -> device batch."""
+        return self.executor.put_batch(batch, rows)
 
     def step(self, batch: dict[str, np.ndarray] | None = None) -> dict[str, jax.Array]:
         """One optimizer step on `batch` (default: the next batch of the data stream)."""
         batch = (self.put_batch(next(self.data), self.data_rows) if batch is None
                  else self.put_batch(batch))
-        with self._context():
-            self.state, metrics = self._step_fn(self.state, batch)
+        self.state, metrics = self.executor.step(self.state, batch)
         return metrics
-
-    def compiled_step(self):
-        """The compiled train step (for reading its HLO, cost and memory analyses)."""
-        abstract_batch = {k: jax.ShapeDtypeStruct(
-            (self.plan.microbatches, self.plan.microbatch_size, self.plan.seq_len), jnp.int32,
-            sharding=s) for k, s in self.batch_sharding.items()}
-        with self._context():
-            return self._step_fn.lower(self.state, abstract_batch).compile()
 
     def evaluate(self, batch: dict[str, np.ndarray]) -> float:
         """Loss of the current parameters on a global batch (no update)."""
-        dev = self.put_batch(batch)
+        return self.executor.eval_loss(self.state, batch)
 
-        def f(params, b):
-            return jnp.mean(jax.vmap(lambda i, t: self.loss_fn(params, i, t))(
-                b["inputs"], b["targets"]))
-
-        if self._eval_fn is None:  # compile once, not at every evaluation
-            self._eval_fn = jax.jit(f)
-        with self._context():
-            return float(self._eval_fn(self.params, dev))
+    def _open_eval_data(self):
+        if self._eval_data is None:
+            self._eval_data, _ = make_loader(self.config, self.tokenizer, split="eval")
+        return self._eval_data
 
     def eval_loss(self) -> float:
         """Mean loss on `eval.batches` fixed global batches of held-out data (every process
         reads them whole: evaluation is rare and rows are slices of a memory map)."""
-        if self._eval_data is None:
-            self._eval_data, _ = make_loader(self.config, self.tokenizer, split="eval")
-        return float(np.mean([self.evaluate(self._eval_data.batch(k))
+        data = self._open_eval_data()
+        return float(np.mean([self.evaluate(data.batch(k))
                               for k in range(self.config.eval.batches)]))
 
-    # --- checkpoints --------------------------------------------------------------------------
+    # --- checkpoints ----------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> str:
         return self.config.checkpoint.dir or os.path.join(self.workdir, "checkpoints")
@@ -299,10 +316,7 @@ class Trainer:
 
     def layout(self) -> hckpt.Layout:
         """How this trainer's state maps to the plan-independent checkpoint layout."""
-        abstract = hckpt.abstract_with_shardings(self.state, self.state_sharding)
-        if self.pipeline:
-            return StageLayout(self.plan, abstract, self.state_sharding)
-        return hckpt.NaturalLayout(abstract)
+        return self.executor.checkpoint_layout(self.state)
 
     def save(self, *, eval_loss: float | None = None, wait: bool = False) -> int:
         """Checkpoint the current step (state, data position, config, plan); returns the step.
@@ -338,35 +352,61 @@ class Trainer:
         self.data.set_state(r.data_state)
         return r.step
 
-    # --- the loop -----------------------------------------------------------------------------
+    # --- the loop -------------------------------------------------------------------------------
     def describe(self) -> str:
         lines = [self.topology.describe(), self.plan.describe(self.topology)]
         lines += [f"  note: {n}" for n in self.notes]
-        if self.pipeline:
-            lines.append(self.pipeline.describe())
+        if self.executor.describe():
+            lines.append(self.executor.describe())
         m = self.model_cfg
         lines.append(f"model: {m.num_params / 1e6:.2f}M parameters, {m.n_layers} layers, "
                      f"d_model {m.d_model}, heads {m.n_heads} (kv {m.n_kv_heads}), d_ff {m.d_ff},"
                      f" vocab {m.vocab_size}, {m.dtype} compute")
         return "\n".join(lines)
 
-    def _write_run_files(self):
-        os.makedirs(self.workdir, exist_ok=True)
-        with open(os.path.join(self.workdir, "plan.json"), "w") as f:
-            f.write(self.plan.to_json(indent=1))
-        with open(os.path.join(self.workdir, "topology.json"), "w") as f:
-            f.write(self.topology.to_json(indent=1))
-        with open(os.path.join(self.workdir, "config.json"), "w") as f:
-            f.write(self.config.to_json_best_effort(indent=1))
+    def add_hook(self, fn: Callable[[StepInfo], Any], every: int = 1, **kw) -> Hook:
+        """Run `fn(info)` after every `every`-th step of `train()` / `iter_steps()` (after the
+        standard hooks, so `info.metrics` holds the step's timing and eval loss when they ran);
+        `first`, `last`, `aside` and `also` as in `Hook`."""
+        hook = Hook(fn, every, **kw)
+        self.hooks.append(hook)
+        return hook
+
+    def iter_steps(self, steps: int | None = None,
+                   hooks: list[Hook] | None = None) -> Iterator[StepInfo]:
+        """Train until step `steps` (default train.steps), yielding a `StepInfo` after each step
+        once its due hooks (`hooks`, default the user's) have run."""
+        total = steps if steps is not None else self.config.train.steps
+        hooks = self.hooks if hooks is None else hooks
+        start = int(self.state.step)
+        aside = 0.0
+        for done in range(start + 1, total + 1):
+            metrics = self.step()
+            info = StepInfo(self, done, done == start + 1, done == total, metrics, aside)
+            due = [h for h in hooks if h.due(info)]
+            if any(h.aside for h in due):
+                # The step is dispatched asynchronously: let it finish first, or its compute
+                # would be timed as evaluation or saving, not as training.
+                jax.block_until_ready((metrics, self.state))
+            for h in due:
+                t = time.perf_counter()
+                h.fn(info)
+                if h.aside:
+                    aside += time.perf_counter() - t
+                    info.aside_s = aside
+            yield info
 
     def train(self, steps: int | None = None) -> dict[str, Any]:
-        """Train until step `steps` (default train.steps); returns the run summary.
+        """Train until step `steps` (default train.steps) with the standard hooks and the
+        user's; returns the run summary.
 
         A fresh trainer first resumes from the latest checkpoint in its checkpoint directory."""
         cfg, ckpt = self.config.train, self.config.checkpoint
         total = steps if steps is not None else cfg.steps
         primary = jax.process_index() == 0
         resumed = self.restore() if ckpt.every and int(self.state.step) == 0 else None
+        if self.config.eval.every:  # opened now, so missing held-out data stops us before step 1
+            self._open_eval_data()
         if primary:
             self._write_run_files()
             if resumed is not None:  # rows logged after that checkpoint were lost with it
@@ -376,84 +416,49 @@ class Trainer:
                             cfg.log_every, primary)
         if resumed is not None and primary and not self.quiet:
             print(f"resumed from checkpoint {resumed} in {self.checkpoint_dir}", flush=True)
-        start = int(self.state.step)
-        first_loss = last = None
-        t_start = time.perf_counter()
-        t_after_first = t_mark = None
-        mark_step = start
-        waited_mark = waited_start = self.data.waited_s  # seconds next() blocked, so far
-        # Evaluation and checkpoint saves are not training: their time is kept out of the
-        # step time, tokens/s and MFU.
-        aside = aside_mark = 0.0
-        last_eval = None
+        timing = Timing(self, int(self.state.step))
+        last_eval: list[float] = []
+
+        def evaluate(info):
+            info.add(eval_loss=self.eval_loss())
+            last_eval.append(info.added["eval_loss"])
+
+        def checkpoint(info):
+            self.save(eval_loss=info.added.get("eval_loss"))
+
+        # A log row after the first and the last step, every log_every steps and whenever an
+        # evaluation ran; the progress bar moves every step.
+        log = dict(every=cfg.log_every, first=True, last=True,
+                   also=lambda info: "eval_loss" in info.added)
+        standard = []
+        if self.config.eval.every:
+            standard.append(Hook(evaluate, self.config.eval.every, last=True, aside=True))
+        if ckpt.every:
+            standard.append(Hook(checkpoint, 0, last=True, aside=True,
+                                 also=lambda info: self.checkpointer.should_save(info.step)))
+        standard += [
+            Hook(timing, **log),
+            Hook(lambda info: writer.write(info.step, info.metrics), **log),
+            Hook(lambda info: progress.update(info.step, info.metrics
+                                              if timing.mark_step == info.step else None)),
+        ]
+        aside = 0.0
         try:
-            for step in range(start, total):
-                metrics = self.step()
-                done = step + 1
-                e = self.config.eval.every
-                evaluate = bool(e) and (done % e == 0 or done == total)
-                save = bool(ckpt.every) and (done == total or self.checkpointer.should_save(done))
-                if evaluate or save:
-                    # The step is dispatched asynchronously: let it finish first, or its
-                    # compute would be timed as evaluation or saving, not as training.
-                    jax.block_until_ready((metrics, self.state))
-                t_aside = time.perf_counter()
-                eval_loss = self.eval_loss() if evaluate else None
-                if save:
-                    self.save(eval_loss=eval_loss)
-                aside += time.perf_counter() - t_aside
-                last_eval = eval_loss if eval_loss is not None else last_eval
-                if done == start + 1 or done % cfg.log_every == 0 or done == total or \
-                        eval_loss is not None:
-                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    now = time.perf_counter()
-                    m["input_wait_s"] = (self.data.waited_s - waited_mark) / (done - mark_step)
-                    waited_mark = self.data.waited_s
-                    if eval_loss is not None:
-                        m["eval_loss"] = eval_loss
-                    if t_mark is None:  # the first step includes compilation: time it apart
-                        t_after_first = t_mark = now
-                        aside_first = aside
-                        m["compile_and_step_s"] = now - t_start
-                        first_loss = m["loss"]
-                    else:
-                        dt = (now - t_mark - (aside - aside_mark)) / (done - mark_step)
-                        m["step_s"] = dt
-                        m["tokens_per_s"] = self.tokens_per_step / dt
-                        m["mfu"] = self.flops_per_step / dt / self.topology.peak_flops
-                        t_mark = now
-                    aside_mark = aside
-                    mark_step = done
-                    last = m
-                    writer.write(done, m)
-                    progress.update(done, m)
-                else:
-                    progress.update(done, None)
+            for info in self.iter_steps(total, standard + self.hooks):
+                aside = info.aside_s
         finally:
             progress.close()
             writer.close()
             if self._checkpointer is not None:
                 self._checkpointer.wait()  # an in-flight save completes before we return
-        wall = time.perf_counter() - t_start
-        steady_steps = total - start - 1
-        steady = (time.perf_counter() - t_after_first - (aside - aside_first)) \
-            if t_after_first else 0.0
-        tps = self.tokens_per_step * steady_steps / steady if steady_steps > 0 and steady else 0.0
-        summary = {
-            "steps": total, "first_loss": first_loss,
-            "final_loss": last["loss"] if last else None,
-            "eval_loss": last_eval,
-            "tokens_per_s": tps,
-            "mfu": self.flops_per_step * steady_steps / steady / self.topology.peak_flops
-            if tps else 0.0,
-            "wall_s": wall,
-            "compile_and_first_step_s": (t_after_first - t_start) if t_after_first else None,
-            "input_wait_s": (self.data.waited_s - waited_start) / max(total - start, 1),
+        summary = timing.summary(total, aside)
+        summary.update({
+            "eval_loss": last_eval[-1] if last_eval else None,
             "resumed_from": resumed,
             "workdir": os.path.abspath(self.workdir),
             "metrics": os.path.abspath(writer.path),
             "tensorboard": os.path.abspath(writer.tb_dir) if writer.tb_dir else None,
-        }
+        })
         if ckpt.every:
             saved = self.checkpointer.steps()
             summary["checkpoints"] = f"{self.checkpoint_dir} (steps {', '.join(map(str, saved))})"
@@ -462,6 +467,15 @@ class Trainer:
         if primary and not self.quiet:
             print(format_summary(summary), flush=True)
         return summary
+
+    def _write_run_files(self):
+        os.makedirs(self.workdir, exist_ok=True)
+        with open(os.path.join(self.workdir, "plan.json"), "w") as f:
+            f.write(self.plan.to_json(indent=1))
+        with open(os.path.join(self.workdir, "topology.json"), "w") as f:
+            f.write(self.topology.to_json(indent=1))
+        with open(os.path.join(self.workdir, "config.json"), "w") as f:
+            f.write(self.config.to_json_best_effort(indent=1))
 
 
 def _drop_metrics_after(path: str, step: int) -> None:
@@ -499,4 +513,5 @@ def format_summary(s: dict[str, Any]) -> str:
     return "summary\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
-__all__ = ["Trainer", "TrainState", "make_optimizer", "format_summary"]
+__all__ = ["Trainer", "TrainState", "Hook", "StepInfo", "make_optimizer", "opt_state_specs",
+           "format_summary"]

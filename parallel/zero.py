@@ -1,13 +1,12 @@
 """ZeRO / AMSP sharding of the model states: parameters (P), gradients (G), optimizer states (OS).
 
 Each component has its own sharding factor over the data-parallel devices of a stage
-(`ZeroFactors(s_p, s_g, s_os)`, see ../shared/spec/amsp.md and docs/zero.md). This module owns
-the whole idea, from config to compiled step:
+(`ZeroFactors(s_p, s_g, s_os)`, see ../shared/spec/amsp.md and docs/zero.md). This module
+executes a Plan's point: its specs and collectives. Which points exist and are valid (presets,
+the ordering and node rules, the config's choice) is the planner's (hetjax/planner/zero.py),
+and so is the list of collectives a point issues (`expected_collectives`), which the compiled
+step is audited against (parallel/hlo.py).
 
-- **Factors.** Presets (ddp, zero1, zero2, zero3, mics) as points (s_p, s_g, s_os) for a given
-  dp, and the rules a point must keep: s_p | s_os | dp, s_g in {s_p, s_os}, and every
-  sharding group either inside one node or made of whole nodes (fill a node before spanning
-  nodes), checked on the plan's real device placement.
 - **Specs.** The mesh factors dp into ('dp', 'dp_os', 'dp_p') (parallel/mesh.py). P shards
   over 'dp_p', OS over ('dp_p', 'dp_os') -- 'dp_p' major, so each OS shard is a slice of the
   device's own P shard -- and G over the P axes (s_g = s_p) or the OS axes (s_g = s_os). Each
@@ -20,9 +19,6 @@ the whole idea, from config to compiled step:
   the sums reduce-scattered to OS shards and all-reduced across the replicas -- once per step.
   AdamW then updates OS shards; the trainer constrains the new parameters back to the P spec,
   which XLA does as an all-gather inside the OS sub-group.
-- **Cost.** `expected_collectives` lists the collectives that execution issues for a point
-  (kind, mesh axes, bytes, times per step): the AMSP formulas for the even-sharding case. The
-  step's compiled program is audited against it (parallel/hlo.py).
 """
 
 from __future__ import annotations
@@ -34,93 +30,15 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
-from hetjax.config import check_zero_order
-from hetjax.errors import ConfigError
-from hetjax.planner import zero as planner_zero
-from hetjax.plan import Plan, ZeroFactors
-from hetjax.topology import Topology
+from hetjax.plan import Plan, ZeroAxes, ZeroFactors
 from parallel import sharding as shd
-from parallel.hlo import Collective
 from parallel.mesh import AXES, DP_AXES, mesh_shape
 
-PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics")
 # Logical names of stacked dimensions: sharding them would split layers (or stages) between
 # devices instead of splitting every layer.
 STACKED = ("layers", "stage")
-
-
-# --- factors -------------------------------------------------------------------------------------
-def _replica_nodes(plan: Plan, topology: Topology) -> np.ndarray:
-    """[groups, dp]: the node of each member of each of the plan's data-parallel groups."""
-    return np.array([[topology.devices[r].global_node for r in g] for g in plan.dp_groups()])
-
-
-# The factor rules are the planner's (jax-free, so the planner can enumerate them too).
-def valid_factors(plan: Plan, topology: Topology) -> list[int]:
-    """The sharding factors the plan's placement allows: divisors of dp whose groups are node
-    local or whole nodes (AMSP: fill a node before spanning nodes)."""
-    return planner_zero.valid_factors(_replica_nodes(plan, topology))
-
-
-def node_local_factor(plan: Plan, topology: Topology) -> int:
-    """The data-parallel devices inside one node (MiCS' group): the largest valid factor whose
-    groups all lie inside single nodes. 1 when a replica fills a node (tp >= devices/node)."""
-    return planner_zero.node_local_factor(_replica_nodes(plan, topology))
-
-
-def preset_factors(name: str, dp: int, node_local: int) -> ZeroFactors:
-    """The point (s_p, s_g, s_os) of a named system for `dp` data-parallel devices."""
-    return planner_zero.named(name, dp, node_local)
-
-
-def check_factors(z: ZeroFactors, plan: Plan, topology: Topology) -> None:
-    """Raise ConfigError unless (s_p, s_g, s_os) keeps AMSP's ordering, divisibility and
-    node-filling rules for the plan's dp and placement; the message lists the valid choices."""
-    valid = valid_factors(plan, topology)
-    rule = (f"valid factors for dp = {plan.dp} on {topology.name!r}: {valid} (divisors of dp "
-            "whose groups stay inside a node or take whole nodes)")
-    for name, s in (("s_p", z.s_p), ("s_g", z.s_g), ("s_os", z.s_os)):
-        if s not in valid:
-            raise ConfigError(f"zero.{name}", f"{name} = {s} is not usable with dp = {plan.dp}",
-                              f"choose from the {rule}")
-    check_zero_order(z.s_p, z.s_g, z.s_os)
-
-
-def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
-    """The ZeroFactors the `zero` config section asks for on this plan, checked."""
-    if zc.preset == "auto":  # plan_from_config asks the planner for these
-        raise ConfigError("zero.preset", "'auto' is chosen by the planner (plan_from_config), "
-                          "not here", "build the plan with hetjax.plan.plan_from_config")
-    if zc.preset == "custom":
-        z = ZeroFactors(zc.s_p, zc.s_g, zc.s_os, name="custom")
-    else:
-        z = preset_factors(zc.preset, plan.dp, node_local_factor(plan, topology))
-    check_factors(z, plan, topology)
-    return z
-
-
-# --- which mesh axes each component shards over --------------------------------------------------
-@dataclass(frozen=True)
-class ZeroAxes:
-    """Mesh axes of P, G and OS for one point; axes of size 1 are left out."""
-
-    p: tuple[str, ...]
-    g: tuple[str, ...]
-    os: tuple[str, ...]
-
-    @staticmethod
-    def of(z: ZeroFactors) -> "ZeroAxes":
-        p = ("dp_p",) if z.s_p > 1 else ()
-        os = p + (("dp_os",) if z.s_os > z.s_p else ())
-        return ZeroAxes(p=p, g=p if z.s_g == z.s_p else os, os=os)
-
-    @property
-    def replica(self) -> tuple[str, ...]:
-        """Data-parallel axes an OS shard is replicated over (summed once per step)."""
-        return tuple(a for a in DP_AXES if a not in self.os)
 
 
 # --- specs ---------------------------------------------------------------------------------------
@@ -391,39 +309,6 @@ def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, 
     return loss, grads
 
 
-# --- expected collectives (AMSP's communication model, even sharding) ---------------------------
-def expected_collectives(z: ZeroFactors, dp: int, microbatches: int, split: int,
-                         replicated: int) -> list[Collective]:
-    """The data-parallel collectives one step of `accumulate_gradients` + the sharded update
-    issues for point z, with V in bytes per device (`split` / `replicated` from `split_bytes`).
-
-    AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per step
-    (parameters are gathered before the micro-batch loop) and its reduce-scatter each
-    micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
-    reduce-scatter to the OS shard plus an all-reduce across the dp / s_os replicas after the
-    loop; T_os1 as an all-gather inside the OS sub-group. Scalar reductions (loss, gradient
-    norm) are left out."""
-    axes = ZeroAxes.of(z)
-    sizes = {"dp": dp // z.s_os, "dp_os": z.s_os // z.s_p, "dp_p": z.s_p}
-    out = []
-
-    def add(kind, ax, nbytes, count=1, depth=0):
-        ax = tuple(a for a in DP_AXES if a in ax and sizes[a] > 1)  # as the mesh orders them
-        if ax and nbytes:
-            out.append(Collective(kind, ax, math.prod(sizes[a] for a in ax), nbytes, count,
-                                  depth))
-
-    add("all-gather", axes.p, split)  # T_p: gather P, once per step
-    add("reduce-scatter", axes.g, split, microbatches, 1)  # T_p + T_g: each micro-batch
-    add("reduce-scatter", set(axes.os) - set(axes.g), split // z.s_g)  # T_os0: to OS shards,
-    add("all-reduce", axes.replica, split // z.s_os)  # then across replicas, once per step
-    add("all-reduce", DP_AXES, replicated)  # parameters left unsplit: plain data parallel
-    add("all-gather", set(axes.os) - set(axes.p), split // z.s_p)  # T_os1: refresh P
-    return out
-
-
-__all__ = ["PRESETS", "ZeroAxes", "ZeroSpecs", "Unsharded", "valid_factors",
-           "node_local_factor", "preset_factors", "check_factors", "factors_from_config",
-           "shard_dim", "zero_specs", "abstract_mesh", "shard_bytes", "split_bytes",
-           "gather_params", "scatter_grads", "finish_grads", "accumulate_gradients",
-           "expected_collectives"]
+__all__ = ["ZeroAxes", "ZeroSpecs", "Unsharded", "shard_dim", "zero_specs", "abstract_mesh",
+           "shard_bytes", "split_bytes", "gather_params", "scatter_grads", "finish_grads",
+           "accumulate_gradients"]

@@ -5,7 +5,9 @@ compute per stage, and the schedule timeline plots.
     python scripts/bench_pipeline.py compute    # stage time vs active layers, one program
     python scripts/bench_pipeline.py time       # modelled step time of both schedules
     python scripts/bench_pipeline.py plots      # docs/img/gpipe.png, docs/img/1f1b.png
-    python scripts/bench_pipeline.py            # all four
+    python scripts/bench_pipeline.py mpmd-memory  # per-stage state bytes, split [7, 1]
+    python scripts/bench_pipeline.py mpmd-time  # MPMD task times -> asynchronous step time
+    python scripts/bench_pipeline.py            # all
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
 the executor's own stage code; timings on a shared CPU are noisy, so each is the best of
@@ -148,7 +150,97 @@ def plots(outdir: str = os.path.join(REPO, "docs", "img"), stages: int = 4,
         print(f"wrote {os.path.relpath(path, REPO)}")
 
 
+def _state_bytes(tree, device) -> int:
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+               if s.device == device)
+
+
+def mpmd_memory(split=(7, 1)) -> None:
+    """Parameter + optimizer-state bytes per device of each stage, split [7, 1] of an 8-layer
+    model (holmes_mini's layout otherwise): the SPMD executor pads both stages to 7 layer
+    slots, the MPMD executor holds only each stage's own layers. Also the argument bytes of
+    each MPMD stage's compiled update program (`memory_analysis()`)."""
+    rows = []
+    for executor in ("spmd", "mpmd"):
+        trainer = holmes_trainer("--config.model.n_layers=8",
+                                 f"--config.pipeline.stage_layers={tuple(split)}",
+                                 f"--config.pipeline.executor={executor}")
+        if executor == "spmd":
+            stage_devices = [trainer.mesh.devices[s].flat[0] for s in range(len(split))]
+            per = [_state_bytes((trainer.state.params, trainer.state.opt_state), d)
+                   for d in stage_devices]
+            compiled = ["-"] * len(split)
+        else:
+            ex, state = trainer.executor, trainer.state
+            per = [_state_bytes((st_state.params, st_state.opt_state), st.mesh.devices.flat[0])
+                   for st, st_state in zip(ex.stages, state.stages)]
+            compiled = []
+            for st, st_state in zip(ex.stages, state.stages):
+                with st.context():
+                    c = st.update.lower(st_state, st_state.params, jnp.float32(1.0)).compile()
+                compiled.append(f"{c.memory_analysis().argument_size_in_bytes / MIB:.3f}")
+        for s, n in enumerate(split):
+            rows.append([executor, str(s), str(n), f"{per[s] / MIB:.3f}",
+                         f"{per[s] / per[0]:.3f}", compiled[s]])
+    print(f"## Per-stage memory: 8-layer holmes_mini model split {list(split)}, pp2 dp2 tp2, "
+          "parameters + AdamW moments per device")
+    print()
+    print("| executor | stage | layers | params + optimizer (MiB) | / stage 0 | "
+          "update program arguments (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print()
+
+
+def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
+    """Each MPMD stage's forward and backward of one micro-batch, timed task by task on
+    holmes_mini (its split, d_model 256), then played on the asynchronous timeline for every
+    schedule the MPMD executor runs: the step time the stages would take running in parallel
+    (one process here runs them one after another; the emulated cluster runs them apart)."""
+    trainer = holmes_trainer("--config.pipeline.executor=mpmd",
+                             f"--config.pipeline.microbatches={microbatches}",
+                             f"--config.train.batch_size={4 * microbatches}",
+                             "--config.model.d_model=256", "--config.model.d_ff=768")
+    ex = trainer.executor
+    batch = trainer.put_batch(next(trainer.data))
+    times: dict = {}
+    for r in range(repeats + 1):  # the first round compiles
+        sample: dict = {}
+        jax.block_until_ready(ex.stage_loss_and_grads(trainer.state, batch, sample))
+        if r:
+            for k, v in sample.items():
+                times.setdefault(k, []).append(float(np.median(v)))
+    pp = len(split)
+    fwd = [min(times[s, "F"]) for s in range(pp)]
+    bwd = [min(times[s, "B"]) for s in range(pp)]
+    print(f"## MPMD task times, holmes_mini (layers {list(split)}, d_model 256, "
+          f"{microbatches} micro-batches of 4 x 128 tokens), best of {repeats}")
+    print()
+    print("| stage | layers | F (ms) | B (ms) |")
+    print("|---:|---:|---:|---:|")
+    for s in range(pp):
+        print(f"| {s} | {split[s]} | {fwd[s] * 1e3:.1f} | {bwd[s] * 1e3:.1f} |")
+    print()
+    print("Asynchronous step time from these task times (transfers free on one host):")
+    print()
+    print("| schedule | step (ms) | bubble | vs GPipe |")
+    print("|---|---:|---:|---:|")
+    gpipe = None
+    for name in sch.SCHEDULES:
+        events = sch.timeline(sch.make_schedule(name, pp, microbatches), fwd, bwd)
+        step = max(e.end for e in events)
+        busy = sum(e.end - e.start for e in events)
+        gpipe = gpipe or step
+        print(f"| {name} | {step * 1e3:.1f} | {1 - busy / (pp * step):.1%} | "
+              f"{step / gpipe:.3f} |")
+    serial = microbatches * sum(f + b for f, b in zip(fwd, bwd))
+    print(f"\nSerial (one device at a time, as one CPU process runs it): {serial * 1e3:.1f} ms")
+    print()
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["memory", "compute", "time", "plots"]
+    what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time"]
     for w in what:
-        {"memory": memory, "compute": compute, "time": step_time, "plots": plots}[w]()
+        {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
+         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time}[w]()

@@ -7,6 +7,7 @@
     python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
+    python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench_planner.py all
 
 Times are wall-clock on this machine, single-threaded; nothing here asserts on them.
@@ -15,6 +16,7 @@ Times are wall-clock on this machine, single-threaded; nothing here asserts on t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -220,22 +222,81 @@ def assign_speed(args) -> None:
     print(table(["devices", "topology", "twin classes", "seconds", "vs consecutive"], rows))
 
 
+def holmes_gpt(size: str):
+    """Holmes' GPT models: 3.6B (hidden 3072, 30 layers) and 7.5B (hidden 4096, 36 layers), 32
+    heads, GPT-2 vocabulary, SwiGLU MLP of the same size, full recompute, bf16."""
+    from layers.config import ModelConfig
+
+    d, layers, ff = {"3.6B": (3072, 30, 8192), "7.5B": (4096, 36, 11008)}[size]
+    return ModelConfig(vocab_size=50257, d_model=d, n_layers=layers, n_heads=32,
+                       n_kv_heads=32, d_ff=ff, max_seq_len=2048, remat="full",
+                       dtype="bfloat16", param_dtype="bfloat16")
+
+
+def executors(_args) -> None:
+    """The executor tax: Holmes' hybrid layout (a stage per cluster, dp inside, ZeRO-1, 1F1B,
+    one sequence per replica per micro-batch) priced as each executor runs it, and the layout
+    the planner picks when it prices each executor."""
+    from hetjax.plan import Plan
+    from hetjax.planner import zero as zr
+    from hetjax.planner.cost import CostModel
+
+    rows, chosen = [], []
+    for size in ("3.6B", "7.5B"):
+        model = holmes_gpt(size)
+        for devices, batch in ((32, 768), (48, 1536), (64, 2688)):
+            t = preset("holmes_hybrid", nodes=devices // 16, devices_per_node=8)
+            dp = devices // 2
+            half = model.n_layers // 2
+            holmes = Plan(pp=2, dp=dp, tp=1, stage_layers=(half, model.n_layers - half),
+                          microbatches=batch // dp, global_batch=batch, seq_len=2048,
+                          schedule="1f1b", zero=zr.named("zero1", dp, 8))
+            step = {ex: CostModel(t, model, CostOptions(executor=ex)).predict(holmes).step_time
+                    for ex in ("hetjax", "mpmd", "megatron")}
+            rows.append([size, str(devices), str(batch), f"pp=2 dp={dp} M={batch // dp}",
+                         f"{step['hetjax']:.2f} ({step['hetjax'] / step['megatron']:.2f}x)",
+                         f"{step['mpmd']:.2f} ({step['mpmd'] / step['megatron']:.2f}x)",
+                         f"{step['megatron']:.2f}"])
+        # The planner's choice on 32 A100s as the link between the clusters slows down.
+        for gbps in (25, 10, 5):
+            t = preset("holmes_hybrid", nodes=2, devices_per_node=8)
+            t = dataclasses.replace(t, inter_cluster=dataclasses.replace(
+                t.inter_cluster, bandwidth_gbps=gbps))
+            for ex, name in (("hetjax", "spmd"), ("mpmd", "mpmd")):
+                best = plan(t, model, 768, 2048, options=CostOptions(executor=ex),
+                            zero="auto").plan
+                chosen.append([size, f"{gbps} Gb/s", name,
+                               f"pp={best.pp} dp={best.dp} tp={best.tp} M={best.microbatches} "
+                               f"{best.schedule} {best.zero.name}",
+                               f"{best.predicted['step_time_s']:.2f}"])
+    print("Holmes' hybrid layout (IB + RoCE clusters of 8-A100 nodes, 25 GbE between; a stage "
+          "per cluster, ZeRO-1, 1F1B, seq 2048): predicted step time [s] per executor, and "
+          "its ratio to Megatron-LM's\n")
+    print(table(["model", "A100s", "batch", "layout", "spmd (lockstep)", "mpmd",
+                 "megatron"], rows))
+    print("\nThe planner's choice on 32 A100s (batch 768) when it prices each of hetjax's "
+          "executors (free pp, dp, tp, M, schedule, ZeRO), as the Ethernet link between the "
+          "clusters slows down\n")
+    print(table(["model", "between clusters", "executor", "chosen", "step s"], chosen))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
-                                         "assign-speed", "all"])
+                                         "assign-speed", "executors", "all"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
                         help="time limit of one genetic-algorithm run")
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--executor", choices=["hetjax", "megatron"], default="hetjax",
+    parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
     args = parser.parse_args()
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
-             "speed": [speed], "assign-speed": [assign_speed],
-             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed]}[args.what]
+             "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
+             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed,
+                     executors]}[args.what]
     for i, step in enumerate(steps):
         if i:
             print()

@@ -17,8 +17,8 @@ compiled loop's carry).
 "collectives" is the sum of V (all-gather result, reduce-scatter operand, all-reduce buffer)
 times executions per step over the data-parallel axes, read from the compiled program, with
 the part inside the micro-batch loop (the G-group reduce-scatters); "predicted" is
-parallel/zero.py `expected_collectives` for the point; "sent" is what one device sends under
-the ring model. Step time is the median of --steps steps after a warm-up step; on shared CPU
+hetjax/planner/zero.py `expected_collectives` for the point; "sent" is what one device sends
+under the ring model. Step time is the median of --steps steps after a warm-up step; on shared CPU
 cores it measures contention as much as anything.
 """
 
@@ -71,6 +71,7 @@ def _mib(b: float) -> str:
 def bench_point(config, steps: int) -> dict:
     import jax
 
+    from hetjax.planner import zero as zr
     from hetjax.train import Trainer
     from parallel import hlo
     from parallel import zero
@@ -86,7 +87,7 @@ def bench_point(config, steps: int) -> dict:
                                    trainer.plan.microbatches, DP_AXES)
     dp_ops = [c for c in ops if not c.scalar and set(c.axes) <= set(DP_AXES)]
     split, replicated = zero.split_bytes(abstract, zs, mesh)
-    predicted = zero.expected_collectives(z, trainer.plan.dp, trainer.plan.microbatches, split,
+    predicted = zr.expected_collectives(z, trainer.plan.dp, trainer.plan.microbatches, split,
                                           replicated)
     times = []
     for i in range(steps + 1):
@@ -142,6 +143,7 @@ def table_7b(microbatches: int = 8) -> str:
     from hetjax import topology as topo
     from hetjax.config import base_config
     from hetjax.plan import Plan, ZeroFactors
+    from hetjax.planner import zero as zr
     from hetjax.train import make_optimizer, opt_state_specs
     from layers import ModelConfig, Transformer
     from parallel import sharding as shd
@@ -157,13 +159,13 @@ def table_7b(microbatches: int = 8) -> str:
     params = nn.unbox(boxed)
     tx, _ = make_optimizer(base_config().train)
     opt = jax.eval_shape(tx.init, params)
-    k = zero.node_local_factor(plan, t)
-    points = [zero.preset_factors(p, plan.dp, k) for p in zero.PRESETS]
+    k = zr.node_local_factor(zr.replica_nodes(plan, t))
+    points = [zr.named(p, plan.dp, k) for p in zr.NAMED]
     points.append(ZeroFactors(8, 8, 64, "custom"))
     rows = [f"| point | s_p/s_g/s_os | P / device | G / device | OS / device | predicted "
             f"collectives / step (M={microbatches}) |", "|---|---|---|---|---|---|"]
     for z in points:
-        zero.check_factors(z, plan, t)
+        zr.check_factors(z, plan, t)
         p = dataclasses.replace(plan, zero=z)
         mesh = zero.abstract_mesh(p)
         zs = zero.zero_specs(params, shd.param_specs(boxed), shd.logical_specs(boxed), z)
@@ -172,7 +174,7 @@ def table_7b(microbatches: int = 8) -> str:
             jax.tree.leaves(opt), jax.tree.leaves(os_specs, is_leaf=lambda x: isinstance(
                 x, jax.sharding.PartitionSpec))) if a.ndim)
         split, replicated = zero.split_bytes(params, zs, mesh)
-        pred = sum(c.nbytes * c.count for c in zero.expected_collectives(
+        pred = sum(c.nbytes * c.count for c in zr.expected_collectives(
             z, plan.dp, microbatches, split, replicated))
         gib = lambda b: f"{b / 2**30:,.3f} GiB"  # noqa: E731
         rows.append(f"| {z.name} | {z.s_p}/{z.s_g}/{z.s_os} "

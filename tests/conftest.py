@@ -41,6 +41,23 @@ def tiny_config(**overrides):
     return c
 
 
+# --- Holmes' group formulas (1-indexed ranks, as in the paper): the oracle the mesh and NIC
+# tests check a Plan's groups against ---------------------------------------------------------
+def holmes_tp_group(i: int, t: int, d: int, p: int) -> list[int]:
+    """TP group i (1..p*d): ranks (i-1)*t + j, j = 1..t."""
+    return [(i - 1) * t + j for j in range(1, t + 1)]
+
+
+def holmes_pp_group(i: int, t: int, d: int, p: int) -> list[int]:
+    """PP group i (1..t*d): ranks i + (j-1)*t*d, j = 1..p."""
+    return [i + (j - 1) * t * d for j in range(1, p + 1)]
+
+
+def holmes_dp_group(i: int, t: int, d: int, p: int) -> list[int]:
+    """DP group i (1..p*t): ranks ((i-1) mod t) + (floor((i-1)/t)*d + j - 1)*t + 1, j = 1..d."""
+    return [((i - 1) % t) + ((i - 1) // t * d + j - 1) * t + 1 for j in range(1, d + 1)]
+
+
 @pytest.fixture
 def make_config():
     return tiny_config

@@ -10,7 +10,7 @@ from conftest import REPO, tiny_config
 from hetjax import config as hconfig
 from hetjax.config import load_config, validate
 from hetjax.errors import ConfigError, HetjaxError
-from hetjax.plan import plan_from_config
+from hetjax.planner import plan_from_config
 
 DEFAULT = os.path.join(REPO, "configs", "default.py")
 

@@ -136,19 +136,18 @@ def test_a_process_loads_the_rows_its_devices_hold():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from hetjax.plan import Plan
-    from hetjax.train import Trainer
+    from parallel.train_state import batch_rows
 
     devices = np.array(jax.devices()).reshape(4, 2)  # dp = 4, tp = 2
     sharding = NamedSharding(Mesh(devices, ("dp", "tp")), P(None, "dp", None))
     plan = Plan(pp=1, dp=4, tp=2, stage_layers=(2,), microbatches=2, global_batch=16,
                 seq_len=4)  # 2 micro-batches of 8 rows; each dp shard holds 2 rows of each
 
-    def rows_of(process_devices):  # what Trainer.process_batch_rows sees in that process
+    def rows_of(process_devices):  # what the executor's data_rows sees in that process
         held = {d: i for d, i in sharding.devices_indices_map((2, 8, 4)).items()
                 if d in set(process_devices)}
         fake = SimpleNamespace(addressable_devices_indices_map=lambda shape: held)
-        return Trainer.process_batch_rows(SimpleNamespace(
-            plan=plan, batch_sharding={"inputs": fake})).tolist()
+        return batch_rows(plan, fake).tolist()
 
     # A process with the first four devices holds dp shards 0 and 1 (tp replicas share rows).
     assert rows_of(devices[:2].ravel()) == [0, 1, 2, 3, 8, 9, 10, 11]

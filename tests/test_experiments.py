@@ -1,11 +1,9 @@
-"""The pure parts of the testbed experiments (scripts/bench_hetnet.py, bench_hetaccel.py):
+"""The pure parts of the testbed experiments (hetjax/experiments/: harness, hetnet, hetaccel):
 the testbed topologies, calibration on measured links and step times, the accuracy
 statistics, T_UB and efficiency, and the command lines the benches assemble. No JAX, no
 namespaces: the benches themselves need root and minutes (docs/experiments.md)."""
 
 import math
-import os
-import sys
 import time
 
 import numpy as np
@@ -18,13 +16,8 @@ from hetjax.plan import Plan
 from hetjax.planner import LayerProfile
 from hetjax.planner.calibrate import (emulated_topology, kendall_tau, prediction_errors,
                                       profile_from_step_times, spearman)
+from hetjax.experiments import harness, hetaccel, hetnet
 from hetjax.topology import Link, Topology, preset
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-
-import bench_hetaccel  # noqa: E402
-import bench_hetnet  # noqa: E402
 
 
 # --- topologies -----------------------------------------------------------------------------------
@@ -46,10 +39,10 @@ def test_testbed_presets_are_two_clusters_of_two_single_device_hosts():
 def test_hetaccel_kinds_set_the_cpu_caps():
     het = preset("testbed_hetaccel")
     assert [c.accelerator.name for c in het.clusters] == ["cpu", "cpu_half"]
-    assert bench_hetaccel.caps(het, 0.4) == pytest.approx({"a": 0.4, "b": 0.2})
+    assert hetaccel.caps(het, 0.4) == pytest.approx({"a": 0.4, "b": 0.2})
     hom_b = preset("testbed_hetaccel", kind_a="cpu_half")
     # The testbed's own rule (fastest kind gets N) would give cpu_half the full 0.4.
-    assert bench_hetaccel.caps(hom_b, 0.4) == pytest.approx({"a": 0.2, "b": 0.2})
+    assert hetaccel.caps(hom_b, 0.4) == pytest.approx({"a": 0.2, "b": 0.2})
     assert tbm.cpu_quotas(het, 0.4) == pytest.approx({0: 0.4, 1: 0.2})
     with pytest.raises(TopologyError, match="'gpu' is unknown.*cpu, cpu_half"):
         preset("testbed_hetaccel", kind_b="gpu")
@@ -115,41 +108,41 @@ def test_prediction_errors():
 
 # --- HetHub's upper bound -------------------------------------------------------------------------
 def test_upper_bound_and_efficiency_lines():
-    work = bench_hetaccel.WORKLOAD
+    work = hetaccel.WORKLOAD
     het = preset("testbed_hetaccel")
-    plan = bench_hetaccel.rank_order(work, (4, 4))
-    cases = [bench_hetnet.Case(n, t, plan, None) for n, t in (
+    plan = hetaccel.rank_order(work, (4, 4))
+    cases = [harness.Case(n, t, plan, None) for n, t in (
         ("A", preset("testbed_hetaccel", kind_b="cpu")),
         ("B", preset("testbed_hetaccel", kind_a="cpu_half")), ("het", het))]
     # T = S G / (N T_iter): 256 x 32 tokens over 4 devices.
-    assert bench_hetaccel.per_device(cases[2], 2.0) == pytest.approx(256 * 32 / 4 / 2.0)
-    lines, t_ub = bench_hetaccel.upper_bound_lines(cases, {"A": 600.0, "B": 300.0,
+    assert hetaccel.per_device(cases[2], 2.0) == pytest.approx(256 * 32 / 4 / 2.0)
+    lines, t_ub = hetaccel.upper_bound_lines(cases, {"A": 600.0, "B": 300.0,
                                                            "het": 405.0}, "measured")
     assert t_ub == pytest.approx(450.0)  # (600 x 2 + 300 x 2) / 4
     assert "min(T_A, T_B) / T_UB = 67%" in lines[0]
     assert lines[1] == "  het: 405.0 tokens/s per device, efficiency 90% of T_UB"
-    assert bench_hetaccel.upper_bound_lines(cases, {"A": None, "B": 1.0, "het": 1.0},
+    assert hetaccel.upper_bound_lines(cases, {"A": None, "B": 1.0, "het": 1.0},
                                             "x")[1] is None
 
 
 def test_splits_and_their_stage_kinds():
-    work = bench_hetaccel.WORKLOAD
+    work = hetaccel.WORKLOAD
     fast = LayerProfile(1e-4, 3e-4)
     slow = LayerProfile(2e-4, 6e-4)
-    prop = bench_hetaccel.proportional(work, {"cpu": fast, "cpu_half": slow})
+    prop = hetaccel.proportional(work, {"cpu": fast, "cpu_half": slow})
     assert prop.stage_layers == (5, 3)  # floor(1.05 x 2/3 x 8)
     het = preset("testbed_hetaccel")
-    case = bench_hetnet.Case("x", het, prop, None)
-    assert bench_hetaccel.split_text(case) == "5 cpu / 3 cpu_half"
-    flipped = bench_hetnet.Case("x", het, Plan(pp=2, dp=2, tp=1, stage_layers=(2, 6),
+    case = harness.Case("x", het, prop, None)
+    assert hetaccel.split_text(case) == "5 cpu / 3 cpu_half"
+    flipped = harness.Case("x", het, Plan(pp=2, dp=2, tp=1, stage_layers=(2, 6),
                                                microbatches=4, global_batch=32, seq_len=256,
                                                device_order=(2, 3, 0, 1)), None)
-    assert bench_hetaccel.split_text(flipped) == "2 cpu_half / 6 cpu"
+    assert hetaccel.split_text(flipped) == "2 cpu_half / 6 cpu"
 
 
 # --- what the benches run -------------------------------------------------------------------------
 def test_workload_flags():
-    w = bench_hetnet.Workload()
+    w = harness.Workload()
     flags = dict(a[len("--config."):].split("=", 1) for a in w.config_args())
     assert flags["model.n_layers"] == "4" and flags["train.microbatches"] == "4"
     assert flags["train.log_every"] == "1" and flags["checkpoint.every"] == "0"
@@ -160,9 +153,9 @@ def test_workload_flags():
 
 
 def test_nic_layouts_put_each_parallelism_on_the_intended_links():
-    w = bench_hetnet.Workload()
-    cases = {c.name: c for c in bench_hetnet.nic_cases(w, 0.4)}
-    where = {n: bench_hetnet.placement(c.topology, c.plan) for n, c in cases.items()}
+    w = harness.Workload()
+    cases = {c.name: c for c in hetnet.nic_cases(w, 0.4)}
+    where = {n: harness.placement(c.topology, c.plan) for n, c in cases.items()}
     assert where == {
         "all-fast": ("infiniband", "infiniband"),
         "all-Ethernet": ("ethernet", "ethernet"),
@@ -172,30 +165,30 @@ def test_nic_layouts_put_each_parallelism_on_the_intended_links():
     hetjax_plan = cases["hybrid, hetjax plan"].plan
     unaware = cases["hybrid, network-unaware"].plan
     assert unaware.stage_layers == hetjax_plan.stage_layers == (2, 2)
-    assert bench_hetnet.layout_args(unaware) == [
+    assert harness.layout_args(unaware) == [
         "--config.parallel.pp=2", "--config.parallel.dp=2", "--config.parallel.tp=1",
         "--config.pipeline.stage_layers=[2,2]"]
     # The device order is realised by the hostfile: process i on the host of rank order[i].
     tb = tbm.Testbed(preset("testbed_hybrid"))
-    assert bench_hetnet.host_order(tb, hetjax_plan) == ["ib-0", "ib-1", "roce-0", "roce-1"]
-    assert bench_hetnet.host_order(tb, unaware) == ["ib-0", "roce-0", "ib-1", "roce-1"]
+    assert harness.host_order(tb, hetjax_plan) == ["ib-0", "ib-1", "roce-0", "roce-1"]
+    assert harness.host_order(tb, unaware) == ["ib-0", "roce-0", "ib-1", "roce-1"]
     with pytest.raises(HetjaxError, match="one device per host"):
-        bench_hetnet.host_order(tbm.Testbed(preset("cpu_hybrid")), hetjax_plan)
+        harness.host_order(tbm.Testbed(preset("cpu_hybrid")), hetjax_plan)
 
 
 def test_report_helpers():
-    assert bench_hetnet.table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
-    c = bench_hetnet.Case("x", preset("testbed_hybrid"), None, None)
-    assert c.mean_s is None and c.tokens_per_s() is None and bench_hetnet.cpus_text(c) == "-"
+    assert harness.table(["a", "b"], [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+    c = harness.Case("x", preset("testbed_hybrid"), None, None)
+    assert c.mean_s is None and c.tokens_per_s() is None and harness.cpus_text(c) == "-"
     c.step_s, c.cpu_use, c.caps_cpus, c.attempts = [1.0, 3.0], (1.5, 0.04), 1.6, 1
     assert c.mean_s == 2.0 and c.sd_s == pytest.approx(np.sqrt(2))
-    assert bench_hetnet.cpus_text(c) == "1.50 / 0.04 / 1.60"
+    assert harness.cpus_text(c) == "1.50 / 0.04 / 1.60"
     c.attempts = 2
-    assert bench_hetnet.cpus_text(c) == "1.50 / 0.04 / 1.60 (run 2)"
+    assert harness.cpus_text(c) == "1.50 / 0.04 / 1.60 (run 2)"
 
 
 def test_cpu_watch_splits_ours_from_the_rest():
-    watch = bench_hetnet.CpuWatch()
+    watch = harness.CpuWatch()
     end = time.process_time() + 0.2
     while time.process_time() < end:  # burn 0.2 s of our own CPU
         pass
@@ -213,9 +206,9 @@ def test_a_case_builds_its_testbed_with_its_cpu_caps(monkeypatch, tmp_path):
             seen.append(cpus)
             raise HetjaxError("no testbed in this test")
 
-    monkeypatch.setattr(bench_hetnet, "Testbed", RecordingTestbed)
-    case = bench_hetnet.nic_cases(bench_hetnet.Workload(), 0.4)[0]
-    bench_hetnet.run_case(case, bench_hetnet.Workload(), str(tmp_path), 0.002, {}, 60,
+    monkeypatch.setattr(harness, "Testbed", RecordingTestbed)
+    case = hetnet.nic_cases(harness.Workload(), 0.4)[0]
+    harness.run_case(case, harness.Workload(), str(tmp_path), 0.002, {}, 60,
                           log=lambda msg: None, retries=0)
     assert seen == [0.4] and case.cpus == 0.4 and case.cpu_use is None
     assert "no testbed in this test" in case.error

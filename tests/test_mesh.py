@@ -3,18 +3,20 @@
 import numpy as np
 import pytest
 
+from conftest import holmes_dp_group, holmes_pp_group, holmes_tp_group
 from hetjax import topology as topo
 from hetjax.errors import PlanError
 from hetjax.plan import Plan, ZeroFactors
+from hetjax.planner import placement
 from parallel import mesh as pmesh
 
 
 def test_holmes_group_formulas_match_the_worked_example():
     # 2 clusters x 2 nodes x 4 GPUs, t=2, d=4, p=2 (1-indexed ranks, as in the paper)
     t, d, p = 2, 4, 2
-    assert [pmesh.holmes_tp_group(i, t, d, p) for i in (1, 2)] == [[1, 2], [3, 4]]
-    assert [pmesh.holmes_pp_group(i, t, d, p) for i in (1, 2)] == [[1, 9], [2, 10]]
-    assert [pmesh.holmes_dp_group(i, t, d, p) for i in range(1, 5)] == [
+    assert [holmes_tp_group(i, t, d, p) for i in (1, 2)] == [[1, 2], [3, 4]]
+    assert [holmes_pp_group(i, t, d, p) for i in (1, 2)] == [[1, 9], [2, 10]]
+    assert [holmes_dp_group(i, t, d, p) for i in range(1, 5)] == [
         [1, 3, 5, 7], [2, 4, 6, 8], [9, 11, 13, 15], [10, 12, 14, 16]]
 
 
@@ -23,11 +25,11 @@ def test_plan_groups_equal_holmes_formulas():
     plan = Plan(pp=p, dp=d, tp=t, stage_layers=(15, 15), microbatches=4, global_batch=16,
                 seq_len=8)
     one = lambda groups: sorted(sorted(r + 1 for r in g) for g in groups)  # noqa: E731
-    assert one(plan.tp_groups()) == sorted(pmesh.holmes_tp_group(i, t, d, p)
+    assert one(plan.tp_groups()) == sorted(holmes_tp_group(i, t, d, p)
                                            for i in range(1, p * d + 1))
-    assert one(plan.pp_groups()) == sorted(pmesh.holmes_pp_group(i, t, d, p)
+    assert one(plan.pp_groups()) == sorted(holmes_pp_group(i, t, d, p)
                                            for i in range(1, t * d + 1))
-    assert one(plan.dp_groups()) == sorted(pmesh.holmes_dp_group(i, t, d, p)
+    assert one(plan.dp_groups()) == sorted(holmes_dp_group(i, t, d, p)
                                            for i in range(1, p * t + 1))
 
 
@@ -46,7 +48,7 @@ def test_mesh_places_tp_in_nodes_and_dp_in_clusters_for_holmes_preset():
             assert len({cluster_of[i] for i in ids[s, :, k]}) == 1  # a DP group one cluster
         assert {cluster_of[i] for i in ids[s].ravel()} == {s}  # stage s is cluster s
     assert ids[:, 0, 0].tolist() == [0, 4]  # pipeline pairs cross clusters
-    assert pmesh.check_placement(plan, t) == []
+    assert placement.check_placement(plan, t) == []
 
 
 def test_zero_sub_axes_factor_dp_with_p_innermost():
@@ -67,11 +69,11 @@ def test_tp_across_nodes_is_refused_unless_allowed():
     plan = Plan(pp=1, dp=2, tp=4, stage_layers=(2,), microbatches=1, global_batch=4,
                 seq_len=8)
     with pytest.raises(PlanError) as e:
-        pmesh.check_placement(plan, t)
+        placement.check_placement(plan, t)
     assert "TP group [0, 1, 2, 3] spans 2 nodes" in str(e.value)
     assert "allow_straddle" in str(e.value)
     with pytest.warns(UserWarning, match="crosses infiniband"):
-        notes = pmesh.check_placement(plan, t, allow_straddle=True)
+        notes = placement.check_placement(plan, t, allow_straddle=True)
     assert any("spans 2 nodes" in n for n in notes)
 
 
@@ -82,14 +84,14 @@ def test_stage_across_clusters_is_refused():
     plan = Plan(pp=2, dp=2, tp=2, stage_layers=(1, 1), microbatches=2, global_batch=4,
                 seq_len=8, device_order=order)
     with pytest.raises(PlanError, match="stage 0 spans clusters"):
-        pmesh.check_placement(plan, t)
+        placement.check_placement(plan, t)
 
 
 def test_single_stage_on_two_clusters_notes_dp_crossing():
     t = topo.preset("cpu_hybrid")
     plan = Plan(pp=1, dp=4, tp=2, stage_layers=(2,), microbatches=1, global_batch=8,
                 seq_len=8)
-    notes = pmesh.check_placement(plan, t)
+    notes = placement.check_placement(plan, t)
     assert notes and "DP groups span clusters" in notes[0] and "ethernet" in notes[0]
 
 
@@ -101,7 +103,22 @@ def test_stage_across_unequal_clusters_is_refused_or_warned_with_its_link():
     plan = Plan(pp=2, dp=2, tp=2, stage_layers=(1, 1), microbatches=2, global_batch=4,
                 seq_len=8)
     with pytest.raises(PlanError, match=r"stage 1 spans clusters \['a', 'b'\]"):
-        pmesh.check_placement(plan, t)
+        placement.check_placement(plan, t)
     with pytest.warns(UserWarning, match="DP reduction crosses ethernet"):
-        notes = pmesh.check_placement(plan, t, allow_straddle=True)
+        notes = placement.check_placement(plan, t, allow_straddle=True)
     assert any("stage 1 spans clusters" in n for n in notes)
+
+
+def test_plan_and_train_refuse_a_tp_group_across_nodes_with_the_same_message(capsys):
+    from hetjax import cli
+
+    straddle = ["--config.parallel.pp=1", "--config.parallel.tp=4",
+                "--config.model.n_kv_heads=4"]  # cpu_hybrid: nodes of 2 devices
+    errors = {}
+    for command in ("plan", "train"):
+        assert cli.main(["hetjax", command, *straddle]) == 2
+        errors[command] = capsys.readouterr().err
+    assert "TP group [0, 1, 2, 3] spans 2 nodes" in errors["plan"]
+    assert errors["plan"] == errors["train"]
+    assert cli.main(["hetjax", "plan", *straddle, "--config.parallel.allow_straddle=True"]) == 0
+    assert "tp=4" in capsys.readouterr().out

@@ -10,11 +10,12 @@ import pytest
 
 from hetjax.config import base_config, build_topology
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, plan_from_config
-from hetjax.planner import CostOptions, model_from_config, plan, predict
+from hetjax.plan import Plan
+from hetjax.planner import (CostOptions, model_from_config, placement_problems, plan,
+                            plan_from_config, predict)
 from hetjax.topology import ClusterLink, Link, Topology, make_cluster, preset
 from layers.config import ModelConfig
-from parallel.mesh import mesh_shape, placement_problems
+from parallel.mesh import mesh_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -90,3 +90,26 @@ def test_train_step_reduces_gradients_over_dp_inside_the_step():
     trainer = Trainer(tiny_config(**{"parallel.dp": 4, "parallel.tp": 2}), quiet=True)
     hlo = trainer.compiled_step().as_text()
     assert "all-reduce" in hlo
+
+
+def test_a_hook_added_from_python_runs_at_its_interval_and_sees_the_metrics(tmp_path):
+    config = tiny_config(**{"train.steps": 6, "train.log_every": 3, "eval.every": 3,
+                            "checkpoint.every": 0, "workdir": str(tmp_path)})
+    trainer = Trainer(config, quiet=True)
+    seen = []
+    trainer.add_hook(lambda info: seen.append((info.step, dict(info.metrics))), every=2)
+    trainer.train()
+    assert [s for s, _ in seen] == [2, 4, 6]
+    assert all(np.isfinite(m["loss"]) and "grad_norm" in m and "lr" in m for _, m in seen)
+    # At step 6 the standard hooks ran first: the hook sees their eval loss and timing.
+    assert {"eval_loss", "step_s", "tokens_per_s"} <= set(seen[-1][1])
+    rows = {r["step"]: r for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))}
+    assert seen[-1][1]["loss"] == rows[6]["loss"]
+
+
+def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
+    trainer = Trainer(tiny_config(**{"train.steps": 3}), quiet=True)
+    assert trainer._state is None and trainer._data is None  # nothing compiled or opened yet
+    steps = [(info.step, info.first, info.last) for info in trainer.iter_steps()]
+    assert steps == [(1, True, False), (2, False, False), (3, False, True)]
+    assert int(trainer.state.step) == 3

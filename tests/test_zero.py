@@ -20,7 +20,8 @@ from conftest import tiny_config
 from hetjax import topology as topo
 from hetjax.config import base_config, build_topology, validate
 from hetjax.errors import ConfigError
-from hetjax.plan import Plan, ZeroFactors, plan_from_config
+from hetjax.plan import Plan, ZeroFactors
+from hetjax.planner import plan_from_config, zero as zr
 from hetjax.train import Trainer, make_optimizer, opt_state_specs
 from layers import ModelConfig, Transformer
 from parallel import hlo
@@ -113,7 +114,7 @@ def check_collectives(trainer, ops: list[hlo.Collective]):
     z, zs = trainer.plan.zero, trainer.zero_specs
     split, replicated = zero.split_bytes(jax.eval_shape(lambda: trainer.state.params), zs,
                                          trainer.mesh)
-    expected = zero.expected_collectives(z, trainer.plan.dp, MICRO, split, replicated)
+    expected = zr.expected_collectives(z, trainer.plan.dp, MICRO, split, replicated)
     assert hlo.totals(ops, DP_AXES) == hlo.totals(expected)
     in_loop = {(c.kind, c.axes, c.count) for c in ops
                if c.loop_depth and not c.scalar and set(c.axes) & set(DP_AXES)}
@@ -247,11 +248,11 @@ def test_7b_on_1024_devices_holds_1_over_s_of_each_state(preset, factors):
     t = topo.preset("holmes_infiniband", nodes=128, devices_per_node=8)
     plan = Plan(pp=1, dp=1024, tp=1, stage_layers=(32,), microbatches=8, global_batch=1024,
                 seq_len=2048)
-    k = zero.node_local_factor(plan, t)
+    k = zr.node_local_factor(zr.replica_nodes(plan, t))
     assert k == 8
-    z = zero.preset_factors(preset, 1024, k) if preset != "custom" else \
+    z = zr.named(preset, 1024, k) if preset != "custom" else \
         ZeroFactors(*factors, "custom")
-    zero.check_factors(z, plan, t)
+    zr.check_factors(z, plan, t)
     assert (z.s_p, z.s_g, z.s_os) == factors
     plan = dataclasses.replace(plan, zero=z)
     params, opt, zs, opt_specs = abstract_states(LLAMA_7B, plan)
@@ -337,7 +338,7 @@ def test_hlo_reader_maps_groups_to_mesh_axes_and_counts_loop_trips():
 
 def test_auto_with_a_fixed_layout_asks_the_planner_for_the_zero_point_only():
     from hetjax.config import build_topology
-    from hetjax.plan import plan_from_config
+    from hetjax.planner import plan_from_config
 
     c = tiny_config(**{"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2,
                        "pipeline.stage_layers": (1, 1), "train.microbatches": 2,

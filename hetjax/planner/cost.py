@@ -47,10 +47,17 @@ _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node
 #   layer's input, max_layers + 1 activations per micro-batch in flight; embedding, final norm
 #   and head are replicated on every stage and their gradients summed around the ring of
 #   stages (pp - 1 point-to-point hops); the gradient sync runs after the loop.
+# - "mpmd": parallel/mpmd.py's executor, one program per stage. Stages run asynchronously,
+#   recompute follows model.remat, a stage holds only its own layers (no padding), the
+#   embedding lives on the first stage and the head on the last (a tied embedding's gradient is
+#   exchanged point-to-point between the two), the gradient sync is fused into the stage's last
+#   backward so it may overlap it; ZeRO as in parallel/zero.py (P gathered once per step).
 # - "megatron": Megatron-LM as the papers ran it. Stages run asynchronously, recompute follows
 #   model.remat, the embedding lives on the first stage and the head on the last (a tied
 #   embedding's gradient is all-reduced between the two), the sync may overlap the backward.
-EXECUTORS = ("hetjax", "megatron")
+EXECUTORS = ("hetjax", "mpmd", "megatron")
+# The cost model's name for each pipeline executor a Plan can name (Plan.executor).
+PLAN_EXECUTORS = {"spmd": "hetjax", "mpmd": "mpmd"}
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,7 @@ class StageCost:
     mem_fixed: float
     capacity: float  # usable bytes of the stage's smallest device
     label: str = ""  # clusters / accelerator of the stage, for display
+    padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -235,7 +243,8 @@ class StageCost:
         return self.sync_layer * layers + self.sync_fixed
 
     def memory(self, layers: int, max_layers: int) -> float:
-        return self.mem_slot * max_layers + self.mem_layer * layers + self.mem_fixed
+        slots = max_layers if self.padded else layers
+        return self.mem_slot * slots + self.mem_layer * layers + self.mem_fixed
 
 
 @dataclass(frozen=True)
@@ -509,14 +518,21 @@ class CostModel:
             worst = max(worst, t)
         return worst
 
+    @property
+    def zero_style(self) -> str:
+        """How ZeRO runs under this executor: 'hetjax' (parallel/zero.py, both of hetjax's
+        executors: P gathered once per step and held) or 'megatron' (AMSP's per-layer terms)."""
+        return "megatron" if self.options.executor == "megatron" else "hetjax"
+
     def zero_times(self, f: ZeroFactors, params: float, dp_groups: np.ndarray) -> zr.ZeroTimes:
-        """AMSP's communication terms for `params` parameters per device of these DP groups
-        (cached: the same stage is priced for many micro-batch counts and schedules)."""
+        """AMSP's communication terms for `params` parameters per device of these DP groups,
+        as this executor runs them (`zero_style`; cached: the same stage is priced for many
+        micro-batch counts and schedules)."""
         key = (f.s_p, f.s_g, f.s_os, params, dp_groups.shape, dp_groups.tobytes())
         if key not in self._zero:
             sb = self.state_bytes
             self._zero[key] = zr.zero_times(f, params * sb.p, params * sb.g, dp_groups,
-                                            self.collective, self.options.executor)
+                                            self.collective, self.zero_style)
         return self._zero[key]
 
     def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
@@ -582,6 +598,7 @@ class CostModel:
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
         hetjax = self.pipelined_by_hetjax(layout)
         remat = "full" if hetjax else m.remat
+        zero_as = self.zero_style
         layer_p = m.layer_params / tp
         embed_p = m.embed_params / tp
         # Megatron's last stage keeps its own copy of a tied embedding; hetjax's stages all
@@ -607,7 +624,7 @@ class CostModel:
                 bwd_layer=cb + tp_ar + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
                                                cb, o.overlap),
                 sync_layer=z.sync + z.refresh,
-                mem_slot=zr.step_state_bytes(layer_p, f, sb, o.executor),
+                mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
                 # hetjax stashes each layer's input in every padded slot, plus the stage
                 # output, and holds one layer's full activations while it recomputes.
                 stash=tok * m.d_model * self.act_bytes if hetjax else 0.0,
@@ -620,9 +637,9 @@ class CostModel:
                           else 0.0) + self.temporary_bytes(layout, remat, full_layer),
                 head_fwd=tok * hf / tp, head_bwd=tok * hb / tp,
                 embed_sync=ze.sync + ze.refresh,
-                embed_mem=zr.step_state_bytes(embed_p, f, sb, o.executor),
+                embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
                 head_sync=zh.sync + zh.refresh,
-                head_mem=zr.step_state_bytes(head_p, f, sb, o.executor),
+                head_mem=zr.step_state_bytes(head_p, f, sb, zero_as),
                 logits=2 * tok * m.vocab_size / tp * 4,  # fp32 logits and their gradient
                 shared_everywhere=hetjax,
                 capacity=float(self._memory[ranks].min()) * o.memory_fraction,
@@ -644,6 +661,8 @@ class CostModel:
         if not m.tie_embeddings:
             return 0.0
         pairs = np.stack([mesh[0].ravel(), mesh[-1].ravel()], axis=1)
+        if self.options.executor == "mpmd":  # each side sends its gradient to the other
+            return self.transfer(m.embed_params / tp * g, pairs)[0]
         return self.collective("all_reduce", m.embed_params / tp * g, pairs)
 
     def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
@@ -660,7 +679,8 @@ class CostModel:
             mem_slot=slot.mem_slot + slot.stash * live, mem_layer=slot.act_layer * live,
             mem_fixed=slot.mem_base + slot.stash * live + (slot.embed_mem if embed else 0.0)
             + (slot.head_mem if head else 0.0) + (slot.logits if last else 0.0),
-            capacity=slot.capacity, label=slot.label)
+            capacity=slot.capacity, label=slot.label,
+            padded=self.options.executor != "mpmd")
 
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
@@ -725,7 +745,8 @@ class CostModel:
             stage_memory=_floats(c.memory(n, lmax) for c, n in zip(stages, layers)),
             stage_capacity=_floats(c.capacity for c in stages),
             sync_exposed=_floats(sim.sync_exposed),
-            padding_bytes=float(max(c.mem_slot * (lmax - n) for c, n in zip(stages, layers))),
+            padding_bytes=float(max(c.memory(n, lmax) - c.memory(n, n)
+                                    for c, n in zip(stages, layers))),
             dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links))
         return (pred, sim) if with_events else pred
 

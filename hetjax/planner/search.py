@@ -31,10 +31,10 @@ from hetjax.errors import PlanError
 from hetjax.plan import Plan, ZeroFactors, even_split
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import CostModel, CostOptions, Layout, MissingLinkError, StageCost
+from hetjax.planner.placement import placement_problems
 from hetjax.planner.simulate import (closed_form, exposed, in_flight, lockstep_ticks,
                                      lower_bound)
 from hetjax.topology import Topology
-from parallel.mesh import placement_problems
 from parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:
@@ -315,8 +315,7 @@ class _Search:
         act = (self.cm.activation_bytes_per_token(layout.tp, layout.seq_len) *
                layout.tokens_per_device())
         acts = max(act * L * min(live), act * max(live))
-        executor = self.cm.options.executor
-        need = {f: zr.step_state_bytes(layer_p, f, sb, executor) * L + acts
+        need = {f: zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L + acts
                 for f, _ in self._zero_cache[key]}
         points = [(max(z.per_step(layers, layout.microbatches) for z in zs), i, f)
                   for i, (f, zs) in enumerate(self._zero_cache[key])

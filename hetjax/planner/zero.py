@@ -1,11 +1,15 @@
-"""ZeRO sharding factors (AMSP, spec/amsp.md): the space of (s_p, s_g, s_os), the named points,
-the model-state memory formula and the communication terms.
+"""ZeRO sharding factors (AMSP, spec/amsp.md): the one owner of their rules -- the named points
+(presets), the ordering and node rules, the factors a config asks for on a plan -- and the
+space of (s_p, s_g, s_os), the model-state memory formula, the communication terms and the
+list of collectives parallel/zero.py issues (`expected_collectives`, what the HLO audit checks).
 
 Parameters, gradients and optimizer states of a stage are each sharded over s_p, s_g and s_os
 of its dp data-parallel devices. hetjax's mesh factors the dp axis into (dp / s_os, s_os / s_p,
 s_p) with P innermost, so a valid point has s_p | s_os | dp and s_g in {s_p, s_os}; AMSP's
 "fill a node before spanning nodes" rule, checked on the real placement: every block of a
-factor's consecutive DP members lies inside one node or consists of whole nodes. Collective times come from the cost model
+factor's consecutive DP members lies inside one node or consists of whole nodes. Config
+validation (hetjax/config.py), `plan_from_config` and the search all call these rules; parallel/
+only executes the point a Plan carries. Collective times come from the cost model
 (`hetjax.planner.cost`), passed in as a function, so this module holds only the algebra, for
 two ways of running the step:
 - "megatron": AMSP's accounting (PyTorch systems): parameters gathered per layer in every
@@ -17,16 +21,22 @@ two ways of running the step:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from hetjax.errors import PlanError
-from hetjax.plan import ZeroFactors
+from hetjax.errors import ConfigError, PlanError
+from hetjax.plan import DP_AXES, Plan, ZeroAxes, ZeroFactors
+from hetjax.topology import Topology
+from parallel.hlo import Collective as HloCollective
 
 NAMED = ("ddp", "zero1", "zero2", "zero3", "mics")
+# What config.zero.preset accepts: a named point, 'auto' (AMSP's enumeration by the planner)
+# or 'custom' (zero.s_p / s_g / s_os).
+CONFIG_PRESETS = NAMED + ("auto", "custom")
 
 
 @dataclass(frozen=True)
@@ -103,9 +113,33 @@ def named(name: str, dp: int, node_local: int) -> ZeroFactors:
     return ZeroFactors(*points[name], name=name)
 
 
+def order_problem(s_p: int, s_g: int, s_os: int) -> tuple[str, str, str] | None:
+    """AMSP's ordering rule, as (field, problem, fix), or None when kept: s_p divides s_os
+    (each optimizer-state shard lies inside its parameter shard) and s_g is s_p or s_os."""
+    if s_os % s_p:
+        return ("zero.s_os",
+                f"s_os = {s_os} is not a multiple of s_p = {s_p}; each optimizer-state shard "
+                "must lie inside its device's parameter shard",
+                f"choose s_os from the multiples of s_p = {s_p} (and divisors of dp)")
+    if s_g not in (s_p, s_os):
+        return ("zero.s_g",
+                f"s_g = {s_g} must equal s_p = {s_p} or s_os = {s_os} (gradients are sharded "
+                "like the parameters or like the optimizer states)",
+                f"set zero.s_g to {s_p} or {s_os}")
+    return None
+
+
+def check_order(s_p: int, s_g: int, s_os: int) -> None:
+    """Raise ConfigError (naming the zero.* field) unless the factors keep the ordering rule.
+    Divisibility by dp and the node rules need the plan (`check_factors`)."""
+    problem = order_problem(s_p, s_g, s_os)
+    if problem:
+        raise ConfigError(*problem)
+
+
 def check(f: ZeroFactors, dp: int) -> None:
     """Raise PlanError unless `f` fits hetjax's mesh for `dp` data-parallel devices."""
-    if dp % f.s_os or f.s_os % f.s_p or f.s_g not in (f.s_p, f.s_os):
+    if dp % f.s_os or order_problem(f.s_p, f.s_g, f.s_os):
         raise PlanError(
             f"ZeRO factors (s_p={f.s_p}, s_g={f.s_g}, s_os={f.s_os}) do not fit dp={dp}: "
             f"hetjax needs s_p | s_os | dp and s_g in {{s_p, s_os}}; nearest valid: "
@@ -131,25 +165,69 @@ def space(nodes: np.ndarray) -> list[ZeroFactors]:
     return out
 
 
-def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
-    """Rank groups of each ZeRO collective, from the stage's DP groups [k, dp].
+def axis_groups(dp_groups: np.ndarray, f: ZeroFactors, axes: tuple[str, ...]) -> np.ndarray:
+    """Rank groups of a collective over the data-parallel mesh `axes` (a subset of DP_AXES),
+    from the stage's DP groups [k, dp]: the dp axis is laid out as the mesh factors it,
+    ('dp', 'dp_os', 'dp_p') = (dp / s_os, s_os / s_p, s_p) with p innermost. [instances, size]."""
+    k, dp = dp_groups.shape
+    grid = dp_groups.reshape(k, dp // f.s_os, f.s_os // f.s_p, f.s_p)
+    inside = [1 + DP_AXES.index(a) for a in DP_AXES if a in axes]
+    outside = [i for i in range(grid.ndim) if i not in inside]
+    return grid.transpose(outside + inside).reshape(-1, math.prod(grid.shape[i] for i in inside))
 
-    The dp axis is laid out as (replica, os-extra, p) with p innermost, as in the mesh:
+
+def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
+    """Rank groups of each ZeRO collective, from the stage's DP groups [k, dp]:
     "p": the s_p devices sharing one parameter shard's gather / scatter;
     "replicas": the dp / s_p devices holding the same P shard (gradient sync);
     "os": the s_os / s_p devices of one OS subgroup inside a P shard (G beyond P, refresh);
     "shard": the s_os devices that together hold one copy of the optimizer states;
     "os_replicas": the dp / s_os devices holding the same OS shard.
     Each value is [instances, size]."""
-    k, dp = dp_groups.shape
-    grid = dp_groups.reshape(k, dp // f.s_os, f.s_os // f.s_p, f.s_p)
-    return {
-        "p": grid.reshape(-1, f.s_p),
-        "replicas": grid.transpose(0, 3, 1, 2).reshape(-1, dp // f.s_p),
-        "os": grid.transpose(0, 1, 3, 2).reshape(-1, f.s_os // f.s_p),
-        "shard": grid.reshape(-1, f.s_os),
-        "os_replicas": grid.transpose(0, 2, 3, 1).reshape(-1, dp // f.s_os),
-    }
+    axes = {"p": ("dp_p",), "replicas": ("dp", "dp_os"), "os": ("dp_os",),
+            "shard": ("dp_os", "dp_p"), "os_replicas": ("dp",)}
+    return {name: axis_groups(dp_groups, f, ax) for name, ax in axes.items()}
+
+
+# --- the collectives of hetjax's ZeRO step: one description, read by the cost model
+# (`zero_times`, executor "hetjax") and by the audit of the compiled step (`expected_collectives`)
+@dataclass(frozen=True)
+class StepCollective:
+    """One collective parallel/zero.py issues for the split parameters of a step: its kind,
+    the data-parallel mesh axes of its group (mesh order), the bytes it moves (those of the
+    state `of`, "p" or "g", per device, divided by `divisor`) and when it runs: "microbatch"
+    (every micro-batch), "sync" (once per step, around the micro-batch loop) or "refresh"
+    (after the update)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    of: str
+    divisor: int
+    when: str
+
+
+def step_collectives(z: ZeroFactors) -> list[StepCollective]:
+    """AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per
+    step (parameters are gathered before the micro-batch loop) and its reduce-scatter each
+    micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
+    reduce-scatter to the OS shard plus an all-reduce across the dp / s_os replicas after the
+    loop; T_os1 as an all-gather inside the OS sub-group. A group may have one member (no
+    collective runs)."""
+    axes = ZeroAxes.of(z)
+
+    def ordered(ax) -> tuple[str, ...]:
+        return tuple(a for a in DP_AXES if a in ax)
+
+    return [
+        StepCollective("all-gather", ordered(axes.p), "p", 1, "sync"),  # T_p: gather P
+        StepCollective("reduce-scatter", ordered(axes.g), "g", 1, "microbatch"),  # T_p + T_g
+        StepCollective("reduce-scatter", ordered(set(axes.os) - set(axes.g)), "g", z.s_g,
+                       "sync"),  # T_os0: to the OS shards,
+        StepCollective("all-reduce", ordered(axes.replica), "g", z.s_os, "sync"),  # then across
+        # the replicas, once per step
+        StepCollective("all-gather", ordered(set(axes.os) - set(axes.p)), "p", z.s_p,
+                       "refresh"),  # T_os1: refresh P inside the OS subgroup
+    ]
 
 
 Collective = Callable[[str, float, np.ndarray], float]
@@ -179,20 +257,19 @@ def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.nda
 
     megatron: AMSP's T_p, T_g, T_os0, T_os1, with even sharding (as in JAX) G beyond P a
     reduce-scatter and the refresh an all-gather inside the OS subgroup (spec/amsp.md).
-    hetjax: parallel/zero.py's expected collectives: P gathered once per step, G
+    hetjax: `step_collectives`, what parallel/zero.py issues: P gathered once per step, G
     reduce-scattered over its group every micro-batch, after the loop a reduce-scatter to the
     OS shards and an all-reduce across the OS replicas, then the refresh."""
+    if executor == "hetjax":
+        nbytes = {"p": p_bytes, "g": g_bytes}
+        times: dict[str, list[float]] = {"microbatch": [], "sync": [], "refresh": []}
+        for c in step_collectives(f):
+            times[c.when].append(collective(c.kind.replace("-", "_"), nbytes[c.of] / c.divisor,
+                                            axis_groups(dp_groups, f, c.axes)))
+        return ZeroTimes(gather=0.0, scatter=sum(times["microbatch"]), accumulate=0.0,
+                         sync=sum(times["sync"]), refresh=sum(times["refresh"]))
     groups = subgroups(dp_groups, f)
     refresh = collective("all_gather", p_bytes / f.s_p, groups["os"])
-    if executor == "hetjax":
-        g_group = groups["p"] if f.s_g == f.s_p else groups["shard"]
-        return ZeroTimes(
-            gather=0.0, scatter=collective("reduce_scatter", g_bytes, g_group), accumulate=0.0,
-            sync=(collective("all_gather", p_bytes, groups["p"])
-                  + (collective("reduce_scatter", g_bytes / f.s_g, groups["os"])
-                     if f.s_g < f.s_os else 0.0)
-                  + collective("all_reduce", g_bytes / f.s_os, groups["os_replicas"])),
-            refresh=refresh)
     return ZeroTimes(
         gather=collective("all_gather", p_bytes, groups["p"]),
         scatter=collective("reduce_scatter", g_bytes, groups["p"]),
@@ -201,3 +278,60 @@ def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.nda
         sync=collective("all_reduce", g_bytes / f.s_p, groups["replicas"]),
         refresh=refresh,
     )
+
+
+# --- the factors of a config on a plan ----------------------------------------------------
+def replica_nodes(plan: Plan, topology: Topology) -> np.ndarray:
+    """[groups, dp]: the node of each member of each of the plan's data-parallel groups."""
+    return np.array([[topology.devices[r].global_node for r in g] for g in plan.dp_groups()])
+
+
+def check_factors(z: ZeroFactors, plan: Plan, topology: Topology) -> None:
+    """Raise ConfigError unless (s_p, s_g, s_os) keeps AMSP's ordering, divisibility and
+    node-filling rules for the plan's dp and placement; the message lists the valid choices."""
+    valid = valid_factors(replica_nodes(plan, topology))
+    rule = (f"valid factors for dp = {plan.dp} on {topology.name!r}: {valid} (divisors of dp "
+            "whose groups stay inside a node or take whole nodes)")
+    for name, s in (("s_p", z.s_p), ("s_g", z.s_g), ("s_os", z.s_os)):
+        if s not in valid:
+            raise ConfigError(f"zero.{name}", f"{name} = {s} is not usable with dp = {plan.dp}",
+                              f"choose from the {rule}")
+    check_order(z.s_p, z.s_g, z.s_os)
+
+
+def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
+    """The ZeroFactors the `zero` config section asks for on this plan, checked."""
+    if zc.preset == "auto":  # plan_from_config asks the planner's search for these
+        raise ConfigError("zero.preset", "'auto' is chosen by the planner's search, not here",
+                          "build the plan with hetjax.planner.plan_from_config")
+    if zc.preset == "custom":
+        z = ZeroFactors(zc.s_p, zc.s_g, zc.s_os, name="custom")
+    else:
+        z = named(zc.preset, plan.dp, node_local_factor(replica_nodes(plan, topology)))
+    check_factors(z, plan, topology)
+    return z
+
+
+# --- the collectives hetjax's ZeRO step issues (what the HLO audit compares with) ------------
+def expected_collectives(z: ZeroFactors, dp: int, microbatches: int, split: int,
+                         replicated: int) -> list[HloCollective]:
+    """The data-parallel collectives one step of parallel/zero.py `accumulate_gradients` + the
+    sharded update issues for point z (`step_collectives`), as the audit of the compiled
+    program reads them (parallel/hlo.py), with V in bytes per device (`split` / `replicated`
+    from parallel/zero.py `split_bytes`). Parameters left unsplit are all-reduced over every
+    data-parallel device, as plain data parallelism; scalar reductions (loss, gradient norm)
+    are left out."""
+    sizes = {"dp": dp // z.s_os, "dp_os": z.s_os // z.s_p, "dp_p": z.s_p}
+    out = []
+
+    def add(kind, ax, nbytes, count=1, depth=0):
+        ax = tuple(a for a in ax if sizes[a] > 1)
+        if ax and nbytes:
+            out.append(HloCollective(kind, ax, math.prod(sizes[a] for a in ax), nbytes, count,
+                                     depth))
+
+    for c in step_collectives(z):
+        each = c.when == "microbatch"
+        add(c.kind, c.axes, split // c.divisor, microbatches if each else 1, int(each))
+    add("all-reduce", DP_AXES, replicated)
+    return out

@@ -1,0 +1,430 @@
+"""The harness the testbed experiments share (hetjax/experiments/hetnet.py, hetaccel.py;
+docs/experiments.md): what is trained (`Workload`), one configuration's run on the emulated
+cluster with its calibrated prediction (`Case`, `run_case`), per-layer profiling inside a host
+(`profile_kind`), the CPU watch that repeats runs disturbed by other processes, and the
+tables, plot and JSON record of the results. Needs root only when a Testbed is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hetjax import linkcheck
+from hetjax.errors import HetjaxError
+from hetjax.plan import Plan
+from hetjax.planner import CostOptions, predict
+from hetjax.planner.calibrate import (emulated_topology, prediction_errors,
+                                      profile_from_step_times)
+from hetjax.testbed import Testbed
+from hetjax.topology import Topology
+
+# The checkout the benches write their plots (docs/img) and results (runs/) into.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# One worker process per emulated host: the pipeline's stages are separate processes whose gloo
+# sends do not wait for the receiver, so they are priced on the asynchronous timeline; the
+# lockstep pricing (how one process runs the tick grid) is reported next to it.
+def testbed_options(profiles: dict, lockstep: bool = False) -> CostOptions:
+    """Cost options for predicting a testbed run (hetjax's executor, measured profiles; gloo's
+    collectives priced as the flat ring they were validated with, not NCCL's choice)."""
+    return CostOptions(profiles=profiles, executor="hetjax", lockstep=lockstep,
+                       collectives="ring")
+
+
+OTHERS_LIMIT = 0.3  # CPUs other processes may use during a timed run before it is repeated
+QUIET_WAIT_S = 900  # how long to wait for a quiet machine at most
+
+
+# --- what is trained ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch every configuration trains (data.source=synthetic)."""
+
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 768
+    seq_len: int = 64
+    batch: int = 16  # global, sequences
+    microbatches: int = 4
+    steps: int = 10
+    schedule: str = "1f1b"
+
+    def config_args(self, n_layers: int | None = None) -> list[str]:
+        """`--config` flags for the model, batch and run length (no layout, no topology)."""
+        flags = {"model.d_model": self.d_model, "model.n_layers": n_layers or self.n_layers,
+                 "model.n_heads": self.n_heads, "model.n_kv_heads": self.n_heads,
+                 "model.d_ff": self.d_ff, "model.max_seq_len": self.seq_len,
+                 "train.seq_len": self.seq_len, "train.batch_size": self.batch,
+                 "train.microbatches": self.microbatches, "pipeline.schedule": self.schedule,
+                 "train.steps": self.steps, "train.log_every": 1, "train.progress": False,
+                 "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0}
+        return [f"--config.{k}={v}" for k, v in flags.items()]
+
+    def model(self):
+        """The ModelConfig the workers build (the planner's view of it)."""
+        from hetjax.config import load_config
+        from hetjax.planner import model_from_config
+
+        return model_from_config(load_config(None, self.config_args()))
+
+    def describe(self) -> str:
+        m = self.model()
+        return (f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff "
+                f"{m.d_ff}, vocab {m.vocab_size}: {m.num_params / 1e6:.2f}M parameters "
+                f"({m.layer_params * 4 / 1e6:.2f} MB of fp32 gradients per layer); batch "
+                f"{self.batch} x {self.seq_len} tokens in {self.microbatches} micro-batches, "
+                f"{self.schedule}; {self.steps} steps, the first 2 not timed")
+
+
+def layout_args(plan: Plan) -> list[str]:
+    """`--config` flags that make the trainer build `plan`'s layout in rank order (the
+    device order is realised by which host each process runs on, see `host_order`)."""
+    return [f"--config.parallel.pp={plan.pp}", f"--config.parallel.dp={plan.dp}",
+            f"--config.parallel.tp={plan.tp}",
+            f"--config.pipeline.stage_layers=[{','.join(map(str, plan.stage_layers))}]"]
+
+
+def host_order(tb: Testbed, plan: Plan) -> list[str]:
+    """Process i runs on the host of rank plan.device_order[i]: the trainer lays out ranks in
+    order, so mesh position i lands on that host (one device per host)."""
+    if any(c.devices_per_node != 1 for c in tb.topology.clusters) or plan.tp != 1:
+        raise HetjaxError("placing a plan by host order needs one device per host and tp = 1")
+    return [tb.hosts[r].name for r in plan.device_order]
+
+
+# --- calibration: per-layer compute times ---------------------------------------------------------
+def profile_kind(tb: Testbed, host: str, work: Workload, dp: int, workdir: str, log,
+                 layer_counts=(1, 4)) -> tuple[object, list[float], str]:
+    """A LayerProfile of the accelerator kind of `host`, measured inside it (under its CPU
+    cap): single-device runs at each of `layer_counts` layers, full recompute (as the pipeline
+    executor does), each with one data-parallel replica's share of the batch (batch / dp
+    sequences in the same micro-batches) so a layer sees the tokens it sees in the pipeline.
+    Returns (profile, mean step times, error text or "")."""
+    whole = tb.topology.to_dict()
+    one = Topology.from_dict({**whole, "name": "profile", "cluster_links": [],
+                              "clusters": [{**whole["clusters"][tb.host(host).cluster],
+                                            "nodes": 1}]})
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, f"profile-{host}.json")
+    with open(path, "w") as f:
+        f.write(one.to_json())
+    means = []
+    for n in layer_counts:
+        args = [*work.config_args(n_layers=n), f"--config.topology.file={path}",
+                "--config.parallel.pp=1", "--config.parallel.dp=1", "--config.parallel.tp=1",
+                f"--config.train.batch_size={work.batch // dp}", "--config.model.remat=full"]
+        for attempt in range(3):  # repeated, like the runs, when something else was busy
+            watch = CpuWatch()
+            run = tb.train(args, os.path.join(workdir, f"profile-{host}-{n}"), host=host,
+                           timeout=600)
+            others = watch.stop()[1]
+            if not run.ok or others <= OTHERS_LIMIT or attempt == 2:
+                break
+            log(f"  other processes used {others:.2f} CPUs during the profile; repeating it")
+            wait_for_quiet(log)
+        if not run.ok:
+            return None, means, f"profile run with {n} layers failed:\n{run.error()}"
+        means.append(statistics.mean(run.step_times()))
+    tokens = work.batch // dp * work.seq_len
+    return profile_from_step_times(layer_counts, means, tokens), means, ""
+
+
+# --- one configuration ----------------------------------------------------------------------------
+@dataclass
+class Case:
+    """One run: a topology, a layout (a Plan, device order included) and CPU caps."""
+
+    name: str
+    topology: Topology
+    plan: Plan | None
+    cpus: dict[str, float] | float | None  # CPU cap per host (Testbed's `cpus`)
+    # Chooses the plan once the testbed's links are measured (given the emulated topology).
+    choose: Callable[[Topology], Plan] | None = None
+    # filled in by run_case
+    step_s: list[float] = field(default_factory=list)
+    predicted_s: float | None = None  # asynchronous stages (see testbed_options)
+    predicted_lockstep_s: float | None = None
+    bubble: float | None = None  # predicted share of stage time not computing
+    cpu_use: tuple[float, float] | None = None  # CPUs (ours, others) on average during the run
+    caps_cpus: float = 0.0  # sum of the hosts' CPU caps
+    attempts: int = 0
+    traffic: dict[str, float] = field(default_factory=dict)  # MiB per step by link class
+    links: list = field(default_factory=list)  # linkcheck.LinkMeasurement
+    dp_links: str = ""
+    pp_links: str = ""
+    wall_s: float = 0.0
+    error: str = ""
+
+    @property
+    def mean_s(self) -> float | None:
+        return statistics.mean(self.step_s) if self.step_s else None
+
+    @property
+    def sd_s(self) -> float:
+        return statistics.stdev(self.step_s) if len(self.step_s) > 1 else 0.0
+
+    def tokens_per_s(self) -> float | None:
+        return self.plan.global_batch * self.plan.seq_len / self.mean_s if self.step_s else None
+
+
+def placement(topology: Topology, plan: Plan) -> tuple[str, str]:
+    """The link kinds the plan's DP groups and PP neighbours cross (from the topology)."""
+    mesh = plan.mesh_ranks()
+    dp = sorted({topology.group_link(g).kind for g in plan.dp_groups()}) if plan.dp > 1 else []
+    pp = sorted({topology.link(int(a), int(b)).kind for s in range(plan.pp - 1)
+                 for a, b in zip(mesh[s].ravel(), mesh[s + 1].ravel())})
+    return "/".join(dp) or "-", "/".join(pp) or "-"
+
+
+def run_case(case: Case, work: Workload, workdir: str, scale: float, profiles: dict,
+             timeout: float, log, retries: int = 2) -> Case:
+    """Build the case's testbed, measure its links, (plan,) train, predict; errors are
+    recorded in the case, not raised. A run during which other processes used more than
+    OTHERS_LIMIT CPUs is repeated (up to `retries` times) once the machine is quiet."""
+    for attempt in range(retries + 1):
+        case.attempts = attempt + 1
+        _attempt(case, work, workdir, scale, profiles, timeout, log)
+        others = case.cpu_use[1] if case.cpu_use else 0.0
+        if others <= OTHERS_LIMIT or attempt == retries:
+            break
+        log(f"  other processes used {others:.2f} CPUs during that run; repeating it")
+        wait_for_quiet(log)
+    return case
+
+
+def _attempt(case: Case, work: Workload, workdir: str, scale: float, profiles: dict,
+             timeout: float, log) -> None:
+    case.error, case.step_s, case.cpu_use = "", [], None
+    os.makedirs(workdir, exist_ok=True)
+    topo_path = os.path.join(workdir, "topology.json")
+    with open(topo_path, "w") as f:
+        f.write(case.topology.to_json())
+    try:
+        with Testbed(case.topology, scale=scale, cpus=case.cpus) as tb:
+            case.links = tb.measure_links(seconds=0.5)
+            emulated = emulated_topology(case.topology, scale, case.links)
+            if case.choose is not None:
+                case.plan = case.choose(emulated)
+            case.dp_links, case.pp_links = placement(case.topology, case.plan)
+            args = [*work.config_args(), f"--config.topology.file={topo_path}",
+                    *layout_args(case.plan)]
+            case.caps_cpus = sum(tb.cpus.get(h.cluster, 0.0) for h in tb.hosts)
+            watch = CpuWatch()
+            run = tb.train(args, os.path.join(workdir, "run"), host_order(tb, case.plan),
+                           timeout=timeout)
+            case.cpu_use = watch.stop()
+            case.wall_s = run.seconds
+            with open(os.path.join(workdir, "output.log"), "w") as f:
+                f.write(run.output)
+            if not run.ok:
+                case.error = f"run failed (exit {run.returncode}):\n{run.error()}"
+            case.step_s = run.step_times()
+            steps = max(1, len(run.metrics))
+            case.traffic = {k: v / 2**20 / steps
+                            for k, v in linkcheck.traffic_by_link(tb, run.traffic).items()}
+    except HetjaxError as e:
+        case.error = case.error or str(e)
+        return
+    try:
+        pred = predict(case.plan, emulated, work.model(), testbed_options(profiles))
+        case.predicted_s, case.bubble = pred.step_time, pred.bubble
+        case.predicted_lockstep_s = predict(case.plan, emulated, work.model(),
+                                            testbed_options(profiles, lockstep=True)).step_time
+    except HetjaxError as e:
+        case.error = case.error or f"prediction failed: {e}"
+    log(f"  {case.name}: " + (f"{case.mean_s:.3f} s/step measured, {case.predicted_s:.3f} s "
+                              f"predicted, {case.wall_s:.0f} s wall"
+                              if case.step_s and case.predicted_s else f"FAILED {case.error}"))
+
+
+# --- reporting ------------------------------------------------------------------------------------
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A markdown table (also readable as plain text)."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def link_table(cases: list[Case]) -> str:
+    rows, seen = [], set()
+    for c in cases:
+        for m in c.links:
+            key = (c.topology.name, m.label)
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append([c.topology.name, f"{m.label} ({m.link.kind})",
+                         f"{m.configured_bps / 1e6:.1f}", f"{m.measured_bps / 1e6:.1f}",
+                         f"{m.ratio:.2f}", f"{m.rtt_s / 2 * 1e6:.0f}"])
+    return table(["topology", "link class", "configured Mbit/s", "measured Mbit/s", "ratio",
+                  "RTT/2 us"], rows)
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def accuracy_table(cases: list[Case]) -> str:
+    ok = [c for c in cases if c.step_s and c.predicted_s]
+    rows = [[c.name, fmt(c.mean_s, ".3f"), fmt(c.predicted_s, ".3f"),
+             f"{(c.predicted_s - c.mean_s) / c.mean_s:+.0%}",
+             fmt(c.predicted_lockstep_s, ".3f"),
+             f"{(c.predicted_lockstep_s - c.mean_s) / c.mean_s:+.0%}"] for c in ok]
+    text = table(["configuration", "measured s/step", "predicted s/step", "error",
+                  "predicted in lockstep", "error"], rows)
+    for what, key in (("predicted", "predicted_s"), ("in lockstep", "predicted_lockstep_s")):
+        if len(ok) >= 2:
+            e = prediction_errors([getattr(c, key) for c in ok], [c.mean_s for c in ok])
+            text += (f"\n{what}: mean absolute error {e.mae_s:.3f} s ({e.mean_relative:.0%} "
+                     f"of the measured step on average) over {e.n} configurations; rank "
+                     f"agreement: Spearman {e.spearman:.2f}, Kendall tau-b {e.kendall:.2f}")
+    return text
+
+
+ACCURACY_NOTE = """
+"predicted" prices the pipeline's stages as separate processes that run ahead until they need
+their neighbour's data (the asynchronous timeline: CostOptions(lockstep=False)), which is how
+one worker per emulated host runs; "in lockstep" prices the tick grid as one process runs it
+(every tick as long as its slowest stage; the default, and what `hetjax train` on one machine's
+simulated devices does). Without a pipeline both are the same."""
+
+
+CPUS_HEADER = "CPUs: ours / others / caps"
+CPUS_NOTE = f"""
+CPUs: averages over the run of what our processes used (workers, launcher, link checks), what
+everything else used (other processes, the kernel's network work), and the sum of the
+emulated hosts' caps. A run during which the others used more than {OTHERS_LIMIT:g} CPUs is
+repeated once the machine is quiet (up to twice; "run N" marks a repeat)."""
+
+def failures(cases: list[Case]) -> str:
+    bad = [c for c in cases if c.error]
+    return "\n".join(f"FAILED {c.name}: {c.error}" for c in bad)
+
+
+def bar_plot(path: str, title: str, labels: list[str], measured: list[float | None],
+             predicted: list[float | None], ylabel: str, hline: tuple[float, str] | None = None,
+             notes: list[str] | None = None) -> str:
+    """Bars of the measured values with the predicted ones as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(labels)), 4.2))
+    xs = range(len(labels))
+    ax.bar(xs, [m or 0 for m in measured], color="#4C72B0", label="measured")
+    pts = [(x, p) for x, p in zip(xs, predicted) if p]
+    if pts:
+        ax.scatter(*zip(*pts), marker="D", color="#DD8452", zorder=3, label="predicted")
+    for x, m, n in zip(xs, measured, notes or [""] * len(labels)):
+        ax.annotate(n if m else "failed", (x, m or 0), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    if hline:
+        ax.axhline(hline[0], color="gray", ls="--", lw=1)
+        ax.annotate(hline[1], (-0.45, hline[0]), ha="left", va="bottom", fontsize=8,
+                    color="gray")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, max(m or 0 for m in [*measured, *predicted]) * 1.15)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds the whole machine has been busy so far (/proc/stat; not idle or iowait)."""
+    with open("/proc/stat") as f:
+        v = [float(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU-seconds of this process and its waited-for children (the launcher, and through it
+    the workers, which exec down the rsh / nsenter / sh chain and are waited for in turn)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class CpuWatch:
+    """Average CPUs used by us and by everything else (other processes, the kernel's network
+    work) between construction and `stop()`: timings are only meaningful when the others
+    stay near zero."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.own0 = time.monotonic(), machine_busy_s(), own_cpu_s()
+
+    def stop(self) -> tuple[float, float]:
+        wall = max(time.monotonic() - self.t0, 1e-3)
+        ours = (own_cpu_s() - self.own0) / wall
+        return ours, max(0.0, (machine_busy_s() - self.busy0) / wall - ours)
+
+
+def wait_for_quiet(log, limit: float = OTHERS_LIMIT, max_wait: float = QUIET_WAIT_S) -> None:
+    """Wait (up to max_wait s) until other processes use less than `limit` CPUs over 10 s."""
+    end = time.monotonic() + max_wait
+    while True:
+        watch = CpuWatch()
+        time.sleep(10)
+        others = watch.stop()[1]
+        if others < limit:
+            return
+        if time.monotonic() > end:
+            log(f"WARNING: other processes still use {others:.2f} CPUs; timings will show it")
+            return
+        log(f"waiting for a quiet machine: other processes use {others:.2f} CPUs "
+            f"({load_line()})")
+
+
+def start(name: str) -> Callable[[str], None]:
+    """A logger that stamps each line with the seconds since now; logs the machine's load and
+    waits for it to be quiet before returning."""
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f} s] {msg}", flush=True)
+
+    log(f"{name}: {load_line()}")
+    wait_for_quiet(log)
+    return log
+
+
+def load_line() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def save_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+
+
+def case_record(c: Case) -> dict:
+    return {"name": c.name, "topology": c.topology.name,
+            "plan": c.plan.to_dict() if c.plan else None,
+            "step_s": c.step_s, "mean_s": c.mean_s, "predicted_s": c.predicted_s,
+            "predicted_lockstep_s": c.predicted_lockstep_s,
+            "bubble_predicted": c.bubble,
+            "cpus_ours_others": c.cpu_use, "caps_cpus": c.caps_cpus, "attempts": c.attempts,
+            "traffic_mib_per_step": c.traffic, "dp_links": c.dp_links, "pp_links": c.pp_links,
+            "links": [dataclasses.asdict(m) for m in c.links], "wall_s": c.wall_s,
+            "error": c.error}
+
+
+# --- the experiment -------------------------------------------------------------------------------
+def cpus_text(c: Case) -> str:
+    """CPUs used during the run by us and by everything else, and the hosts' caps."""
+    if c.cpu_use is None:
+        return "-"
+    retried = f" (run {c.attempts})" if c.attempts > 1 else ""
+    return f"{c.cpu_use[0]:.2f} / {c.cpu_use[1]:.2f} / {c.caps_cpus:.2f}{retried}"

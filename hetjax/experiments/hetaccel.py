@@ -1,0 +1,215 @@
+"""Heterogeneous accelerators (HetHub) on the emulated cluster: an uneven split against T_UB.
+
+    sudo python scripts/bench_hetaccel.py                 # the tables, docs/img/bench_hetaccel.png
+    sudo python scripts/bench_hetaccel.py --steps 5 --out /tmp/x.png    # a quicker look
+
+(scripts/bench_hetaccel.py runs `main` of this module.)
+
+Two clusters of two single-device hosts, cluster a InfiniBand inside, cluster b RoCE inside,
+joined by Ethernet (links x --scale). Accelerator speed is a CPU cap per host: kind `cpu` gets
+--cpus CPUs, kind `cpu_half` (half its nominal peak) half as many. One pipeline stage per
+cluster (pp = 2), data parallelism inside each (dp = 2), 1F1B over 4 micro-batches:
+
+- homogeneous A (all four hosts `cpu`) and homogeneous B (all `cpu_half`) give T_A and T_B,
+  HetHub's throughput per device T = S G / (N T_iter); T_UB = (T_A N_A + T_B N_B) / (N_A + N_B);
+- heterogeneous (a: `cpu`, b: `cpu_half`) with the uniform split (n/2 layers per stage), with
+  Holmes' proportional split of the profiled speeds (the throughput ratio), and with the
+  planner's split: `hetjax.planner.plan` with pp, dp, micro-batches and schedule
+  fixed, on the testbed's measured links and per-layer times profiled on one host of each kind
+  under its cap (HetHub's lesson: profiles, not ratios). The planner picks layers per stage and
+  the stage order; the order is realised by which host each process runs on.
+  Efficiency = T_het / T_UB.
+
+The homogeneous runs use the planner's split too (their best layout, as HetHub's T_A and T_B
+are). Each run's step time is also predicted (as in hetnet.py); first step (compile) and
+one warm-up step are not timed. The model is compute-heavy for its size (d_model 128, 8 layers,
+sequences of 256) so that compute, not the once-per-step gradient sync, dominates a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+
+from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
+                                        Workload, accuracy_table, bar_plot, case_record,
+                                        cpus_text, failures, fmt, link_table, load_line,
+                                        profile_kind, run_case, save_json, start, table,
+                                        testbed_options)
+from hetjax.plan import Plan
+from hetjax.planner import plan
+from hetjax.planner.formulas import hethub_efficiency, hethub_throughput, hethub_upper_bound
+from hetjax.planner.partition import holmes_split
+from hetjax.testbed import DEFAULT_SCALE, Testbed
+from hetjax.topology import ACCELERATORS, Topology, preset
+
+WORKLOAD = Workload(d_model=128, n_layers=8, n_heads=2, d_ff=384, seq_len=256, batch=32,
+                    microbatches=4, steps=8)
+
+
+def caps(topology: Topology, cpus: float) -> dict[str, float]:
+    """CPUs per host by cluster: `cpus` for the `cpu` kind, less in proportion to peak."""
+    full = ACCELERATORS["cpu"].peak_tflops
+    return {c.name: cpus * c.accelerator.peak_tflops / full for c in topology.clusters}
+
+
+def rank_order(work: Workload, stage_layers: tuple[int, ...]) -> Plan:
+    """pp = 2 x dp = 2 in rank order: stage 0 on cluster a, stage 1 on cluster b."""
+    return Plan(pp=2, dp=2, tp=1, stage_layers=tuple(stage_layers),
+                microbatches=work.microbatches, global_batch=work.batch, seq_len=work.seq_len,
+                schedule=work.schedule)
+
+
+def proportional(work: Workload, profiles: dict) -> Plan:
+    """Holmes' formula on the profiled speeds (layers per second of each kind): the
+    throughput-ratio split HetHub warns about, with stage 0 on the faster kind a."""
+    speeds = [1 / (profiles[k].fwd_s + profiles[k].bwd_s) for k in ("cpu", "cpu_half")]
+    return rank_order(work, holmes_split(speeds, work.n_layers))
+
+
+def planner_choice(work: Workload, profiles: dict):
+    """The planner's layout on the emulated topology, with the layout fixed but the split
+    and stage order."""
+    def choose(emulated: Topology) -> Plan:
+        return plan(emulated, work.model(), work.batch, work.seq_len, pp=2, dp=2, tp=1,
+                    microbatches=work.microbatches, schedule=work.schedule, zero="ddp",
+                    options=testbed_options(profiles)).plan
+    return choose
+
+
+def split_text(c: Case) -> str:
+    """Layers per stage, with the accelerator kind of each stage, in pipeline order."""
+    if c.plan is None:
+        return "-"
+    kinds = [c.topology.accelerator_of(int(c.plan.mesh_ranks()[s, 0, 0])).name
+             for s in range(c.plan.pp)]
+    return " / ".join(f"{n} {k}" for n, k in zip(c.plan.stage_layers, kinds))
+
+
+def per_device(c: Case, seconds: float | None) -> float | None:
+    if not seconds:
+        return None
+    return hethub_throughput(c.plan.seq_len, c.plan.global_batch, c.topology.num_devices,
+                             seconds)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=WORKLOAD.steps,
+                    help="steps per run (first 2 not timed)")
+    ap.add_argument("--cpus", type=float, default=0.4, help="CPU cap of a `cpu` host")
+    ap.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="link rate factor")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "img", "bench_hetaccel.png"))
+    ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetaccel.json"))
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetaccel"))
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    args = ap.parse_args(argv)
+    work = dataclasses.replace(WORKLOAD, steps=args.steps)
+    log = start("bench_hetaccel")
+    log(work.describe())
+    het = preset("testbed_hetaccel")
+    hom_a = preset("testbed_hetaccel", kind_b="cpu")
+    hom_b = preset("testbed_hetaccel", kind_a="cpu_half")
+
+    # Per-layer times of each kind, on one host of it under its cap.
+    profiles, prof_rows = {}, []
+    with Testbed(het, scale=args.scale, cpus=caps(het, args.cpus)) as tb:
+        for cluster in het.clusters:
+            host = next(h.name for h in tb.hosts if h.cluster == het.clusters.index(cluster))
+            kind = cluster.accelerator.name
+            log(f"profiling {kind} on {host} at {tb.cpus[het.clusters.index(cluster)]:.3g} CPUs")
+            prof, means, err = profile_kind(tb, host, dataclasses.replace(work, steps=6), dp=2,
+                                            workdir=os.path.join(args.workdir, "profile"),
+                                            log=log, layer_counts=(1, 2, 4))
+            if err:
+                print(f"FAILED: {err}")
+                return 1
+            profiles[kind] = prof
+            prof_rows.append([kind, f"{tb.cpus[het.clusters.index(cluster)]:.3g}",
+                              ", ".join(f"{m:.3f}" for m in means),
+                              f"{(prof.fwd_s + prof.bwd_s) * 1e6:.1f}",
+                              f"{(prof.head_fwd_s + prof.head_bwd_s) * 1e6:.2f}"])
+            log(f"  step s at 1, 2, 4 layers: {', '.join(f'{m:.3f}' for m in means)}")
+
+    choose = planner_choice(work, profiles)
+    cases = [Case("homogeneous A (cpu)", hom_a, None, caps(hom_a, args.cpus), choose),
+             Case("homogeneous B (cpu_half)", hom_b, None, caps(hom_b, args.cpus), choose),
+             Case("heterogeneous, uniform split", het,
+                  rank_order(work, (work.n_layers // 2, work.n_layers - work.n_layers // 2)),
+                  caps(het, args.cpus)),
+             Case("heterogeneous, proportional split", het, proportional(work, profiles),
+                  caps(het, args.cpus)),
+             Case("heterogeneous, planned split", het, None, caps(het, args.cpus), choose)]
+    for i, c in enumerate(cases):
+        run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, profiles,
+                 args.timeout, log)
+    end_load = load_line()
+
+    print(f"\n## Link rates (measured goodput of a TCP transfer vs configured; x {args.scale:g})\n")
+    print(link_table(cases))
+    print(f"\n## Per-layer compute, profiled on one host of each kind ({work.batch // 2} "
+          f"sequences of {work.seq_len} per step in {work.microbatches} micro-batches, full "
+          "recompute)\n")
+    print(table(["kind", "CPUs per host", "s/step at 1, 2, 4 layers",
+                 "us per token per layer", "us per token fixed"], prof_rows))
+    rows = []
+    for c in cases:
+        t = per_device(c, c.mean_s)
+        rows.append([c.name, split_text(c),
+                     f"{fmt(c.mean_s, '.3f')} ± {c.sd_s:.3f}" if c.step_s else "failed",
+                     fmt(t, ",.1f"), fmt(c.predicted_s, ".3f"),
+                     fmt(per_device(c, c.predicted_s), ",.1f"), fmt(c.bubble, ".0%"),
+                     cpus_text(c)])
+    print(f"\n## Throughput ({work.steps - 2} timed steps each; {end_load} at the end)\n")
+    print(table(["configuration", "layers per stage (pipeline order)", "s/step",
+                 "tokens/s per device", "predicted s/step", "predicted tokens/s per device",
+                 "predicted bubble", CPUS_HEADER], rows))
+    print(CPUS_NOTE)
+    t = {c.name: per_device(c, c.mean_s) for c in cases}
+    tp = {c.name: per_device(c, c.predicted_s) for c in cases}
+    summary, t_ub = upper_bound_lines(cases, t, "measured")
+    summary_p, t_ub_p = upper_bound_lines(cases, tp, "predicted")
+    print("\n" + "\n".join(summary + summary_p))
+    print("\n## Predicted vs measured step time\n")
+    print(accuracy_table(cases))
+    print(ACCURACY_NOTE)
+    if failures(cases):
+        print("\n" + failures(cases))
+    path = bar_plot(args.out, f"Heterogeneous accelerators on the testbed\ncpu hosts "
+                    f"{args.cpus:g} CPU, cpu_half hosts {args.cpus / 2:g} CPU",
+                    [c.name.replace(", ", ",\n").replace(" (", "\n(") for c in cases],
+                    [t[c.name] for c in cases], [tp[c.name] for c in cases],
+                    "tokens / s per device",
+                    hline=(t_ub, "T_UB") if t_ub else None,
+                    notes=[f"{t[c.name] / t_ub:.0%} of T_UB" if t[c.name] and t_ub and
+                           c.topology is het else "" for c in cases])
+    print(f"\nplot: {path}")
+    save_json(args.json, {"command": " ".join(sys.argv), "workload": dataclasses.asdict(work),
+                          "cpus": args.cpus, "scale": args.scale, "load_end": end_load,
+                          "profiles": {k: dataclasses.asdict(v) for k, v in profiles.items()},
+                          "t_ub": t_ub, "t_ub_predicted": t_ub_p,
+                          "cases": [case_record(c) for c in cases]})
+    log(f"done; results in {args.json}")
+    return 1 if any(c.error for c in cases) else 0
+
+
+def upper_bound_lines(cases: list[Case], t: dict, what: str) -> tuple[list[str], float | None]:
+    """T_A, T_B, T_UB and each heterogeneous run's efficiency, as text lines."""
+    t_a, t_b = t[cases[0].name], t[cases[1].name]
+    if not (t_a and t_b):
+        return [f"{what}: T_UB needs both homogeneous runs"], None
+    n_a, n_b = (sum(c.num_devices for c in cases[2].topology.clusters
+                    if c.accelerator.name == k) for k in ("cpu", "cpu_half"))
+    t_ub = hethub_upper_bound(t_a, n_a, t_b, n_b)
+    lines = [f"{what}: T_A = {t_a:,.1f}, T_B = {t_b:,.1f} tokens/s per device; T_UB = "
+             f"({t_a:,.1f} x {n_a} + {t_b:,.1f} x {n_b}) / {n_a + n_b} = {t_ub:,.1f}; "
+             f"min(T_A, T_B) / T_UB = {min(t_a, t_b) / t_ub:.0%}"]
+    for c in cases[2:]:
+        if t[c.name]:
+            lines.append(f"  {c.name}: {t[c.name]:,.1f} tokens/s per device, efficiency "
+                         f"{hethub_efficiency(t[c.name], t_ub):.0%} of T_UB")
+    return lines, t_ub
+

@@ -1,0 +1,162 @@
+"""Heterogeneous NICs (Holmes) on the emulated cluster: where each parallelism's traffic goes.
+
+    sudo python scripts/bench_hetnet.py                   # the tables, docs/img/bench_hetnet.png
+    sudo python scripts/bench_hetnet.py --steps 4 --out /tmp/x.png   # a quicker look
+
+(scripts/bench_hetnet.py runs `main` of this module.)
+
+Two clusters of two single-device hosts (4 processes on this 2-core machine), each host capped
+at --cpus CPUs, trained for --steps steps in four environments:
+
+- all-fast: both clusters InfiniBand, joined by an InfiniBand-rate link;
+- all-Ethernet: every link 25 GbE;
+- hybrid, hetjax plan: an InfiniBand and a RoCE cluster joined by Ethernet, a pipeline stage
+  per cluster (pp = 2: only activations cross Ethernet) and data parallelism inside each
+  (dp = 2, on the cluster's RDMA link) -- Holmes' placement, hetjax's layout rule;
+- hybrid, network-unaware: the same pp = 2 x dp = 2 job, but with the processes placed as a
+  scheduler blind to the network might (hosts ib-0, roce-0, ib-1, roce-1): each DP group
+  straddles the Ethernet link and the pipeline runs inside the clusters. Same program, same
+  config, only the placement differs, which isolates the claim;
+- hybrid, pp = 1 x dp = 4: data parallelism across both clusters, no pipeline (another
+  network-unaware layout; it runs different code: no pipeline executor, no recompute).
+
+Every link is the topology's rate times --scale (default 0.002: InfiniBand 400 Mbit/s,
+Ethernet 50 Mbit/s). The model is sized so communication dominates all-Ethernet: with d_model
+256 and 4 layers a stage's gradients (2 layers and the tied embedding) are 7.2 MiB, all-reduced
+over its data-parallel pair once per step: each host sends 7.2 MiB, 1.2 s at 50 Mbit/s, against
+a whole step of about 0.6 s on all-fast.
+
+For every configuration the cost model predicts the step time (hetjax executor, its stages
+priced as the separate processes they are here, and in lockstep for comparison), calibrated on
+the testbed itself: measured goodput and round trip of every link class (`hetjax testbed
+measure`'s transfer) and per-layer compute times from single-host runs at 1, 2 and 4 layers
+under the same CPU cap. Printed: the link rates measured vs configured, throughput and ratios,
+bytes per link class, predicted vs measured with mean absolute error and rank agreement. The
+first step (compilation) and one warm-up step are excluded from the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+
+from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
+                                        Workload, accuracy_table, bar_plot, case_record,
+                                        cpus_text, failures, fmt, link_table, load_line,
+                                        profile_kind, run_case, save_json, start, table)
+from hetjax.plan import Plan, even_split
+from hetjax.testbed import DEFAULT_SCALE, Testbed, cpu_quotas
+from hetjax.topology import preset
+
+
+def nic_cases(work: Workload, cpus: float) -> list[Case]:
+    split = even_split(work.n_layers, 2)
+    plan = Plan(pp=2, dp=2, tp=1, stage_layers=split, microbatches=work.microbatches,
+                global_batch=work.batch, seq_len=work.seq_len, schedule=work.schedule)
+    # Ranks 0, 1 are ib-0, ib-1 and 2, 3 roce-0, roce-1: stage 0 = (ib-0, roce-0) puts each
+    # DP group across clusters and each pipeline inside one.
+    unaware = dataclasses.replace(plan, device_order=(0, 2, 1, 3))
+    fast, eth, hybrid = (preset(n) for n in ("testbed_all_fast", "testbed_all_ethernet",
+                                              "testbed_hybrid"))
+    cases = [Case("all-fast", fast, plan, cpus), Case("all-Ethernet", eth, plan, cpus),
+             Case("hybrid, hetjax plan", hybrid, plan, cpus),
+             Case("hybrid, network-unaware", hybrid, unaware, cpus)]
+    # Data parallelism only, across both clusters: what a layout without pipelining does.
+    dp4 = Plan(pp=1, dp=4, tp=1, stage_layers=(work.n_layers,), microbatches=work.microbatches,
+               global_batch=work.batch, seq_len=work.seq_len, schedule=work.schedule)
+    return cases + [Case("hybrid, dp=4 (no pipeline)", hybrid, dp4, cpus)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10, help="steps per run (first 2 not timed)")
+    ap.add_argument("--cpus", type=float, default=0.4, help="CPU cap per emulated host")
+    ap.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="link rate factor")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "img", "bench_hetnet.png"))
+    ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetnet.json"))
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetnet"))
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per training run")
+    args = ap.parse_args(argv)
+    work = Workload(steps=args.steps)
+    log = start("bench_hetnet")
+    log(work.describe())
+    cases = nic_cases(work, args.cpus)
+    # Per-layer compute, measured inside one emulated host under the same CPU cap.
+    with Testbed(cases[0].topology, scale=args.scale, cpus=args.cpus) as tb:
+        log(f"profiling {tb.hosts[0].name} at {cpu_quotas(tb.topology, args.cpus)[0]:g} CPUs")
+        profile, means, err = profile_kind(tb, tb.hosts[0].name, work, dp=2,
+                                           workdir=os.path.join(args.workdir, "profile"),
+                                           log=log, layer_counts=(1, 2, 4))
+    if err:
+        print(f"FAILED: {err}")
+        return 1
+    log(f"  step s at 1, 2, 4 layers: {', '.join(f'{m:.3f}' for m in means)} -> "
+        f"{profile.fwd_s + profile.bwd_s:.3g} s per token per layer, "
+        f"{profile.head_fwd_s + profile.head_bwd_s:.3g} s per token fixed")
+    profiles = {"cpu": profile}
+    for i, c in enumerate(cases):
+        run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, profiles,
+                 args.timeout, log)
+    end_load = load_line()
+    report(cases, work, args, means, profile, end_load)
+    save_json(args.json, {"command": " ".join(sys.argv), "workload": dataclasses.asdict(work),
+                          "cpus": args.cpus, "scale": args.scale, "profile_step_s": means,
+                          "profile": dataclasses.asdict(profile), "load_end": end_load,
+                          "cases": [case_record(c) for c in cases]})
+    log(f"done; results in {args.json}")
+    return 1 if any(c.error for c in cases) else 0
+
+
+def report(cases: list[Case], work: Workload, args, means, profile, end_load: str) -> None:
+    by = {c.name: c for c in cases}
+    base = by["all-fast"].tokens_per_s()
+    print(f"\n## Link rates (measured goodput of a TCP transfer vs configured; x {args.scale:g})\n")
+    print(link_table(cases))
+    print(f"\nPer-layer compute, profiled on one host at {args.cpus:g} CPUs (one replica's "
+          f"{work.batch // 2} sequences per step, full recompute): "
+          f"{', '.join(f'{m:.3f}' for m in means)} s/step at 1, 2, 4 layers -> "
+          f"{(profile.fwd_s + profile.bwd_s) * 1e6:.1f} us per token per layer, "
+          f"{(profile.head_fwd_s + profile.head_bwd_s) * 1e6:.2f} us per token fixed")
+    print(f"\n## Throughput ({work.steps - 2} timed steps each, CPU cap {args.cpus:g} per "
+          f"host; {end_load} at the end)\n")
+    labels = sorted({k for c in cases for k in c.traffic},
+                    key=lambda k: (" <-> " in k, k))
+    rows = []
+    for c in cases:
+        tps = c.tokens_per_s()
+        rows.append([c.name, f"pp={c.plan.pp} dp={c.plan.dp}", c.dp_links, c.pp_links,
+                     f"{fmt(c.mean_s, '.3f')} ± {c.sd_s:.3f}" if c.step_s else "failed",
+                     fmt(tps, ",.0f"), fmt(tps / base if tps and base else None, ".2f"),
+                     "; ".join(f"{k} {v:.1f}" for k, v in sorted(
+                         c.traffic.items(), key=lambda kv: (" <-> " in kv[0], kv[0]))),
+                     cpus_text(c)])
+    print(table(["configuration", "layout", "DP on", "PP on", "s/step", "tokens/s",
+                 "vs all-fast", "MiB per step by link class", CPUS_HEADER], rows))
+    print(CPUS_NOTE)
+    hj = by["hybrid, hetjax plan"].tokens_per_s()
+    ratios = []
+    for other in ("all-fast", "all-Ethernet", "hybrid, network-unaware",
+                  "hybrid, dp=4 (no pipeline)"):
+        t = by[other].tokens_per_s() if other in by else None
+        if hj and t:
+            ratios.append(f"hybrid with hetjax's plan / {other}: {hj / t:.2f}x")
+    print("\n" + "\n".join(ratios))
+    print("\n## Predicted vs measured step time (cost model, hetjax executor, calibrated on "
+          "the testbed's measured links and a single-host profile)\n")
+    print(accuracy_table(cases))
+    print(ACCURACY_NOTE)
+    if failures(cases):
+        print("\n" + failures(cases))
+    names = [c.name.replace(", ", ",\n") for c in cases]
+    path = bar_plot(args.out, f"Heterogeneous NICs on the testbed\n2 clusters x 2 hosts, "
+                    f"{args.cpus:g} CPU each, links x {args.scale:g}", names,
+                    [c.tokens_per_s() for c in cases],
+                    [c.plan.global_batch * c.plan.seq_len / c.predicted_s
+                     if c.predicted_s else None for c in cases], "tokens / s",
+                    notes=[f"{c.tokens_per_s() / base:.2f}x" if c.step_s and base else ""
+                           for c in cases])
+    print(f"\nplot: {path}")
+

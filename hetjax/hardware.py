@@ -1,0 +1,389 @@
+"""The hardware topology's data model: clusters of nodes of devices, and the links between any
+two devices.
+
+A `Topology` is plain data (frozen dataclasses, JSON round-trip) describing what hetjax trains
+on: each cluster has a number of nodes, devices per node, one accelerator kind, an intra-node
+link (NVLink/PCIe) and an inter-node NIC (InfiniBand, RoCE or Ethernet) with the settings NCCL
+needs to use it. Clusters are joined by an inter-cluster link that can be overridden per
+cluster pair (geo-distributed sites). Devices are numbered in rank order cluster -> node ->
+device, the order the Holmes group formulas and the mesh assume.
+
+Clusters with no link between them are expressed by leaving `inter_cluster` as None: then only
+the pairs listed in `cluster_links` are connected, and `disconnected_pairs()` names the others
+(the planner refuses a topology whose clusters do not form one connected network).
+
+Nominal accelerators and links live in hetjax/catalogue.py, named topologies in
+hetjax/paper_presets.py and hetjax/testbed_presets.py; `hetjax.topology` gathers them. This
+module does not import jax, so the CLI can size the simulated CPU device count from a topology
+before jax starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hetjax.errors import TopologyError
+
+LINK_KINDS = ("loopback", "nvlink", "pcie", "infiniband", "roce", "ethernet")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link class with an alpha-beta cost: latency plus bytes / bandwidth."""
+
+    kind: str
+    bandwidth_gbps: float  # gigabits per second, as NICs are quoted (nominal)
+    latency_us: float
+    # Achieved / nominal bandwidth of this fabric under collective traffic (the catalogue's
+    # values are fitted on Holmes Table 1, see hetjax/catalogue.py); 1.0 for a measured link.
+    efficiency: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in LINK_KINDS:
+            raise TopologyError(
+                f"link kind {self.kind!r} is unknown; use one of {', '.join(LINK_KINDS)}")
+        if not self.bandwidth_gbps > 0:
+            raise TopologyError(
+                f"{self.kind} link bandwidth must be > 0 Gbit/s, got {self.bandwidth_gbps}")
+        if self.latency_us < 0:
+            raise TopologyError(f"{self.kind} link latency must be >= 0 us, got {self.latency_us}")
+        if not 0 < self.efficiency <= 1:
+            raise TopologyError(f"{self.kind} link efficiency (achieved / nominal bandwidth) "
+                                f"must lie in (0, 1], got {self.efficiency}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Achieved bandwidth: nominal times the fabric's efficiency."""
+        return self.bandwidth_gbps * 1e9 / 8 * self.efficiency
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class NicSettings:
+    """What NCCL needs to use a cluster's NIC (see parallel/nic.py)."""
+
+    hcas: tuple[str, ...] = ()  # RDMA devices, e.g. ("mlx5_0:1", "mlx5_1:1")
+    gid_index: int | None = None  # RoCE only: the GID index of the RoCE v2 address
+    socket_ifname: str = "eth0"  # interface for socket (Ethernet) traffic
+    gdr_level: str | None = None  # NCCL_NET_GDR_LEVEL, e.g. "PHB"
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator kind: peak dense bf16 throughput and memory."""
+
+    name: str
+    peak_tflops: float
+    memory_gib: float
+    vendor: str = "nvidia"
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` identical nodes of `devices_per_node` devices joined by one NIC kind."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    accelerator: Accelerator
+    nic: Link  # between nodes of this cluster
+    intra_node: Link  # between devices of one node
+    nic_settings: NicSettings = NicSettings()
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise TopologyError(
+                f"cluster {self.name!r} needs nodes >= 1 and devices_per_node >= 1, got "
+                f"{self.nodes} x {self.devices_per_node}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where one device sits. `rank` is its index in cluster -> node -> device order."""
+
+    rank: int
+    cluster: int  # index into Topology.clusters
+    node: int  # node index inside its cluster
+    local: int  # device index inside its node
+    global_node: int  # node index over the whole topology (one process per node)
+
+
+@dataclass(frozen=True)
+class ClusterLink:
+    """An override of the inter-cluster link for one (unordered) pair of clusters."""
+
+    a: str
+    b: str
+    link: Link
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    clusters: tuple[Cluster, ...]
+    # The link between any two clusters, unless `cluster_links` overrides the pair. None: no
+    # default link, so pairs without an override are disconnected.
+    inter_cluster: Link | None
+    cluster_links: tuple[ClusterLink, ...] = ()
+
+    def __post_init__(self):
+        if not self.clusters:
+            raise TopologyError(f"topology {self.name!r} has no clusters")
+        names = [c.name for c in self.clusters]
+        if len(set(names)) != len(names):
+            raise TopologyError(f"topology {self.name!r} repeats a cluster name: {names}")
+        for cl in self.cluster_links:
+            for end in (cl.a, cl.b):
+                if end not in names:
+                    raise TopologyError(
+                        f"topology {self.name!r}: a cluster link names {end!r}, which is not "
+                        f"one of its clusters {names}")
+
+    # --- devices --------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return sum(c.num_devices for c in self.clusters)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(c.nodes for c in self.clusters)
+
+    @functools.cached_property
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        out, rank, gnode = [], 0, 0
+        for ci, c in enumerate(self.clusters):
+            for n in range(c.nodes):
+                for d in range(c.devices_per_node):
+                    out.append(DeviceInfo(rank, ci, n, d, gnode))
+                    rank += 1
+                gnode += 1
+        return tuple(out)
+
+    def cluster_of(self, rank: int) -> Cluster:
+        return self.clusters[self.devices[rank].cluster]
+
+    def accelerator_of(self, rank: int) -> Accelerator:
+        return self.cluster_of(rank).accelerator
+
+    def cluster_ranks(self, cluster: int) -> range:
+        start = sum(c.num_devices for c in self.clusters[:cluster])
+        return range(start, start + self.clusters[cluster].num_devices)
+
+    @property
+    def peak_flops(self) -> float:
+        """Sum of every device's peak FLOP/s (the MFU denominator)."""
+        return sum(c.num_devices * c.accelerator.peak_tflops * 1e12 for c in self.clusters)
+
+    # --- links ----------------------------------------------------------------------------
+    def has_link(self, a: int, b: int) -> bool:
+        """Whether clusters a and b (a != b) are joined by a link."""
+        return self._cluster_link_or_none(a, b) is not None
+
+    def _cluster_link_or_none(self, a: int, b: int) -> Link | None:
+        na, nb = self.clusters[a].name, self.clusters[b].name
+        for cl in self.cluster_links:
+            if {cl.a, cl.b} == {na, nb}:
+                return cl.link
+        return self.inter_cluster
+
+    def cluster_link(self, a: int, b: int) -> Link:
+        """The link between clusters a and b (a != b), honouring per-pair overrides."""
+        lk = self._cluster_link_or_none(a, b)
+        if lk is None:
+            na, nb = self.clusters[a].name, self.clusters[b].name
+            raise TopologyError(
+                f"topology {self.name!r} has no link between clusters {na!r} and {nb!r}; add "
+                f"ClusterLink({na!r}, {nb!r}, link) to cluster_links or set inter_cluster")
+        return lk
+
+    def disconnected_pairs(self) -> list[tuple[str, str]]:
+        """Cluster pairs (by name) with no link between them."""
+        return [(a.name, b.name) for i, a in enumerate(self.clusters)
+                for j, b in enumerate(self.clusters[i + 1:], i + 1) if not self.has_link(i, j)]
+
+    def cluster_components(self) -> list[list[str]]:
+        """Groups of cluster names that can reach each other over links (one group if the
+        topology is connected)."""
+        n = len(self.clusters)
+        seen: set[int] = set()
+        components = []
+        for start in range(n):
+            if start in seen:
+                continue
+            stack, comp = [start], []
+            seen.add(start)
+            while stack:
+                a = stack.pop()
+                comp.append(self.clusters[a].name)
+                for b in range(n):
+                    if b not in seen and self.has_link(a, b):
+                        seen.add(b)
+                        stack.append(b)
+            components.append(comp)
+        return components
+
+    def link(self, r1: int, r2: int) -> Link:
+        """The link class traffic between ranks r1 and r2 travels on."""
+        d1, d2 = self.devices[r1], self.devices[r2]
+        if d1.cluster != d2.cluster:
+            return self.cluster_link(d1.cluster, d2.cluster)
+        c = self.clusters[d1.cluster]
+        if d1.node != d2.node:
+            return c.nic
+        if d1.local != d2.local:
+            return c.intra_node
+        return Link("loopback", 1e6, 0.0)
+
+    def group_link(self, ranks) -> Link:
+        """The slowest link any pair of `ranks` crosses: what a collective over them pays."""
+        places = {(self.devices[r].cluster, self.devices[r].node, self.devices[r].local)
+                  for r in ranks}
+        clusters = sorted({c for c, _, _ in places})
+        nodes = {(c, n) for c, n, _ in places}
+        candidates = [self.cluster_link(a, b)
+                      for i, a in enumerate(clusters) for b in clusters[i + 1:]]
+        candidates += [self.clusters[c].nic for c in clusters
+                       if len({n for cc, n in nodes if cc == c}) > 1]
+        candidates += [self.clusters[c].intra_node for c, n in nodes
+                       if sum(1 for p in places if p[:2] == (c, n)) > 1]
+        if not candidates:
+            return Link("loopback", 1e6, 0.0)
+        return min(candidates, key=lambda lk: (lk.bandwidth_gbps, -lk.latency_us))
+
+    def bandwidth_matrix(self):
+        """(N, N) numpy arrays of bandwidth [bytes/s] and latency [s] between ranks.
+
+        Disconnected pairs have bandwidth 0 and latency inf."""
+        import numpy as np
+
+        n = self.num_devices
+        bw = np.empty((n, n))
+        lat = np.empty((n, n))
+        # Fill by blocks (cluster, node) so 4,096-device topologies stay fast.
+        blocks = []
+        for ci, c in enumerate(self.clusters):
+            start = self.cluster_ranks(ci).start
+            for node in range(c.nodes):
+                s = start + node * c.devices_per_node
+                blocks.append((ci, s, s + c.devices_per_node))
+        for (ca, sa, ea) in blocks:
+            for (cb, sb, eb) in blocks:
+                if ca != cb:
+                    lk = self._cluster_link_or_none(ca, cb)
+                    if lk is None:
+                        bw[sa:ea, sb:eb], lat[sa:ea, sb:eb] = 0.0, np.inf
+                        continue
+                elif sa != sb:
+                    lk = self.clusters[ca].nic
+                else:
+                    lk = self.clusters[ca].intra_node
+                bw[sa:ea, sb:eb] = lk.bytes_per_s
+                lat[sa:ea, sb:eb] = lk.latency_s
+        np.fill_diagonal(lat, 0.0)
+        np.fill_diagonal(bw, np.inf)
+        return bw, lat
+
+    # --- display and serialisation --------------------------------------------------------
+    def describe(self) -> str:
+        lines = [f"topology {self.name!r}: {len(self.clusters)} clusters, "
+                 f"{self.num_nodes} nodes, {self.num_devices} devices"]
+        lines.append(f"  {'cluster':<12}{'nodes x dev':<13}{'ranks':<12}{'accelerator':<24}"
+                     f"{'NIC':<30}{'intra-node':<20}")
+        for ci, c in enumerate(self.clusters):
+            r = self.cluster_ranks(ci)
+            acc = f"{c.accelerator.name} {c.accelerator.peak_tflops:g}TF {c.accelerator.memory_gib:g}GiB"
+            lines.append(
+                f"  {c.name:<12}{f'{c.nodes} x {c.devices_per_node}':<13}"
+                f"{f'{r.start}-{r.stop - 1}':<12}{acc:<24}{_fmt_link(c.nic):<30}"
+                f"{_fmt_link(c.intra_node):<20}")
+        lines.append("  between clusters: " + (_fmt_link(self.inter_cluster)
+                                                if self.inter_cluster is not None
+                                                else "only the links listed"))
+        for cl in self.cluster_links:
+            lines.append(f"    {cl.a} <-> {cl.b}: {_fmt_link(cl.link)}")
+        for a, b in self.disconnected_pairs():
+            lines.append(f"    {a} <-> {b}: no link")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:  # notebooks
+        return "<pre>" + self.describe() + "</pre>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Topology":
+        try:
+            def link(x):
+                return Link(**x)
+
+            clusters = tuple(
+                Cluster(
+                    name=c["name"], nodes=int(c["nodes"]),
+                    devices_per_node=int(c["devices_per_node"]),
+                    accelerator=Accelerator(**c["accelerator"]),
+                    nic=link(c["nic"]), intra_node=link(c["intra_node"]),
+                    nic_settings=NicSettings(**{
+                        **c.get("nic_settings", {}),
+                        "hcas": tuple(c.get("nic_settings", {}).get("hcas", ())),
+                    }),
+                ) for c in d["clusters"])
+            return Topology(
+                name=d.get("name", "custom"), clusters=clusters,
+                inter_cluster=(link(d["inter_cluster"]) if d["inter_cluster"] is not None
+                               else None),
+                cluster_links=tuple(ClusterLink(x["a"], x["b"], link(x["link"]))
+                                    for x in d.get("cluster_links", ())))
+        except (KeyError, TypeError) as e:
+            raise TopologyError(
+                f"topology description is malformed ({type(e).__name__}: {e}); it needs "
+                "'clusters' (each with name, nodes, devices_per_node, accelerator, nic, "
+                "intra_node) and 'inter_cluster' (a link, or null for none); write one with Topology.to_json() to see "
+                "the format") from None
+
+    @staticmethod
+    def from_json(text: str) -> "Topology":
+        return Topology.from_dict(json.loads(text))
+
+    # --- mapping onto JAX devices -----------------------------------------------------------
+    def jax_devices(self):
+        """The JAX devices standing for ranks 0..N-1, in rank order.
+
+        Devices are ordered by (process, id): each process is a node in a multi-host run, and
+        nodes are numbered in rank order too.
+        """
+        import jax
+
+        avail = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if self.num_devices > len(avail):
+            raise TopologyError(
+                f"topology {self.name!r} needs {self.num_devices} devices but JAX sees "
+                f"{len(avail)} ({avail[0].platform}). On CPU, set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={self.num_devices} before "
+                "jax is imported (the hetjax CLI does this itself), or pick a smaller "
+                "topology (--config.topology.nodes / devices_per_node).")
+        return avail[: self.num_devices]
+
+
+def _fmt_link(lk: Link) -> str:
+    eff = f" x{lk.efficiency:.2f}" if lk.efficiency != 1 else ""
+    return f"{lk.kind} {lk.bandwidth_gbps:g}Gb/s{eff} {lk.latency_us:g}us"
+

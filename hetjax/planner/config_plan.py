@@ -1,0 +1,178 @@
+"""Config -> Plan: the layout a hetjax config asks for, checked against the layout rules.
+
+When parallel.pp or parallel.tp is 0 (or zero.preset is 'auto') the planner's search chooses
+(`plan_for_config`); otherwise the config fixes the layout and this module completes it (dp =
+the rest, an even layer split, the ZeRO point) and applies the same rules the search keeps:
+the placement rules (hetjax/planner/placement.py) and the ZeRO rules (hetjax/planner/zero.py).
+`hetjax plan`, `hetjax train` and `hetjax launch` all build their Plan here, so they accept and
+refuse the same layouts with the same messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hetjax.errors import ConfigError
+from hetjax.plan import Plan, ZeroFactors, even_split
+from hetjax.planner import zero as zr
+from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, model_from_config
+from hetjax.planner.placement import placement_problems, refuse_straddle
+from hetjax.planner.search import PlanResult, plan
+from hetjax.topology import Topology
+
+
+def resolve_microbatches(c) -> int:
+    """train.microbatches, or pipeline.microbatches if the user set that alias instead."""
+    pm, tm = c.pipeline.microbatches, c.train.microbatches
+    if pm and tm not in (1, pm):
+        raise ConfigError("pipeline.microbatches",
+                          f"= {pm} disagrees with train.microbatches = {tm}",
+                          "set only one of them (they name the same number)")
+    return pm or tm
+
+
+def _require(cond: bool, field: str, problem: str, fix: str) -> None:
+    if not cond:
+        raise ConfigError(field, problem, fix)
+
+
+def validate_layout(c, topology: Topology) -> None:
+    """Check the fixed degrees in the config against the topology's device count."""
+    n = topology.num_devices
+    p = c.parallel
+    fixed = [d for d in (p.pp, p.dp, p.tp) if d]
+    prod = math.prod(fixed)
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    for f, v in (("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp)):
+        _require(not v or n % v == 0, f,
+                 f"{v} does not divide the {n} devices of topology {topology.name!r}",
+                 f"choose {f.split('.')[1]} from {divisors}")
+    _require(n % prod == 0, "parallel",
+             f"pp x dp x tp = {prod} does not divide the {n} devices of {topology.name!r}",
+             f"choose degrees whose product is {n}")
+    if len(fixed) == 3:
+        _require(prod == n, "parallel",
+                 f"pp x dp x tp = {p.pp} x {p.dp} x {p.tp} = {prod}, but topology "
+                 f"{topology.name!r} has {n} devices", f"choose degrees whose product is {n}, "
+                 "or set one of them to 0 to let hetjax fill it in")
+    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 0)
+    if pp:
+        _require(pp <= c.model.n_layers, "parallel.pp",
+                 f"{pp} stages for model.n_layers = {c.model.n_layers} layers",
+                 f"use at most {c.model.n_layers} stages")
+
+
+def options_from_config(c) -> CostOptions:
+    """The cost options a config asks for: usable memory 1 - planner.memory_margin, and the
+    measurements of planner.calibration (a `hetjax calibrate` file) when set."""
+    options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin)
+    if c.planner.calibration:
+        from hetjax.planner.calibrate import load_calibration
+
+        options = load_calibration(c.planner.calibration).options(options)
+    return options
+
+
+def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
+                    top: int = 5) -> PlanResult:
+    """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
+
+    Micro-batches: pipeline.microbatches (or train.microbatches when it is not the default 1,
+    or when the layout is fixed) fixes M; otherwise the planner chooses. zero.preset 'auto'
+    lets AMSP's enumeration choose; 'custom' uses zero.s_p / s_g / s_os; a name picks that
+    point."""
+    model = model_from_config(c)
+    m = resolve_microbatches(c)
+    layout_fixed = bool(c.parallel.pp and c.parallel.tp)  # then only ZeRO is left to choose
+    fixed_m = c.pipeline.microbatches or (m if m != 1 or layout_fixed else 0)
+    z = c.zero
+    zero = ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
+    results = []
+    for executor in _executors(c):
+        opts = dataclasses.replace(options or options_from_config(c),
+                                   executor=PLAN_EXECUTORS[executor])
+        r = plan(topology, model, c.train.batch_size, c.train.seq_len,
+                 pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,
+                 schedule=c.pipeline.schedule, zero=zero,
+                 stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
+                 allow_straddle=c.parallel.allow_straddle)
+        results.append(_with_executor(r, executor))
+    best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
+    if len(results) > 1:
+        _note_executor_choice(best.plan, [r.plan for r in results])
+    return best
+
+
+def _executors(c) -> tuple[str, ...]:
+    """The pipeline executors to consider: the configured one, or both for 'auto'."""
+    return tuple(PLAN_EXECUTORS) if c.pipeline.executor == "auto" else (c.pipeline.executor,)
+
+
+def _with_executor(result: PlanResult, executor: str) -> PlanResult:
+    """A planner result whose plans name the executor they were priced for."""
+    def named(p: Plan) -> Plan:
+        return dataclasses.replace(p, executor=executor, predicted=p.predicted)
+
+    return dataclasses.replace(result, plan=named(result.plan),
+                               runners_up=tuple(named(p) for p in result.runners_up))
+
+
+def _note_executor_choice(best: Plan, priced: list[Plan]) -> None:
+    """Record in the chosen plan's predictions why its executor won."""
+    times = ", ".join(f"{p.executor} {p.predicted['step_time_s']:.4g} s" for p in priced)
+    best.predicted["executor_choice"] = f"{best.executor} (predicted step: {times})"
+
+
+def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | None) -> Plan:
+    """A fixed layout's executor: the configured one, or for 'auto' the one the cost model
+    predicts faster for this layout (a single-stage plan needs no pipeline executor)."""
+    if c.pipeline.executor != "auto":
+        return dataclasses.replace(plan_, executor=c.pipeline.executor)
+    if plan_.pp == 1:
+        return plan_
+    model = model_from_config(c)
+    priced = []
+    for executor, name in PLAN_EXECUTORS.items():
+        cm = CostModel(topology, model, dataclasses.replace(options or CostOptions(),
+                                                            executor=name))
+        p = dataclasses.replace(plan_, executor=executor, predicted={})
+        p.predicted.update(cm.predict(p).as_dict())
+        priced.append(p)
+    best = min(priced, key=lambda p: p.predicted["step_time_s"])
+    _note_executor_choice(best, priced)
+    return best
+
+
+def plan_from_config(c, topology: Topology) -> Plan:
+    """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0 (or
+    only the ZeRO point, by AMSP's enumeration, when zero.preset is 'auto'), else the fixed
+    layout (dp may be 0 = the rest). Raises PlanError for a layout that breaks the placement
+    rules unless parallel.allow_straddle."""
+    validate_layout(c, topology)
+    if not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto":
+        return plan_for_config(c, topology).plan
+    n = topology.num_devices
+    p = c.parallel
+    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
+    tp = p.tp or 1
+    dp = p.dp or n // (pp * tp)
+    if pp * dp * tp != n:
+        raise ConfigError("parallel", f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp} "
+                          f"does not use the {n} devices of {topology.name!r}",
+                          f"choose degrees whose product is {n}")
+    mb = resolve_microbatches(c)
+    if (c.train.batch_size // mb) % dp:
+        raise ConfigError("train.batch_size",
+                          f"each of the {mb} micro-batches has {c.train.batch_size // mb} "
+                          f"sequences, not divisible by dp = {dp}",
+                          f"make train.batch_size a multiple of microbatches x dp = {mb * dp}")
+    stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
+    plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
+                 global_batch=c.train.batch_size, seq_len=c.train.seq_len,
+                 schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config")
+    if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
+        refuse_straddle(placement_problems(plan_, topology))
+    # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
+    plan_ = dataclasses.replace(plan_, zero=zr.factors_from_config(c.zero, plan_, topology))
+    return _choose_executor(c, plan_, topology, None)

@@ -1,0 +1,72 @@
+"""Placement rules: where the groups of a Plan may sit on a Topology (Holmes' group rule).
+
+Ranks are ordered cluster -> node -> device, and the mesh is the plan's device order reshaped
+to (pp, dp, tp): a TP group is `tp` consecutive ranks (one node), a stage is `dp * tp`
+consecutive ranks (one cluster when the sizes allow), and pipeline groups stride across
+stages. Two rules follow, owned here and applied by the planner's search, by
+`plan_from_config` (so `hetjax plan` and `hetjax train` refuse the same layouts) and by the
+Trainer: a TP group must not straddle a node, and a stage must not straddle a cluster --
+unless the user sets parallel.allow_straddle, in which case `check_placement` warns with the
+link that traffic will use.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from hetjax.errors import PlanError
+from hetjax.plan import Plan
+from hetjax.topology import Topology
+
+
+def placement_problems(plan: Plan, topology: Topology) -> list[str]:
+    """Human-readable reasons this plan breaks the placement rules ([] if it keeps them)."""
+    problems = []
+    for g in plan.tp_groups():
+        nodes = {topology.devices[r].global_node for r in g}
+        if len(nodes) > 1:
+            problems.append(f"TP group {g} spans {len(nodes)} nodes, so every layer's "
+                            f"all-reduce crosses {topology.group_link(g).kind}")
+            break
+    # With fewer stages than clusters some stage must span clusters (check_placement notes
+    # it); otherwise every stage has to fit in one, whatever the cluster sizes.
+    if plan.pp >= len(topology.clusters):
+        for s in range(plan.pp):
+            ranks = plan.stage_ranks(s)
+            clusters = {topology.devices[r].cluster for r in ranks}
+            if len(clusters) > 1:
+                problems.append(f"stage {s} spans clusters "
+                                f"{sorted(topology.clusters[c].name for c in clusters)}, so its "
+                                f"DP reduction crosses {topology.group_link(ranks).kind}")
+                break
+    return problems
+
+
+def refuse_straddle(problems: list[str]) -> None:
+    """Raise the PlanError for placement problems (the one message train and plan give)."""
+    if problems:
+        raise PlanError("the layout breaks hetjax's placement rules: " + "; ".join(problems) +
+                        ". Fix: choose tp <= devices per node and pp so each stage fits in a "
+                        "cluster, or set --config.parallel.allow_straddle=True to accept it.")
+
+
+def check_placement(plan: Plan, topology: Topology, allow_straddle: bool = False) -> list[str]:
+    """Raise PlanError for a TP group across nodes or a stage across clusters.
+
+    With `allow_straddle`, warn instead. Also returns notes on unavoidable crossings (pp = 1
+    on a multi-cluster topology puts DP across clusters).
+    """
+    problems = placement_problems(plan, topology)
+    if not allow_straddle:
+        refuse_straddle(problems)
+    for p in problems:
+        warnings.warn(f"hetjax: allowed by parallel.allow_straddle: {p}", stacklevel=2)
+    notes = list(problems)
+    if plan.pp < len(topology.clusters) and len(topology.clusters) > 1:
+        crossing = [g for g in plan.dp_groups()
+                    if len({topology.devices[r].cluster for r in g}) > 1]
+        if crossing:
+            notes.append(f"{len(crossing)} DP groups span clusters and reduce gradients over "
+                         f"{topology.group_link(crossing[0]).kind}; pp >= "
+                         f"{len(topology.clusters)} would keep them inside one cluster")
+    return notes

@@ -1,0 +1,213 @@
+"""Executors: what runs one training step of a model under a Plan.
+
+The Trainer (hetjax/train.py) owns the loop, the data and the hooks; it asks an `Executor` for
+everything that depends on how the step is executed: the initial train state in its shardings,
+one optimizer step on a batch, the parameters in the model's natural layout, the checkpoint
+layout, how a host batch becomes device arrays, and the loss of a batch. `make_executor`
+chooses the implementation a Plan asks for:
+
+- `SingleProgramExecutor` -- the whole step is one jitted SPMD program over the plan's mesh.
+  With pp = 1 the loss and gradients come from the ZeRO micro-batch loop
+  (`parallel.zero.accumulate_gradients`).
+- `SpmdPipelineExecutor` -- the same single program, with the loss and gradients of the
+  shard_map pipeline (`parallel.pipeline.Pipeline`), parameters in the stage-stacked layout.
+- the MPMD pipeline executor (`parallel.mpmd`) -- one program per stage.
+
+Executors get the optimizer (an optax transform and its learning-rate schedule) from the
+Trainer, so nothing below the Plan reads the config. The interface itself and the train state
+are in `parallel.train_state`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from hetjax import checkpoint as hckpt
+from hetjax.plan import Plan
+from hetjax.topology import Topology
+from layers import ModelConfig
+from parallel import sharding as shd
+from parallel import zero
+from parallel.mesh import build_mesh
+from parallel.train_state import Executor, TrainState, opt_state_specs
+
+
+class SingleProgramExecutor(Executor):
+    """The whole train step as one jitted SPMD program over the plan's mesh (pp = 1).
+
+    The step takes the global batch as [micro-batches, batch / micro-batches, length],
+    accumulates gradients over the micro-batches (ZeRO-sharded, `parallel.zero`) and applies the
+    optimizer on the optimizer-state shards. Parameter and optimizer-state shardings follow the
+    parameters' logical axis names."""
+
+    def __init__(self, plan, topology, model_cfg, tx, lr_schedule):
+        super().__init__(plan, topology, model_cfg, tx, lr_schedule)
+        self.mesh = build_mesh(plan, topology)
+        self.rules = shd.LOGICAL_RULES
+        self._build_shardings()
+        self._step_fn = jax.jit(self._train_step,
+                                in_shardings=(self.state_sharding, self.batch_sharding),
+                                out_shardings=(self.state_sharding, None), donate_argnums=0)
+        self._eval_fn = None
+
+    # --- layout hooks for subclasses --------------------------------------------------------
+    def to_layout(self, boxed):
+        """Natural (boxed) parameters -> the layout this executor keeps them in."""
+        return boxed
+
+    def from_layout(self, tree):
+        """The inverse of `to_layout` on parameter-shaped trees."""
+        return tree
+
+    def loss_and_grads(self, params, batch):
+        """Mean loss and gradients over the micro-batches of `batch` ([M, b, S] arrays).
+
+        `params` are in the P spec. Gradients are accumulated in the G spec and reduced across
+        data-parallel replicas once, after the micro-batch loop; they come back in the OS spec
+        (parallel/zero.py accumulate_gradients)."""
+        return zero.accumulate_gradients(jax.value_and_grad(self.loss_fn), params, batch,
+                                         self.zero_specs, self.mesh, self.rules)
+
+    # --- shardings and state ----------------------------------------------------------------
+    def _init_boxed(self, key):
+        tokens = jnp.zeros((1, self.plan.seq_len), jnp.int32)
+        return self.to_layout(self.model.init(key, tokens)["params"])
+
+    def _build_shardings(self):
+        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        self.logical_specs = shd.logical_specs(boxed)
+        abstract_params = nn.unbox(boxed)
+        # ZeRO (parallel/zero.py): parameters are stored in the P spec, optimizer states in the
+        # OS spec; gradients are accumulated in the G spec inside loss_and_grads.
+        self.zero_specs = zero.zero_specs(abstract_params, shd.param_specs(boxed, self.rules),
+                                          self.logical_specs, self.plan.zero)
+        self.param_specs = self.zero_specs.p
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+        self.state_specs = TrainState(step=P(), params=self.param_specs,
+                                      opt_state=opt_state_specs(self.tx, abstract_opt,
+                                                                self.zero_specs.os))
+        self.state_sharding = shd.named(self.mesh, self.state_specs)
+        self.os_param_sharding = shd.named(self.mesh, self.zero_specs.os)
+        self.batch_sharding = shd.named(self.mesh, {"inputs": shd.batch_spec(),
+                                                    "targets": shd.batch_spec()})
+
+    def context(self):
+        """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(self.rules))
+        return stack
+
+    def init_state(self, seed: int) -> TrainState:
+        def init(key):
+            params = nn.unbox(self._init_boxed(key))
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                              opt_state=self.tx.init(params))
+
+        with self.context():
+            return jax.jit(init, out_shardings=self.state_sharding)(jax.random.key(seed))
+
+    def params(self, state):
+        return self.from_layout(state.params)
+
+    def checkpoint_layout(self, state) -> hckpt.Layout:
+        return hckpt.NaturalLayout(hckpt.abstract_with_shardings(state, self.state_sharding))
+
+    # --- the step ---------------------------------------------------------------------------
+    def _train_step(self, state: TrainState, batch):
+        loss, grads = self.loss_and_grads(state.params, batch)
+        # AdamW on the OS shards: each device updates the slice of its P shard it owns (a
+        # local slice, no communication) ...
+        params = jax.lax.with_sharding_constraint(state.params, self.os_param_sharding)
+        updates, opt_state = self.tx.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # ... and the refreshed parameters are re-gathered inside the OS sub-group to P.
+        params = jax.lax.with_sharding_constraint(params, self.state_sharding.params)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": self.lr_schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def step(self, state, batch):
+        with self.context():
+            return self._step_fn(state, batch)
+
+    def compiled_step(self, state):
+        """The compiled train step (for reading its HLO, cost and memory analyses)."""
+        abstract_batch = {k: jax.ShapeDtypeStruct(
+            (self.plan.microbatches, self.plan.microbatch_size, self.plan.seq_len), jnp.int32,
+            sharding=s) for k, s in self.batch_sharding.items()}
+        with self.context():
+            return self._step_fn.lower(state, abstract_batch).compile()
+
+    def eval_loss(self, state, batch: dict[str, np.ndarray]) -> float:
+        dev = self.put_batch(batch)
+
+        def f(params, b):
+            return jnp.mean(jax.vmap(lambda i, t: self.loss_fn(params, i, t))(
+                b["inputs"], b["targets"]))
+
+        if self._eval_fn is None:  # compile once, not at every evaluation
+            self._eval_fn = jax.jit(f)
+        with self.context():
+            return float(self._eval_fn(self.params(state), dev))
+
+
+class SpmdPipelineExecutor(SingleProgramExecutor):
+    """The shard_map pipeline (`parallel.pipeline`) as one SPMD program: parameters,
+    gradients and optimizer states in the stage-stacked layout, padded slots frozen."""
+
+    def __init__(self, plan, topology, model_cfg, tx, lr_schedule):
+        from parallel.pipeline import Pipeline, freeze_padding
+
+        mesh = build_mesh(plan, topology)
+        self.pipeline = Pipeline(plan, model_cfg, mesh)
+        super().__init__(plan, topology, model_cfg, freeze_padding(tx, plan), lr_schedule)
+
+    def to_layout(self, boxed):
+        return self.pipeline.to_stages(boxed)
+
+    def from_layout(self, tree):
+        return self.pipeline.from_stages(tree)
+
+    def loss_and_grads(self, params, batch):
+        """The pipeline's loss and stage-stacked gradients in the OS spec, reduced across
+        data-parallel replicas once, after its tick loop."""
+        return self.pipeline.loss_and_grads(params, batch, self.zero_specs)
+
+    def checkpoint_layout(self, state) -> hckpt.Layout:
+        from parallel.pipeline import StageLayout
+
+        abstract = hckpt.abstract_with_shardings(state, self.state_sharding)
+        return StageLayout(self.plan, abstract, self.state_sharding)
+
+    def describe(self) -> str:
+        return self.pipeline.describe()
+
+
+def make_executor(plan: Plan, topology: Topology, model_cfg: ModelConfig,
+                  tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
+                  grad_clip: float = 0.0) -> Executor:
+    """The executor `plan` asks for: one program for pp = 1, otherwise the plan's pipeline
+    executor ('spmd': the shard_map pipeline; 'mpmd': one program per stage, which needs the
+    global-norm clipping threshold `grad_clip` of `tx` to clip across its stages)."""
+    if plan.pp == 1:
+        return SingleProgramExecutor(plan, topology, model_cfg, tx, lr_schedule)
+    kind = plan.executor
+    if kind == "spmd":
+        return SpmdPipelineExecutor(plan, topology, model_cfg, tx, lr_schedule)
+    if kind == "mpmd":
+        from parallel.mpmd import MpmdExecutor
+
+        return MpmdExecutor(plan, topology, model_cfg, tx, lr_schedule, grad_clip)
+    raise ValueError(f"plan.executor = {kind!r}: choose 'spmd' or 'mpmd'")
+
+
+__all__ = ["Executor", "SingleProgramExecutor", "SpmdPipelineExecutor", "TrainState",
+           "make_executor", "opt_state_specs"]
