@@ -10,13 +10,17 @@ from __future__ import annotations
 from hetjax.errors import TopologyError
 from hetjax.hardware import Accelerator, Cluster, Link, NicSettings
 
-# Nominal figures for planning; a real deployment overrides them from measurements.
+# Nominal figures for planning; a real deployment overrides them from measurements
+# (`hetjax calibrate`). Efficiency = achieved / nominal bandwidth under NCCL collectives:
+# InfiniBand, RoCE and Ethernet fitted on Holmes Table 1 (`hetjax.planner.calibrate.
+# fit_fabrics`, `python scripts/bench_planner.py calibrate`); NVLink from NCCL's own tuning
+# model, which caps an A100's NVLink bus bandwidth at 235 of its 300 GB/s; PCIe unmeasured.
 LINKS = {
-    "nvlink": Link("nvlink", 2400.0, 2.0),  # A100 NVLink3: 300 GB/s per direction
+    "nvlink": Link("nvlink", 2400.0, 2.0, efficiency=0.78),  # A100 NVLink3: 300 GB/s per direction
     "pcie": Link("pcie", 256.0, 5.0),  # PCIe 4.0 x16
-    "infiniband": Link("infiniband", 200.0, 5.0),  # HDR 200 Gb/s
-    "roce": Link("roce", 200.0, 8.0),  # RoCE v2, 200 Gb/s
-    "ethernet": Link("ethernet", 25.0, 50.0),  # 25 GbE via TCP sockets
+    "infiniband": Link("infiniband", 200.0, 5.0, efficiency=0.79),  # HDR 200 Gb/s
+    "roce": Link("roce", 200.0, 8.0, efficiency=0.26),  # RoCE v2, 200 Gb/s
+    "ethernet": Link("ethernet", 25.0, 50.0),  # 25 GbE via TCP sockets; Table 1's anchor (1.0)
 }
 
 ACCELERATORS = {

@@ -23,6 +23,8 @@ commands:
   plan       print the layout training would use (the planner's, when parallel.pp or
              parallel.tp is 0) with predicted step time, memory, tokens/s, MFU and bubble;
              --json PATH writes the Plan, --plot PATH a PNG of the device map and timeline
+  calibrate  measure compute and collectives on this job's devices; write a calibration
+             file for planner.calibration (and a measured-vs-modelled plot)
   launch     run training as several processes: --local N, --hostfile FILE or --slurm
   topology   print the topology a config describes
   tokenizer  train a SentencePiece tokenizer on the config's corpus
@@ -250,8 +252,7 @@ def cmd_plan(argv: list[str]) -> int:
     import dataclasses
 
     from hetjax import config as hconfig
-    from hetjax.planner import plan_from_config
-    from hetjax.planner import model_from_config, predict
+    from hetjax.planner import model_from_config, options_from_config, plan_from_config, predict
 
     opts, rest = _take_options(argv, ("json", "plot"))
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
@@ -259,9 +260,14 @@ def cmd_plan(argv: list[str]) -> int:
     plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
-        plan = dataclasses.replace(plan, predicted=predict(plan, topology, model).as_dict())
+        plan = dataclasses.replace(plan, predicted=predict(
+            plan, topology, model, options_from_config(cfg)).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    from hetjax.planner.search import bound_lines
+
+    for line in bound_lines(plan):
+        print(line)
     if "json" in opts:
         with open(opts["json"], "w") as f:
             f.write(plan.to_json(indent=1))
@@ -273,7 +279,77 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "launch": cmd_launch,
+CALIBRATE_USAGE = """usage: hetjax calibrate [--out=PATH] [--plot=PATH] [--batches=1,4]
+                        [--seq_lens=64,128] [--sizes=65536,1048576,4194304] [--repeats=3]
+                        [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
+
+Measure the cost model's inputs on the devices of this job: the model's decoder block,
+forward and backward, per accelerator kind at several micro-batch sizes (--batches) and
+sequence lengths (--seq_lens, default train.seq_len / 2 and train.seq_len); all-reduce,
+reduce-scatter, all-gather and point-to-point per link class at several message sizes
+(--sizes, bytes) and group sizes. Writes a calibration file (default
+<workdir>/calibration.json) and a plot of measured vs modelled times (default next to it,
+.png), and prints both tables. Use it: hetjax plan --config.planner.calibration=PATH.
+Under several processes: hetjax launch --local N --command=calibrate [--config...].
+"""
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise HetjaxError(f"--{flag}={text!r}: give positive integers separated by commas, "
+                          f"e.g. --{flag}=1,4")
+    return values
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    """Measure this job's devices and write a calibration file (see CALIBRATE_USAGE)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(CALIBRATE_USAGE)
+        return 0
+    from hetjax import config as hconfig
+    from hetjax.distributed import WorkerSpec
+
+    opts, rest = _take_options(argv, ("out", "plot", "batches", "seq_lens", "sizes",
+                                      "repeats"))
+    cfg = _parse("calibrate", rest)
+    topology = hconfig.build_topology(cfg)
+    spec = WorkerSpec.from_environ()
+    if spec is None:
+        ensure_cpu_devices(topology.num_devices)
+    else:
+        from hetjax.launch import prepare_worker
+
+        prepare_worker(cfg, topology, spec)
+    from hetjax import measure
+    from hetjax.planner import model_from_config
+    from hetjax.planner.calibrate import plot_calibration, save_calibration
+
+    seq = cfg.train.seq_len
+    cal = measure.calibrate(
+        topology, model_from_config(cfg),
+        seq_lens=_ints(opts["seq_lens"], "seq_lens") if "seq_lens" in opts
+        else tuple(sorted({max(seq // 2, 8), seq})),
+        batches=_ints(opts["batches"], "batches") if "batches" in opts
+        else measure.DEFAULT_BATCHES,
+        message_bytes=_ints(opts["sizes"], "sizes") if "sizes" in opts
+        else measure.DEFAULT_MESSAGE_BYTES,
+        repeats=_ints(opts.get("repeats", "3"), "repeats")[0])
+    if spec is not None and spec.process_id != 0:
+        return 0
+    out = opts.get("out") or os.path.join(cfg.workdir, "calibration.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    print(cal.describe())
+    print(f"wrote {save_calibration(cal, out)}")
+    print(f"wrote {plot_calibration(cal, opts.get('plot') or os.path.splitext(out)[0] + '.png')}")
+    print(f"use it: hetjax plan --config.planner.calibration={out}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
             "topology": cmd_topology, "tokenizer": cmd_tokenizer, "testbed": cmd_testbed}
 
 

@@ -75,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.zero.s_g = 1
     c.zero.s_os = 1
 
+    c.planner = ml_collections.ConfigDict()
+    c.planner.memory_margin = 0.1  # share of device memory a plan leaves free (fragmentation)
+    c.planner.calibration = ""  # a `hetjax calibrate` JSON file: measured compute and links
+
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300
     c.train.batch_size = 32  # global, in sequences
@@ -246,6 +250,12 @@ def validate(c) -> None:
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
     _validate_data_and_checkpoints(c)
+    _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
+             f"must be in [0, 1), got {c.planner.memory_margin}",
+             "use 0.1 (plans use at most 90% of device memory)")
+    _require(not c.planner.calibration or os.path.isfile(c.planner.calibration),
+             "planner.calibration", f"{c.planner.calibration!r} is not a file",
+             "write one with 'hetjax calibrate --out=calibration.json', or leave it empty")
 
     p = c.parallel
     for f in ("parallel.pp", "parallel.dp", "parallel.tp"):

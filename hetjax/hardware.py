@@ -36,8 +36,11 @@ class Link:
     """A point-to-point link class with an alpha-beta cost: latency plus bytes / bandwidth."""
 
     kind: str
-    bandwidth_gbps: float  # gigabits per second, as NICs are quoted
+    bandwidth_gbps: float  # gigabits per second, as NICs are quoted (nominal)
     latency_us: float
+    # Achieved / nominal bandwidth of this fabric under collective traffic (the catalogue's
+    # values are fitted on Holmes Table 1, see hetjax/catalogue.py); 1.0 for a measured link.
+    efficiency: float = 1.0
 
     def __post_init__(self):
         if self.kind not in LINK_KINDS:
@@ -48,10 +51,14 @@ class Link:
                 f"{self.kind} link bandwidth must be > 0 Gbit/s, got {self.bandwidth_gbps}")
         if self.latency_us < 0:
             raise TopologyError(f"{self.kind} link latency must be >= 0 us, got {self.latency_us}")
+        if not 0 < self.efficiency <= 1:
+            raise TopologyError(f"{self.kind} link efficiency (achieved / nominal bandwidth) "
+                                f"must lie in (0, 1], got {self.efficiency}")
 
     @property
     def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9 / 8
+        """Achieved bandwidth: nominal times the fabric's efficiency."""
+        return self.bandwidth_gbps * 1e9 / 8 * self.efficiency
 
     @property
     def latency_s(self) -> float:
@@ -296,13 +303,13 @@ class Topology:
         lines = [f"topology {self.name!r}: {len(self.clusters)} clusters, "
                  f"{self.num_nodes} nodes, {self.num_devices} devices"]
         lines.append(f"  {'cluster':<12}{'nodes x dev':<13}{'ranks':<12}{'accelerator':<24}"
-                     f"{'NIC':<24}{'intra-node':<20}")
+                     f"{'NIC':<30}{'intra-node':<20}")
         for ci, c in enumerate(self.clusters):
             r = self.cluster_ranks(ci)
             acc = f"{c.accelerator.name} {c.accelerator.peak_tflops:g}TF {c.accelerator.memory_gib:g}GiB"
             lines.append(
                 f"  {c.name:<12}{f'{c.nodes} x {c.devices_per_node}':<13}"
-                f"{f'{r.start}-{r.stop - 1}':<12}{acc:<24}{_fmt_link(c.nic):<24}"
+                f"{f'{r.start}-{r.stop - 1}':<12}{acc:<24}{_fmt_link(c.nic):<30}"
                 f"{_fmt_link(c.intra_node):<20}")
         lines.append("  between clusters: " + (_fmt_link(self.inter_cluster)
                                                 if self.inter_cluster is not None
@@ -377,5 +384,6 @@ class Topology:
 
 
 def _fmt_link(lk: Link) -> str:
-    return f"{lk.kind} {lk.bandwidth_gbps:g}Gb/s {lk.latency_us:g}us"
+    eff = f" x{lk.efficiency:.2f}" if lk.efficiency != 1 else ""
+    return f"{lk.kind} {lk.bandwidth_gbps:g}Gb/s{eff} {lk.latency_us:g}us"
 

@@ -114,8 +114,8 @@ def read_hostfile(path: str) -> list[str]:
     return hosts
 
 
-def worker_command(python: str, config_args) -> list[str]:
-    return [python, "-u", "-m", "hetjax", "train", *config_args]
+def worker_command(python: str, config_args, command: str = "train") -> list[str]:
+    return [python, "-u", "-m", "hetjax", command, *config_args]
 
 
 def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list[Worker]:
@@ -133,7 +133,7 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
                           args.heartbeat_timeout)
         env = {**nic.process_environment(topology, plan, slot, args.nic_policy),
                **spec.environ(), ENV_NIC_POLICY: args.nic_policy}
-        cmd = worker_command(args.python, config_args)
+        cmd = worker_command(args.python, config_args, getattr(args, "command", "train"))
         local = args.local is not None
         if local:
             env.update(nic.simulated_cpu_env(slot.num_devices))
@@ -161,7 +161,8 @@ def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict
         env["JAX_COORDINATOR_PORT"] = str(args.port)  # JAX's SLURM detection honours it
     n = len(slots)
     cmd = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=1", "--label", *worker_command(args.python, config_args)]
+           "--kill-on-bad-exit=1", "--label",
+           *worker_command(args.python, config_args, getattr(args, "command", "train"))]
     return cmd, env, slots
 
 
@@ -369,6 +370,9 @@ def parser() -> argparse.ArgumentParser:
                    help="python of the workers (default: this one, %(default)s)")
     p.add_argument("--chdir", default=os.getcwd(), metavar="DIR",
                    help="working directory on the hosts (default: this one)")
+    p.add_argument("--command", choices=("train", "calibrate"), default="train",
+                   help="what every worker runs: 'hetjax train' (default) or 'hetjax "
+                        "calibrate' (writes <workdir>/calibration.json)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each process's command line and environment; start nothing")
     return p

@@ -1,6 +1,9 @@
 """Planner benchmarks; each prints a markdown table.
 
-    python scripts/bench_planner.py calibrate      # Holmes Table 1: fit on one row, predict
+    python scripts/bench_planner.py calibrate      # Holmes Table 1: fit on one row, predict;
+                                                   # one efficiency per fabric
+    python scripts/bench_planner.py allreduce      # 1,024-rank all-reduce: flat ring vs NCCL
+    python scripts/bench_planner.py amsp           # AMSP's ZeRO choice, LLaMA 7/13/30B, 1,024 A800
     python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
@@ -20,10 +23,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetjax.planner import assign, plan  # noqa: E402
-from hetjax.planner.calibrate import (fit_efficiency, fit_nic_bandwidth,  # noqa: E402
-                                      holmes_table1, predicted_samples_per_s)
-from hetjax.planner.cost import CostOptions  # noqa: E402
+from hetjax.errors import PlanError  # noqa: E402
+from hetjax.planner import assign, cost, plan  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics,  # noqa: E402
+                                      fit_nic_bandwidth, holmes_table1,
+                                      predicted_samples_per_s)
+from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions  # noqa: E402
 from hetjax.topology import DTFM_SCENARIOS, preset  # noqa: E402
 
 
@@ -34,27 +41,115 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def calibrate(_args) -> None:
-    rows_in = holmes_table1()
+    nominal = holmes_table1(nominal=True)
     rows = []
-    for fit in rows_in:
+    for fit in nominal:
         eff = fit_efficiency(fit)
         options = CostOptions(efficiency=eff)
         cells = [fit.name, f"{eff:.3f}"]
-        for m in rows_in:
+        for m in nominal:
             got = predicted_samples_per_s(m, options)
             cells.append(f"{got:.2f} ({(got / m.samples_per_s - 1) * 100:+.1f}%)")
         rows.append(cells)
-    print("Holmes Table 1 (GPT 3.6B, 32 A100, PP 2, DP 16, ZeRO-1, 1F1B, M = 48): efficiency "
-          "fitted on one row, samples/s predicted for all (error vs measured)\n")
+    print("Holmes Table 1 (GPT 3.6B, 32 A100, PP 2, DP 16, ZeRO-1, 1F1B, M = 48), every link "
+          "at its nominal rate: compute efficiency fitted on one row, samples/s predicted for "
+          "all (error vs measured)\n")
     print(table(["fitted on", "efficiency"] +
-                [f"{m.name} (measured {m.samples_per_s})" for m in rows_in], rows))
-    ib, roce, eth = rows_in
+                [f"{m.name} (measured {m.samples_per_s})" for m in nominal], rows))
+    ib, roce, eth = nominal
     options = CostOptions(efficiency=fit_efficiency(ib))
     print("\nEffective NIC bandwidth each row implies, with the efficiency fitted on "
           "InfiniBand:\n")
     print(table(["row", "nominal Gb/s", "fitted Gb/s"],
                 [[m.name, f"{m.topology.clusters[0].nic.bandwidth_gbps:g}",
                   f"{fit_nic_bandwidth(m, options):.1f}"] for m in (roce, eth)]))
+    fit = fit_fabrics(nominal)
+    print(f"\nOne efficiency per fabric (calibrate.fit_fabrics): compute efficiency "
+          f"{fit.compute_efficiency:.3f} (the smallest at which no fabric beats its nominal "
+          f"rate: {fit.anchor} at 1.0); the catalogue (hetjax.topology.LINKS) rounds these, "
+          f"and the last column predicts each row with the catalogue and the default compute "
+          f"efficiency {DEFAULT_EFFICIENCY}:\n")
+    rows = []
+    for m in holmes_table1():
+        lk = m.topology.clusters[0].nic
+        got = predicted_samples_per_s(m, CostOptions())
+        rows.append([m.name, f"{lk.bandwidth_gbps:g}", f"{fit.fabric_efficiency[m.name]:.3f}",
+                     f"{lk.efficiency:.2f}", f"{lk.bandwidth_gbps * lk.efficiency:.1f}",
+                     f"{m.samples_per_s}",
+                     f"{got:.2f} ({(got / m.samples_per_s - 1) * 100:+.1f}%)"])
+    print(table(["fabric", "nominal Gb/s", "fitted efficiency", "catalogue", "achieved Gb/s",
+                 "measured samples/s", "predicted"], rows))
+
+
+def allreduce(_args) -> None:
+    """1 GB and 1 MB all-reduces over 1,024 data-parallel A100s (128 nodes x 8, InfiniBand):
+    the flat ring against NCCL's algorithm choice (hetjax/planner/collectives.py)."""
+    from hetjax.planner.cost import CostModel
+    from hetjax.planner.calibrate import holmes_model
+
+    t = preset("holmes_infiniband", nodes=128)
+    group = np.arange(1024)[None, :]
+    nccl = CostModel(t, holmes_model())
+    ring = CostModel(t, holmes_model(), CostOptions(collectives="ring"))
+    rows = []
+    for nbytes in (1e6, 1e8, 1e9):
+        t_ring = ring.collective("all_reduce", nbytes, group)
+        t_nccl, algo = nccl.collective_choice("all_reduce", nbytes, group)
+        algbw = nbytes / t_nccl / 1e9
+        rows.append([f"{nbytes / 1e6:g} MB", f"{t_ring * 1e3:.2f}", f"{t_nccl * 1e3:.2f}", algo,
+                     f"{t_ring / t_nccl:.2f}x", f"{algbw:.2f}",
+                     f"{algbw * 2 * 1023 / 1024:.2f}"])
+    nic = t.clusters[0].nic
+    print(f"All-reduce over 1,024 data-parallel A100s (128 nodes x 8, {nic.kind} "
+          f"{nic.bandwidth_gbps:g} Gb/s x {nic.efficiency} = "
+          f"{nic.bytes_per_s / 1e9:.2f} GB/s per node, {nic.latency_us:g} us; NVLink "
+          f"{t.clusters[0].intra_node.latency_us:g} us): the flat ring 2(p-1)(a + S/(pB)) "
+          "against NCCL's cheaper of ring and tree\n")
+    print(table(["buffer", "flat ring ms", "NCCL-like ms", "algorithm", "ring / NCCL",
+                 "algbw GB/s", "busbw GB/s"], rows))
+
+LLAMA = {  # d_model, layers, heads, d_ff (LLaMA-1 7B / 13B / 30B)
+    "7B": (4096, 32, 32, 11008), "13B": (5120, 40, 40, 13824), "30B": (6656, 60, 52, 17920)}
+
+
+def amsp(_args) -> None:
+    """AMSP's setting: LLaMA 7B / 13B / 30B on 128 nodes x 8 A800 (InfiniBand assumed),
+    sequence 4096, 4M tokens per step (1,024 sequences), ZeRO-only data parallelism priced
+    as Megatron / DeepSpeed run it; the planner chooses the ZeRO point (and nothing else)."""
+    from hetjax.planner.search import _Search
+    from hetjax.topology import Topology, make_cluster
+    from layers.config import ModelConfig
+
+    topo = Topology("amsp_a800", (make_cluster("a800", 128, 8, "a800", "infiniband"),), None)
+    options = CostOptions(executor="megatron")
+    rows = []
+    for name, (d, layers, heads, ff) in LLAMA.items():
+        model = ModelConfig(vocab_size=32000, d_model=d, n_layers=layers, n_heads=heads,
+                            n_kv_heads=heads, d_ff=ff, max_seq_len=4096, remat="full",
+                            dtype="bfloat16", param_dtype="bfloat16", tie_embeddings=False)
+        result = plan(topo, model, 1024, 4096, pp=1, tp=1, options=options)
+        p, pr = result.plan, result.plan.predicted
+        # AMSP's own objective: the least traffic among the points that fit memory.
+        s = _Search(topo, model, 1024, 4096, options, False, False, 0)
+        for least in s.zero_points(cost.Layout.of(p), "auto"):
+            try:
+                least_plan = plan(topo, model, 1024, 4096, pp=1, tp=1, zero=least,
+                                  options=options)
+                break
+            except PlanError:
+                continue
+        rows.append([name, f"{model.num_params / 1e9:.1f}B",
+                     f"{p.zero.name} ({p.zero.s_p},{p.zero.s_g},{p.zero.s_os})",
+                     f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}",
+                     f"{max(pr['stage_memory_gib']):.1f} / {max(pr['stage_capacity_gib']):.0f}",
+                     f"{least.name}: {least_plan.plan.predicted['step_time_s']:.2f}",
+                     pr["bound"]["zero"]])
+    print("AMSP's setting: LLaMA on 128 nodes x 8 A800 (80 GiB, InfiniBand 200 Gb/s x "
+          f"{topo.clusters[0].nic.efficiency}), dp = 1,024, sequence 4096, 1,024 sequences "
+          "(4M tokens) per step, M = 1, full recompute, Megatron's accounting; ZeRO point "
+          "chosen by predicted step time within 90% of memory\n")
+    print(table(["model", "params", "chosen (s_p,s_g,s_os)", "step s", "MFU",
+                 "GiB / usable", "least traffic: step s", "what bound it"], rows))
 
 
 def gpt13b(topology, stages: int) -> assign.Problem:
@@ -188,8 +283,8 @@ def executors(_args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["calibrate", "dtfm", "speed", "assign-speed",
-                                         "executors", "all"])
+    parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
+                                         "assign-speed", "executors", "all"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
@@ -198,9 +293,10 @@ def main() -> None:
     parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
     args = parser.parse_args()
-    steps = {"calibrate": [calibrate], "dtfm": [dtfm], "speed": [speed],
-             "assign-speed": [assign_speed], "executors": [executors],
-             "all": [calibrate, dtfm, speed, assign_speed, executors]}[args.what]
+    steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
+             "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
+             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed,
+                     executors]}[args.what]
     for i, step in enumerate(steps):
         if i:
             print()

@@ -73,6 +73,9 @@ MISTAKES = [
      "checkpoint.every > 0"),
     ({"checkpoint.keep_best": 1, "eval.every": 30}, "checkpoint.keep_best",
      "divisor of 100"),
+    ({"planner.memory_margin": 1.0}, "planner.memory_margin", "use 0.1"),
+    ({"planner.calibration": "/no/such/calibration.json"}, "planner.calibration",
+     "hetjax calibrate"),
 ]
 
 

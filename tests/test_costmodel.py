@@ -109,7 +109,7 @@ def test_ring_and_point_to_point_formulas():
 
 def test_collective_is_priced_on_the_slowest_link_it_crosses():
     t = preset("holmes_hybrid")  # 2 clusters x 2 nodes x 8 A100, Ethernet between clusters
-    cm = CostModel(t, tiny_model(), CostOptions(share_nics=False))
+    cm = CostModel(t, tiny_model(), CostOptions(share_nics=False, collectives="ring"))
     nbytes = 1e9
     inside_node = cm.collective("all_reduce", nbytes, np.array([[0, 1]]))
     across_nodes = cm.collective("all_reduce", nbytes, np.array([[0, 8]]))
@@ -392,7 +392,7 @@ def test_hetjax_zero_gathers_once_per_step_and_keeps_the_gathered_parameters():
     """parallel/zero.py: P all-gathered once per step (and held), G reduce-scattered every
     micro-batch, reduce-scatter to OS and all-reduce across replicas after the loop."""
     t = preset("holmes_infiniband")
-    hj = CostModel(t, tiny_model())
+    hj = CostModel(t, tiny_model(), CostOptions(collectives="ring"))
     lk = t.clusters[0].nic
     groups = np.arange(32)[None, :]
     z1 = hj.zero_times(zr.named("zero1", 32, 8), 1e6, groups)
@@ -417,7 +417,7 @@ def test_calibrated_on_infiniband_the_model_predicts_ethernet():
     from hetjax.planner.calibrate import (fit_efficiency, fit_nic_bandwidth, holmes_table1,
                                           predicted_samples_per_s)
 
-    ib, roce, eth = holmes_table1()
+    ib, roce, eth = holmes_table1(nominal=True)  # every link at its nominal rate
     eff = fit_efficiency(ib)
     options = CostOptions(efficiency=eff)
     assert predicted_samples_per_s(ib, options) == pytest.approx(99.23, rel=1e-4)
@@ -428,3 +428,54 @@ def test_calibrated_on_infiniband_the_model_predicts_ethernet():
     assert predicted_samples_per_s(roce, options) > 1.15 * 80.54
     assert fit_nic_bandwidth(roce, options) < 100
     assert fit_nic_bandwidth(eth, options) == pytest.approx(25, rel=0.1)
+
+
+@pytest.mark.parametrize("row", ["infiniband", "roce", "ethernet"])
+def test_catalogue_fabric_efficiencies_reproduce_each_holmes_table1_row(row):
+    """The catalogue's per-fabric efficiencies and the default compute efficiency (fitted
+    together on Table 1, see calibrate.fit_fabrics) predict each row's samples/s."""
+    from hetjax.planner.calibrate import HOLMES_TABLE1, holmes_table1, predicted_samples_per_s
+
+    m = {m.name: m for m in holmes_table1()}[row]
+    assert m.topology.clusters[0].nic.efficiency == LINKS[row].efficiency
+    assert predicted_samples_per_s(m, CostOptions()) == pytest.approx(HOLMES_TABLE1[row],
+                                                                      rel=0.01)
+
+
+def test_fit_fabrics_anchors_the_best_fabric_and_matches_the_catalogue():
+    from hetjax.planner.calibrate import fit_fabrics
+    from hetjax.planner.cost import DEFAULT_EFFICIENCY
+
+    fit = fit_fabrics()
+    assert fit.anchor == "ethernet" and fit.fabric_efficiency["ethernet"] == 1.0
+    assert fit.compute_efficiency == pytest.approx(DEFAULT_EFFICIENCY, abs=0.005)
+    for fabric, eff in fit.fabric_efficiency.items():
+        assert eff == pytest.approx(LINKS[fabric].efficiency, abs=0.005)
+    # RoCE's row: about 53 Gb/s achieved of its nominal 200.
+    assert 40 < fit.fabric_efficiency["roce"] * 200 < 60
+
+
+# --- compute efficiency that depends on the kernel's size ------------------------------------------
+def test_compute_curve_interpolates_efficiency_in_log_kernel_flops():
+    from hetjax.planner.cost import ComputeCurve
+
+    m = tiny_model()
+    t = preset("cpu_single")
+    tok = 8 / 8 * 128  # tokens per device per micro-batch (B = 8, dp = 8, M = 1)
+    x = m.layer_flops(128) * tok
+    # Measured at x / 10 (30% / 20% of peak) and x * 10 (60% / 40%): x sits midway in log.
+    curve = ComputeCurve(flops=(x * 10, x / 10), fwd=(0.6, 0.3), bwd=(0.4, 0.2))
+    assert curve.efficiency(x) == pytest.approx((0.45, 0.3))
+    assert curve.efficiency(x * 1e6) == pytest.approx((0.6, 0.4))  # held beyond the range
+    cm = CostModel(t, m, CostOptions(curves={"cpu": curve}))
+    stage = cm.stage_costs(_layout(1, 8, M=1, B=8))[0]
+    peak = t.clusters[0].accelerator.peak_tflops * 1e12
+    assert stage.fwd_layer == pytest.approx(tok * m.layer_flops(128) / (peak * 0.45))
+    assert stage.bwd_layer == pytest.approx(tok * 2 * m.layer_flops(128) / (peak * 0.3))
+    # Bigger micro-batches run closer to peak: twice the tokens, less than twice the time.
+    big = cm.stage_costs(_layout(1, 8, M=1, B=16))[0]
+    assert big.fwd_layer < 2 * stage.fwd_layer
+    # Another kind without a curve falls back to peak x efficiency.
+    flat = CostModel(t, m, CostOptions(efficiency=0.5, curves={"a100": curve}))
+    assert flat.stage_costs(_layout(1, 8, M=1, B=8))[0].fwd_layer == pytest.approx(
+        tok * m.layer_flops(128) / (peak * 0.5))

@@ -240,3 +240,72 @@ def test_a_fixed_layout_that_does_not_fit_is_flagged():
     assert not pred.fits and pred.as_dict()["fits"] is False
     shown = dataclasses.replace(p, predicted=pred.as_dict()).describe(t)
     assert "DOES NOT FIT" in shown
+
+
+# --- ranking by predicted step time, the memory margin, what bound each choice ----------------
+def _holmes_pp2(fraction):
+    from hetjax.planner.calibrate import holmes_model
+
+    return plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, pp=2, tp=1,
+                schedule="gpipe", options=CostOptions(memory_fraction=fraction))
+
+
+def test_zero_point_is_the_fastest_predicted_step_not_the_least_traffic():
+    from hetjax.planner.calibrate import holmes_model
+
+    best = _holmes_pp2(0.9).plan
+    assert best.predicted["bound"]["zero"].startswith("time:")
+    # Every other ZeRO point, fixed, is predicted no faster at the same M.
+    for name in ("ddp", "zero1", "zero2", "zero3", "mics"):
+        other = plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, pp=2, tp=1,
+                     schedule="gpipe", zero=name, microbatches=best.microbatches).plan
+        assert other.predicted["step_time_s"] >= best.predicted["step_time_s"] * (1 - 1e-9)
+
+
+def test_memory_margin_binds_the_zero_choice_and_says_so():
+    roomy, tight = _holmes_pp2(0.9).plan, _holmes_pp2(0.2).plan
+    assert tight.zero != roomy.zero
+    why = tight.predicted["bound"]["zero"]
+    assert why.startswith(f"memory: {roomy.zero.name} would be") and "usable" in why
+    assert max(tight.predicted["stage_memory_gib"]) <= 0.2 * 80
+    assert tight.predicted["step_time_s"] > roomy.predicted["step_time_s"]
+
+
+def test_memory_margin_from_the_config_reaches_the_cost_options():
+    from hetjax.planner import options_from_config
+
+    c = base_config()
+    assert options_from_config(c).memory_fraction == pytest.approx(0.9)
+    c.planner.memory_margin = 0.25
+    assert options_from_config(c).memory_fraction == pytest.approx(0.75)
+
+
+def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
+    """scripts/bench_planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
+    devices; plain DDP would be faster but cannot hold 16 bytes per parameter."""
+    from layers.config import ModelConfig
+
+    topo = Topology("amsp_a800", (make_cluster("a800", 128, 8, "a800", "infiniband"),), None)
+    model = ModelConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                        d_ff=13824, max_seq_len=4096, remat="full", dtype="bfloat16",
+                        param_dtype="bfloat16", tie_embeddings=False)
+    best = plan(topo, model, 1024, 4096, pp=1, tp=1,
+                options=CostOptions(executor="megatron")).plan
+    assert best.dp == 1024 and best.zero.name != "ddp"
+    assert max(best.predicted["stage_memory_gib"]) <= 0.9 * 80
+    assert best.predicted["bound"]["zero"].startswith("memory: ddp would be")
+
+
+def test_layout_bound_names_the_faster_layout_memory_refused():
+    """With 19% of an A100's memory usable, a faster layout (fewer micro-batches) exists but
+    does not fit: the plan says memory bound its layout; with 90%, time did."""
+    from hetjax.planner.calibrate import holmes_model
+
+    def bound(fraction):
+        return plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, tp=1,
+                    schedule="1f1b", options=CostOptions(memory_fraction=fraction)
+                    ).plan.predicted["bound"]
+
+    assert bound(0.9)["layout"].startswith("time: the fastest predicted")
+    tight = bound(0.19)["layout"]
+    assert tight.startswith("memory: pp=") and "usable" in tight

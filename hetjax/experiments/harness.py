@@ -30,8 +30,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # sends do not wait for the receiver, so they are priced on the asynchronous timeline; the
 # lockstep pricing (how one process runs the tick grid) is reported next to it.
 def testbed_options(profiles: dict, lockstep: bool = False) -> CostOptions:
-    """Cost options for predicting a testbed run (hetjax's executor, measured profiles)."""
-    return CostOptions(profiles=profiles, executor="hetjax", lockstep=lockstep)
+    """Cost options for predicting a testbed run (hetjax's executor, measured profiles; gloo's
+    collectives priced as the flat ring they were validated with, not NCCL's choice)."""
+    return CostOptions(profiles=profiles, executor="hetjax", lockstep=lockstep,
+                       collectives="ring")
 
 
 OTHERS_LIMIT = 0.3  # CPUs other processes may use during a timed run before it is repeated

@@ -1,17 +1,24 @@
-"""Calibrating the cost model on measured throughputs, and Holmes' Table 1 as the data.
+"""Calibrating the cost model: on measured throughputs (Holmes' Table 1), on the testbed, and
+from `hetjax calibrate`'s measurements of a job's devices (the calibration file).
 
 The cost model's one free compute parameter is the efficiency factor (fraction of peak a
 layer reaches). `fit_efficiency` finds the value at which the model's predicted throughput of
 a measured run equals the measurement (the prediction falls monotonically as efficiency
 drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
 A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
-(`scripts/bench_planner.py calibrate`).
+(`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
+with the compute efficiency (the catalogue's defaults in hetjax.topology.LINKS).
 
 For the testbed (hetjax/testbed.py), the cost model is calibrated on the emulated cluster's
 own measurements instead: `emulated_topology` puts the measured goodput and round trip of
 every link class into the topology, `profile_from_step_times` turns single-host step times at
 two or more layer counts into a per-layer `LayerProfile`, and `rank_agreement` /
 `prediction_errors` score predicted against measured step times (scripts/bench_het*.py).
+
+`Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
+block per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
+a `LinkFit` per link class and operation (`options()`), compares measured with modelled
+times (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
-from hetjax.planner.cost import CostModel, CostOptions, LayerProfile
+from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
+                                 LayerProfile, LinkFit)
 from hetjax.planner.zero import named
 from hetjax.topology import ClusterLink, Link, Topology, preset
 
@@ -72,10 +80,66 @@ def fit_efficiency(m: Measurement, options: CostOptions | None = None,
 
 
 def with_nic_bandwidth(topology: Topology, gbps: float) -> Topology:
-    """The topology with every cluster's inter-node NIC at `gbps`."""
+    """The topology with every cluster's inter-node NIC achieving `gbps`."""
     return dataclasses.replace(topology, clusters=tuple(
-        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps))
+        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps,
+                                                       efficiency=1.0))
         for c in topology.clusters))
+
+
+def with_nic_efficiency(topology: Topology, efficiency: float) -> Topology:
+    """The topology with every cluster's inter-node NIC at `efficiency` of its nominal rate."""
+    return dataclasses.replace(topology, clusters=tuple(
+        dataclasses.replace(c, nic=dataclasses.replace(c.nic, efficiency=efficiency))
+        for c in topology.clusters))
+
+
+def nominal_links(topology: Topology) -> Topology:
+    """The topology with every link at its nominal bandwidth (efficiency 1)."""
+    def nominal(lk):
+        return None if lk is None else dataclasses.replace(lk, efficiency=1.0)
+
+    return dataclasses.replace(
+        topology,
+        clusters=tuple(dataclasses.replace(c, nic=nominal(c.nic), intra_node=nominal(
+            c.intra_node)) for c in topology.clusters),
+        inter_cluster=nominal(topology.inter_cluster),
+        cluster_links=tuple(dataclasses.replace(cl, link=nominal(cl.link))
+                            for cl in topology.cluster_links))
+
+
+def fit_nic_efficiency(m: Measurement, options: CostOptions | None = None,
+                       tolerance: float = 1e-6) -> float:
+    """The NIC efficiency (achieved / nominal bandwidth) at which the cost model predicts
+    the measured throughput, given the compute efficiency of `options`."""
+    options = options or CostOptions()
+    return _solve(lambda eff: predicted_samples_per_s(
+        dataclasses.replace(m, topology=with_nic_efficiency(m.topology, eff)), options),
+        m.samples_per_s, 1e-3, 1.0, "NIC efficiency", tolerance)
+
+
+@dataclass(frozen=True)
+class FabricFit:
+    """Holmes Table 1 fitted: one compute efficiency and one NIC efficiency per fabric."""
+
+    compute_efficiency: float
+    fabric_efficiency: dict[str, float]
+    anchor: str  # the fabric taken at its nominal rate
+
+
+def fit_fabrics(rows: Sequence[Measurement] | None = None) -> FabricFit:
+    """Fit Table 1's three rows with four unknowns (compute efficiency and three fabric
+    efficiencies): the rows fix the fabric efficiencies only relative to the compute
+    efficiency, so take the smallest compute efficiency at which no fabric beats its nominal
+    rate -- the one that puts the best fabric (here Ethernet, whose row implies a rate just
+    above its nominal 25 Gb/s at the InfiniBand-fitted compute efficiency) at efficiency 1 --
+    then fit each fabric's NIC efficiency at that compute efficiency."""
+    rows = list(rows or holmes_table1(nominal=True))
+    fits = {m.name: fit_efficiency(m) for m in rows}
+    anchor = max(fits, key=fits.get)  # its nominal rate asks the most of compute
+    options = CostOptions(efficiency=fits[anchor])
+    effs = {m.name: 1.0 if m.name == anchor else fit_nic_efficiency(m, options) for m in rows}
+    return FabricFit(fits[anchor], effs, anchor)
 
 
 def fit_nic_bandwidth(m: Measurement, options: CostOptions | None = None,
@@ -103,16 +167,21 @@ def holmes_model() -> "ModelConfig":
 HOLMES_TABLE1 = {"infiniband": 99.23, "roce": 80.54, "ethernet": 61.32}
 
 
-def holmes_table1(microbatch_per_replica: int = 1) -> list[Measurement]:
+def holmes_table1(microbatch_per_replica: int = 1, nominal: bool = False) -> list[Measurement]:
     """The three rows as Measurements. Holmes runs Megatron-LM (1F1B, a ZeRO-1 style
     distributed optimizer); the micro-batch size is not reported (1 sequence per replica is
-    assumed, so M = 768 / 16 = 48)."""
+    assumed, so M = 768 / 16 = 48). The links are the catalogue's (with its fabric
+    efficiencies), or at their nominal rates with `nominal`."""
     model = holmes_model()
     dp = 16
     plan = Plan(pp=2, dp=dp, tp=1, stage_layers=(15, 15),
                 microbatches=768 // (dp * microbatch_per_replica), global_batch=768,
                 seq_len=2048, schedule="1f1b", zero=named("zero1", dp, 8))
-    return [Measurement(nic, preset(f"holmes_{nic}"), model, plan, rate, executor="megatron")
+    def topology(nic):
+        t = preset(f"holmes_{nic}")
+        return nominal_links(t) if nominal else t
+
+    return [Measurement(nic, topology(nic), model, plan, rate, executor="megatron")
             for nic, rate in HOLMES_TABLE1.items()]
 
 
@@ -128,7 +197,8 @@ def emulated_topology(topology: Topology, scale: float, links=()) -> Topology:
                 for m in links}
 
     def scaled(lk: Link) -> Link:
-        return dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * scale)
+        # tc shapes the nominal rate; the fabric's efficiency belongs to real hardware.
+        return dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * scale, efficiency=1.0)
 
     clusters = tuple(dataclasses.replace(c, nic=measured.get(c.name, scaled(c.nic)))
                      for c in topology.clusters)
@@ -220,7 +290,274 @@ def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> 
                             float(np.mean(np.abs(p - m) / m)), spearman(p, m), kendall_tau(p, m))
 
 
-__all__ = ["emulated_topology", "profile_from_step_times", "spearman", "kendall_tau",
+# --- a calibration file: what `hetjax calibrate` measured on a job's devices --------------------
+OPS_MEASURED = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ComputeRow:
+    """One decoder block on one device of `kind` (peak `peak_tflops`): seconds of the forward
+    and of the pure backward (forward + backward less forward) of a micro-batch of `batch`
+    sequences of `seq_len` tokens."""
+
+    kind: str
+    batch: int
+    seq_len: int
+    fwd_s: float
+    bwd_s: float
+    peak_tflops: float = 0.0
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    """Seconds of collective `op` over concurrent rank `groups`, `nbytes` each (all-gather:
+    the gathered size; point-to-point: a ring shift inside each group, nbytes per device)."""
+
+    op: str
+    nbytes: int
+    groups: tuple[tuple[int, ...], ...]
+    seconds: float
+
+    def pairs(self) -> np.ndarray:
+        """The (sender, receiver) pairs of a point-to-point ring shift."""
+        g = np.asarray(self.groups)
+        return np.stack([g, np.roll(g, -1, axis=1)], axis=-1).reshape(-1, 2)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measurements of one job: compute per accelerator kind, collectives per link class, on
+    `topology` with `model`'s block. `options()` turns them into cost options: a
+    `ComputeCurve` per kind and a `LinkFit` per (link kind, operation)."""
+
+    topology: Topology
+    model: "ModelConfig"
+    compute: tuple[ComputeRow, ...]
+    links: tuple[LinkRow, ...]
+
+    # --- fits --------------------------------------------------------------------------------
+    def curves(self) -> dict[str, ComputeCurve]:
+        out = {}
+        for kind in sorted({r.kind for r in self.compute}):
+            rows = [r for r in self.compute if r.kind == kind]
+            flops = [self.kernel_flops(r) for r in rows]
+            peak = [r.peak_tflops * 1e12 for r in rows]
+            out[kind] = ComputeCurve(
+                tuple(flops), tuple(f / (r.fwd_s * pk) for f, r, pk in zip(flops, rows, peak)),
+                tuple(2 * f / (r.bwd_s * pk) for f, r, pk in zip(flops, rows, peak)))
+        return out
+
+    def kernel_flops(self, r: ComputeRow) -> float:
+        """A layer's forward FLOPs on one device's micro-batch (the curve's size axis)."""
+        return self.model.layer_flops(r.seq_len) * r.batch * r.seq_len
+
+    def link_class(self, r: LinkRow, cm: CostModel | None = None) -> str:
+        cm = cm or CostModel(self.topology, self.model)
+        groups = r.pairs() if r.op == "p2p" else np.asarray(r.groups)
+        return min(cm.group_links(groups), key=lambda lk: lk.bandwidth_gbps).kind
+
+    def link_fits(self) -> dict[str, dict[str, LinkFit]]:
+        """Per link class and operation, the alpha-beta fit (least squares, latency >= 0) of
+        the flat ring, steps(p) a + flows steps(p) / p S / B (point-to-point: a + flows S / B),
+        flows being the groups that share a NIC as the cost model counts them."""
+        cm = CostModel(self.topology, self.model)
+        samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for r in self.links:
+            groups = r.pairs() if r.op == "p2p" else np.asarray(r.groups)
+            flows = cm.nic_flows(groups)
+            p = groups.shape[1]
+            if r.op == "p2p":
+                lat, byte = 1.0, flows * r.nbytes
+            else:
+                steps = 2 * (p - 1) if r.op == "all_reduce" else p - 1
+                lat, byte = float(steps), flows * steps / p * r.nbytes
+            samples.setdefault((self.link_class(r, cm), r.op), []).append((lat, byte, r.seconds))
+        out: dict[str, dict[str, LinkFit]] = {}
+        for (kind, op), rows in sorted(samples.items()):
+            out.setdefault(kind, {})[op] = _alpha_beta(np.asarray(rows))
+        return out
+
+    def options(self, base: CostOptions | None = None) -> CostOptions:
+        """`base` (default CostOptions()) with this calibration's curves and link fits."""
+        return dataclasses.replace(base or CostOptions(), curves=self.curves(),
+                                   link_fits=self.link_fits())
+
+    # --- measured against modelled ------------------------------------------------------------
+    def compute_table(self) -> list[dict]:
+        """Per compute row: measured seconds, the calibrated model's with that row left out
+        of the curve (so the check is not circular; with one row, the row itself), and the
+        nominal model's (peak x efficiency)."""
+        nominal = CostModel(self.topology, self.model)
+        accs = {c.accelerator.name: c.accelerator for c in self.topology.clusters}
+        out = []
+        for i, r in enumerate(self.compute):
+            others = tuple(o for j, o in enumerate(self.compute) if j != i and o.kind == r.kind)
+            held_out = dataclasses.replace(self, compute=others or (r,))
+            calibrated = CostModel(self.topology, self.model,
+                                   CostOptions(curves=held_out.curves()))
+            tok = r.batch * r.seq_len
+            row = {"kind": r.kind, "batch": r.batch, "seq_len": r.seq_len,
+                   "fwd_s": r.fwd_s, "bwd_s": r.bwd_s}
+            for name, cm in (("model", calibrated), ("nominal", nominal)):
+                f, b = cm.layer_seconds_per_token(accs[r.kind], r.seq_len, "none", tok)
+                row[f"{name}_fwd_s"], row[f"{name}_bwd_s"] = f * tok, b * tok
+            out.append(row)
+        return out
+
+    def link_table(self) -> list[dict]:
+        """Per collective row: its link class, measured, calibrated and nominal seconds."""
+        calibrated = CostModel(self.topology, self.model, self.options())
+        nominal = CostModel(self.topology, self.model)
+        out = []
+        for r in self.links:
+            row = {"class": self.link_class(r, nominal), "op": r.op,
+                   "group": len(r.groups[0]), "groups": len(r.groups), "nbytes": r.nbytes,
+                   "seconds": r.seconds}
+            for name, cm in (("model", calibrated), ("nominal", nominal)):
+                row[f"{name}_s"] = (cm.transfer(r.nbytes, r.pairs())[0] if r.op == "p2p"
+                                    else cm.collective(r.op, r.nbytes, np.asarray(r.groups)))
+            out.append(row)
+        return out
+
+    def describe(self) -> str:
+        """The measurements against the calibrated model (and the nominal one), as tables."""
+        lines = [f"compute: one {self.model.d_model}-wide block per device "
+                 "(ms per micro-batch; model = the curve of the other rows, interpolated; "
+                 f"nominal = peak x {DEFAULT_EFFICIENCY})",
+                 f"  {'kind':<10}{'batch':>6}{'seq':>6}{'fwd':>9}{'model':>9}{'nominal':>9}"
+                 f"{'bwd':>9}{'model':>9}{'nominal':>9}"]
+        for r in self.compute_table():
+            lines.append(f"  {r['kind']:<10}{r['batch']:>6}{r['seq_len']:>6}"
+                         + "".join(f"{r[k] * 1e3:>9.3f}" for k in (
+                             "fwd_s", "model_fwd_s", "nominal_fwd_s", "bwd_s", "model_bwd_s",
+                             "nominal_bwd_s")))
+        lines.append("collectives (ms; model = fitted per link class and operation, nominal "
+                     "= the topology's links)")
+        lines.append(f"  {'class':<12}{'op':<16}{'group':>6}{'x':>4}{'bytes':>10}"
+                     f"{'measured':>10}{'model':>10}{'nominal':>10}")
+        for r in self.link_table():
+            lines.append(f"  {r['class']:<12}{r['op']:<16}{r['group']:>6}{r['groups']:>4}"
+                         f"{r['nbytes']:>10}" + "".join(f"{r[k] * 1e3:>10.3f}" for k in (
+                             "seconds", "model_s", "nominal_s")))
+        lines.append("fits: " + "; ".join(
+            f"{kind} {op} {f.bandwidth_gbps:.3g} Gb/s {f.latency_us:.3g} us"
+            for kind, ops in self.link_fits().items() for op, f in ops.items()))
+        errs = [abs(r["model_s"] / r["seconds"] - 1) for r in self.link_table()]
+        cerrs = [abs(r[f"model_{k}_s"] / r[f"{k}_s"] - 1) for r in self.compute_table()
+                 for k in ("fwd", "bwd")]
+        lines.append(f"mean |model / measured - 1|: compute {np.mean(cerrs):.1%}, collectives "
+                     f"{np.mean(errs):.1%}")
+        return "\n".join(lines)
+
+    # --- the file -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"version": CALIBRATION_VERSION, "topology": self.topology.to_dict(),
+                "model": dataclasses.asdict(self.model),
+                "compute": [dataclasses.asdict(r) for r in self.compute],
+                "links": [dataclasses.asdict(r) for r in self.links],
+                "fitted": {"curves": {k: dataclasses.asdict(c) for k, c in self.curves().items()},
+                           "link_fits": {k: {op: dataclasses.asdict(f) for op, f in v.items()}
+                                         for k, v in self.link_fits().items()}}}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Calibration":
+        from layers.config import ModelConfig
+
+        try:
+            if d.get("version") != CALIBRATION_VERSION:
+                raise KeyError(f"version {d.get('version')!r}")
+            return Calibration(
+                Topology.from_dict(d["topology"]), ModelConfig(**d["model"]),
+                tuple(ComputeRow(**r) for r in d["compute"]),
+                tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
+                              float(r["seconds"])) for r in d["links"]))
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
+                            "one with 'hetjax calibrate'") from None
+
+
+def _alpha_beta(rows: np.ndarray) -> LinkFit:
+    """Least-squares latency a >= 0 and inverse bandwidth 1/B > 0 of t = lat a + byte / B."""
+    lat, byte, t = rows.T
+    a, inv_b = np.linalg.lstsq(np.stack([lat, byte], axis=1), t, rcond=None)[0]
+    if a < 0 or inv_b <= 0:
+        a = 0.0 if inv_b > 0 else max(0.0, float(np.min(t / lat)))
+        rest = np.maximum(t - a * lat, 0.0)
+        inv_b = max(float(byte @ rest / (byte @ byte)), 1e-18)
+    return LinkFit(bandwidth_gbps=8 / inv_b / 1e9, latency_us=float(a) * 1e6)
+
+
+def load_calibration(path: str) -> Calibration:
+    """A `hetjax calibrate` file (planner.calibration)."""
+    import json
+
+    try:
+        with open(path) as f:
+            return Calibration.from_dict(json.load(f))
+    except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read the calibration file {path!r} ({e}); write one with "
+                        "'hetjax calibrate'") from None
+
+
+def save_calibration(cal: Calibration, path: str) -> str:
+    import json
+
+    with open(path, "w") as f:
+        json.dump(cal.to_dict(), f, indent=1)
+    return path
+
+
+def plot_calibration(cal: Calibration, path: str) -> str:
+    """Measured (x) against modelled (y) times, log-log: compute rows (forward, backward) and
+    collectives (by operation), the calibrated model filled, the nominal one hollow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(11, 4.8))
+    comp = cal.compute_table()
+    for k, colour in (("fwd", "tab:blue"), ("bwd", "tab:orange")):
+        x = [r[f"{k}_s"] * 1e3 for r in comp]
+        ax_c.scatter(x, [r[f"model_{k}_s"] * 1e3 for r in comp], c=colour,
+                     label=f"{k}, calibrated")
+        ax_c.scatter(x, [r[f"nominal_{k}_s"] * 1e3 for r in comp], facecolors="none",
+                     edgecolors=colour, label=f"{k}, nominal")
+    links = cal.link_table()
+    colours = dict(zip(OPS_MEASURED, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    for op in OPS_MEASURED:
+        rows = [r for r in links if r["op"] == op]
+        if not rows:
+            continue
+        x = [r["seconds"] * 1e3 for r in rows]
+        ax_l.scatter(x, [r["model_s"] * 1e3 for r in rows], c=colours[op],
+                     label=f"{op}, calibrated")
+        ax_l.scatter(x, [r["nominal_s"] * 1e3 for r in rows], facecolors="none",
+                     edgecolors=colours[op], label=f"{op}, nominal")
+    for ax, title in ((ax_c, f"one block per device ({', '.join(cal.curves())}); calibrated: "
+                             "the other points' curve"),
+                      (ax_l, f"collectives on {cal.topology.name}")):
+        lo, hi = ax.get_xlim()[0], ax.get_xlim()[1]
+        lo = min(lo, ax.get_ylim()[0])
+        hi = max(hi, ax.get_ylim()[1])
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--", label="modelled = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured ms")
+        ax.set_ylabel("modelled ms")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle("hetjax calibrate: measured vs modelled", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "load_calibration",
+           "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
+           "nominal_links", "emulated_topology", "profile_from_step_times", "spearman", "kendall_tau",
            "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",
            "fit_nic_bandwidth", "with_nic_bandwidth",
            "predicted_samples_per_s", "holmes_model",

@@ -63,6 +63,17 @@ def validate_layout(c, topology: Topology) -> None:
                  f"use at most {c.model.n_layers} stages")
 
 
+def options_from_config(c) -> CostOptions:
+    """The cost options a config asks for: usable memory 1 - planner.memory_margin, and the
+    measurements of planner.calibration (a `hetjax calibrate` file) when set."""
+    options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin)
+    if c.planner.calibration:
+        from hetjax.planner.calibrate import load_calibration
+
+        options = load_calibration(c.planner.calibration).options(options)
+    return options
+
+
 def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                     top: int = 5) -> PlanResult:
     """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
@@ -79,7 +90,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
     zero = ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
     results = []
     for executor in _executors(c):
-        opts = dataclasses.replace(options or CostOptions(),
+        opts = dataclasses.replace(options or options_from_config(c),
                                    executor=PLAN_EXECUTORS[executor])
         r = plan(topology, model, c.train.batch_size, c.train.seq_len,
                  pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,

@@ -27,20 +27,18 @@ import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
 from hetjax.plan import Plan, ZeroFactors
-from hetjax.planner import zero as zr
+from hetjax.planner import collectives as coll, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, simulate
 from hetjax.topology import Accelerator, Link, Topology
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
     from layers.config import ModelConfig
 
-# Fraction of peak FLOP/s a decoder layer reaches, fitted on Holmes Table 1 (InfiniBand row);
-# see hetjax/planner/calibrate.py and docs/planner.md.
-DEFAULT_EFFICIENCY = 0.70
+# Fraction of peak FLOP/s a decoder layer reaches, fitted on Holmes Table 1 together with the
+# fabric efficiencies of hetjax.topology.LINKS (calibrate.fit_fabrics); docs/planner.md.
+DEFAULT_EFFICIENCY = 0.72
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1,
-               "all_gather": lambda p: p - 1}
 _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node's NIC
 
 # How a pipeline (pp > 1) is executed, which changes its time and memory:
@@ -74,33 +72,92 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class ComputeCurve:
+    """Measured fraction of peak FLOP/s one accelerator kind reaches, against the size of the
+    work: the FLOPs of one kernel call (a layer's forward on one device's micro-batch, which
+    grows with the matrices' sizes -- bigger models and micro-batches run closer to peak).
+    Forward and (pure) backward separately; interpolated linearly in log FLOPs, held
+    constant beyond the measured range (`hetjax calibrate` measures it)."""
+
+    flops: tuple[float, ...]
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+
+    def __post_init__(self):
+        if not (len(self.flops) == len(self.fwd) == len(self.bwd) >= 1):
+            raise PlanError(f"a compute curve needs as many efficiencies as sizes, got "
+                            f"{len(self.flops)} sizes, {len(self.fwd)} / {len(self.bwd)}")
+        if min(self.flops) <= 0 or min(self.fwd) <= 0 or min(self.bwd) <= 0:
+            raise PlanError("a compute curve's sizes and efficiencies must be > 0")
+
+    def efficiency(self, flops: float) -> tuple[float, float]:
+        """(forward, backward) fraction of peak at a kernel of `flops` FLOPs."""
+        order = np.argsort(self.flops)
+        x = np.log(np.asarray(self.flops, float)[order])
+        at = np.log(max(flops, 1e-30))
+        return (float(np.interp(at, x, np.asarray(self.fwd, float)[order])),
+                float(np.interp(at, x, np.asarray(self.bwd, float)[order])))
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Achieved bus bandwidth and per-hop latency of one operation on one link class, as
+    measured by `hetjax calibrate` (hetjax/planner/calibrate.py)."""
+
+    bandwidth_gbps: float
+    latency_us: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+COLLECTIVE_MODELS = ("nccl", "ring")
+
+
+@dataclass(frozen=True)
 class CostOptions:
     """Knobs of the cost model.
 
     efficiency: fraction of peak FLOP/s a layer reaches (per accelerator kind overrides in
     `efficiency_by_kind`); profiles: measured per-layer times by accelerator name, used instead
-    of FLOPs when given; overlap: fraction of gradient sync and ZeRO traffic that can hide
+    of FLOPs when given; curves: measured efficiency against kernel size by accelerator name
+    (`ComputeCurve`), used before the flat efficiency; overlap: fraction of gradient sync and ZeRO traffic that can hide
     behind compute; memory_fraction: share of device memory the plan may use; share_nics:
     concurrent groups leaving a node split its NIC bandwidth; executor: how the pipeline runs
     (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
     does in one process, where every collective-permute is a rendezvous of all devices; across
     processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
     the asynchronous timeline -- the emulated cluster measures this (scripts/bench_hetnet.py)
-    -- and the gradient sync may then overlap the last backward."""
+    -- and the gradient sync may then overlap the last backward. collectives: "nccl" prices
+    each collective with NCCL's cheapest algorithm (ring, tree, hierarchical; see
+    hetjax/planner/collectives.py), "ring" with the flat alpha-beta ring; link_fits: measured
+    bandwidth and latency per link kind and operation ("all_reduce", "reduce_scatter",
+    "all_gather", "p2p"), used instead of the topology's links."""
 
     efficiency: float = DEFAULT_EFFICIENCY
     efficiency_by_kind: dict[str, float] = field(default_factory=dict)
     profiles: dict[str, LayerProfile] = field(default_factory=dict)
+    curves: dict[str, ComputeCurve] = field(default_factory=dict)
     overlap: float = 0.5
     memory_fraction: float = 0.9
     share_nics: bool = True
     executor: str = "hetjax"
     lockstep: bool = True
+    collectives: str = "nccl"
+    link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
             raise PlanError(f"cost option executor = {self.executor!r}; choose one of "
                             f"{', '.join(EXECUTORS)}")
+        if self.collectives not in COLLECTIVE_MODELS:
+            raise PlanError(f"cost option collectives = {self.collectives!r}; choose one of "
+                            f"{', '.join(COLLECTIVE_MODELS)}")
         for name, v in (("efficiency", self.efficiency), ("overlap", self.overlap),
                         ("memory_fraction", self.memory_fraction),
                         *self.efficiency_by_kind.items()):
@@ -117,14 +174,7 @@ class MissingLinkError(PlanError):
 def ring_time(op: str, nbytes: float, group: int, link: Link) -> float:
     """Alpha-beta ring collective of `nbytes` over `group` devices on `link`: all_reduce
     2(p-1)(a + v/(p b)), reduce_scatter / all_gather (p-1)(a + v/(p b))."""
-    if group <= 1 or nbytes <= 0:
-        return 0.0
-    return _ring(op, nbytes, group, link.bytes_per_s, link.latency_s)
-
-
-def _ring(op, nbytes, group, bytes_per_s, latency_s):
-    """The ring formula; works on numpy arrays of per-group bandwidth and latency."""
-    return _RING_STEPS[op](group) * (latency_s + nbytes / (group * bytes_per_s))
+    return coll.flat_ring_time(op, nbytes, group, link.bytes_per_s, link.latency_s)
 
 
 # --- layouts and stage costs ----------------------------------------------------------------------
@@ -199,12 +249,11 @@ class StageCost:
 
 @dataclass(frozen=True)
 class _Net:
-    """Links of a set of concurrent groups (see CostModel._net)."""
+    """Concurrent groups' links (see CostModel._net), one entry per distinct kind of group."""
 
-    ids: np.ndarray  # link id of each group
-    bw: np.ndarray  # distinct effective bandwidths [bytes/s] (NIC shared by concurrent flows)
-    lat: np.ndarray  # and their latencies [s]
-    link_ids: np.ndarray  # a link with each distinct (bw, lat)
+    ids: np.ndarray  # slowest link id of each group
+    kinds: np.ndarray  # [distinct, 5]: slowest link id, NIC flows, nodes, max per node,
+    # intra-node link id (groups alike in these are priced alike)
 
 
 @dataclass(frozen=True)
@@ -298,22 +347,37 @@ class CostModel:
         return acc.peak_tflops * 1e12 * eff
 
     def layer_seconds_per_token(self, acc: Accelerator, seq_len: int,
-                                remat: str | None = None) -> tuple[float, float]:
+                                remat: str | None = None, tokens: float | None = None
+                                ) -> tuple[float, float]:
         """(forward, backward) seconds per token of one layer at tp = 1 on `acc`; the backward
-        includes the recompute of `remat` (default: the model's)."""
+        includes the recompute of `remat` (default: the model's). `tokens`: tokens one kernel
+        call processes (a device's micro-batch / tp), which sets the efficiency read from a
+        measured `ComputeCurve`; without a curve (or tokens) peak x efficiency."""
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.fwd_s, prof.bwd_s
-        m = self.model
-        fwd = m.layer_flops(seq_len) / self._rate(acc)
-        return fwd, 2 * fwd + self._recompute_flops(seq_len, remat) / self._rate(acc)
+        flops = self.model.layer_flops(seq_len)
+        rate_f, rate_b = self._rates(acc, None if tokens is None else flops * tokens)
+        fwd = flops / rate_f
+        return fwd, 2 * flops / rate_b + self._recompute_flops(seq_len, remat) / rate_f
 
-    def head_seconds_per_token(self, acc: Accelerator) -> tuple[float, float]:
+    def head_seconds_per_token(self, acc: Accelerator, tokens: float | None = None
+                               ) -> tuple[float, float]:
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.head_fwd_s, prof.head_bwd_s
-        fwd = self.model.head_flops() / self._rate(acc)
-        return fwd, 2 * fwd
+        flops = self.model.head_flops()
+        rate_f, rate_b = self._rates(acc, None if tokens is None else flops * tokens)
+        return flops / rate_f, 2 * flops / rate_b
+
+    def _rates(self, acc: Accelerator, kernel_flops: float | None) -> tuple[float, float]:
+        """Achieved (forward, backward) FLOP/s of `acc` on a kernel of `kernel_flops`."""
+        curve = self.options.curves.get(acc.name)
+        if curve is None or kernel_flops is None:
+            return self._rate(acc), self._rate(acc)
+        ef, eb = curve.efficiency(kernel_flops)
+        peak = acc.peak_tflops * 1e12
+        return peak * ef, peak * eb
 
     def _recompute_flops(self, seq_len: int, remat: str | None = None) -> float:
         """Forward FLOPs per token a layer recomputes in its backward under `remat`."""
@@ -351,14 +415,20 @@ class CostModel:
             ids[mixed] = self._mixed_link_ids(groups[mixed], snodes[mixed], new_node[mixed])
         links = self._links
         off = np.array([lk.kind not in _ON_NODE for lk in links])[ids] & ~one_node
-        flows = np.ones(len(groups))
+        flows = np.ones(len(groups), dtype=int)
         if self.options.share_nics and off.any():
             counts = np.bincount(snodes[off][new_node[off]], minlength=self._node.max() + 1)
-            flows = np.where(off, counts[snodes].max(axis=1), 1).astype(float)
-        bw = np.array([lk.bytes_per_s for lk in links])[ids] / flows
-        lat = np.array([lk.latency_s for lk in links])[ids]
-        _, first = np.unique(np.stack([bw, lat]), axis=1, return_index=True)
-        net = _Net(ids, bw[first], lat[first], ids[first])
+            flows = np.where(off, counts[snodes].max(axis=1), 1)
+        # Members per node: the longest run of one node in the sorted row.
+        pos = np.arange(groups.shape[1])
+        run_start = np.maximum.accumulate(np.where(new_node, pos, 0), axis=1)
+        per_node = (pos - run_start + 1).max(axis=1)
+        # The slower intra-node link of the first and last member's cluster.
+        ends = self._intra_id[clusters[:, [0, -1]]]
+        intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
+        intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
+        kinds = np.stack([ids, flows, new_node.sum(axis=1), per_node, intra], axis=1)
+        net = _Net(ids, np.unique(kinds, axis=0))
         self._nets[key] = net
         return net
 
@@ -401,18 +471,52 @@ class CostModel:
         """The (global) node of each rank."""
         return self._node[np.asarray(ranks)]
 
+    def nic_flows(self, groups: np.ndarray) -> int:
+        """The most concurrent groups of `groups` sharing one node's NIC (1: none shared)."""
+        return int(self._net(np.asarray(groups)).kinds[:, 1].max())
+
     def group_links(self, groups: np.ndarray) -> list[Link]:
         """Slowest link of each row of `groups`."""
         return [self._links[i] for i in self._net(np.asarray(groups)).ids]
 
+    def _group(self, op: str, kind: np.ndarray, p: int) -> coll.Group:
+        """The collectives model's view of one kind of group (see _Net.kinds), with the
+        calibrated bandwidth and latency of `op` on its links when a calibration has them."""
+        link_id, flows, nodes, per_node, intra_id = (int(x) for x in kind)
+        bw, lat = self._achieved(self._links[link_id], op)
+        bw_intra, lat_intra = self._achieved(self._links[intra_id], op)
+        return coll.Group(p, nodes, per_node, bw / flows, lat, bw_intra, lat_intra)
+
+    def _achieved(self, lk: Link, op: str) -> tuple[float, float]:
+        """Bandwidth [bytes/s] and latency [s] of `op` on link `lk`: the calibration's fit for
+        the link's class, else the link's achieved bandwidth (nominal x efficiency)."""
+        fit = self.options.link_fits.get(lk.kind, {}).get(op)
+        if fit is not None:
+            return fit.bytes_per_s, fit.latency_s
+        return lk.bytes_per_s, lk.latency_s
+
     def collective(self, op: str, nbytes: float, groups: np.ndarray) -> float:
-        """Time of ring `op` run concurrently by every row of `groups`: the slowest row's."""
+        """Time of collective `op` run concurrently by every row of `groups`: the slowest
+        row's, each priced with NCCL's algorithm choice (hetjax/planner/collectives.py), or
+        the flat alpha-beta ring with CostOptions(collectives="ring")."""
+        return self.collective_choice(op, nbytes, groups)[0]
+
+    def collective_choice(self, op: str, nbytes: float, groups: np.ndarray
+                          ) -> tuple[float, str]:
+        """(time, algorithm) of the slowest row of `groups` (see `collective`)."""
         groups = np.asarray(groups)
         p = groups.shape[1]
         if p <= 1 or nbytes <= 0:
-            return 0.0
-        net = self._net(groups)
-        return float(np.max(_ring(op, nbytes, p, net.bw, net.lat)))
+            return 0.0, "none"
+        worst = (0.0, "none")
+        for kind in self._net(groups).kinds:
+            g = self._group(op, kind, p)
+            if self.options.collectives == "ring":
+                t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
+            else:
+                t = coll.collective_time(op, nbytes, g)
+            worst = max(worst, t)
+        return worst
 
     @property
     def zero_style(self) -> str:
@@ -434,10 +538,14 @@ class CostModel:
     def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
         """Concurrent point-to-point transfers between each row's two ranks: the slowest, and
         its link."""
-        net = self._net(np.asarray(pairs))
-        times = net.lat + nbytes / net.bw
-        worst = int(np.argmax(times))
-        return float(times[worst]), self._links[net.link_ids[worst]]
+        best = (-1.0, None)
+        for kind in self._net(np.asarray(pairs)).kinds:
+            lk = self._links[int(kind[0])]
+            bw, lat = self._achieved(lk, "p2p")
+            t = lat + nbytes * kind[1] / bw
+            if t > best[0]:
+                best = (float(t), lk)
+        return best
 
     # --- memory ----------------------------------------------------------------------------------
     def activation_bytes_per_token(self, tp: int, seq_len: int,
@@ -453,6 +561,18 @@ class CostModel:
         if remat != "dots":
             split += m.n_heads * seq_len
         return (4 * m.d_model + split / tp) * self.act_bytes
+
+    def temporary_bytes(self, layout: Layout, remat: str, full_layer: float) -> float:
+        """Transient bytes per device beyond states and kept activations: the recompute
+        workspace, one layer's full activations less what it keeps, for one micro-batch.
+        (Gradients are reduced in place in their buffer, part of the G states; the logits
+        and a prefetched layer are counted where they live.)"""
+        if remat == "none":
+            return 0.0
+        kept = 0.0 if self.pipelined_by_hetjax(layout) else \
+            self.activation_bytes_per_token(layout.tp, layout.seq_len, remat) * \
+            layout.tokens_per_device()
+        return full_layer - kept
 
     # --- stages ----------------------------------------------------------------------------------
     def _slots(self, layout: Layout) -> list["_Slot"]:
@@ -490,9 +610,9 @@ class CostModel:
             ranks = mesh[s].ravel()
             accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
             # A stage is as slow as its slowest device.
-            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat)
+            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp)
                              for a in accs], axis=0)
-            hf, hb = np.max([self.head_seconds_per_token(a) for a in accs], axis=0)
+            hf, hb = np.max([self.head_seconds_per_token(a, tok / tp) for a in accs], axis=0)
             cf, cb = tok * lf / tp, tok * lb / tp
             # Megatron TP: two all-reduces of the activations in each of forward and backward.
             tp_ar = 2 * self.collective("all_reduce", tok * m.d_model * self.act_bytes, mesh[s])
@@ -511,9 +631,10 @@ class CostModel:
                 act_layer=0.0 if hetjax else
                 self.activation_bytes_per_token(tp, layout.seq_len) * tok,
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
-                # (in mem_slot) and recomputes one layer at a time.
+                # (in mem_slot). Temporaries: the layer being recomputed holds its full
+                # activations (hetjax's pipeline always recomputes).
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
-                          else 0.0) + (full_layer if hetjax else 0.0),
+                          else 0.0) + self.temporary_bytes(layout, remat, full_layer),
                 head_fwd=tok * hf / tp, head_bwd=tok * hb / tp,
                 embed_sync=ze.sync + ze.refresh,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
@@ -689,5 +810,6 @@ def model_from_config(c, vocab_size: int | None = None) -> "ModelConfig":
         c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
 
 
-__all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile", "Layout", "StageCost", "Prediction",
+__all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile",
+           "ComputeCurve", "LinkFit", "Layout", "StageCost", "Prediction",
            "ring_time", "DEFAULT_EFFICIENCY", "model_from_config"]

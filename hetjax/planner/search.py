@@ -41,6 +41,12 @@ if TYPE_CHECKING:
     from layers.config import ModelConfig
 
 GIB = 2.0 ** 30
+# ZeRO points priced per layout during the search (least traffic first); the winning layout
+# then has all of them priced (every point's best split costs a partition search).
+ZERO_POINTS_PRICED = 3
+# A choice must be predicted this much faster to beat a simpler one (less traffic, fewer
+# micro-batches): the cost model does not resolve smaller differences.
+TIE = 0.01
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,19 @@ class PlanResult:
     seconds: float
 
     def describe(self, topology: Topology | None = None) -> str:
-        lines = [self.plan.describe(topology), "runners-up:"]
+        lines = [self.plan.describe(topology), *bound_lines(self.plan), "runners-up:"]
         for p in self.runners_up:
             lines.append(f"  {_summary(p)}")
         lines.append(f"searched {self.candidates} layouts ({self.simulated} simulated) in "
                      f"{self.seconds:.2f} s")
         return "\n".join(lines)
+
+
+def bound_lines(p: Plan) -> list[str]:
+    """What bound each choice the planner made freely (memory or time), one line each."""
+    bound = p.predicted.get("bound", {})
+    return ["what bound each choice:"] + [f"  {what}: {why}" for what, why in bound.items()] \
+        if bound else []
 
 
 def _summary(p: Plan) -> str:
@@ -92,19 +105,27 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          schedule: str | Sequence[str] = SCHEDULES, zero: str | ZeroFactors = "auto",
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
-         assign_seconds: float = 10.0) -> PlanResult:
+         assign_seconds: float = 10.0, calibration=None) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
     Degrees, micro-batches, schedule, ZeRO point and stage layers given here are fixed (0 or
     "auto": the planner chooses). `network_aware` adds DT-FM's device assignment as a
-    candidate (default: when the topology has more than two sites)."""
+    candidate (default: when the topology has more than two sites). `calibration`: a
+    `hetjax calibrate` file (path) or `Calibration`, whose measurements replace the
+    options' compute efficiency and link speeds."""
     t0 = time.perf_counter()
+    if calibration is not None:
+        from hetjax.planner.calibrate import load_calibration
+
+        cal = load_calibration(calibration) if isinstance(calibration, str) else calibration
+        options = cal.options(options)
     for name, v in (("global_batch", global_batch), ("seq_len", seq_len), ("top", top)):
         if not (isinstance(v, int) and v >= 1):
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     s = _Search(topology, model, global_batch, seq_len, options or CostOptions(),
                 allow_straddle, network_aware, assign_seconds)
+    s.fixed_layers = bool(stage_layers)
     schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for name in schedules:
         if name not in SCHEDULES:
@@ -125,6 +146,32 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if not cands:
         raise s.infeasible()
     ranked = s.confirm(cands, top)
+    best = ranked[0]
+    if zero == "auto":  # every ZeRO point on the winning layout, by predicted step time
+        lay = dataclasses.replace(Layout.of(best), zero=ZeroFactors())
+        tag = best.predicted.get("layout", "")
+        keep_order = [tuple(range(best.pp))] if tag == "DT-FM assignment" else None
+        c = s.evaluate(lay, keep_order, tag, zero, tuple(stage_layers), limit=math.inf)
+        if c is not None and c.layout.zero != best.zero:
+            alt = s.confirm([c], 1)[0]
+            if alt.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
+                ranked = [alt] + [p for p in ranked if p != alt][:top - 1]
+                best = alt
+    free = {}
+    if zero == "auto":
+        free["zero"] = [dataclasses.replace(Layout.of(best), zero=f)
+                        for f in zr.space(s.dp_nodes(Layout.of(best)))
+                        if f != best.zero]
+    if not microbatches:
+        free["microbatches"] = [dataclasses.replace(Layout.of(best), microbatches=M)
+                                for M in s.microbatch_counts(best.dp, 0)
+                                if M != best.microbatches]
+    if len(schedules) > 1 and best.pp > 1:
+        free["schedule"] = [dataclasses.replace(Layout.of(best), schedule=n)
+                            for n in schedules if n != best.schedule]
+    free_layout = not (pp and dp and tp)
+    ranked[0] = dataclasses.replace(best, predicted={
+        **best.predicted, "bound": s.explain(best, free, len(cands) if free_layout else 0)})
     plans = [dataclasses.replace(p, source="planner") for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
                       time.perf_counter() - t0)
@@ -151,6 +198,9 @@ class _Search:
         self._nodes_cache: dict[tuple, np.ndarray] = {}
         self.shortfall = _Shortfall()
         self.rejected: list[str] = []
+        self.fixed_layers = False
+        self.refused_layouts = 0  # layouts no ZeRO point fits, and the fastest of them
+        self.refused_best: tuple[float, Layout, float, float] | None = None
 
     # --- the choices ---------------------------------------------------------------------------
     def degrees(self, pp: int, dp: int, tp: int, stage_layers: Sequence[int]
@@ -237,14 +287,12 @@ class _Search:
         return assign.search(problem, seconds=self.assign_seconds)
 
     def zero_points(self, layout: Layout, zero: str | ZeroFactors) -> list[ZeroFactors]:
-        """The ZeRO points to try, in order: AMSP's enumeration of the points whose model
-        states can fit at all, sorted by AMSP's communication time; or the one point asked."""
+        """The ZeRO points to try: AMSP's enumeration of the points whose model states can
+        fit at all, sorted by AMSP's communication time (so equal step times keep the point
+        with less traffic); or the one point asked."""
         mesh = layout.mesh()
         key = (layout.device_order, layout.pp, layout.dp, layout.tp)
-        if key not in self._nodes_cache:  # the node of every member of every DP group
-            self._nodes_cache[key] = self.cm.node_of(mesh.transpose(0, 2, 1).reshape(
-                -1, layout.dp))
-        nodes = self._nodes_cache[key]
+        nodes = self.dp_nodes(layout)
         if isinstance(zero, ZeroFactors):
             zr.check(zero, layout.dp)
             if {zero.s_p, zero.s_g, zero.s_os} - set(zr.valid_factors(nodes)):
@@ -282,28 +330,63 @@ class _Search:
                 f"{self.max_capacity / GIB:.2f} GiB usable"))
         return [f for _, _, f in sorted(points)]
 
+    def dp_nodes(self, layout: Layout) -> np.ndarray:
+        """The node of every member of every DP group ([groups, dp], cached)."""
+        key = (layout.device_order, layout.pp, layout.dp, layout.tp)
+        if key not in self._nodes_cache:
+            self._nodes_cache[key] = self.cm.node_of(layout.mesh().transpose(0, 2, 1).reshape(
+                -1, layout.dp))
+        return self._nodes_cache[key]
+
     # --- pricing ------------------------------------------------------------------------------
     def evaluate(self, layout: Layout, orders, tag: str, zero: str | ZeroFactors,
-                 stage_layers: tuple[int, ...]) -> _Candidate | None:
-        """The first ZeRO point (in AMSP order) whose best split fits memory, priced."""
-        n_layers = self.model.n_layers
+                 stage_layers: tuple[int, ...], limit: int = ZERO_POINTS_PRICED
+                 ) -> _Candidate | None:
+        """Of the first `limit` ZeRO points (in AMSP's order, least traffic first) whose best
+        split fits memory, the one with the least predicted step time, priced; None when
+        none fits. (`plan` then tries every point on the winning layout.)"""
+        best, fitted = None, 0
         for f in self.zero_points(layout, zero):
-            lay = dataclasses.replace(layout, zero=f)
-            table = self.cm.stage_table(lay)
-            if stage_layers:
-                split = partition.Split(tuple(range(lay.pp)), stage_layers, 0.0)
-                if not partition.fits(partition.placed(table, split.order), stage_layers):
-                    split = None
-            else:
-                split = partition.best_split(table, n_layers, lay.microbatches, orders)
-            if split is None:
-                self._note_shortfall(lay, table)
+            cand = self._fitted(dataclasses.replace(layout, zero=f), orders, tag, stage_layers)
+            if cand is None:
                 continue
-            mesh = lay.mesh()
-            order = tuple(int(r) for r in mesh[list(split.order)].ravel())
-            lay = dataclasses.replace(lay, device_order=order)
-            return self._price(lay, split.layers, tag)
-        return None
+            fitted += 1
+            if best is None or cand.estimate < best.estimate * (1 - TIE):
+                best = cand
+            if fitted >= limit:
+                break
+        if best is None and limit == ZERO_POINTS_PRICED:
+            self._note_refused(layout, (self.zero_points(layout, zero) or
+                                        [zr.named("zero3", layout.dp, 1)])[0])
+        return best
+
+    def _note_refused(self, layout: Layout, f: ZeroFactors) -> None:
+        """Remember the fastest layout refused for memory (priced with its even split and
+        its least-traffic ZeRO point, memory ignored), for `explain`."""
+        lay = dataclasses.replace(layout, zero=f)
+        table = self.cm.stage_table(lay)
+        worst, need = self._even_need(lay, table)
+        est = self._price(lay, even_split(self.model.n_layers, lay.pp), "").estimate
+        self.refused_layouts += 1
+        if self.refused_best is None or est < self.refused_best[0]:
+            self.refused_best = (est, lay, need, table[worst][worst].capacity)
+
+    def _fitted(self, lay: Layout, orders, tag: str, stage_layers: tuple[int, ...]
+                ) -> _Candidate | None:
+        """`lay` with its best split that fits memory, priced; None when no split fits."""
+        table = self.cm.stage_table(lay)
+        if stage_layers:
+            split = partition.Split(tuple(range(lay.pp)), stage_layers, 0.0)
+            if not partition.fits(partition.placed(table, split.order), stage_layers):
+                split = None
+        else:
+            split = partition.best_split(table, self.model.n_layers, lay.microbatches, orders)
+        if split is None:
+            self._note_shortfall(lay, table)
+            return None
+        mesh = lay.mesh()
+        order = tuple(int(r) for r in mesh[list(split.order)].ravel())
+        return self._price(dataclasses.replace(lay, device_order=order), split.layers, tag)
 
     def _price(self, layout: Layout, layers: tuple[int, ...], tag: str) -> _Candidate:
         """The candidate's estimate (the step time played without events: lockstep ticks for
@@ -322,21 +405,84 @@ class _Search:
         bound = lower_bound(fwd, bwd, M, send, send, sync)
         return _Candidate(estimate + max(sync), bound, layout, layers, tag)
 
-    def _note_shortfall(self, layout: Layout, table: Sequence[Sequence[StageCost]]) -> None:
-        """Remember how far the even split of this layout is from fitting."""
+    def _even_need(self, layout: Layout, table: Sequence[Sequence[StageCost]]
+                   ) -> tuple[int, float]:
+        """The stage of the even split that is fullest relative to its capacity, and its
+        need in bytes per device."""
         layers = even_split(self.model.n_layers, layout.pp)
         stages = [table[s][s] for s in range(layout.pp)]
         lmax = max(layers)
         worst = max(range(layout.pp),
                     key=lambda s: stages[s].memory(layers[s], lmax) / stages[s].capacity)
-        c, n = stages[worst], layers[worst]
-        need = c.memory(n, lmax)
+        return worst, stages[worst].memory(layers[worst], lmax)
+
+    def _note_shortfall(self, layout: Layout, table: Sequence[Sequence[StageCost]]) -> None:
+        """Remember how far the even split of this layout is from fitting."""
+        worst, need = self._even_need(layout, table)
+        layers = even_split(self.model.n_layers, layout.pp)
+        c, n, lmax = table[worst][worst], layers[worst], max(layers)
         self._note(need / c.capacity, (
             f"pp={layout.pp} dp={layout.dp} tp={layout.tp} zero={layout.zero.name} "
             f"M={layout.microbatches} {layout.schedule}: stage {worst} ({c.label}) needs "
             f"{need / GIB:.2f} GiB per device (model states {c.mem_slot * lmax / GIB:.2f}, "
             f"activations {c.mem_layer * n / GIB:.2f}, embedding/head/buffers "
             f"{c.mem_fixed / GIB:.2f}) but has {c.capacity / GIB:.2f} GiB usable"))
+
+    # --- why the choices were made ---------------------------------------------------------------
+    def explain(self, plan: Plan, choices: dict[str, list[Layout]],
+                layouts: int = 0) -> dict[str, str]:
+        """For each free choice ("zero", "microbatches", "schedule" -> the plan's layout with
+        each alternative value), what bound it: "time" when no alternative is predicted
+        faster, "memory" when a faster one does not fit (named, with its need). With
+        `layouts` (the candidates the search priced), also the layout ("layout": degrees,
+        device order, M and schedule) against the layouts no ZeRO point fitted."""
+        shortfall, self.shortfall = self.shortfall, _Shortfall()  # keep the search's note
+        chosen = self._fitted(Layout.of(plan), None, "", plan.stage_layers
+                              if self.fixed_layers else ())
+        reasons: dict[str, str] = {}
+        if chosen is None:  # cannot happen for a plan the search found; say nothing then
+            self.shortfall = shortfall
+            return reasons
+        for what, alternatives in choices.items():
+            fit, refused = 1, []  # the chosen value fits
+            for lay in alternatives:
+                cand = self._fitted(lay, None, "", plan.stage_layers if self.fixed_layers
+                                    else ())
+                if cand is not None:
+                    fit += 1
+                    continue
+                table = self.cm.stage_table(lay)
+                worst, need = self._even_need(lay, table)
+                est = self._price(lay, even_split(self.model.n_layers, lay.pp), "").estimate
+                refused.append((est, lay, need, table[worst][worst].capacity))
+            faster = [r for r in refused if r[0] < chosen.estimate * (1 - TIE)]
+            if faster:
+                est, lay, need, cap = min(faster, key=lambda r: r[0])
+                value = {"zero": lay.zero.name, "microbatches": f"M={lay.microbatches}",
+                         "schedule": lay.schedule}[what]
+                reasons[what] = (
+                    f"memory: {value} would be {1 - est / chosen.estimate:.1%} faster but "
+                    f"needs {need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable "
+                    f"({self.cm.options.memory_fraction:.0%} of memory)")
+            else:
+                reasons[what] = (f"time: the fastest predicted (within {TIE:.0%}) of the "
+                                 f"{fit} that fit memory"
+                                 + (f" ({len(refused)} more do not)" if refused else ""))
+        if layouts:
+            reasons = {"layout": self._layout_reason(chosen.estimate, layouts), **reasons}
+        self.shortfall = shortfall
+        return reasons
+
+    def _layout_reason(self, estimate: float, layouts: int) -> str:
+        best = self.refused_best
+        if best is not None and best[0] < estimate * (1 - TIE):
+            est, lay, need, cap = best
+            return (f"memory: pp={lay.pp} dp={lay.dp} tp={lay.tp} M={lay.microbatches} "
+                    f"{lay.schedule} would be {1 - est / estimate:.1%} faster but needs "
+                    f"{need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable")
+        return (f"time: the fastest predicted (within {TIE:.0%}) of the {layouts} layouts that "
+                f"fit memory" + (f" ({self.refused_layouts} more do not)"
+                                 if self.refused_layouts else ""))
 
     def _note(self, ratio: float, text: str) -> None:
         if ratio < self.shortfall.ratio:
@@ -396,4 +542,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["PlanResult", "plan"]
+__all__ = ["PlanResult", "plan", "bound_lines"]

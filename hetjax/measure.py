@@ -1,0 +1,220 @@
+"""Measuring the cost model's inputs on the devices of the current job (`hetjax calibrate`).
+
+Two kinds of measurement, each timed as the median of a few runs after a warm-up:
+- compute: the model's own decoder block, forward and forward + backward, on every local
+  device of one accelerator kind at once (each device its own micro-batch, no communication:
+  on simulated CPU devices they share the cores, as in training), at several micro-batch
+  sizes and sequence lengths;
+- collectives: all-reduce, reduce-scatter, all-gather and point-to-point (a ring shift) over
+  groups that cover every device -- the devices of a node, one device per node of a cluster,
+  a whole cluster, one device per cluster, everything -- at several message sizes. Every
+  group of a layout runs at once, as a stage's DP groups do, so a shared NIC is shared.
+
+Works in one process (simulated CPU devices, or the GPUs of one host) and in every process of
+a `hetjax launch` job (all processes run the same programs; compute runs on each process's
+own devices and the results are gathered). The rows go to `hetjax.planner.calibrate`, which
+fits and stores them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from hetjax.planner.calibrate import Calibration, ComputeRow, LinkRow, OPS_MEASURED
+from hetjax.topology import Topology
+
+if TYPE_CHECKING:
+    from layers.config import ModelConfig
+
+DEFAULT_BATCHES = (1, 4)
+DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 20, 1 << 22)
+
+
+def _median_seconds(fn, args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tflops: float,
+                    batches: Sequence[int], seq_lens: Sequence[int],
+                    repeats: int = 3) -> list[ComputeRow]:
+    """Forward and backward seconds of one decoder block per micro-batch of `b` sequences of
+    `s` tokens, on all of `devices` at once (the backward: forward + backward less forward)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from layers.block import DecoderBlock
+
+    block = DecoderBlock(model)
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices), ("d",))
+    spread = NamedSharding(mesh, P("d"))
+    dtype = jnp.dtype(model.dtype)
+    params = block.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, model.d_model), dtype))["params"]
+    stacked = jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), params),
+                             spread)
+
+    def fwd(p, x):
+        return block.apply({"params": p}, x)
+
+    def loss(p, x):
+        return jnp.sum(fwd(p, x).astype(jnp.float32))
+
+    run_fwd = jax.jit(jax.vmap(fwd))
+    run_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))
+    rows = []
+    for s in seq_lens:
+        for b in batches:
+            x = jax.device_put(jnp.ones((n, b, s, model.d_model), dtype), spread)
+            t_fwd = _median_seconds(run_fwd, (stacked, x), repeats)
+            t_grad = _median_seconds(run_grad, (stacked, x), repeats)
+            rows.append(ComputeRow(kind, b, s, t_fwd, max(t_grad - t_fwd, 1e-3 * t_fwd),
+                                   peak_tflops))
+    return rows
+
+
+def group_layouts(topology: Topology) -> list[np.ndarray]:
+    """Rank groups [groups, size] covering every device once, one layout per span: inside a
+    node, one device per node of a cluster, a whole cluster, one device per cluster, all.
+    Clusters of different shapes get the node and the all-device layouts only."""
+    n = topology.num_devices
+    ranks = np.arange(n)
+    shapes = {(c.nodes, c.devices_per_node) for c in topology.clusters}
+    layouts = []
+    if len(shapes) == 1:
+        (nodes, per_node), = shapes
+        grid = ranks.reshape(len(topology.clusters), nodes, per_node)  # [C, N, D]
+        layouts = [grid.reshape(-1, per_node),                             # a node
+                   grid.transpose(0, 2, 1).reshape(-1, nodes),              # a device per node
+                   grid.reshape(len(topology.clusters), -1),                # a cluster
+                   grid.transpose(1, 2, 0).reshape(-1, len(topology.clusters))]  # per cluster
+    elif len({d for _, d in shapes}) == 1:
+        layouts = [ranks.reshape(-1, topology.clusters[0].devices_per_node)]
+    layouts.append(ranks[None, :])
+    seen, out = set(), []
+    for g in layouts:
+        key = frozenset(frozenset(row) for row in g.tolist())
+        if g.shape[1] > 1 and key not in seen:
+            seen.add(key)
+            out.append(g)
+    return out
+
+
+def split_by_class(topology: Topology, groups: np.ndarray) -> list[np.ndarray]:
+    """The rows of a layout grouped by the link class each crosses (its slowest link), so
+    each measurement belongs to one class."""
+    from hetjax.planner.cost import CostModel
+    from layers.config import ModelConfig
+
+    cm = CostModel(topology, ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1,
+                                         n_kv_heads=1, d_ff=8))
+    kinds = np.array([lk.kind for lk in cm.group_links(groups)])
+    return [groups[kinds == k] for k in dict.fromkeys(kinds.tolist())]
+
+
+def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence[int],
+                  repeats: int = 3) -> list[LinkRow]:
+    """Seconds of each operation over each group layout of `group_layouts` (split by link
+    class) at each size (float32 elements; all-gather's size is the gathered result,
+    reduce-scatter's its input, point-to-point's what each device sends). A process owning
+    none of a layout's devices does not run it and records 0 s (see _gather)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    me = jax.process_index()
+    rows = []
+    for layout in group_layouts(topology):
+        for groups in split_by_class(topology, layout):
+            r, g = groups.shape
+            devs = np.asarray(devices, dtype=object)[groups]
+            mine = any(d.process_index == me for d in devs.ravel())
+            mesh = Mesh(devs, ("r", "g"))
+            sharding = NamedSharding(mesh, P("r", "g"))
+            bodies = {
+                "all_reduce": lambda x: jax.lax.psum(x, "g"),
+                "reduce_scatter": lambda x, g=g: jax.lax.psum_scatter(
+                    x, "g", scatter_dimension=2, tiled=True),
+                "all_gather": lambda x: jax.lax.all_gather(x, "g", axis=2, tiled=True),
+                "p2p": lambda x, g=g: jax.lax.ppermute(x, "g",
+                                                       [(i, (i + 1) % g) for i in range(g)]),
+            }
+            for op in OPS_MEASURED:
+                fn = jax.jit(jax.shard_map(bodies[op], mesh=mesh, in_specs=P("r", "g"),
+                                           out_specs=P("r", "g")))
+                for nbytes in message_bytes:
+                    elems = max(g, nbytes // 4 // g * g)  # divisible by the group
+                    seconds = 0.0
+                    if mine:
+                        local = elems // g if op == "all_gather" else elems
+                        x = jax.make_array_from_callback(
+                            (r, g, local), sharding,
+                            lambda idx, local=local: np.ones((1, 1, local), np.float32))
+                        seconds = _median_seconds(fn, (x,), repeats)
+                    rows.append(LinkRow(op, elems * 4, tuple(map(tuple, groups.tolist())),
+                                        seconds))
+    return rows
+
+
+def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
+              batches: Sequence[int] = DEFAULT_BATCHES,
+              message_bytes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
+              repeats: int = 3) -> Calibration:
+    """Measure this job's devices: compute per accelerator kind, collectives per link class.
+    In a multi-process job every process must call it; all get the whole Calibration."""
+    import jax
+
+    devices = topology.jax_devices()
+    me = jax.process_index()
+    local_ranks = [r for r, d in enumerate(devices) if d.process_index == me]
+    compute = []
+    by_kind: dict[str, list[int]] = {}
+    for r in local_ranks:
+        by_kind.setdefault(topology.accelerator_of(r).name, []).append(r)
+    for kind, ranks in sorted(by_kind.items()):
+        compute += measure_compute(model, [devices[r] for r in ranks], kind,
+                                   topology.accelerator_of(ranks[0]).peak_tflops, batches,
+                                   seq_lens, repeats)
+    links = measure_links(topology, devices, message_bytes, repeats)
+    if jax.process_count() > 1:
+        compute, links = _gather(compute, links)
+    return Calibration(topology, model, tuple(compute), tuple(links))
+
+
+def _gather(compute: list[ComputeRow], links: list[LinkRow]):
+    """Every process's compute rows (one accelerator kind per process: kept once per kind, the
+    slowest), and the slowest process's time of each collective."""
+    from jax.experimental import multihost_utils
+
+    comp = np.array([[r.fwd_s, r.bwd_s, r.peak_tflops] for r in compute])
+    link = np.array([r.seconds for r in links])
+    all_comp = multihost_utils.process_allgather(comp)  # [processes, rows, 2]
+    all_link = multihost_utils.process_allgather(link)  # [processes, rows]
+    kinds = multihost_utils.process_allgather(
+        np.frombuffer(compute[0].kind.encode().ljust(32), np.uint8))
+    merged: dict[tuple, ComputeRow] = {}
+    for p in range(all_comp.shape[0]):
+        kind = bytes(kinds[p]).decode().strip()
+        for r, (f, b, peak) in zip(compute, all_comp[p]):
+            key = (kind, r.batch, r.seq_len)
+            old = merged.get(key)
+            if old is None or f + b > old.fwd_s + old.bwd_s:
+                merged[key] = ComputeRow(kind, r.batch, r.seq_len, float(f), float(b),
+                                         float(peak))
+    slowest = all_link.max(axis=0)
+    return (list(merged.values()),
+            [LinkRow(r.op, r.nbytes, r.groups, float(t)) for r, t in zip(links, slowest)])
+
+
+__all__ = ["calibrate", "measure_compute", "measure_links", "group_layouts",
+           "DEFAULT_BATCHES", "DEFAULT_MESSAGE_BYTES"]

@@ -1,0 +1,132 @@
+"""`hetjax calibrate`: fitting a calibration file's measurements (pure numpy, synthetic rows
+with known answers), the file round trip, the planner reading it, and measuring on the
+simulated CPU devices of this process and under `hetjax launch`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hetjax.errors import PlanError
+from hetjax.planner import plan
+from hetjax.planner.calibrate import (Calibration, ComputeRow, LinkRow, load_calibration,
+                                      save_calibration)
+from hetjax.planner.cost import CostModel
+from hetjax.topology import preset
+from layers.config import ModelConfig
+
+MODEL = ModelConfig(vocab_size=384, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
+                    max_seq_len=128)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _synthetic(topology, alpha=2e-4, gbps=4.0):
+    """Link rows timed by the flat ring with latency `alpha` and `gbps` on every class (NIC
+    sharing as the cost model counts it), and compute rows at 10% / 40% of peak."""
+    cm = CostModel(topology, MODEL)
+    bw = gbps * 1e9 / 8
+    node_pairs = np.arange(topology.num_devices).reshape(-1, 2)  # inside nodes: NVLink
+    ib_pairs = np.array([[0, 2], [1, 3]])  # two nodes of cluster ib: its NIC, shared by 2
+    links = []
+    for groups in (node_pairs, ib_pairs, np.arange(topology.num_devices)[None, :]):
+        flows = cm.nic_flows(groups)
+        p = groups.shape[1]
+        for nbytes in (1e4, 1e6, 4e6):
+            for op, steps in (("all_reduce", 2 * (p - 1)), ("all_gather", p - 1)):
+                t = steps * alpha + flows * steps / p * nbytes / bw
+                links.append(LinkRow(op, int(nbytes), tuple(map(tuple, groups.tolist())), t))
+    peak = topology.clusters[0].accelerator.peak_tflops
+    compute = []
+    for b, eff in ((1, 0.1), (8, 0.4)):
+        flops = MODEL.layer_flops(64) * b * 64
+        compute.append(ComputeRow("cpu", b, 64, flops / (eff * peak * 1e12),
+                                  2 * flops / (eff / 2 * peak * 1e12), peak))
+    return Calibration(topology, MODEL, tuple(compute), tuple(links))
+
+
+def test_fits_recover_the_synthetic_latency_bandwidth_and_curve():
+    cal = _synthetic(preset("cpu_hybrid"))
+    fits = cal.link_fits()
+    assert set(fits) == {"nvlink", "infiniband", "ethernet"}
+    for kind, ops in fits.items():
+        for op, f in ops.items():
+            assert f.latency_us == pytest.approx(200.0, rel=1e-6), (kind, op)
+            assert f.bandwidth_gbps == pytest.approx(4.0, rel=1e-6), (kind, op)
+    curve = cal.curves()["cpu"]
+    small, big = (cal.kernel_flops(r) for r in cal.compute)
+    assert curve.efficiency(small) == pytest.approx((0.1, 0.05))
+    assert curve.efficiency(big) == pytest.approx((0.4, 0.2))
+    # Halfway in log size, halfway in efficiency.
+    assert curve.efficiency(np.sqrt(small * big)) == pytest.approx((0.25, 0.125))
+
+
+def test_calibration_file_round_trips_and_the_planner_reads_it(tmp_path):
+    t = preset("cpu_hybrid")
+    cal = _synthetic(t)
+    path = save_calibration(cal, str(tmp_path / "cal.json"))
+    back = load_calibration(path)
+    assert back == cal
+    fitted = json.load(open(path))["fitted"]
+    assert fitted["link_fits"]["ethernet"]["all_reduce"]["bandwidth_gbps"] == pytest.approx(4.0)
+    # plan() with the file prices with its measurements, the same as with its options.
+    by_path = plan(t, MODEL, 16, 64, pp=1, tp=1, zero="ddp", calibration=path).plan
+    by_options = plan(t, MODEL, 16, 64, pp=1, tp=1, zero="ddp", options=cal.options()).plan
+    default = plan(t, MODEL, 16, 64, pp=1, tp=1, zero="ddp").plan
+    assert by_path.predicted["step_time_s"] == by_options.predicted["step_time_s"]
+    assert by_path.predicted["step_time_s"] != pytest.approx(default.predicted["step_time_s"])
+
+
+def test_a_file_that_is_not_a_calibration_is_one_clear_error(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"version": 1, "compute": []}))
+    with pytest.raises(PlanError, match="not a hetjax calibration file"):
+        load_calibration(str(bad))
+    with pytest.raises(PlanError, match="cannot read"):
+        load_calibration(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.heavy
+def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
+    """On the 8 simulated CPU devices (cpu_hybrid: 2 clusters x 2 nodes x 2): every link
+    class, every operation and each accelerator kind is measured, with positive times."""
+    from hetjax import measure
+    from hetjax.planner.calibrate import plot_calibration
+
+    t = preset("cpu_hybrid")
+    cal = measure.calibrate(t, MODEL, seq_lens=(16,), batches=(1, 2), message_bytes=(4096,),
+                            repeats=1)
+    assert {(r.kind, r.batch, r.seq_len) for r in cal.compute} == {("cpu", 1, 16),
+                                                                   ("cpu", 2, 16)}
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 for r in cal.compute)
+    classes = {(row["class"], row["op"]) for row in cal.link_table()}
+    for kind in ("nvlink", "infiniband", "roce", "ethernet"):
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "p2p"):
+            assert (kind, op) in classes
+    assert all(r.seconds > 0 for r in cal.links)
+    options = cal.options()
+    assert set(options.curves) == {"cpu"} and "ethernet" in options.link_fits
+    assert "mean |model / measured - 1|" in cal.describe()
+    png = plot_calibration(cal, str(tmp_path / "cal.png"))
+    assert os.path.getsize(png) > 10_000
+
+
+@pytest.mark.heavy
+def test_hetjax_calibrate_under_launch_then_plan(tmp_path):
+    """Two processes (gloo): process 0 writes the file, which `hetjax plan` then reads."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    args = ["--config.model.d_model=64", "--config.model.d_ff=128", "--config.train.seq_len=16",
+            f"--config.workdir={tmp_path}"]
+    run = subprocess.run([sys.executable, "-m", "hetjax", "launch", "--local", "2",
+                          "--command=calibrate", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    path = tmp_path / "calibration.json"
+    cal = load_calibration(str(path))
+    assert cal.links and cal.compute and (tmp_path / "calibration.png").exists()
+    out = subprocess.run([sys.executable, "-m", "hetjax", "plan", *args,
+                          f"--config.planner.calibration={path}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "predicted" in out.stdout, out.stderr
