@@ -20,11 +20,11 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
+from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-SCHEDULES = ("gpipe", "1f1b")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 
 
@@ -267,6 +267,10 @@ def validate(c) -> None:
              f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
+    _require(c.pipeline.executor != "spmd" or c.pipeline.schedule in spmd_schedules(),
+             "pipeline.schedule", f"the SPMD executor cannot run {c.pipeline.schedule!r} (several "
+             f"chunks per stage or a split backward)",
+             f"set --config.pipeline.executor=mpmd, or use one of {', '.join(spmd_schedules())}")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
              f"unknown preset {c.zero.preset!r}",
              f"choose one of {', '.join(zr.CONFIG_PRESETS)}")

@@ -207,6 +207,11 @@ class Pipeline:
         self.mesh = mesh
         self.model = Transformer(model_cfg)
         self.schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+        if not self.schedule.spmd_compatible:
+            raise PlanError(f"the SPMD pipeline executor cannot run the {plan.schedule} schedule "
+                            f"(several chunks per stage or a split backward). Fix: set "
+                            f"pipeline.executor=mpmd, or use one of "
+                            f"{', '.join(sch.spmd_schedules())}")
         self.program = sch.tick_program(self.schedule)
 
     # layout helpers bound to this plan (what the Trainer and checkpoints use)

@@ -54,19 +54,20 @@ def schedule_table(name: str, stages: int, microbatches: int) -> Schedule:
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight(name: str, stages: int, microbatches: int) -> tuple[int, ...]:
+def in_flight(name: str, stages: int, microbatches: int) -> tuple[float, ...]:
     """Most micro-batches whose activations each stage holds at once under the schedule.
 
     GPipe holds all M; 1F1B holds at most pp - s on stage s (its warm-up plus one), as
     parallel/schedules.py defines them (tests check these against Schedule.max_in_flight,
     which the planner cannot afford to build for thousands of micro-batches). Other
-    schedules are played from their table."""
+    schedules are played from their table, in units of one micro-batch's activations for the
+    whole stage (`Schedule.activation_share`)."""
     if name == "gpipe":
         return (microbatches,) * stages
     if name == "1f1b":
         return tuple(min(stages - s, microbatches) for s in range(stages))
     table = schedule_table(name, stages, microbatches)
-    return tuple(table.max_in_flight(s) for s in range(stages))
+    return tuple(table.activation_share(s) for s in range(stages))
 
 
 @functools.lru_cache(maxsize=256)
