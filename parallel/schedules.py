@@ -164,16 +164,18 @@ class OneFOneB(Schedule):
     name = "1f1b"
 
     def build(self):
-        orders = []
         M = self.microbatches
-        for s in range(self.stages):
-            warmup = min(self.stages - 1 - s, M)
-            order = [Task("F", m) for m in range(warmup)]
-            for f, b in zip(range(warmup, M), range(M)):
-                order += [Task("F", f), Task("B", b)]
-            order += [Task("B", m) for m in range(M - warmup, M)]
-            orders.append(order)
-        return orders
+        return [warm_up_then_alternate(min(self.stages - 1 - s, M), M, Task)
+                for s in range(self.stages)]
+
+
+def warm_up_then_alternate(warmup: int, total: int, task) -> list[Task]:
+    """`warmup` forwards, then one forward and one backward until the forwards run out, then
+    the remaining backwards; `task(kind, i)` makes the i-th forward or backward."""
+    order = [task("F", i) for i in range(warmup)]
+    for f, b in zip(range(warmup, total), range(total)):
+        order += [task("F", f), task("B", b)]
+    return order + [task("B", i) for i in range(total - warmup, total)]
 
 
 @register
@@ -201,15 +203,8 @@ class Interleaved(Schedule):
             return Task(kind, (i // (p * v)) * p + i % p,
                         group if kind == "F" else v - 1 - group)
 
-        orders = []
-        for s in range(p):
-            warmup = min(2 * (p - 1 - s) + (v - 1) * p, total)
-            order = [task("F", i) for i in range(warmup)]
-            for f, b in zip(range(warmup, total), range(total)):
-                order += [task("F", f), task("B", b)]
-            order += [task("B", i) for i in range(total - warmup, total)]
-            orders.append(order)
-        return orders
+        return [warm_up_then_alternate(min(2 * (p - 1 - s) + (v - 1) * p, total), total, task)
+                for s in range(p)]
 
     def bubble_slot(self, fwd, bwd):
         return (fwd + bwd) / self.virtual
