@@ -389,8 +389,10 @@ def main(argv: list[str]) -> int:
     for name in ("init_timeout", "heartbeat_timeout"):
         if getattr(args, name) <= 0:
             raise HetjaxError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    from hetjax.cli import default_job_path  # the workers' `hetjax train` reads the same job
+
     cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
-                                    if a.startswith("--config=")), None),
+                                    if a.startswith("--config=")), None) or default_job_path(),
                               [a for a in config_args if a.startswith("--config.")])
     hconfig.validate(cfg)
     topology = hconfig.build_topology(cfg)

@@ -54,3 +54,43 @@ def test_rerunning_a_finished_run_says_it_is_complete_and_at_which_step(finished
     assert again["complete"] and again["steps"] == 12
     assert again["final_loss"] == summary["final_loss"]
     assert len(again.history) == len(summary.history)
+
+
+# --- hetjax <command> --help -------------------------------------------------------------------
+def cli_out(capsys, *argv) -> str:
+    from hetjax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["hetjax", *argv])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_config_field_has_a_description():
+    from hetjax.cli import _flat
+    from hetjax.config import DESCRIPTIONS, base_config
+
+    fields = [k for k, _ in _flat(base_config())]
+    assert sorted(fields) == sorted(DESCRIPTIONS)
+    assert all(len(d) > 5 for d in DESCRIPTIONS.values())
+
+
+def test_help_describes_each_field_with_the_values_of_the_config_given(capsys):
+    out = cli_out(capsys, "train", "--help")  # no --config: the default job
+    assert "values of configs/default.py" in out
+    assert " *parallel.pp = 2 " in out and "(base default: 1)" in out
+    assert "train.steps = 300" in out and "optimizer steps of the run" in out
+    assert "pipeline.stage_layers = ()" in out and "!!python" not in out
+    assert max(map(len, out.splitlines())) <= 100
+    out = cli_out(capsys, "plan", "--config=configs/holmes_mini.py",
+                  "--config.pipeline.stage_layers=(3,1)", "--help")
+    assert "values of configs/holmes_mini.py and --config.pipeline.stage_layers=(3,1)" in out
+    assert "*pipeline.stage_layers = (3, 1)" in out
+
+
+def test_train_without_config_runs_the_default_job():
+    from hetjax import cli
+
+    assert cli._parse("train", []).to_dict() == \
+        cli._parse("train", ["--config=configs/default.py"]).to_dict()
+    assert cli._parse("train", []).parallel.pp == 2
