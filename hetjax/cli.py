@@ -316,16 +316,25 @@ def cmd_tokenizer(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    """Print (and optionally save and draw) the Plan `hetjax train` would use."""
+    """Print (and optionally save and draw) the Plan `hetjax train` would use, and the
+    runners-up when the planner chose it."""
     import dataclasses
 
     from hetjax import config as hconfig
+    from hetjax.plan import comparison_table
     from hetjax.planner import model_from_config, options_from_config, plan_from_config, predict
+    from hetjax.planner.config_plan import plan_for_config, validate_layout
 
     opts, rest = _take_options(argv, ("json", "plot"))
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
-    plan = plan_from_config(cfg, topology)
+    runners_up = ()
+    if not cfg.parallel.pp or not cfg.parallel.tp or cfg.zero.preset == "auto":
+        validate_layout(cfg, topology)  # what plan_from_config checks first
+        result = plan_for_config(cfg, topology)  # the same search, keeping the runners-up
+        plan, runners_up = result.plan, result.runners_up
+    else:
+        plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict(
@@ -336,6 +345,10 @@ def cmd_plan(argv: list[str]) -> int:
 
     for line in bound_lines(plan):
         print(line)
+    if runners_up:
+        print("the chosen plan (#0) and the runners-up:")
+        print("\n".join("  " + line for line in
+                        comparison_table([plan, *runners_up]).splitlines()))
     if "json" in opts:
         with open(opts["json"], "w") as f:
             f.write(plan.to_json(indent=1))
