@@ -94,3 +94,142 @@ def test_train_without_config_runs_the_default_job():
     assert cli._parse("train", []).to_dict() == \
         cli._parse("train", ["--config=configs/default.py"]).to_dict()
     assert cli._parse("train", []).parallel.pp == 2
+
+
+# --- hetjax plan: runners-up, units, large topologies, the plot -------------------------------
+def test_units_read_like_a_person_writes_them():
+    from hetjax import units
+
+    assert units.seconds(49e-3) == "49 ms" and units.seconds(4.9e-5) == "49 \u00b5s"
+    assert units.seconds(0.3536) == "354 ms" and units.seconds(2.5) == "2.5 s"
+    assert units.bits_per_s(2e11) == "200 Gb/s" and units.bytes_per_s(1.97e10) == "19.7 GB/s"
+    assert units.gib(2**31) == "2 GiB" and units.gib(2**24) == "16 MiB"
+    # Tiny shares keep their digits instead of rounding to 0.0%.
+    assert units.percent(3.4e-6) == "0.00034%" and units.percent(0.385, 3) == "38.5%"
+    assert units.count(1, "layer") == "1 layer" and units.count(3, "layer") == "3 layers"
+
+
+def test_plan_prints_runners_up_in_human_units_and_plots(capsys, tmp_path):
+    from hetjax import cli
+
+    png = tmp_path / "plan.png"
+    assert cli.main(["hetjax", "plan", "--config.parallel.pp=0", "--config.parallel.tp=0",
+                     "--config.parallel.dp=0", f"--plot={png}"]) == 0
+    out = capsys.readouterr().out
+    assert "the chosen plan (#0) and the runners-up:" in out
+    table = out.split("runners-up:\n")[1].splitlines()
+    assert table[0].split()[:3] == ["#", "pp", "x"] and table[1].split()[0] == "0"
+    assert len([line for line in table if line.strip()[:1].isdigit()]) >= 2
+    assert "50 \u00b5s" in out and "us " not in out and "Gb/s" in out  # link latency, rate
+    assert " ms" in out and "MFU" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_64_device_topology_prints_compactly():
+    from hetjax.topology import preset
+
+    text = preset("dtfm_worldwide").describe()
+    assert len(text.splitlines()) < 16 and max(map(len, text.splitlines())) <= 100
+    assert "28 ethernet links: 335 Mb/s to 1.16 Gb/s, latency 11 ms to 238 ms" in text
+    assert "slowest seoul <-> ireland" in text
+    spot = preset("dtfm_datacenter_spot").describe()
+    assert "gpu0 .. gpu31 (32 clusters)" in spot and len(spot.splitlines()) < 8
+    assert len(preset("dtfm_datacenter_spot").describe(full=True).splitlines()) > 40
+
+
+def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
+    from hetjax.planner import model_from_config, plan_from_config
+    from hetjax.planner.cost import CostModel
+    from hetjax.planner.plot import plan_figure
+    from hetjax.topology import preset
+
+    config = tiny_config(**{"topology.preset": "hethub_mixed", "parallel.pp": 2,
+                            "parallel.dp": 4, "parallel.tp": 2, "model.n_layers": 8,
+                            "train.microbatches": 4})
+    topology = preset("hethub_mixed")
+    plan = plan_from_config(config, topology)
+    model = model_from_config(config)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = plan_figure(plan, topology, model)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    device_map, timeline = fig.axes[:2]
+    step = CostModel(topology, model).predict(plan).step_time
+    assert timeline.get_xlim()[1] == pytest.approx(step * 1e3)  # in ms, to the step time
+    assert timeline.get_xlabel() == "time (ms)"
+    # No two drawn labels overlap, in either panel.
+    renderer = canvas.get_renderer()
+    for ax in (device_map, timeline):
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        assert boxes
+        for i, a in enumerate(boxes):
+            assert not any(a.overlaps(b) for b in boxes[i + 1:])
+    labelled = [t for t in timeline.texts if t.get_text()[:1] in "FB"]
+    assert 0 < len(labelled) < 2 * plan.pp * plan.microbatches  # the narrow ones were dropped
+    # TP groups are outlined: one box per (stage, replica) = pp * dp.
+    assert len(device_map.patches) == plan.pp * plan.dp
+
+
+# --- launch output ----------------------------------------------------------------------------
+def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
+    import io
+    import sys
+
+    from hetjax import launch
+
+    script = ("import sys\n"
+              "print('step 1 loss 5.0', flush=True)\n"
+              "sys.stderr.write('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number "
+              "of connected peer ranks is : 1\\n'); sys.stderr.flush()\n"
+              "sys.stderr.write('train: 10%\\rtrain: 50%\\rtrain: 100%\\n'); sys.stderr.flush()\n"
+              "print('summary', flush=True)\n")
+    children = [(f"p{i}", (sys.executable, "-c", script), None) for i in range(2)]
+    for verbose in (False, True):
+        out = io.StringIO()
+        assert launch.run(children, grace=5, out=out, verbose=verbose) == 0
+        lines = out.getvalue().splitlines()
+        worker = [line for line in lines if not line.startswith("hetjax launch:")]
+        assert all(line.startswith(("[p0] ", "[p1] ")) for line in worker)
+        for p in ("p0", "p1"):
+            assert f"[{p}] step 1 loss 5.0" in lines and f"[{p}] summary" in lines
+            assert f"[{p}] train: 100%" in lines  # a redrawn bar: its last state
+            assert (f"[{p}] [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+                    "connected peer ranks is : 1" in lines) == verbose
+        assert ("hetjax launch: hid 2 gloo connection lines (--verbose shows them)"
+                in lines) == (not verbose)
+
+
+# --- notebook display -------------------------------------------------------------------------
+def test_topology_plan_and_history_render_as_html_tables(finished_run):
+    from hetjax.planner import plan_from_config
+    from hetjax.topology import preset
+
+    topology = preset("dtfm_worldwide")
+    html = topology._repr_html_()
+    assert "<table>" in html and "<td style='text-align:left'>oregon</td>" in html
+    assert "28 ethernet links" in html
+    config, summary = finished_run
+    plan = plan_from_config(config, preset("cpu_hybrid"))
+    assert "<table>" in plan._repr_html_()
+    h = summary.history._repr_html_()
+    assert h.count("<tr>") == len(summary.history) + 1 and "eval_loss" in h
+
+
+def test_progress_bar_without_ipywidgets_is_the_text_bar(monkeypatch):
+    import builtins
+
+    import tqdm
+
+    from hetjax import metrics
+
+    monkeypatch.setattr(metrics, "_in_notebook", lambda: True)
+    real_import = builtins.__import__
+
+    def no_widgets(name, *a, **kw):
+        if name == "ipywidgets":
+            raise ImportError(name)
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_widgets)
+    assert metrics._bar_class() is tqdm.tqdm
