@@ -79,6 +79,7 @@ def test_help_describes_each_field_with_the_values_of_the_config_given(capsys):
     out = cli_out(capsys, "train", "--help")  # no --config: the default job
     assert "values of configs/default.py" in out
     assert " *parallel.pp = 2 " in out and "(base default: 1)" in out
+    assert "   parallel.dp = 0 " in out  # as the base default: not marked
     assert "train.steps = 300" in out and "optimizer steps of the run" in out
     assert "pipeline.stage_layers = ()" in out and "!!python" not in out
     assert max(map(len, out.splitlines())) <= 100
@@ -145,7 +146,7 @@ def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
 
     config = tiny_config(**{"topology.preset": "hethub_mixed", "parallel.pp": 2,
                             "parallel.dp": 4, "parallel.tp": 2, "model.n_layers": 8,
-                            "train.microbatches": 4})
+                            "pipeline.stage_layers": (7, 1), "train.microbatches": 4})
     topology = preset("hethub_mixed")
     plan = plan_from_config(config, topology)
     model = model_from_config(config)
