@@ -72,8 +72,8 @@ class History:
                        + "</tr>" for r in self.rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-    def plot(self, path: str, title: str = "") -> str:
-        return plot_history(self, path, title)
+    def plot(self, path: str, title: str = "", marks: dict[int, str] | None = None) -> str:
+        return plot_history(self, path, title, marks)
 
 
 def _cell(key: str, v) -> str:
@@ -86,8 +86,10 @@ def _cell(key: str, v) -> str:
     return f"{v:.4g}"
 
 
-def plot_history(history: History, path: str, title: str = "") -> str:
-    """Write a PNG: train and eval loss over steps (left), tokens/s over steps (right)."""
+def plot_history(history: History, path: str, title: str = "",
+                 marks: dict[int, str] | None = None) -> str:
+    """Write a PNG: train and eval loss over steps (left), tokens/s over steps (right);
+    `marks` {step: text} draws a dashed line at each step (e.g. where a run resumed)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, safe in notebooks
 
     c = history.columns()
@@ -106,6 +108,11 @@ def plot_history(history: History, path: str, title: str = "") -> str:
         else:
             ax_tps.text(0.5, 0.5, "no timed interval yet", ha="center", va="center",
                         transform=ax_tps.transAxes)
+    for step, text in (marks or {}).items():
+        for ax in (ax_loss, ax_tps):
+            ax.axvline(step, color="grey", ls="--", lw=1)
+        ax_loss.annotate(text, (step, 1), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                         textcoords="offset points", va="top", fontsize=8, color="dimgrey")
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     ax_loss.legend(loc="upper right")
     ax_loss.grid(alpha=0.3)

@@ -445,7 +445,8 @@ class Trainer:
         plot_path = os.path.join(self.workdir, LOSS_PNG)
 
         def plot(info):
-            self.history.plot(plot_path, title=self._plot_title())
+            marks = {resumed: f"resumed from step {resumed}"} if resumed is not None else None
+            self.history.plot(plot_path, title=self._plot_title(resumed), marks=marks)
 
         # A log row after the first and the last step, every log_every steps and whenever an
         # evaluation ran; the progress bar moves every step.
@@ -495,9 +496,12 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
-    def _plot_title(self) -> str:
+    def _plot_title(self, resumed: int | None = None) -> str:
+        """The run's name and plan (the plan of the steps since `resumed`, when resumed)."""
         p = self.plan
-        return f"{os.path.basename(os.path.abspath(self.workdir))}: pp={p.pp} dp={p.dp} tp={p.tp}"
+        since = f" since step {resumed}" if resumed is not None else ""
+        return (f"{os.path.basename(os.path.abspath(self.workdir))}: pp={p.pp} dp={p.dp} "
+                f"tp={p.tp}{since}")
 
     def _complete(self, total: int, resumed: int | None) -> RunSummary:
         """The summary of a run that is already at step `total`: from its metrics file."""

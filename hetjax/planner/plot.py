@@ -133,10 +133,13 @@ def timeline(ax, plan: Plan, pred, sim) -> None:
     events = list(sim.events)
     step = pred.step_time
     unit, scale = _time_unit(step)
+    # Separators between bars only while bars are wide: on a long schedule they would paint
+    # the thin bars white.
+    edge = "white" if len(events) <= 24 * max(plan.pp, 1) else "none"
     for e in events:
         color = FWD if e.action.kind == "F" else BWD
         x, w = e.start * scale, (e.end - e.start) * scale
-        ax.broken_barh([(x, w)], (e.stage - 0.4, 0.8), facecolors=color, edgecolors="white",
+        ax.broken_barh([(x, w)], (e.stage - 0.4, 0.8), facecolors=color, edgecolors=edge,
                        linewidth=0.5)
     ax.set_xlim(0, step * scale)
     ax.set_ylim(plan.pp - 0.5, -0.5)
