@@ -114,7 +114,7 @@ def plot_history(history: History, path: str, title: str = "",
         ax_loss.annotate(text, (step, 1), xycoords=("data", "axes fraction"), xytext=(3, -3),
                          textcoords="offset points", va="top", fontsize=8, color="dimgrey")
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
-    ax_loss.legend(loc="upper right")
+    ax_loss.legend(loc="lower left")  # a falling loss leaves it free; marks write at the top
     ax_loss.grid(alpha=0.3)
     ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput (after the first step)")
     ax_tps.set_ylim(bottom=0)
