@@ -427,15 +427,37 @@ class Topology:
         """
         import jax
 
+        _simulate_cpu_devices(jax, self.num_devices)
         avail = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if self.num_devices > len(avail):
             raise TopologyError(
                 f"topology {self.name!r} needs {self.num_devices} devices but JAX sees "
-                f"{len(avail)} ({avail[0].platform}). On CPU, set "
+                f"{len(avail)} ({avail[0].platform}). On CPU, JAX had started before hetjax "
+                "could ask for simulated devices: restart the Python process (or notebook "
+                "kernel) and build the Trainer before any other JAX operation, or set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={self.num_devices} before "
-                "jax is imported (the hetjax CLI does this itself), or pick a smaller "
+                "jax is imported (the hetjax CLI does this itself); or pick a smaller "
                 "topology (--config.topology.nodes / devices_per_node).")
         return avail[: self.num_devices]
+
+
+def _simulate_cpu_devices(jax, n: int) -> None:
+    """Before JAX starts its backends (a fresh notebook kernel that only imported jax), give
+    its CPU backend `n` devices, unless the user already chose a count (XLA_FLAGS or
+    jax_num_cpu_devices). Accelerator backends are not affected; once JAX has started, the
+    caller's error message says how to restart with the right count."""
+    import os
+
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a JAX without this (private) probe: leave it
+        return
+    chosen = jax.config.jax_num_cpu_devices != -1 or \
+        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if not started and not chosen:
+        jax.config.update("jax_num_cpu_devices", n)
 
 
 def _fmt_link(lk: Link) -> str:

@@ -234,3 +234,25 @@ def test_progress_bar_without_ipywidgets_is_the_text_bar(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_widgets)
     assert metrics._bar_class() is tqdm.tqdm
+
+
+def test_a_fresh_process_gets_the_topologys_devices_without_xla_flags():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import jax, hetjax\n"
+            "devices = hetjax.preset('cpu_hybrid').jax_devices()\n"
+            "print(len(devices), len(jax.devices()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["8", "8"]
+    # JAX already started with 1 device: one message saying what to do.
+    code = "import jax, hetjax\njax.devices()\nhetjax.preset('cpu_hybrid').jax_devices()\n"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "restart the Python process (or notebook kernel)" in r.stderr
