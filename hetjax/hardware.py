@@ -334,6 +334,8 @@ class Topology:
         """The links between clusters: each listed pair, or (more than COMPACT_ROWS pairs,
         unless `full`) one line per link kind with its range of rates and latencies and the
         slowest pair."""
+        if len(self.clusters) == 1:
+            return []
         lines = ["between clusters: " + (_fmt_link(self.inter_cluster)
                                          if self.inter_cluster is not None
                                          else "only the links listed")]
@@ -355,12 +357,17 @@ class Topology:
         lines += [f"  {a} <-> {b}: no link" for a, b in self.disconnected_pairs()]
         return lines
 
+    def size_text(self) -> str:
+        from hetjax.units import count
+
+        return (f"{count(len(self.clusters), 'cluster')}, {count(self.num_nodes, 'node')}, "
+                f"{count(self.num_devices, 'device')}")
+
     def describe(self, full: bool = False) -> str:
         """The clusters and links as a table; large topologies compactly (alike clusters on
         one row, cluster links by kind) unless `full`."""
         rows = self.cluster_rows(full)
-        lines = [f"topology {self.name!r}: {len(self.clusters)} clusters, "
-                 f"{self.num_nodes} nodes, {self.num_devices} devices",
+        lines = [f"topology {self.name!r}: {self.size_text()}",
                  *("  " + line for line in _table(rows))]
         lines += ["  " + line for line in self.link_lines(full)]
         return "\n".join(lines)
@@ -373,8 +380,7 @@ class Topology:
         body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(v)}</td>"
                                         for v in r.values()) + "</tr>" for r in rows)
         links = "<br>".join(html.escape(line) for line in self.link_lines())
-        return (f"<p><b>topology {html.escape(self.name)}</b>: {len(self.clusters)} clusters, "
-                f"{self.num_nodes} nodes, {self.num_devices} devices</p>"
+        return (f"<p><b>topology {html.escape(self.name)}</b>: {self.size_text()}</p>"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-family:monospace'>{links}</p>")
 

@@ -136,6 +136,9 @@ def test_a_64_device_topology_prints_compactly():
     spot = preset("dtfm_datacenter_spot").describe()
     assert "gpu0 .. gpu31 (32 clusters)" in spot and len(spot.splitlines()) < 8
     assert len(preset("dtfm_datacenter_spot").describe(full=True).splitlines()) > 40
+    one = preset("cpu_single").describe()
+    assert one.startswith("topology 'cpu_single': 1 cluster, 1 node, 8 devices")
+    assert "between clusters" not in one
 
 
 def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
