@@ -97,7 +97,7 @@ def test_local_launch_matches_single_process(tmp_path, single_process, processes
     # One copy of the run files and one final checkpoint; each process announced, output
     # prefixed.
     assert sorted(os.listdir(tmp_path / "multi")) == ["checkpoints", "config.json",
-                                                      "metrics.jsonl", "plan.json",
+                                                      "loss.png", "metrics.jsonl", "plan.json",
                                                       "topology.json"]
     assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["3"]
     assert len(re.findall(r"^\[p0\] summary$", out, re.M)) == 1
