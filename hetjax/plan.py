@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from hetjax import units
+from hetjax.units import gib, percent, seconds
 from hetjax.topology import Topology
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
@@ -157,8 +157,8 @@ class Plan:
                     f"{','.join(names[:2])},.. ({len(names)})"
             if "stage_time_s" in pr:
                 row["time/micro-batch"] = _fmt_seconds(pr["stage_time_s"][s])
-                row["memory / capacity"] = (f"{units.gib(pr['stage_memory_gib'][s] * 2**30)} / "
-                                            f"{units.gib(pr['stage_capacity_gib'][s] * 2**30)}")
+                row["memory / capacity"] = (f"{gib(pr['stage_memory_gib'][s] * 2**30)} / "
+                                            f"{gib(pr['stage_capacity_gib'][s] * 2**30)}")
                 row["idle/step"] = _fmt_seconds(pr["stage_idle_s"][s])
             rows.append(row)
         return rows
@@ -181,8 +181,8 @@ class Plan:
         fits = "" if pr.get("fits", True) else " -- DOES NOT FIT in device memory"
         layout = f" ({pr['layout']})" if "layout" in pr else ""
         return (f"predicted{layout}: step {_fmt_seconds(pr['step_time_s'])}, "
-                f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {units.percent(pr['mfu'])}, "
-                f"bubble {units.percent(pr['bubble'], 3)}{fits}")
+                f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {percent(pr['mfu'])}, "
+                f"bubble {percent(pr['bubble'], 3)}{fits}")
 
     def header(self) -> str:
         z = self.zero
@@ -257,10 +257,10 @@ def comparison_rows(plans: list["Plan"]) -> list[dict[str, str]]:
                "layers/stage": ",".join(map(str, p.stage_layers))
                if p.pp <= 8 else f"{min(p.stage_layers)}-{max(p.stage_layers)}"}
         if "step_time_s" in pr:
-            row.update({"step": units.seconds(pr["step_time_s"]),
+            row.update({"step": seconds(pr["step_time_s"]),
                         "tokens/s": f"{pr['tokens_per_s']:,.0f}",
-                        "MFU": units.percent(pr["mfu"]),
-                        "bubble": units.percent(pr["bubble"], 3),
+                        "MFU": percent(pr["mfu"]),
+                        "bubble": percent(pr["bubble"], 3),
                         "fits": "yes" if pr.get("fits", True) else "NO"})
         rows.append(row)
     return rows
@@ -275,7 +275,7 @@ def comparison_table(plans: list["Plan"]) -> str:
                      for r in [dict(zip(cols, cols)), *rows])
 
 
-_fmt_seconds = units.seconds
+_fmt_seconds = seconds
 
 
 def even_split(n_layers: int, stages: int) -> tuple[int, ...]:
