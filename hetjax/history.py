@@ -108,13 +108,11 @@ def plot_history(history: History, path: str, title: str = "",
         else:
             ax_tps.text(0.5, 0.5, "no timed interval yet", ha="center", va="center",
                         transform=ax_tps.transAxes)
-    for step, text in (marks or {}).items():
-        for ax in (ax_loss, ax_tps):
-            ax.axvline(step, color="grey", ls="--", lw=1)
-        ax_loss.annotate(text, (step, 1), xycoords=("data", "axes fraction"), xytext=(3, -3),
-                         textcoords="offset points", va="top", fontsize=8, color="dimgrey")
+    for step, text in (marks or {}).items():  # in the legend: free text would hit the data
+        ax_loss.axvline(step, color="grey", ls="--", lw=1, label=text)
+        ax_tps.axvline(step, color="grey", ls="--", lw=1)
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
-    ax_loss.legend(loc="lower left")  # a falling loss leaves it free; marks write at the top
+    ax_loss.legend(loc="best")
     ax_loss.grid(alpha=0.3)
     ax_tps.set(xlabel="step", ylabel="tokens/s", title="throughput (after the first step)")
     ax_tps.set_ylim(bottom=0)
