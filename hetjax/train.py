@@ -367,6 +367,23 @@ class Trainer:
                      f" vocab {m.vocab_size}, {m.dtype} compute")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """Notebooks: the topology and plan tables, the device map and simulated timeline as
+        an inline figure, and the model line."""
+        import base64
+        import html
+        import io
+
+        from hetjax.planner.plot import plan_figure
+
+        png = io.BytesIO()
+        plan_figure(self.plan, self.topology, self.model_cfg).savefig(png, format="png", dpi=80)
+        image = base64.b64encode(png.getvalue()).decode()
+        model_line = self.describe().splitlines()[-1]
+        return (self.topology._repr_html_() + self.plan._repr_html_()
+                + f"<img src='data:image/png;base64,{image}' style='max-width:100%'/>"
+                + f"<p>{html.escape(model_line)}</p>")
+
     def add_hook(self, fn: Callable[[StepInfo], Any], every: int = 1, **kw) -> Hook:
         """Run `fn(info)` after every `every`-th step of `train()` / `iter_steps()` (after the
         standard hooks, so `info.metrics` holds the step's timing and eval loss when they ran);

@@ -259,3 +259,11 @@ def test_a_fresh_process_gets_the_topologys_devices_without_xla_flags():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "restart the Python process (or notebook kernel)" in r.stderr
+
+
+def test_a_trainer_renders_its_tables_and_the_device_map_inline():
+    trainer = Trainer(tiny_config(**{"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2,
+                                     "train.microbatches": 2}), quiet=True)
+    html = trainer._repr_html_()
+    assert html.count("<table>") == 2 and "data:image/png;base64," in html
+    assert "parameters" in html
