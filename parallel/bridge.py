@@ -141,9 +141,8 @@ class Bridge:
         # (peer, key) -> a pull under way, oldest first; and pulls waited for, not yet taken
         self._pending: collections.OrderedDict = collections.OrderedDict()
         self._arrived: dict[tuple[int, int], list] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max_in_flight) if transport == "socket" \
+        self._pool = ThreadPoolExecutor(max_workers=max_in_flight + 1) if transport == "socket" \
             else None
-        self._socket_locks: dict[int, threading.Lock] = {}
         self._barriers = 0
         self._arrivals: dict[int, int] = {}  # peer -> the last barrier it reached
         self._closed = False
@@ -218,7 +217,6 @@ class Bridge:
             conn.close()
         else:
             self._peers[peer] = conn
-            self._socket_locks[peer] = threading.Lock()
         return self._peers[peer]
 
     # --- messages ------------------------------------------------------------------------------
@@ -240,6 +238,9 @@ class Bridge:
         while len(self._pending) >= self.max_in_flight:
             oldest = next(iter(self._pending))
             self._arrived[oldest] = self._wait(*oldest)
+        self._start(peer, key, specs)
+
+    def _start(self, peer: int, key: int, specs: Sequence) -> None:
         conn = self.connect(peer)
         if self.transport == "transfer":
             self._pending[peer, key] = conn.pull(key, list(specs))
@@ -251,8 +252,10 @@ class Bridge:
         import jax
         import jax.numpy as jnp
 
-        with self._socket_locks[peer]:
-            conn = self._peers[peer]
+        # A connection per message: a get waits until the peer has sent the message, and a
+        # shared connection would make a later message wait behind an earlier one.
+        host, _, port = self.addresses[peer].rpartition(":")
+        with socket.create_connection((host.strip("[]"), int(port))) as conn:
             _send_msg(conn, {"get": key})
             header, payload = _recv_msg(conn)
         out, offset = [], 0
@@ -288,10 +291,13 @@ class Bridge:
         return list(arrays)
 
     def recv(self, peer: int, key: int, specs: Sequence) -> list:
-        """Message `key` from `peer` (prefetched or pulled now), waited for."""
-        self.prefetch(peer, key, specs)
+        """Message `key` from `peer` (prefetched or pulled now), waited for. A message not
+        prefetched is pulled at once, beyond the in-flight bound: waiting for an older
+        prefetch first could wait for a message the peer sends only after this one."""
         if (peer, key) in self._arrived:
             return self._arrived.pop((peer, key))
+        if (peer, key) not in self._pending:
+            self._start(peer, key, specs)
         return self._wait(peer, key)
 
     def barrier(self, peers: Sequence[int]) -> None:
