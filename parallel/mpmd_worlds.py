@@ -46,10 +46,13 @@ LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
 class WorldsExecutor(MpmdExecutor):
     """`MpmdExecutor` for the stages of world `world` of `worlds` (`World`s from
     `hetjax.planner.worlds.plan_worlds`); `owner[rank]` is the global process (= bridge rank)
-    that runs topology rank `rank`. The train state holds the local stages only."""
+    that runs topology rank `rank`; `devices` are the world's devices in rank order (default:
+    every device of this process's jax.distributed job). The train state holds the local
+    stages only."""
 
     def __init__(self, plan, topology, model_cfg, tx, lr_schedule, grad_clip: float,
-                 worlds: Sequence, world: int, owner: dict[int, int], bridge: Bridge):
+                 worlds: Sequence, world: int, owner: dict[int, int], bridge: Bridge,
+                 devices: Sequence | None = None):
         Executor.__init__(self, plan, topology, model_cfg, tx, lr_schedule)
         check_plan(plan, model_cfg.n_layers)
         self.grad_clip = grad_clip
@@ -61,7 +64,8 @@ class WorldsExecutor(MpmdExecutor):
         self.owner, self.bridge = owner, bridge
         self.world_of = {s: w.index for w in self.worlds for s in w.stages}
         self.grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if devices is None:  # this world's jax.distributed job: its devices in rank order
+            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if len(devices) != len(self.world.ranks):
             raise HetjaxError(
                 f"world {self.world.index} runs topology ranks {list(self.world.ranks)[:4]}... "

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     if args.mode == "reference":
         print("LOSSES " + json.dumps(reference(overrides, args.steps)), flush=True)
         return 0
-    rc, out, seconds = launch_worlds(overrides, args.steps, die=args.die)
+    rc, out, seconds = launch_worlds(overrides, args.steps, die=args.die.lstrip("p"))
     print(out, end="")
     if args.die:
         print(f"worlds stopped with exit code {rc} after {seconds:.1f} s in all")
