@@ -130,10 +130,28 @@ def launch_worlds(overrides, steps: int, processes: int = 4, die: str = "",
         argv = (sys.executable, "-u", "-m", "hetjax.experiments.worlds", "worker",
                 "--steps", str(steps), *overrides)
         children.append((f"p{w.index}/world{w.env[nic.ENV_WORLD]}", argv, env))
-    out = io.StringIO()
-    t = time.perf_counter()
+    out = _Stamped()
     rc = run(children, grace=5.0, timeout=timeout, out=out)
-    return rc, out.getvalue(), time.perf_counter() - t
+    return rc, out.getvalue(), time.perf_counter() - out.t0
+
+
+class _Stamped(io.StringIO):
+    """The launcher's output with each line's seconds since the start ('  12.34s ...')."""
+
+    def __init__(self):
+        super().__init__()
+        self.t0 = time.perf_counter()
+
+    def write(self, text: str) -> int:
+        return super().write(f"{time.perf_counter() - self.t0:8.2f}s {text}")
+
+
+def stop_seconds(output: str) -> float:
+    """Seconds from a process's self-kill line to the launcher's last line."""
+    stamps = [(float(m.group(1)), m.group(2)) for m in
+              re.finditer(r"^\s*([0-9.]+)s (.*)$", output, re.M)]
+    died = next(t for t, line in stamps if "kills itself" in line)
+    return stamps[-1][0] - died
 
 
 def reference_in_subprocess(overrides, steps: int) -> list[float]:
@@ -159,7 +177,7 @@ def _losses(text: str) -> list[float]:
 def world_losses(output: str) -> dict[str, list[float]]:
     """Each process's losses from the launcher's output ('[name] LOSSES [...]' lines)."""
     return {m.group(1): json.loads(m.group(2))
-            for m in re.finditer(r"^\[(\S+)\] LOSSES (\[.*\])$", output, re.M)}
+            for m in re.finditer(r"\[(\S+)\] LOSSES (\[.*\])$", output, re.M)}
 
 
 def main(argv=None) -> int:
@@ -177,7 +195,8 @@ def main(argv=None) -> int:
     rc, out, seconds = launch_worlds(overrides, args.steps, die=args.die.lstrip("p"))
     print(out, end="")
     if args.die:
-        print(f"worlds stopped with exit code {rc} after {seconds:.1f} s in all")
+        print(f"worlds stopped with exit code {rc}, {stop_seconds(out):.1f} s after the "
+              f"process died ({seconds:.1f} s in all)")
         return 0 if rc else 1
     if rc:
         return rc
