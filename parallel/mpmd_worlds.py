@@ -355,7 +355,8 @@ class WorldsExecutor(MpmdExecutor):
 
     def finish(self) -> None:
         """Wait until every peer process has pulled this process's last messages."""
-        peers = sorted({p for w in self.worlds if w is not self.world for p in w.processes})
+        peers = sorted({self.owner[r] for w in self.worlds if w is not self.world
+                        for r in w.ranks})
         self.bridge.barrier(peers)
 
 
