@@ -41,7 +41,7 @@ from hetjax.distributed import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT,
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner import plan_from_config
-from hetjax.planner.worlds import plan_worlds
+from hetjax.planner.worlds import plan_worlds, world_lines
 from hetjax.topology import Topology
 from parallel import bridge, nic
 
@@ -447,6 +447,10 @@ def main(argv: list[str]) -> int:
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
                    args.nic_policy), flush=True)
+    if plan.executor == "mpmd" and plan.pp > 1:
+        for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
+                topology, plan, w, slot, args.nic_policy), tuple(w.slot for w in workers)):
+            print(line, flush=True)
     if args.dry_run:
         for w in workers:
             print(f"# process {w.index} on {w.host}")
