@@ -62,8 +62,16 @@ def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
     """Make this process worker `spec.process_id`: complete its environment (values the
     launcher or the user already set win), join the job, and check its devices."""
     plan = plan_from_config(cfg, topology)
-    slot = process_slots(topology, spec.num_processes)[spec.process_id]
-    env = nic.process_environment(topology, plan, slot, os.environ.get(ENV_NIC_POLICY, "cluster"))
+    policy = os.environ.get(ENV_NIC_POLICY, "cluster")
+    if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
+        slots = process_slots(topology, len(os.environ[bridge.ENV_BRIDGE_HOSTS].split(",")))
+        slot = slots[int(os.environ[bridge.ENV_BRIDGE_RANK])]
+        worlds = plan_worlds(plan, topology, slots)
+        env = nic.world_environment(topology, plan, worlds[int(os.environ[nic.ENV_WORLD])], slot,
+                                    policy, len(worlds))
+    else:
+        slot = process_slots(topology, spec.num_processes)[spec.process_id]
+        env = nic.process_environment(topology, plan, slot, policy)
     os.environ.update(nic.merge_environment(os.environ, env, override=False))
     initialize(spec, fingerprint(cfg, topology))
     import jax

@@ -139,6 +139,17 @@ class WorldsExecutor(MpmdExecutor):
         raise HetjaxError("evaluation of a multi-world job is not supported yet; set "
                           "train.eval_every=0, or evaluate a checkpoint in one world")
 
+    @property
+    def data_rows(self) -> np.ndarray:
+        """The global batch rows this process's devices hold: of the inputs (first stage's
+        world), or of the targets (last stage's world), or none."""
+        from parallel.train_state import batch_rows
+
+        if self._rows is None:
+            shardings = list(self.batch_sharding.values())
+            self._rows = batch_rows(self.plan, shardings[0]) if shardings else np.zeros(0, int)
+        return self._rows
+
     def put_batch(self, batch, rows=None):
         return super().put_batch({k: v for k, v in batch.items() if k in self.batch_sharding},
                                  rows)
