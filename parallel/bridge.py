@@ -144,6 +144,8 @@ class Bridge:
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight + 1) if transport == "socket" \
             else None
         self._barriers = 0
+        self.bytes_sent = 0  # offered; every message is pulled exactly once
+        self.bytes_received: dict[int, int] = {}  # peer -> bytes pulled from it
         self._arrivals: dict[int, int] = {}  # peer -> the last barrier it reached
         self._closed = False
         host, _, port = self.addresses[rank].rpartition(":")
@@ -222,6 +224,7 @@ class Bridge:
     # --- messages ------------------------------------------------------------------------------
     def send(self, key: int, arrays: Sequence) -> None:
         """Offer single-device arrays under `key` to the one peer that will pull them."""
+        self.bytes_sent += sum(a.nbytes for a in arrays)
         if self.transport == "transfer":
             self._server.await_pull(key, list(arrays))
             return
@@ -242,6 +245,8 @@ class Bridge:
 
     def _start(self, peer: int, key: int, specs: Sequence) -> None:
         conn = self.connect(peer)
+        self.bytes_received[peer] = self.bytes_received.get(peer, 0) + sum(
+            int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in specs)
         if self.transport == "transfer":
             self._pending[peer, key] = conn.pull(key, list(specs))
         else:

@@ -94,6 +94,7 @@ class WorldsExecutor(MpmdExecutor):
         self.activation = jax.ShapeDtypeStruct(
             (plan.dp, b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
         self._calls = 0  # steps run: the message keys' step field
+        self._route_cache: dict[tuple, list[list[int]]] = {}
 
     def describe(self) -> str:
         return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "
@@ -155,45 +156,72 @@ class WorldsExecutor(MpmdExecutor):
                                  rows)
 
     # --- moving arrays between worlds --------------------------------------------------------
-    def _send(self, tree, s_from: int, shardings, kind: str, field: int, mb: int) -> None:
-        """Offer every local shard of `tree` (resharded to `shardings` on stage s_from)."""
+    def _routes(self, s_local: int, s_to: int, shape, sharding) -> list[list[int]]:
+        """For an array of `shape` laid out like `sharding` (on local stage s_local; every
+        stage has the same mesh shape), the mesh positions of stage s_to grouped by receiving
+        process and shard: each group's first position is pulled over the bridge once, and the
+        rest of the group gets a local copy (so a shard replicated over tp crosses once per
+        process)."""
+        key = (s_local, s_to, tuple(shape), sharding.spec)
+        if key not in self._route_cache:
+            index = {self.position[s_local, d]: tuple((i.start, i.stop) for i in idx)
+                     for d, idx in sharding.devices_indices_map(tuple(shape)).items()}
+            groups: dict[tuple, list[int]] = {}
+            for p in range(self.grid[s_to].size):
+                receiver = self.owner[int(self.grid[s_to].flat[p])]
+                groups.setdefault((receiver, index[p]), []).append(p)
+            self._route_cache[key] = [sorted(ps) for ps in groups.values()]
+        return self._route_cache[key]
+
+    def _send(self, tree, s_from: int, s_to: int, shardings, kind: str, field: int,
+              mb: int) -> None:
+        """Offer the shards of `tree` (resharded to `shardings` on stage s_from) that stage
+        s_to's processes will pull from this process."""
         leaves = jax.tree.leaves(jax.device_put(tree, shardings))
-        n = self.grid[s_from].size
+        devices, n, me = self.stages[s_from].mesh.devices.flat, self.grid[s_from].size, \
+            self.bridge.rank
         for i, leaf in enumerate(leaves):
-            for shard in leaf.addressable_shards:
-                p = self.position[s_from, shard.device]
-                self.bridge.send(message_key(self._calls, field, mb, kind, i * n + p),
-                                 [shard.data])
+            shards = {sh.device: sh.data for sh in leaf.addressable_shards}
+            for ps in self._routes(s_from, s_to, leaf.shape, leaf.sharding):
+                if self.owner[int(self.grid[s_from].flat[ps[0]])] == me:
+                    self.bridge.send(message_key(self._calls, field, mb, kind, i * n + ps[0]),
+                                     [shards[devices[ps[0]]]])
 
     def _pulls(self, s_to: int, s_from: int, abstract, shardings, kind: str, field: int,
                mb: int):
-        """(peer, key, spec, device) of every shard stage s_to's local devices need."""
+        """(peer, key, spec, leaf, positions) of every shard this process's devices of stage
+        s_to need: pulled onto the first position's device, copied to the others."""
         out = []
-        n = self.grid[s_to].size
+        n, me = self.grid[s_to].size, self.bridge.rank
+        devices = self.stages[s_to].mesh.devices.flat
         leaves = jax.tree.leaves(abstract)
         for i, (leaf, sharding) in enumerate(zip(leaves, jax.tree.leaves(shardings))):
             shard_shape = sharding.shard_shape(leaf.shape)
-            for d in sharding.addressable_devices:
-                p = self.position[s_to, d]
-                peer = self.owner[int(self.grid[s_from].flat[p])]
-                spec = jax.ShapeDtypeStruct(shard_shape, leaf.dtype,
-                                            sharding=jax.sharding.SingleDeviceSharding(d))
-                out.append((peer, message_key(self._calls, field, mb, kind, i * n + p), spec,
-                            i))
+            for ps in self._routes(s_to, s_to, leaf.shape, sharding):
+                if self.owner[int(self.grid[s_to].flat[ps[0]])] != me:
+                    continue
+                peer = self.owner[int(self.grid[s_from].flat[ps[0]])]
+                spec = jax.ShapeDtypeStruct(shard_shape, leaf.dtype, sharding=(
+                    jax.sharding.SingleDeviceSharding(devices[ps[0]])))
+                out.append((peer, message_key(self._calls, field, mb, kind, i * n + ps[0]),
+                            spec, i, ps))
         return out
 
     def _prefetch(self, pulls) -> None:
-        for peer, key, spec, _ in pulls:
+        for peer, key, spec, _, _ in pulls:
             if len(self.bridge._pending) >= self.bridge.max_in_flight:
                 return  # never block on a prefetch (see the module docstring)
             self.bridge.prefetch(peer, key, [spec])
 
     def _recv(self, s_to: int, s_from: int, abstract, shardings, kind: str, field: int,
               mb: int):
-        pulls = self._pulls(s_to, s_from, abstract, shardings, kind, field, mb)
+        devices = self.stages[s_to].mesh.devices.flat
         arrays: dict[int, list] = {}
-        for peer, key, spec, i in pulls:
-            arrays.setdefault(i, []).extend(self.bridge.recv(peer, key, [spec]))
+        for peer, key, spec, i, ps in self._pulls(s_to, s_from, abstract, shardings, kind,
+                                                  field, mb):
+            (x,) = self.bridge.recv(peer, key, [spec])
+            arrays.setdefault(i, []).append(x)
+            arrays[i] += [jax.device_put(x, devices[q]) for q in ps[1:]]
         leaves, treedef = jax.tree.flatten(abstract)
         sh = jax.tree.leaves(shardings)
         return jax.tree.unflatten(treedef, [
@@ -268,7 +296,7 @@ class WorldsExecutor(MpmdExecutor):
                 elif chunks[k + 1].stage in mine:
                     inbox[k + 1, m] = jax.device_put(out, stages[chunks[k + 1].stage].activation)
                 else:
-                    self._send(out, s, st.activation, "activation", k, m)
+                    self._send(out, s, chunks[k + 1].stage, st.activation, "activation", k, m)
                 continue
             if chunk.last:
                 dy = jnp.ones((plan.dp,), jnp.float32, device=st.activation)
@@ -301,7 +329,7 @@ class WorldsExecutor(MpmdExecutor):
                     grad_inbox[k - 1, m] = jax.device_put(
                         dx, stages[chunks[k - 1].stage].activation)
                 else:
-                    self._send(dx, s, st.activation, "gradient", k, m)
+                    self._send(dx, s, chunks[k - 1].stage, st.activation, "gradient", k, m)
         grads = {s: finished[s][0] for s in local}
         if self.tied and head_s != embed_s:
             grads = self._sum_embedding(grads, head_s, embed_s)
@@ -337,7 +365,7 @@ class WorldsExecutor(MpmdExecutor):
         other = head_s if s == embed_s else embed_s
         st = stages[s]
         mine_g = grads[s]["embedder"]
-        self._send(mine_g, s, st.os_sharding["embedder"], "embedding_gradient", s, 0)
+        self._send(mine_g, s, other, st.os_sharding["embedder"], "embedding_gradient", s, 0)
         theirs = self._recv(s, other, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mine_g),
             st.os_sharding["embedder"], "embedding_gradient", other, 0)
@@ -350,7 +378,7 @@ class WorldsExecutor(MpmdExecutor):
         st = self.stages[self.local[0]]
         for w in self.worlds:
             if w is not self.world:
-                self._send(x, st.index, st.scalar, kind, self.world.index, w.index)
+                self._send(x, st.index, w.stages[0], st.scalar, kind, self.world.index, w.index)
 
     def _from_world(self, w: int, kind: str):
         st = self.stages[self.local[0]]

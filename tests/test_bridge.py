@@ -54,6 +54,9 @@ WORKER = textwrap.dedent("""
                           jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding)])
     assert (np.asarray(ya) == peer).all() and (np.asarray(yb) == peer).all()
     bridge.barrier([peer])
+    total = sum(int(np.prod(c[0])) * np.dtype(c[1]).itemsize for c in cases) + 12 + 16
+    assert bridge.bytes_sent == total and bridge.bytes_received == {peer: total}, (
+        bridge.bytes_sent, bridge.bytes_received, total)
     print("ok", me, flush=True)
 """)
 
