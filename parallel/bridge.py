@@ -56,6 +56,7 @@ DEFAULT_IN_FLIGHT = 4
 # What a message carries, as the low bits of its key.
 KINDS = {"activation": 0, "gradient": 1, "embedding_gradient": 2, "loss": 3, "norm": 4,
          "test": 15}
+KIND_NAMES = {v: k for k, v in KINDS.items()}
 _PART_BITS, _KIND_BITS, _MB_BITS, _STAGE_BITS = 12, 4, 16, 8
 
 
@@ -146,6 +147,7 @@ class Bridge:
         self._barriers = 0
         self.bytes_sent = 0  # offered; every message is pulled exactly once
         self.bytes_received: dict[int, int] = {}  # peer -> bytes pulled from it
+        self.bytes_by_kind: dict[str, int] = {}  # message kind -> bytes pulled
         self._arrivals: dict[int, int] = {}  # peer -> the last barrier it reached
         self._closed = False
         host, _, port = self.addresses[rank].rpartition(":")
@@ -190,7 +192,7 @@ class Bridge:
                 self._cond.wait()
             return self._outbox.pop(key)
 
-    # --- peers -------------------------------------------------------------------------------------
+    # --- peers -------------------------------------------------------------------------------
     def connect(self, peer: int):
         """The connection to bridge process `peer`, made on first use: retried until
         `timeout_s`, then a BridgeError naming the peer."""
@@ -245,8 +247,10 @@ class Bridge:
 
     def _start(self, peer: int, key: int, specs: Sequence) -> None:
         conn = self.connect(peer)
-        self.bytes_received[peer] = self.bytes_received.get(peer, 0) + sum(
-            int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in specs)
+        n = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in specs)
+        self.bytes_received[peer] = self.bytes_received.get(peer, 0) + n
+        kind = KIND_NAMES[(key >> _PART_BITS) & ((1 << _KIND_BITS) - 1)]
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + n
         if self.transport == "transfer":
             self._pending[peer, key] = conn.pull(key, list(specs))
         else:

@@ -57,6 +57,7 @@ WORKER = textwrap.dedent("""
     total = sum(int(np.prod(c[0])) * np.dtype(c[1]).itemsize for c in cases) + 12 + 16
     assert bridge.bytes_sent == total and bridge.bytes_received == {peer: total}, (
         bridge.bytes_sent, bridge.bytes_received, total)
+    assert bridge.bytes_by_kind == {"test": total - 28, "activation": 28}, bridge.bytes_by_kind
     print("ok", me, flush=True)
 """)
 

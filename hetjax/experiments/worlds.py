@@ -105,6 +105,8 @@ def worker(overrides, steps: int) -> list[float]:
         state, metrics = ex.step(state, ex.put_batch(batch))
         losses.append(_scalar(metrics["loss"]))
     ex.finish()
+    print(f"BRIDGE received {json.dumps(bridge.bytes_by_kind)} bytes in {steps} steps from "
+          f"processes {sorted(bridge.bytes_received)}", flush=True)
     bridge.close()
     return losses
 
@@ -167,6 +169,12 @@ def reference_in_subprocess(overrides, steps: int) -> list[float]:
     return _losses(res.stdout)
 
 
+def activation_bytes(overrides) -> int:
+    """Bytes of one step's boundary activations (every micro-batch), one way."""
+    cfg, topology, plan, model_cfg, *_ = build(overrides)
+    return plan.global_batch * plan.seq_len * model_cfg.d_model * 4
+
+
 def _losses(text: str) -> list[float]:
     m = re.search(r"LOSSES (\[.*\])", text)
     if not m:
@@ -209,6 +217,15 @@ def main(argv=None) -> int:
         worst = max(worst, diff)
         print(f"{name}: max relative difference {diff:.2e}")
     print(f"{len(got)} processes, {args.steps} steps: worst relative difference {worst:.2e}")
+    received: dict[str, int] = {}
+    for m in re.finditer(r"BRIDGE received (\{.*\}) bytes", out):
+        for kind, n in json.loads(m.group(1)).items():
+            received[kind] = received.get(kind, 0) + n
+    per_step = {k: v // args.steps for k, v in sorted(received.items())}
+    act = activation_bytes(overrides)
+    print(f"bridge bytes per step between the worlds, by kind: {per_step}; activations and "
+          f"their gradients: {per_step.get('activation', 0) + per_step.get('gradient', 0):,} "
+          f"(the boundary activations of a step are {act:,} bytes each way)")
     return 0 if worst < 1e-5 and len(got) == 4 else 1
 
 
