@@ -223,6 +223,11 @@ class Bridge:
             self._peers[peer] = conn
         return self._peers[peer]
 
+    @property
+    def in_flight(self) -> int:
+        """Prefetches started and not yet waited for."""
+        return len(self._pending)
+
     # --- messages ------------------------------------------------------------------------------
     def send(self, key: int, arrays: Sequence) -> None:
         """Offer single-device arrays under `key` to the one peer that will pull them."""

@@ -104,8 +104,8 @@ class WorldsExecutor(MpmdExecutor):
     def init_state(self, seed: int) -> MpmdState:
         # On one local device, then through the host: every process of the world has it.
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        natural = jax.device_get(jax.jit(lambda k: jax.tree.map(
-            lambda x: x, self._unboxed_init(k)), out_shardings=one)(jax.random.key(seed)))
+        natural = jax.device_get(jax.jit(self._unboxed_init, out_shardings=one)(
+            jax.random.key(seed)))
         return self.from_natural_params(natural)
 
     def _unboxed_init(self, key):
@@ -209,7 +209,7 @@ class WorldsExecutor(MpmdExecutor):
 
     def _prefetch(self, pulls) -> None:
         for peer, key, spec, _, _ in pulls:
-            if len(self.bridge._pending) >= self.bridge.max_in_flight:
+            if self.bridge.in_flight >= self.bridge.max_in_flight:
                 return  # never block on a prefetch (see the module docstring)
             self.bridge.prefetch(peer, key, [spec])
 

@@ -39,7 +39,7 @@ WORKER = textwrap.dedent("""
              for shape, dtype, _, dst in cases]
     for i in range(len(cases)):  # more prefetches than max_in_flight
         bridge.prefetch(peer, message_key(0, peer, i, "test"), [specs[i]])
-        assert len(bridge._pending) <= 2, len(bridge._pending)
+        assert bridge.in_flight <= 2, bridge.in_flight
     for i, (shape, dtype, _, dst) in enumerate(cases):
         (y,) = bridge.recv(peer, message_key(0, peer, i, "test"), [specs[i]])
         assert y.devices() == {devs[dst]}, (y.devices(), dst)
