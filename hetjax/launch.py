@@ -157,6 +157,8 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
                **spec.environ(), ENV_NIC_POLICY: args.nic_policy}
         if len(worlds) > 1:
             env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
+            # a world that never comes up is named by its bridge peers after the init timeout
+            env[bridge.ENV_BRIDGE_TIMEOUT] = str(args.init_timeout)
         cmd = worker_command(args.python, config_args, getattr(args, "command", "train"))
         local = args.local is not None
         if local:
