@@ -341,6 +341,13 @@ def cmd_plan(argv: list[str]) -> int:
             plan, topology, model, options_from_config(cfg)).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    if plan.executor == "mpmd" and plan.pp > 1:
+        from hetjax.planner.worlds import world_lines
+        from parallel import nic
+
+        for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
+                topology, plan, w, slot)):
+            print("  " + line)
     from hetjax.planner.search import bound_lines
 
     for line in bound_lines(plan):

@@ -44,8 +44,9 @@ from hetjax.distributed import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT,
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner import plan_from_config
+from hetjax.planner.worlds import plan_worlds, world_lines
 from hetjax.topology import Topology
-from parallel import nic
+from parallel import bridge, nic
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
 DEFAULT_PORT = 8476  # coordinator port for hostfile launches when none is given
@@ -64,8 +65,16 @@ def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
     """Make this process worker `spec.process_id`: complete its environment (values the
     launcher or the user already set win), join the job, and check its devices."""
     plan = plan_from_config(cfg, topology)
-    slot = process_slots(topology, spec.num_processes)[spec.process_id]
-    env = nic.process_environment(topology, plan, slot, os.environ.get(ENV_NIC_POLICY, "cluster"))
+    policy = os.environ.get(ENV_NIC_POLICY, "cluster")
+    if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
+        slots = process_slots(topology, len(os.environ[bridge.ENV_BRIDGE_HOSTS].split(",")))
+        slot = slots[int(os.environ[bridge.ENV_BRIDGE_RANK])]
+        worlds = plan_worlds(plan, topology, slots)
+        env = nic.world_environment(topology, plan, worlds[int(os.environ[nic.ENV_WORLD])], slot,
+                                    policy, len(worlds))
+    else:
+        slot = process_slots(topology, spec.num_processes)[spec.process_id]
+        env = nic.process_environment(topology, plan, slot, policy)
     os.environ.update(nic.merge_environment(os.environ, env, override=False))
     initialize(spec, fingerprint(cfg, topology))
     import jax
@@ -122,20 +131,37 @@ def worker_command(python: str, config_args, command: str = "train") -> list[str
 
 
 def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list[Worker]:
-    """The processes of a --local or --hostfile launch."""
+    """The processes of a --local or --hostfile launch: one jax.distributed job, or, for an
+    MPMD plan whose stages sit on several fabrics or accelerator kinds, one job per world
+    (`hetjax.planner.worlds`), each with its own coordinator, plus the bridge's addresses."""
     if args.local is not None:
         hosts = ["127.0.0.1"] * args.local
-        coordinator = f"127.0.0.1:{args.port or free_port()}"
     else:
         hosts = read_hostfile(args.hostfile)
-        coordinator = args.coordinator or f"{hosts[0]}:{args.port or DEFAULT_PORT}"
     slots = process_slots(topology, len(hosts))
+    worlds = plan_worlds(plan, topology, slots)
+    if len(worlds) == 1:
+        coordinators = [f"127.0.0.1:{args.port or free_port()}" if args.local is not None else
+                        args.coordinator or f"{hosts[0]}:{args.port or DEFAULT_PORT}"]
+    elif args.local is not None:
+        coordinators = [f"127.0.0.1:{args.port + w.index if args.port else free_port()}"
+                        for w in worlds]
+    else:  # each world's coordinator on its first host, on consecutive ports
+        coordinators = [f"{hosts[w.processes[0]]}:{(args.port or DEFAULT_PORT) + w.index}"
+                        for w in worlds]
+    bridge_port = (args.port or DEFAULT_PORT) + 100 if args.local is None else free_port_block(
+        len(hosts))
     workers = []
     for slot, host in zip(slots, hosts):
-        spec = WorkerSpec(coordinator, len(slots), slot.index, args.init_timeout,
-                          args.heartbeat_timeout)
-        env = {**nic.process_environment(topology, plan, slot, args.nic_policy),
+        w = next(w for w in worlds if slot.index in w.processes)
+        spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
+                          args.init_timeout, args.heartbeat_timeout)
+        env = {**nic.world_environment(topology, plan, w, slot, args.nic_policy, len(worlds)),
                **spec.environ(), ENV_NIC_POLICY: args.nic_policy}
+        if len(worlds) > 1:
+            env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
+            # a world that never comes up is named by its bridge peers after the init timeout
+            env[bridge.ENV_BRIDGE_TIMEOUT] = str(args.init_timeout)
         cmd = worker_command(args.python, config_args, getattr(args, "command", "train"))
         local = args.local is not None
         if local:
@@ -147,6 +173,27 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
         argv = cmd if local else shlex.split(args.rsh.format(host=host)) + [shell]
         workers.append(Worker(slot, host, env, shell, tuple(argv), local))
     return workers
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 free now (the bridge's control ports on one machine)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise HetjaxError(f"found no {n} consecutive free ports for the bridge")
 
 
 def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict[str, str],
@@ -435,6 +482,10 @@ def main(argv: list[str]) -> int:
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
                    args.nic_policy), flush=True)
+    if plan.executor == "mpmd" and plan.pp > 1:
+        for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
+                topology, plan, w, slot, args.nic_policy), tuple(w.slot for w in workers)):
+            print(line, flush=True)
     if args.dry_run:
         for w in workers:
             print(f"# process {w.index} on {w.host}")

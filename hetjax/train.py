@@ -42,6 +42,7 @@ from hetjax.tokenizer import load_tokenizer
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel.executor import TrainState, make_executor, opt_state_specs
+from parallel.nic import ENV_WORLD, ENV_WORLDS
 
 
 def learning_rate_schedule(t) -> optax.Schedule:
@@ -174,6 +175,34 @@ class Timing:
         }
 
 
+def worlds_job() -> bool:
+    """Whether this process is one world of a multi-world MPMD job (`hetjax launch` set it)."""
+    return int(os.environ.get(ENV_WORLDS, "1")) > 1
+
+
+def make_worlds_executor(config, plan: Plan, topology: Topology, model_cfg, tx, schedule):
+    """This world's `parallel.mpmd_worlds.WorldsExecutor`: the plan's worlds
+    (`hetjax.planner.worlds`), this process's bridge, which process runs which rank."""
+    from hetjax.distributed import process_slots
+    from hetjax.planner.worlds import plan_worlds
+    from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
+    from parallel.mpmd_worlds import WorldsExecutor
+
+    for field in ("eval.every", "checkpoint.every"):
+        section, name = field.split(".")
+        if config[section][name]:
+            raise HetjaxError(f"config.{field}={config[section][name]}: a multi-world job does "
+                              f"not evaluate or checkpoint yet; set --config.{field}=0")
+    if plan.executor != "mpmd":
+        raise HetjaxError(f"{ENV_WORLDS} > 1 needs the MPMD executor; set "
+                          "--config.pipeline.executor=mpmd")
+    slots = process_slots(topology, len(os.environ[ENV_BRIDGE_HOSTS].split(",")))
+    worlds = plan_worlds(plan, topology, slots)
+    owner = {r: slot.index for slot in slots for r in slot.ranks}
+    return WorldsExecutor(plan, topology, model_cfg, tx, schedule, config.train.grad_clip,
+                          worlds, int(os.environ[ENV_WORLD]), owner, bridge_from_environ())
+
+
 class Trainer:
     """Train a hetjax model from a config.
 
@@ -195,8 +224,12 @@ class Trainer:
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
         self.tx, self.schedule = make_optimizer(config.train)
-        self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
-                                      self.schedule, config.train.grad_clip)
+        if worlds_job():
+            self.executor = make_worlds_executor(config, self.plan, self.topology,
+                                                 self.model_cfg, self.tx, self.schedule)
+        else:
+            self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
+                                          self.schedule, config.train.grad_clip)
         self.tokens_per_step = self.plan.global_batch * self.plan.seq_len
         self.flops_per_step = self.model_cfg.flops_per_token(self.plan.seq_len) * \
             self.tokens_per_step
@@ -433,7 +466,8 @@ class Trainer:
         run already at `steps` trains nothing and says it is complete."""
         cfg, ckpt = self.config.train, self.config.checkpoint
         total = steps if steps is not None else cfg.steps
-        primary = jax.process_index() == 0
+        # one metrics writer per job: process 0 of world 0 (every world has the loss)
+        primary = jax.process_index() == 0 and os.environ.get(ENV_WORLD, "0") == "0"
         resumed = self.restore() if ckpt.every and int(self.state.step) == 0 else None
         if int(self.state.step) >= total:
             return self._complete(total, resumed)
@@ -488,6 +522,8 @@ class Trainer:
         try:
             for info in self.iter_steps(total, standard + self.hooks):
                 aside = info.aside_s
+            if hasattr(self.executor, "finish"):  # worlds: peers pull our last messages first
+                self.executor.finish()
         finally:
             progress.close()
             writer.close()
