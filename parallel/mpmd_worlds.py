@@ -29,14 +29,14 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 from hetjax.errors import HetjaxError
 from parallel import schedules as sch
 from parallel.bridge import Bridge, message_key
-from parallel.mesh import AXES, DP_AXES, mesh_shape
-from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, chunk_placement, issue_order,
-                           model_chunks, stage_tree)
+from parallel.mesh import AXES, mesh_shape
+from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, issue_order, model_chunks,
+                           schedule_for, stage_tree)
 from parallel.pipeline import check_plan
 from parallel.train_state import Executor, TrainState
 
@@ -57,9 +57,9 @@ class WorldsExecutor(MpmdExecutor):
         check_plan(plan, model_cfg.n_layers)
         self.grad_clip = grad_clip
         self.tied = model_cfg.tie_embeddings
-        self.schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+        self.schedule = schedule_for(plan)
         self.order = issue_order(self.schedule)
-        self.chunks = model_chunks(plan.stage_layers, chunk_placement(self.schedule))
+        self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
         self.world_of = {s: w.index for w in self.worlds for s in w.stages}
@@ -230,12 +230,12 @@ class WorldsExecutor(MpmdExecutor):
 
     def _input_pulls(self, s: int, a) -> list:
         """The bridge pulls task `a` of stage s needs (none if its input is local)."""
-        c = self.stages[s].chunks[getattr(a, "chunk", 0)]
+        c = self.stages[s].chunks[a.chunk]
         if a.kind == "F" and not c.first and self.chunks[c.index - 1].stage not in self.local:
             return self._pulls(s, self.chunks[c.index - 1].stage, self.activation,
                                self.stages[s].activation, "activation", c.index - 1,
                                a.microbatch)
-        if a.kind in ("B", "I") and not c.last and \
+        if a.kind in sch.BACKWARD_KINDS and not c.last and \
                 self.chunks[c.index + 1].stage not in self.local:
             return self._pulls(s, self.chunks[c.index + 1].stage, self.activation,
                                self.stages[s].activation, "gradient", c.index + 1,
@@ -258,78 +258,10 @@ class WorldsExecutor(MpmdExecutor):
     def stage_loss_and_grads(self, state: MpmdState, batch, task_times=None):
         """`MpmdExecutor.stage_loss_and_grads` for this world's stages: the mean loss, the
         local stages' gradients (in `self.local` order) and the global gradient norm."""
-        plan, stages, chunks, local = self.plan, self.stages, self.chunks, self.local
-        inputs, targets = batch.get("inputs"), batch.get("targets")
+        stages, chunks, local = self.stages, self.chunks, self.local
         mine = dict(zip(local, state.stages))
-        pieces = {s: stages[s].run(stages[s].gather, mine[s].params) for s in local}
-        acc = {s: stages[s].run(stages[s].new_accumulator, mine[s].params) for s in local}
-        zeros = {s: jax.device_put(jnp.zeros((plan.dp,), jnp.float32),
-                                   NamedSharding(stages[s].mesh, P(DP_AXES))) for s in local}
         head_s, embed_s = chunks[-1].stage, chunks[0].stage
-        losses = zeros.get(head_s)
-        inbox: dict[tuple[int, int], jax.Array] = {}
-        grad_inbox: dict[tuple[int, int], jax.Array] = {}
-        stash: dict[tuple[int, int], Any] = {}
-        douts: dict[tuple[int, int], Any] = {}
-        remaining = {s: sum(a.kind in ("B", "W") for a in self.schedule.orders[s])
-                     for s in local}
-        finished: dict[int, Any] = {}
-        tasks = [(s, a) for s, a in self.order if s in mine]
-        for t, (s, a) in enumerate(tasks):
-            for s2, a2 in tasks[t + 1:t + 1 + LOOKAHEAD]:
-                self._prefetch(self._input_pulls(s2, a2))
-            st, m, c = stages[s], a.microbatch, getattr(a, "chunk", 0)
-            chunk = st.chunks[c]
-            k = chunk.index
-            if a.kind == "F":
-                if chunk.first:
-                    x = None
-                elif (k, m) in inbox:
-                    x = inbox.pop((k, m))
-                else:
-                    x = self._recv(s, chunks[k - 1].stage, self.activation, st.activation,
-                                   "activation", k - 1, m)
-                out, stash[k, m] = st.run(st.forward, c, pieces[s][c], x, inputs, targets,
-                                          jnp.int32(m))
-                if chunk.last:
-                    losses = losses + out
-                elif chunks[k + 1].stage in mine:
-                    inbox[k + 1, m] = jax.device_put(out, stages[chunks[k + 1].stage].activation)
-                else:
-                    self._send(out, s, chunks[k + 1].stage, st.activation, "activation", k, m)
-                continue
-            if chunk.last:
-                dy = jnp.ones((plan.dp,), jnp.float32, device=st.activation)
-            elif (k, m) in grad_inbox:
-                dy = grad_inbox.pop((k, m))
-            else:
-                dy = self._recv(s, chunks[k + 1].stage, self.activation, st.activation,
-                                "gradient", k + 1, m)
-            if a.kind in ("B", "W"):
-                remaining[s] -= 1
-            last = a.kind in ("B", "W") and not remaining[s]
-            stage_losses = losses if s == head_s else zeros[s]
-            dx = None
-            if a.kind == "B" and last:
-                dx, finished[s] = st.run(st.last_backward, c, pieces[s][c], stash.pop((k, m)),
-                                         dy, acc[s], stage_losses)
-            elif a.kind == "B":
-                dx, acc[s] = st.run(st.backward, c, pieces[s][c], stash.pop((k, m)), dy,
-                                    acc[s])
-            elif a.kind == "I":
-                dx, douts[k, m] = st.run(st.input_grads, c, pieces[s][c], stash[k, m], dy)
-            elif last:
-                finished[s] = st.run(st.last_weight_grads, c, pieces[s][c], stash.pop((k, m)),
-                                     douts.pop((k, m)), acc[s], stage_losses)
-            else:
-                acc[s] = st.run(st.weight_grads, c, pieces[s][c], stash.pop((k, m)),
-                                douts.pop((k, m)), acc[s])
-            if dx is not None:
-                if chunks[k - 1].stage in mine:
-                    grad_inbox[k - 1, m] = jax.device_put(
-                        dx, stages[chunks[k - 1].stage].activation)
-                else:
-                    self._send(dx, s, chunks[k - 1].stage, st.activation, "gradient", k, m)
+        finished = self.run_tasks(mine, batch, task_times)
         grads = {s: finished[s][0] for s in local}
         if self.tied and head_s != embed_s:
             grads = self._sum_embedding(grads, head_s, embed_s)
@@ -345,6 +277,28 @@ class WorldsExecutor(MpmdExecutor):
             loss = self._from_world(self.world_of[head_s], "loss")
         self._calls += 1
         return loss, [grads[s] for s in local], g_norm
+
+    def before_task(self, tasks: list, t: int) -> None:
+        """Start the bridge pulls of the next LOOKAHEAD tasks' remote inputs."""
+        for s2, a2 in tasks[t + 1:t + 1 + LOOKAHEAD]:
+            self._prefetch(self._input_pulls(s2, a2))
+
+    def deliver(self, inbox: dict, kind: str, value, sender: int, chunk: int, m: int) -> None:
+        """Within this world a device-to-device copy; to another world, over the bridge
+        (the message is keyed by the sender's model chunk)."""
+        receiver = self.chunks[chunk].stage
+        if receiver in self.local:
+            return super().deliver(inbox, kind, value, sender, chunk, m)
+        source = chunk - 1 if kind == "activation" else chunk + 1
+        self._send(value, sender, receiver, self.stages[sender].activation, kind, source, m)
+
+    def take(self, inbox: dict, kind: str, s: int, chunk: int, m: int):
+        """From the inbox, or pulled over the bridge from the sender's world."""
+        if (kind, chunk, m) in inbox:
+            return inbox.pop((kind, chunk, m))
+        source = chunk - 1 if kind == "activation" else chunk + 1
+        return self._recv(s, self.chunks[source].stage, self.activation,
+                          self.stages[s].activation, kind, source, m)
 
     def _sum_embedding(self, grads, head_s: int, embed_s: int):
         """The tied embedding's two gradients summed, a + b (embed's + head's) on both stages,
