@@ -255,6 +255,11 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax.planner import model_from_config, options_from_config, plan_from_config, predict
 
     opts, rest = _take_options(argv, ("json", "plot"))
+    for name, path in opts.items():  # checked before the plan is computed
+        where = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise HetjaxError(f"--{name}={path}: directory {where} does not exist or is not "
+                              f"writable; fix: create it, or give a path in an existing one")
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
     plan = plan_from_config(cfg, topology)

@@ -342,12 +342,14 @@ class Trainer:
         r = self.checkpointer.restore(self.layout(), step)
         if r is None:
             return None
-        if r.meta.get("data") != self.data_spec.to_dict():
+        saved, now = r.meta.get("data") or {}, self.data_spec.to_dict()
+        if saved != now:
+            diff = ", ".join(f"{k} = {saved.get(k)!r} there, {now.get(k)!r} now"
+                             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
             raise HetjaxError(
                 f"checkpoint {r.step} in {self.checkpoint_dir} was written for other data "
-                f"({r.meta.get('data')}), this run reads {self.data_spec.to_dict()}; resume "
-                "with the same data.*, train.seq_len, train.batch_size and train.seed, or use "
-                "another workdir")
+                f"({diff}); resume with the same data.*, train.seq_len, train.batch_size and "
+                "train.seed, or use another workdir")
         self.state = r.state
         self.data.set_state(r.data_state)
         return r.step
