@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import ml_collections
 
@@ -145,6 +146,12 @@ def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigD
         fv(argv)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
         detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "").replace("'", "").strip('"').split())
+        bad = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", detail)
+        if bad:  # a value that does not parse as the field's type
+            field = bad.group(1)
+            raise ConfigError(field, f"cannot take the value {bad.group(2)!r} ({bad.group(3)})",
+                              f"give it a value like its default, e.g. "
+                              f"--config.{field}={_get(base_config(), field)!r}") from None
         raise HetjaxError(f"could not read the config {path or '(defaults)'}: {detail}") from None
     check_fields(fv.config)
     return fv.config
