@@ -70,6 +70,31 @@ def abstract_with_shardings(tree, shardings):
                         tree, shardings)
 
 
+def nonfinite_leaves(tree) -> list[str]:
+    """Paths of the floating-point leaves of `tree` holding a NaN or Inf."""
+    import jax.numpy as jnp
+
+    # One compiled check per set of devices (an MPMD state lives on several sub-meshes), not
+    # one per leaf: a save must not wait for dozens of compilations.
+    groups: dict[Any, list] = collections.defaultdict(list)
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            groups[frozenset(getattr(x, "sharding", None) and x.sharding.device_set or ())].append((path, x))
+    bad = []
+    for leaves in groups.values():
+        finite = _all_finite([x for _, x in leaves])
+        bad += [jax.tree_util.keystr(path, simple=True, separator="/")
+                for (path, _), ok in zip(leaves, jax.device_get(finite)) if not ok]
+    return sorted(bad)
+
+
+@jax.jit
+def _all_finite(xs):
+    import jax.numpy as jnp
+
+    return [jnp.isfinite(x).all() for x in xs]
+
+
 @dataclass
 class Restored:
     step: int
@@ -121,9 +146,20 @@ class Checkpointer:
 
     def save(self, step: int, state, layout: Layout, data_state: dict, meta: dict, *,
              eval_loss: float | None = None) -> None:
-        """Start saving `step` (returns while an async save writes in the background)."""
+        """Start saving `step` (returns while an async save writes in the background).
+
+        Refuses (HetjaxError) a state holding a NaN or Inf: a checkpoint is always one a run
+        can resume from."""
+        natural = layout.to_natural(state)
+        bad = nonfinite_leaves(natural)
+        if bad:
+            raise HetjaxError(
+                f"checkpoint {step}: refusing to save a state with NaN/Inf values in "
+                f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; the latest good "
+                f"checkpoint in {self.directory} is kept; fix: rerun to resume from it, with a "
+                "lower train.lr")
         self._in_flight.append(step)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(layout.to_natural(state)),
+        args = ocp.args.Composite(state=ocp.args.StandardSave(natural),
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
         metrics = {"eval_loss": float(eval_loss)} if eval_loss is not None else None

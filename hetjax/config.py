@@ -96,6 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
     c.train.seed = 0
     c.train.log_every = 10
+    # A step whose loss or gradient norm is NaN/Inf is skipped (no update); this many in a row
+    # stop the run with an error (the state is never updated with, nor saved holding, them).
+    c.train.max_bad_steps = 3
     c.train.progress = True  # progress bar on the terminal / notebook
 
     c.data = ml_collections.ConfigDict()
@@ -330,7 +333,8 @@ def validate(c) -> None:
     for f, ex in (("model.d_model", 128), ("model.n_layers", 4), ("model.n_heads", 4),
                   ("model.n_kv_heads", 2), ("model.d_ff", 384), ("model.max_seq_len", 512),
                   ("train.steps", 100), ("train.batch_size", 32), ("train.seq_len", 128),
-                  ("train.microbatches", 1), ("train.log_every", 10)):
+                  ("train.microbatches", 1), ("train.log_every", 10),
+                  ("train.max_bad_steps", 3)):
         _positive_int(c, f, ex)
     _require(m.vocab_size >= 0, "model.vocab_size", f"must be >= 0, got {m.vocab_size}",
              "set 0 to size it from the tokenizer")

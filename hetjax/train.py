@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -382,8 +383,14 @@ class Trainer:
         hooks = self.hooks if hooks is None else hooks
         start = int(self.state.step)
         aside = 0.0
+        previous, bad = None, 0
         for done in range(start + 1, total + 1):
             metrics = self.step()
+            if previous is not None:
+                # The step before this one is read only now, so the device is never idle
+                # waiting for the host check.
+                bad = self._check_finite(*previous, bad)
+            previous = (done, metrics)
             info = StepInfo(self, done, done == start + 1, done == total, metrics, aside)
             due = [h for h in hooks if h.due(info)]
             if any(h.aside for h in due):
@@ -397,6 +404,30 @@ class Trainer:
                     aside += time.perf_counter() - t
                     info.aside_s = aside
             yield info
+        if previous is not None:
+            self._check_finite(*previous, bad)
+
+    def _check_finite(self, step: int, metrics: dict[str, jax.Array], bad: int) -> int:
+        """Report a step the executor skipped for a non-finite loss or gradient norm; raise
+        after train.max_bad_steps in a row. Returns the count of skipped steps in a row."""
+        loss, g_norm = (float(v) for v in jax.device_get((metrics["loss"],
+                                                          metrics["grad_norm"])))
+        if np.isfinite(loss) and np.isfinite(g_norm):
+            return 0
+        bad += 1
+        limit = self.config.train.max_bad_steps
+        if jax.process_index() == 0:
+            print(f"hetjax: step {step}: loss {loss}, grad_norm {g_norm}: update skipped "
+                  f"({bad} in a row, train.max_bad_steps = {limit})", file=sys.stderr,
+                  flush=True)
+        if bad >= limit:
+            raise HetjaxError(
+                f"train.max_bad_steps: {bad} steps in a row ({step - bad + 1}-{step}) had a "
+                f"non-finite loss or gradient norm; training stopped, nothing of them was saved"
+                f" (checkpoints in {self.checkpoint_dir}); fix: lower train.lr "
+                f"(= {self.config.train.lr:g}) or train.grad_clip, check model.vocab_size and "
+                "the data, then rerun to resume from the latest checkpoint")
+        return bad
 
     def train(self, steps: int | None = None) -> dict[str, Any]:
         """Train until step `steps` (default train.steps) with the standard hooks and the

@@ -184,6 +184,102 @@ def test_a_field_of_the_wrong_type_set_from_python_is_refused():
                            "  fix: set it like its default, e.g. --config.data.path=''"
 
 
+# --- a run never goes on with, or saves, non-finite values -----------------------------------
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """One compiled tiny trainer (untied embeddings, so one poisoned embedding row makes only
+    the batches holding that token non-finite), reset between tests by `fresh`."""
+    from hetjax.train import Trainer
+
+    c = tiny_config(**{"model.tie_embeddings": False, "checkpoint.every": 2,
+                       "checkpoint.async_save": False, "train.steps": 4, "train.log_every": 1,
+                       "train.warmup_steps": 0})
+    return Trainer(c, workdir=str(tmp_path_factory.mktemp("run")), quiet=True)
+
+
+def fresh(trainer, workdir, **config):
+    """The trainer as if new in `workdir` (same compiled executor): initial state, data from
+    the start, no checkpointer yet."""
+    for key, value in config.items():
+        section, field = key.split(".")
+        trainer.config[section][field] = value
+    trainer.workdir = str(workdir)
+    trainer.state = trainer.init_state()
+    trainer._data = trainer._checkpointer = None
+    return trainer
+
+
+def poison(trainer, rows):
+    """NaN in the embedding rows `rows` of the trainer's state."""
+    import jax
+    import jax.numpy as jnp
+
+    p = trainer.state.params
+    emb = p["embedder"]["embedding"]
+    emb = jax.device_put(emb.at[rows].set(jnp.nan), emb.sharding)
+    trainer.state = trainer.state.replace(params={**p, "embedder": {"embedding": emb}})
+
+
+def test_a_non_finite_step_is_skipped_and_training_goes_on(trainer, tmp_path):
+    import jax
+    import numpy as np
+
+    fresh(trainer, tmp_path)
+    token = 7
+    poison(trainer, token)
+    batch = next(trainer.data)
+    good = {k: np.where(v == token, token + 1, v) for k, v in batch.items()}
+    bad = {k: v.copy() for k, v in good.items()}
+    bad["inputs"][0, 0] = token
+    before = jax.device_get(trainer.state.params)
+    m = jax.device_get(trainer.step(bad))
+    assert np.isnan(m["loss"]) and np.isnan(m["grad_norm"])
+    after = jax.device_get(trainer.state)
+    assert int(after.step) == 1  # the batch is consumed, the update is not applied
+    jax.tree.map(np.testing.assert_array_equal, after.params, before)
+    m = jax.device_get(trainer.step(good))
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+    assert not np.array_equal(jax.device_get(trainer.state.params["lm_head"]["kernel"]),
+                              before["lm_head"]["kernel"])
+
+
+def test_max_bad_steps_in_a_row_stop_the_run(trainer, tmp_path, capsys):
+    from hetjax.errors import HetjaxError
+
+    fresh(trainer, tmp_path, **{"train.max_bad_steps": 2, "checkpoint.every": 0})
+    poison(trainer, slice(None))  # every batch is non-finite
+    try:
+        with pytest.raises(HetjaxError) as e:
+            trainer.train()
+    finally:
+        fresh(trainer, tmp_path, **{"train.max_bad_steps": 3, "checkpoint.every": 2})
+    assert str(e.value) == (
+        "train.max_bad_steps: 2 steps in a row (1-2) had a non-finite loss or gradient norm; "
+        f"training stopped, nothing of them was saved (checkpoints in {tmp_path}/checkpoints); "
+        "fix: lower train.lr (= 0.003) or train.grad_clip, check model.vocab_size and the data, "
+        "then rerun to resume from the latest checkpoint")
+    assert capsys.readouterr().err.splitlines() == [
+        "hetjax: step 1: loss nan, grad_norm nan: update skipped (1 in a row, "
+        "train.max_bad_steps = 2)",
+        "hetjax: step 2: loss nan, grad_norm nan: update skipped (2 in a row, "
+        "train.max_bad_steps = 2)"]
+
+
+def test_a_checkpoint_never_holds_a_non_finite_value(trainer, tmp_path):
+    from hetjax.errors import HetjaxError
+
+    fresh(trainer, tmp_path)
+    trainer.save(wait=True)  # a good one first
+    poison(trainer, 3)
+    with pytest.raises(HetjaxError) as e:
+        trainer.save(wait=True)
+    assert str(e.value) == (
+        "checkpoint 0: refusing to save a state with NaN/Inf values in params/embedder/embedding;"
+        f" the latest good checkpoint in {tmp_path}/checkpoints is kept; fix: rerun to resume "
+        "from it, with a lower train.lr")
+    assert trainer.checkpointer.steps() == [0]
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
