@@ -95,6 +95,20 @@ def _all_finite(xs):
     return [jnp.isfinite(x).all() for x in xs]
 
 
+# What orbax says when a checkpoint reads fine but has another model's shapes or structure.
+_MISMATCH = ("is not compatible with the stored shape", "tree structures do not match"
+)
+
+
+class _Unreadable(Exception):
+    """A checkpoint that fails to read back (the message says what failed)."""
+
+
+def _first_sentence(e: Exception) -> str:
+    text = " ".join(str(e).split()).split(" See full TensorStore details")[0]
+    return f"{type(e).__name__}: {text[:200]}"
+
+
 @dataclass
 class Restored:
     step: int
@@ -172,22 +186,61 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def restore(self, layout: Layout, step: int | None = None) -> Restored | None:
-        """Restore `step` (default: the latest complete one) into `layout`'s shardings;
-        None if the directory holds no checkpoint."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
+        """Restore `step` (default: the newest checkpoint that reads back whole) into
+        `layout`'s shardings; None if the directory holds no readable checkpoint.
+
+        Without `step`, a checkpoint that fails to read (a truncated or garbled file, a junk
+        step directory, NaN/Inf values) is reported in one line, renamed to `<step>.corrupt`
+        and the next older one is tried. A checkpoint that reads but does not fit this model
+        is the user's to resolve: that is an error, and nothing is moved."""
+        if step is not None:
+            return self._restore(layout, step)
+        for candidate in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return self._restore(layout, candidate)
+            except _Unreadable as e:
+                self._set_aside(candidate, str(e))
+        return None
+
+    def _restore(self, layout: Layout, step: int) -> Restored:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(layout.natural_target()),
                                   data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         try:
             r = self.manager.restore(step, args=args)
-        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-            detail = " ".join(str(e).split())[:300]  # orbax's message spans many lines
+        except Exception as e:  # orbax and tensorstore raise many kinds; sorted out below
+            detail = " ".join(str(e).split())
+            if not any(m in detail for m in _MISMATCH):
+                raise _Unreadable(_first_sentence(e)) from None
             raise HetjaxError(
                 f"checkpoint {step} in {self.directory} does not fit this model and optimizer "
-                f"({type(e).__name__}: {detail}); resume with the model config it was "
+                f"({type(e).__name__}: {detail[:300]}); resume with the model config it was "
                 f"written with (see its meta/ item) or use another workdir") from None
+        if r.data is None or r.meta is None:
+            raise _Unreadable("its data or meta item is missing")
+        bad = nonfinite_leaves(r.state)
+        if bad:
+            raise _Unreadable(f"it holds NaN/Inf values in {', '.join(bad[:3])}")
         return Restored(step, layout.from_natural(r.state), dict(r.data), dict(r.meta))
+
+    def _set_aside(self, step: int, what: str) -> None:
+        """Rename an unreadable checkpoint to `<step>.corrupt` (kept for a post-mortem, out of
+        orbax's sight) and tell the user in one line."""
+        src = os.path.join(self.directory, str(step))
+        dst = src + ".corrupt"
+        n = 1
+        while os.path.exists(dst):
+            n += 1
+            dst = f"{src}.corrupt{n}"
+        if jax.process_index() == 0:
+            os.rename(src, dst)
+            print(f"hetjax: checkpoint {step} in {self.directory} cannot be read ({what}); "
+                  f"moved aside to {os.path.basename(dst)}, trying the previous one",
+                  file=sys.stderr, flush=True)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"hetjax_set_aside_{step}")
+        self.manager.reload()
 
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed."""

@@ -205,6 +205,8 @@ def fresh(trainer, workdir, **config):
         trainer.config[section][field] = value
     trainer.workdir = str(workdir)
     trainer.state = trainer.init_state()
+    if trainer._checkpointer is not None:
+        trainer._checkpointer.close()
     trainer._data = trainer._checkpointer = None
     return trainer
 
@@ -278,6 +280,88 @@ def test_a_checkpoint_never_holds_a_non_finite_value(trainer, tmp_path):
         f" the latest good checkpoint in {tmp_path}/checkpoints is kept; fix: rerun to resume "
         "from it, with a lower train.lr")
     assert trainer.checkpointer.steps() == [0]
+
+
+# --- corrupt checkpoints are set aside, the run resumes from the newest good one ---------------
+@pytest.fixture(scope="module")
+def saved_run(trainer, tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4, and its losses."""
+    from hetjax.metrics import read_metrics
+
+    workdir = tmp_path_factory.mktemp("saved")
+    fresh(trainer, workdir).train()
+    losses = [r["loss"] for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))]
+    return str(workdir), losses
+
+
+def _largest_array_file(step_dir):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state"))
+             for f in fs if os.sep + "d" + os.sep in os.path.join(r, f)]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(path, size=None):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 if size is None else size)
+
+
+# (what is broken, how, the step set aside, the part of the report in parentheses)
+CORRUPTIONS = [
+    ("a truncated array file", lambda d: _truncate(_largest_array_file(d + "/4")), 4,
+     "Exception: Encountered error while reading array index: "),
+    ("a truncated metadata file", lambda d: _truncate(d + "/4/state/_METADATA", 100), 4,
+     "JSONDecodeError: "),
+    ("a garbled meta item", lambda d: open(d + "/4/meta/metadata", "w").write("{bad"), 4,
+     "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 "
+     "(char 1)"),
+    ("a junk step directory", lambda d: (os.makedirs(d + "/6"), open(d + "/6/x", "w").write(
+        "junk")), 6, "KeyError: 'Item \"data\" was not found in the checkpoint. Available "
+     "items: []'"),
+]
+
+
+@pytest.mark.parametrize("what,corrupt,step,detail", CORRUPTIONS,
+                         ids=[c[0] for c in CORRUPTIONS])
+def test_a_corrupt_checkpoint_is_set_aside_and_the_newest_good_one_restored(
+        trainer, saved_run, tmp_path, capsys, what, corrupt, step, detail):
+    import jax
+    import numpy as np
+
+    src, _ = saved_run
+    shutil.copytree(os.path.join(src, "checkpoints"), tmp_path / "checkpoints")
+    ckpt = str(tmp_path / "checkpoints")
+    corrupt(ckpt)
+    fresh(trainer, tmp_path)
+    newest_good = 4 if step == 6 else 2
+    assert trainer.restore() == newest_good
+    err = capsys.readouterr().err.strip()
+    prefix = f"hetjax: checkpoint {step} in {ckpt} cannot be read ({detail}"
+    suffix = f"); moved aside to {step}.corrupt, trying the previous one"
+    assert err.startswith(prefix) and err.endswith(suffix) and "\n" not in err, err
+    assert os.path.isdir(os.path.join(ckpt, f"{step}.corrupt"))
+    assert trainer.checkpointer.steps() == ([2, 4] if step == 6 else [2])
+    assert int(trainer.state.step) == newest_good
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(trainer.params)))
+
+
+def test_a_checkpoint_of_another_model_is_an_error_and_stays_in_place(trainer, saved_run,
+                                                                       tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.errors import HetjaxError
+
+    src, _ = saved_run
+    ckpt = str(tmp_path / "checkpoints")
+    shutil.copytree(os.path.join(src, "checkpoints"), ckpt)
+    fresh(trainer, tmp_path)
+    layout = trainer.layout()
+    target = layout.natural_target()
+    other = jax.ShapeDtypeStruct((7,), jnp.float32, sharding=target.step.sharding)
+    layout.natural_target = lambda: target.replace(step=other)
+    with pytest.raises(HetjaxError, match="does not fit this model and optimizer"):
+        trainer.checkpointer.restore(layout)
+    assert trainer.checkpointer.steps() == [2, 4]
 
 
 def markdown_table(tmp: str) -> str:
