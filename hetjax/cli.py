@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, Preempted
 
 USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
+    except Preempted as e:
+        print(f"hetjax: {e}", file=sys.stderr)
+        return Preempted.EXIT_CODE
     except HetjaxError as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 2

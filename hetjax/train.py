@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -32,7 +34,7 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, Preempted
 from hetjax.metrics import MetricsWriter, Progress, read_metrics
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
@@ -203,6 +205,7 @@ class Trainer:
         self._data = None
         self._eval_data = None
         self._checkpointer = None
+        self._last_saved = None
 
     # --- state and data (created on first use) --------------------------------------------------
     @property
@@ -333,6 +336,7 @@ class Trainer:
                 "hetjax_version": __version__}
         self.checkpointer.save(step, self.state, self.layout(), self.data.get_state(), meta,
                                eval_loss=eval_loss)
+        self._last_saved = step
         if wait:
             self.checkpointer.wait()
         return step
@@ -476,10 +480,14 @@ class Trainer:
                                               if timing.mark_step == info.step else None)),
         ]
         aside = 0.0
+        preempted = _SigtermFlag()
         try:
             for info in self.iter_steps(total, standard + self.hooks):
                 aside = info.aside_s
+                if preempted.is_set() and not info.last:
+                    self._stop_preempted(info.step)
         finally:
+            preempted.restore()
             progress.close()
             writer.close()
             if self._checkpointer is not None:
@@ -501,6 +509,15 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
+    def _stop_preempted(self, step: int) -> None:
+        """SIGTERM arrived: checkpoint this step (unless a hook just did) and stop."""
+        if self._last_saved != step:
+            self.save(wait=True)
+        self.checkpointer.wait()
+        raise Preempted(f"preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
+                        f"{self.checkpoint_dir}; rerun the same command to resume (exit code "
+                        f"{Preempted.EXIT_CODE})")
+
     def _write_run_files(self):
         os.makedirs(self.workdir, exist_ok=True)
         with open(os.path.join(self.workdir, "plan.json"), "w") as f:
@@ -509,6 +526,24 @@ class Trainer:
             f.write(self.topology.to_json(indent=1))
         with open(os.path.join(self.workdir, "config.json"), "w") as f:
             f.write(self.config.to_json_best_effort(indent=1))
+
+
+class _SigtermFlag(threading.Event):
+    """Set by SIGTERM while a single-process `train()` runs; `restore()` puts the previous
+    handler back. (In a multi-process run the handler is not installed: every process would
+    have to stop at the same step, so SIGTERM ends it as before and the run resumes from its
+    latest periodic checkpoint.)"""
+
+    def __init__(self):
+        super().__init__()
+        self._previous = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self.set())
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _drop_metrics_after(path: str, step: int) -> None:

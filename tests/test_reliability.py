@@ -364,6 +364,33 @@ def test_a_checkpoint_of_another_model_is_an_error_and_stays_in_place(trainer, s
     assert trainer.checkpointer.steps() == [2, 4]
 
 
+# --- preemption: SIGTERM saves the current step and exits with its own code -------------------
+def test_sigterm_saves_the_current_step_and_the_rerun_continues_identically(trainer, saved_run,
+                                                                           tmp_path):
+    from hetjax.errors import Preempted
+    from hetjax.metrics import read_metrics
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    # The signal arrives during step 3 as from a scheduler; checkpoints are every 2 steps.
+    hook = trainer.add_hook(lambda info: os.kill(os.getpid(), signal.SIGTERM)
+                            if info.step == 3 else None)
+    try:
+        with pytest.raises(Preempted) as e:
+            trainer.train()
+    finally:
+        trainer.hooks.remove(hook)
+    assert str(e.value) == (
+        f"preempted (SIGTERM) after step 3: saved checkpoint 3 in {tmp_path}/checkpoints; "
+        "rerun the same command to resume (exit code 75)")
+    assert trainer.checkpointer.steps() == [2, 3]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    summary = fresh(trainer, tmp_path).train()
+    assert summary["resumed_from"] == 3
+    assert [r["loss"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] \
+        == reference
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
