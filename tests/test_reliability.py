@@ -391,6 +391,40 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues_identically(trai
         == reference
 
 
+TINY_CLI = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.d_ff=128",
+            "--config.model.max_seq_len=64", "--config.train.seq_len=16",
+            "--config.train.batch_size=16", "--config.train.progress=False",
+            "--config.data.source=synthetic", "--config.tensorboard=False",
+            "--config.train.log_every=1", "--config.eval.every=0"]
+
+
+@pytest.mark.heavy
+def test_sigterm_to_hetjax_train_exits_75_with_a_checkpoint(tmp_path):
+    from hetjax.metrics import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetjax", "train", *TINY_CLI, "--config.train.steps=100000",
+         "--config.checkpoint.every=100000", f"--config.workdir={tmp_path}"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(read_metrics(str(metrics))) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    last = proc.stderr.read().strip().splitlines()[-1]
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert rc == 75, last
+    assert last == (f"hetjax: preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
+                    f"{tmp_path}/checkpoints; rerun the same command to resume (exit code 75)")
+    assert os.path.isdir(tmp_path / "checkpoints" / str(step))
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
