@@ -293,6 +293,28 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     return _exit_code(rc)
 
 
+# Exit codes a restart cannot help: success, a user error (exit 2), a preemption the worker
+# saved for (75: the scheduler wants the job gone), the --timeout, an interrupt.
+NO_RESTART = (0, 2, 75, 124, 130)
+
+
+def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
+                      out=None) -> int:
+    """`run` the children `make_children()` returns; after a failure, start them afresh up to
+    `max_restarts` times (workers resume from the job's latest checkpoint). Returns the last
+    attempt's exit code."""
+    out = out or sys.stdout
+    for attempt in range(max_restarts + 1):
+        rc = run(make_children(), grace, timeout, out)
+        if rc in NO_RESTART or attempt == max_restarts:
+            return rc
+        out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
+                  f"{max_restarts}) after exit code {rc}; it resumes from its latest "
+                  "checkpoint\n")
+        out.flush()
+    return rc
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -358,6 +380,9 @@ def parser() -> argparse.ArgumentParser:
                                      "dead and stops the others (default %(default)s)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping (default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="after a worker fails, restart the whole job up to N times; it "
+                        "resumes from its latest checkpoint (default 0)")
     p.add_argument("--timeout", type=float, default=0, metavar="S",
                    help="stop the job after S seconds (default 0: no limit)")
     p.add_argument("--nic-policy", choices=nic.POLICIES, default="cluster",
@@ -384,6 +409,8 @@ def main(argv: list[str]) -> int:
     if stray:
         raise HetjaxError(f"hetjax launch does not know {stray}; its own flags are listed by "
                           "'hetjax launch --help', and training settings are --config flags")
+    if args.max_restarts < 0:
+        raise HetjaxError(f"--max-restarts {args.max_restarts}: give a number >= 0")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):
@@ -405,7 +432,8 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             print(f"{_env_prefix(env)} {shlex.join(cmd)}")
             return 0
-        return run([("srun", tuple(cmd), {**os.environ, **env})], args.grace, args.timeout)
+        return run_with_restarts(lambda: [("srun", tuple(cmd), {**os.environ, **env})],
+                                 args.grace, args.timeout, args.max_restarts)
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
@@ -415,11 +443,19 @@ def main(argv: list[str]) -> int:
             print(f"# process {w.index} on {w.host}")
             print(w.shell if w.local else shlex.join(w.argv))
         return 0
-    children = [(f"p{w.index}", w.argv,
+
+    def children():
+        # Fresh workers per attempt: a --local restart takes a new free coordinator port.
+        ws = workers if children.first else plan_workers(cfg, topology, plan, args, config_args)
+        children.first = False
+        return [(f"p{w.index}", w.argv,
                  nic.merge_environment(os.environ, w.env, override=True) if w.local else None)
-                for w in workers]
-    return run(children, args.grace, args.timeout)
+                for w in ws]
+
+    children.first = True
+    return run_with_restarts(children, args.grace, args.timeout, args.max_restarts)
 
 
-__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "describe",
+__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "run_with_restarts",
+           "describe",
            "read_hostfile", "fingerprint", "Worker"]

@@ -425,6 +425,37 @@ def test_sigterm_to_hetjax_train_exits_75_with_a_checkpoint(tmp_path):
     assert os.path.isdir(tmp_path / "checkpoints" / str(step))
 
 
+# --- hetjax launch --max-restarts ---------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
+    import io
+
+    from hetjax import launch
+
+    marker = tmp_path / "attempts"
+    # p1 dies by SIGKILL on the first two attempts (like a lost worker), then succeeds.
+    code = (f"import os, pathlib; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) "
+            "if p.exists() else 0; p.write_text('x' * (n + 1)); "
+            "os.kill(os.getpid(), 9) if n < 2 else None")
+    children = lambda: [("p0", (sys.executable, "-c", "pass"), None),  # noqa: E731
+                        ("p1", (sys.executable, "-c", code), None)]
+    out = io.StringIO()
+    assert launch.run_with_restarts(children, grace=1, max_restarts=2, out=out) == 0
+    assert marker.read_text() == "xxx"
+    restarts = [line for line in out.getvalue().splitlines() if "restarting" in line]
+    assert restarts == [
+        f"hetjax launch: restarting the job ({k} of --max-restarts 2) after exit code 137; it "
+        "resumes from its latest checkpoint" for k in (1, 2)]
+    marker.unlink()
+    assert launch.run_with_restarts(children, grace=1, max_restarts=1, out=io.StringIO()) == 137
+    # A user error (exit 2) or a preemption (75) is not retried.
+    for rc in (2, 75):
+        out = io.StringIO()
+        once = lambda rc=rc: [("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]  # noqa: E731
+        assert launch.run_with_restarts(once, grace=1, max_restarts=3, out=out) == rc
+        assert "restarting" not in out.getvalue()
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
