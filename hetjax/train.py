@@ -35,7 +35,7 @@ from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import HetjaxError, Preempted
-from hetjax.metrics import MetricsWriter, Progress, read_metrics
+from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.tokenizer import load_tokenizer
@@ -448,6 +448,8 @@ class Trainer:
             self._write_run_files()
             if resumed is not None:  # rows logged after that checkpoint were lost with it
                 _drop_metrics_after(os.path.join(self.workdir, "metrics.jsonl"), resumed)
+                if self.config.tensorboard:  # and TensorBoard shows what the file holds
+                    rebuild_tensorboard(self.workdir)
         writer = MetricsWriter(self.workdir, self.config.tensorboard, primary)
         progress = Progress(total, int(self.state.step), cfg.progress and not self.quiet,
                             cfg.log_every, primary)

@@ -201,8 +201,8 @@ def fresh(trainer, workdir, **config):
     """The trainer as if new in `workdir` (same compiled executor): initial state, data from
     the start, no checkpointer yet."""
     for key, value in config.items():
-        section, field = key.split(".")
-        trainer.config[section][field] = value
+        *section, field = key.split(".")
+        (trainer.config[section[0]] if section else trainer.config)[field] = value
     trainer.workdir = str(workdir)
     trainer.state = trainer.init_state()
     if trainer._checkpointer is not None:
@@ -385,10 +385,32 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues_identically(trai
         "rerun the same command to resume (exit code 75)")
     assert trainer.checkpointer.steps() == [2, 3]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
-    summary = fresh(trainer, tmp_path).train()
+    summary = fresh(trainer, tmp_path, tensorboard=True).train()
+    trainer.config.tensorboard = False
     assert summary["resumed_from"] == 3
-    assert [r["loss"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] \
-        == reference
+    rows = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["loss"] for r in rows] == reference
+    # TensorBoard holds each step once, with the metrics file's values.
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train/loss") == \
+        [(r["step"], pytest.approx(r["loss"])) for r in rows]
+
+
+def tensorboard_scalars(tb_dir, tag):
+    """(step, value) of `tag` in every event file under `tb_dir` (TFRecord framing)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for name in sorted(os.listdir(tb_dir)):
+        data = open(os.path.join(tb_dir, name), "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            out += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+    return sorted(out)
 
 
 TINY_CLI = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.d_ff=128",
