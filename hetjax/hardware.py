@@ -180,6 +180,20 @@ class Topology:
     def num_nodes(self) -> int:
         return sum(c.nodes for c in self.clusters)
 
+    def without_nodes(self, nodes) -> "Topology":
+        """This topology with the global node indices `nodes` removed (a cluster's nodes are
+        alike, so it keeps fewer of them; a cluster left with none goes, with its links)."""
+        gone, first = [0] * len(self.clusters), 0
+        for i, c in enumerate(self.clusters):
+            gone[i] = sum(first <= n < first + c.nodes for n in nodes)
+            first += c.nodes
+        kept = tuple(dataclasses.replace(c, nodes=c.nodes - g)
+                     for c, g in zip(self.clusters, gone) if c.nodes > g)
+        names = {c.name for c in kept}
+        return dataclasses.replace(
+            self, name=f"{self.name}-{len(set(nodes))}", clusters=kept,
+            cluster_links=tuple(x for x in self.cluster_links if {x.a, x.b} <= names))
+
     @functools.cached_property
     def devices(self) -> tuple[DeviceInfo, ...]:
         out, rank, gnode = [], 0, 0

@@ -213,10 +213,11 @@ def _how(rc: int) -> str:
 
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
-        timeout: float = 0, out=None) -> int:
+        timeout: float = 0, out=None, failed: list | None = None) -> int:
     """Start `children` ((name, argv, env)), prefix their output with their name, and stop
     them all when one fails (SIGTERM, then SIGKILL after `grace` s) or after `timeout` s
-    (0: no limit). Returns 0, or the exit code of the first failure (128 + signal)."""
+    (0: no limit). Returns 0, or the exit code of the first failure (128 + signal), whose
+    name is appended to `failed`."""
     out = out or sys.stdout
     lock = threading.Lock()
 
@@ -290,6 +291,8 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     name, rc = failure
     if name is not None:
         say(f"hetjax launch: failed: {name} {_how(rc)} first")
+        if failed is not None:
+            failed.append(name)
     return _exit_code(rc)
 
 
@@ -300,12 +303,14 @@ NO_RESTART = (0, 2, 75, 124, 130)
 
 def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
                       out=None) -> int:
-    """`run` the children `make_children()` returns; after a failure, start them afresh up to
-    `max_restarts` times (workers resume from the job's latest checkpoint). Returns the last
+    """`run` the children `make_children(failed)` returns; after a failure, start them afresh
+    up to `max_restarts` times (workers resume from the job's latest checkpoint). `failed` lists
+    the names of the processes that failed first in earlier attempts. Returns the last
     attempt's exit code."""
     out = out or sys.stdout
+    failed: list[str] = []
     for attempt in range(max_restarts + 1):
-        rc = run(make_children(), grace, timeout, out)
+        rc = run(make_children(failed), grace, timeout, out, failed)
         if rc in NO_RESTART or attempt == max_restarts:
             return rc
         out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
@@ -383,6 +388,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="after a worker fails, restart the whole job up to N times; it "
                         "resumes from its latest checkpoint (default 0)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --max-restarts: restart without the host whose process failed, "
+                        "re-planned (parallel.* chosen by the planner) on the remaining "
+                        "topology; training resumes from the plan-independent checkpoint")
     p.add_argument("--timeout", type=float, default=0, metavar="S",
                    help="stop the job after S seconds (default 0: no limit)")
     p.add_argument("--nic-policy", choices=nic.POLICIES, default="cluster",
@@ -411,6 +420,9 @@ def main(argv: list[str]) -> int:
                           "'hetjax launch --help', and training settings are --config flags")
     if args.max_restarts < 0:
         raise HetjaxError(f"--max-restarts {args.max_restarts}: give a number >= 0")
+    if args.elastic and (args.slurm or not args.max_restarts):
+        raise HetjaxError("--elastic re-plans at a restart: use it with --max-restarts N >= 1 "
+                          "and --local or --hostfile (under SLURM, resubmit with fewer nodes)")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):
@@ -432,7 +444,7 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             print(f"{_env_prefix(env)} {shlex.join(cmd)}")
             return 0
-        return run_with_restarts(lambda: [("srun", tuple(cmd), {**os.environ, **env})],
+        return run_with_restarts(lambda _: [("srun", tuple(cmd), {**os.environ, **env})],
                                  args.grace, args.timeout, args.max_restarts)
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
@@ -444,16 +456,60 @@ def main(argv: list[str]) -> int:
             print(w.shell if w.local else shlex.join(w.argv))
         return 0
 
-    def children():
+    def children(failed: list[str]):
         # Fresh workers per attempt: a --local restart takes a new free coordinator port.
-        ws = workers if children.first else plan_workers(cfg, topology, plan, args, config_args)
-        children.first = False
+        ws = workers
+        if failed and args.elastic:
+            ws = elastic_workers(cfg, args, config_args, failed)
+        elif failed:
+            ws = plan_workers(cfg, topology, plan, args, config_args)
         return [(f"p{w.index}", w.argv,
                  nic.merge_environment(os.environ, w.env, override=True) if w.local else None)
                 for w in ws]
 
-    children.first = True
     return run_with_restarts(children, args.grace, args.timeout, args.max_restarts)
+
+
+def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
+    """The workers of an elastic restart: the hosts of the processes in `failed` (names of
+    the launches so far, each numbered in its own launch) are dropped, the topology loses
+    their nodes, and the planner chooses the layout for what is left. The reduced topology
+    and hostfile are written into the workdir for the workers to read."""
+    hosts = ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
+    topology = hconfig.build_topology(cfg)
+    for name in failed:  # replay the drops in order: process numbers shift after each
+        slot = process_slots(topology, len(hosts))[int(name[1:])]
+        topology = topology.without_nodes(slot.nodes)
+        hosts.pop(slot.index)
+    if not hosts:
+        raise HetjaxError("--elastic: every host has failed; nothing is left to run on")
+    os.makedirs(cfg.workdir, exist_ok=True)
+    topo_file = os.path.abspath(os.path.join(cfg.workdir, "elastic_topology.json"))
+    with open(topo_file, "w") as f:
+        f.write(topology.to_json(indent=1))
+    default = hconfig.base_config()
+    extra = [f"--config.topology.file={topo_file}",
+             f"--config.topology.preset={default.topology.preset}",
+             "--config.topology.nodes=0", "--config.topology.devices_per_node=0",
+             "--config.parallel.pp=0", "--config.parallel.dp=0", "--config.parallel.tp=0",
+             "--config.pipeline.stage_layers=()"]
+    config_args = [*config_args, *extra]
+    new_cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
+                                        if a.startswith("--config=")), None),
+                                  [a for a in config_args if a.startswith("--config.")])
+    hconfig.validate(new_cfg)
+    plan = plan_from_config(new_cfg, topology)  # a clear error if nothing fits the rest
+    new_args = argparse.Namespace(**vars(args))
+    if args.local is not None:
+        new_args.local = len(hosts)
+    else:
+        new_args.hostfile = os.path.join(os.path.dirname(topo_file), "elastic_hosts.txt")
+        with open(new_args.hostfile, "w") as f:
+            f.write("\n".join(hosts) + "\n")
+    print(f"hetjax launch: --elastic: dropped {', '.join(failed)}; re-planned on "
+          f"{topology.num_devices} devices:\n{topology.describe()}\n{plan.describe(topology)}",
+          flush=True)
+    return plan_workers(new_cfg, topology, plan, new_args, config_args)
 
 
 __all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "run_with_restarts",

@@ -245,6 +245,40 @@ def test_a_non_finite_step_is_skipped_and_training_goes_on(trainer, tmp_path):
                               before["lm_head"]["kernel"])
 
 
+def test_the_mpmd_executor_skips_a_non_finite_step_on_every_stage():
+    import jax
+    import numpy as np
+
+    from hetjax.train import Trainer
+
+    c = tiny_config(**{"model.d_model": 32, "model.d_ff": 64, "model.tie_embeddings": False,
+                       "parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2,
+                       "pipeline.stage_layers": (1, 1), "pipeline.executor": "mpmd",
+                       "pipeline.microbatches": 2, "train.batch_size": 8,
+                       "train.warmup_steps": 0})
+    trainer = Trainer(c, quiet=True)
+    token = 5
+    natural = trainer.params
+    emb = natural["embedder"]["embedding"]
+    trainer.state = trainer.executor.from_natural_params(
+        {**natural, "embedder": {"embedding": emb.at[token].set(np.nan)}})
+    batch = next(trainer.data)
+    good = {k: np.where(v == token, token + 1, v) for k, v in batch.items()}
+    bad = {k: v.copy() for k, v in good.items()}
+    bad["inputs"][0, 0] = token
+    before = jax.device_get(trainer.params)
+    m = jax.device_get(trainer.step(bad))
+    assert np.isnan(m["loss"]) and np.isnan(m["grad_norm"])
+    assert int(trainer.state.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), before)
+    m = jax.device_get(trainer.step(good))
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+    after = jax.device_get(trainer.params)
+    up = [x["layers"]["block"]["mlp"]["up"]["kernel"] for x in (before, after)]
+    for layer in (0, 1):  # the layer of each stage trained again
+        assert not np.array_equal(up[0][layer], up[1][layer])
+
+
 def test_max_bad_steps_in_a_row_stop_the_run(trainer, tmp_path, capsys):
     from hetjax.errors import HetjaxError
 
@@ -459,7 +493,7 @@ def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
     code = (f"import os, pathlib; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) "
             "if p.exists() else 0; p.write_text('x' * (n + 1)); "
             "os.kill(os.getpid(), 9) if n < 2 else None")
-    children = lambda: [("p0", (sys.executable, "-c", "pass"), None),  # noqa: E731
+    children = lambda _: [("p0", (sys.executable, "-c", "pass"), None),  # noqa: E731
                         ("p1", (sys.executable, "-c", code), None)]
     out = io.StringIO()
     assert launch.run_with_restarts(children, grace=1, max_restarts=2, out=out) == 0
@@ -473,7 +507,7 @@ def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
     # A user error (exit 2) or a preemption (75) is not retried.
     for rc in (2, 75):
         out = io.StringIO()
-        once = lambda rc=rc: [("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]  # noqa: E731
+        once = lambda _, rc=rc: [("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]  # noqa: E731
         assert launch.run_with_restarts(once, grace=1, max_restarts=3, out=out) == rc
         assert "restarting" not in out.getvalue()
 
