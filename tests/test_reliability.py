@@ -512,6 +512,31 @@ def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
         assert "restarting" not in out.getvalue()
 
 
+def test_an_elastic_restart_drops_the_failed_host_and_re_plans(tmp_path, capsys):
+    from hetjax import config as hconfig
+    from hetjax import launch
+
+    argv = ["--local", "4", "--max-restarts", "1", "--elastic", "--config.train.batch_size=24",
+            f"--config.workdir={tmp_path}"]
+    args, config_args = launch.parser().parse_known_args(argv)
+    cfg = hconfig.load_config(None, config_args)
+    workers = launch.elastic_workers(cfg, args, config_args, ["p2"])
+    assert len(workers) == 3
+    topology = hconfig.build_topology(cfg).without_nodes([2])
+    assert [(c.name, c.nodes) for c in topology.clusters] == [("ib", 2), ("roce", 1)]
+    with open(tmp_path / "elastic_topology.json") as f:
+        assert f.read() == topology.to_json(indent=1)
+    assert f"--config.topology.file={tmp_path}/elastic_topology.json" in workers[0].argv
+    out = capsys.readouterr().out
+    assert out.startswith("hetjax launch: --elastic: dropped p2; re-planned on 6 devices:\n")
+    import re
+
+    pp, dp, tp = map(int, re.search(r"plan \(planner\): pp=(\d+) dp=(\d+) tp=(\d+)", out).groups())
+    assert pp * dp * tp == 6
+    # A second failure (p0 of the three) leaves the roce node alone with its cluster.
+    assert len(launch.elastic_workers(cfg, args, config_args, ["p2", "p0"])) == 2
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
