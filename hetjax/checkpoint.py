@@ -15,7 +15,9 @@ methods.
 
 orbax writes a step into a temporary directory and renames it into place when every item is
 complete, so a save that is interrupted (crash, SIGKILL) never replaces a good checkpoint; its
-leftover temporary directory is removed when the next run opens the directory.
+leftover temporary directory is removed when the next run opens the directory. A save refuses
+a state holding NaN/Inf; a restore that fails to read a checkpoint sets it aside
+(`<step>.corrupt`) and falls back to the next older one.
 """
 
 from __future__ import annotations

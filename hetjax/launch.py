@@ -16,6 +16,8 @@ every task computes its own from the allocation.
 The launcher supervises what it starts: each line a process prints is prefixed with its id;
 when one process fails, the others get SIGTERM and, after `--grace` seconds, SIGKILL (a peer
 may sit in a collective with the dead one forever); the exit code is the first failure's.
+`--max-restarts N` then starts the job again (it resumes from its checkpoint), and `--elastic`
+does so without the failed process's host, re-planned on the topology left.
 """
 
 from __future__ import annotations

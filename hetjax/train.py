@@ -14,6 +14,10 @@ checkpoints (both kept out of the step time), timing, the metrics file / TensorB
 progress bar -- resumes from the latest checkpoint, runs the loop and returns the run summary.
 A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and its
 metrics.
+
+Guards (docs/reliability.md): executors skip an update whose loss or gradient norm is not finite;
+the loop reports each such step and stops after `train.max_bad_steps` in a row. SIGTERM during
+a single-process `train()` saves the current step and raises `Preempted` (CLI exit code 75).
 """
 
 from __future__ import annotations
