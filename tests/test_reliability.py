@@ -115,6 +115,12 @@ BAD_INPUTS = [
      "config.zero.s_p: s_p = 3 is larger than s_os = 1; each optimizer-state shard must lie "
      "inside its device's parameter shard, so s_p must divide s_os\n  fix: choose zero.s_p "
      "from the divisors of s_os = 1: [1]"),
+    ("parallel.tp across nodes in hetjax plan",
+     "plan --config.parallel.pp=2 --config.parallel.dp=1 --config.parallel.tp=4 "
+     "--config.model.n_kv_heads=4",
+     "the layout breaks hetjax's placement rules: TP group [0, 1, 2, 3] spans 2 nodes, so every "
+     "layer's all-reduce crosses infiniband. Fix: choose tp <= devices per node and pp so each "
+     "stage fits in a cluster, or set --config.parallel.allow_straddle=True to accept it."),
     ("--plot into a missing directory", "plan --plot {tmp}/no/plan.png",
      "--plot={tmp}/no/plan.png: directory {tmp}/no does not exist or is not writable; fix: "
      "create it, or give a path in an existing one"),
