@@ -81,7 +81,8 @@ def nonfinite_leaves(tree) -> list[str]:
     groups: dict[Any, list] = collections.defaultdict(list)
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            groups[frozenset(getattr(x, "sharding", None) and x.sharding.device_set or ())].append((path, x))
+            devices = frozenset(x.sharding.device_set) if hasattr(x, "sharding") else frozenset()
+            groups[devices].append((path, x))
     bad = []
     for leaves in groups.values():
         finite = _all_finite([x for _, x in leaves])

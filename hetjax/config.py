@@ -166,7 +166,8 @@ def _load_file(path: str) -> ml_collections.ConfigDict:
     import traceback
 
     file, *args = path.split(":")
-    fix = "give a Python file with get_config() returning a ConfigDict, e.g. --config=configs/default.py"
+    fix = ("give a Python file with get_config() returning a ConfigDict, e.g. "
+           "--config=configs/default.py")
     if not os.path.isfile(file):
         raise HetjaxError(f"--config={path}: no such file; fix: {fix}")
     if not file.endswith(".py"):

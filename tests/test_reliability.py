@@ -23,7 +23,8 @@ CONFIG_FILES = {
     "syntax.py": "def get_config(:\n",
     "dict.py": "def get_config():\n    return {'train': {'steps': 3}}\n",
     "partial.py": ("import ml_collections\n\ndef get_config():\n"
-                   "    c = ml_collections.ConfigDict()\n    c.train = ml_collections.ConfigDict()\n"
+                   "    c = ml_collections.ConfigDict()\n"
+                   "    c.train = ml_collections.ConfigDict()\n"
                    "    c.train.steps = 3\n    return c\n"),
     "badtype.py": ("from hetjax.config import base_config\n\ndef get_config():\n"
                    "    c = base_config()\n    c.train.steps = 'ten'\n    return c\n"),
@@ -513,7 +514,8 @@ def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
     # A user error (exit 2) or a preemption (75) is not retried.
     for rc in (2, 75):
         out = io.StringIO()
-        once = lambda _, rc=rc: [("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]  # noqa: E731
+        once = lambda _, rc=rc: [  # noqa: E731
+            ("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]
         assert launch.run_with_restarts(once, grace=1, max_restarts=3, out=out) == rc
         assert "restarting" not in out.getvalue()
 
