@@ -259,9 +259,9 @@ def test_the_mpmd_executor_skips_a_non_finite_step_on_every_stage():
     from hetjax.train import Trainer
 
     c = tiny_config(**{"model.d_model": 32, "model.d_ff": 64, "model.tie_embeddings": False,
-                       "parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2,
+                       "parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,
                        "pipeline.stage_layers": (1, 1), "pipeline.executor": "mpmd",
-                       "pipeline.microbatches": 2, "train.batch_size": 8,
+                       "pipeline.microbatches": 1, "train.batch_size": 4,
                        "train.warmup_steps": 0})
     trainer = Trainer(c, quiet=True)
     token = 5
