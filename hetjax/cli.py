@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, Preempted
 
 USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
@@ -326,6 +326,11 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax.planner.config_plan import plan_for_config, validate_layout
 
     opts, rest = _take_options(argv, ("json", "plot"))
+    for name, path in opts.items():  # checked before the plan is computed
+        where = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise HetjaxError(f"--{name}={path}: directory {where} does not exist or is not "
+                              f"writable; fix: create it, or give a path in an existing one")
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
     runners_up = ()
@@ -452,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
+    except Preempted as e:
+        print(f"hetjax: {e}", file=sys.stderr)
+        return Preempted.EXIT_CODE
     except HetjaxError as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,8 @@ apart, so a library's C++ log line never lands inside a Python one) is prefixed 
 third-party noise (gloo's per-rank connection lines, `NOISE`) is hidden unless `--verbose`;
 when one process fails, the others get SIGTERM and, after `--grace` seconds, SIGKILL (a peer
 may sit in a collective with the dead one forever); the exit code is the first failure's.
+`--max-restarts N` then starts the job again (it resumes from its checkpoint), and `--elastic`
+does so without the failed process's host, re-planned on the topology left.
 """
 
 from __future__ import annotations
@@ -268,11 +270,12 @@ NOISE = (re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),)
 
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
-        timeout: float = 0, out=None, verbose: bool = False) -> int:
+        timeout: float = 0, out=None, failed: list | None = None,
+        verbose: bool = False) -> int:
     """Start `children` ((name, argv, env)), prefix each line of their output with their name
     (lines matching `NOISE` hidden unless `verbose`), and stop them all when one fails
     (SIGTERM, then SIGKILL after `grace` s) or after `timeout` s (0: no limit). Returns 0, or
-    the exit code of the first failure (128 + signal)."""
+    the exit code of the first failure (128 + signal), whose name is appended to `failed`."""
     out = out or sys.stdout
     lock = threading.Lock()
     hidden = [0]
@@ -353,7 +356,33 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     name, rc = failure
     if name is not None:
         say(f"hetjax launch: failed: {name} {_how(rc)} first")
+        if failed is not None:
+            failed.append(name)
     return _exit_code(rc)
+
+
+# Exit codes a restart cannot help: success, a user error (exit 2), a preemption the worker
+# saved for (75: the scheduler wants the job gone), the --timeout, an interrupt.
+NO_RESTART = (0, 2, 75, 124, 130)
+
+
+def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
+                      out=None, verbose: bool = False) -> int:
+    """`run` the children `make_children(failed)` returns; after a failure, start them afresh
+    up to `max_restarts` times (workers resume from the job's latest checkpoint). `failed` lists
+    the names of the processes that failed first in earlier attempts. Returns the last
+    attempt's exit code."""
+    out = out or sys.stdout
+    failed: list[str] = []
+    for attempt in range(max_restarts + 1):
+        rc = run(make_children(failed), grace, timeout, out, failed, verbose)
+        if rc in NO_RESTART or attempt == max_restarts:
+            return rc
+        out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
+                  f"{max_restarts}) after exit code {rc}; it resumes from its latest "
+                  "checkpoint\n")
+        out.flush()
+    return rc
 
 
 def _interrupt(signum, frame):
@@ -424,6 +453,13 @@ def parser() -> argparse.ArgumentParser:
                                      "dead and stops the others (default %(default)s)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping (default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="after a worker fails, restart the whole job up to N times; it "
+                        "resumes from its latest checkpoint (default 0)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --max-restarts: restart without the host whose process failed, "
+                        "re-planned (parallel.* chosen by the planner) on the remaining "
+                        "topology; training resumes from the plan-independent checkpoint")
     p.add_argument("--timeout", type=float, default=0, metavar="S",
                    help="stop the job after S seconds (default 0: no limit)")
     p.add_argument("--nic-policy", choices=nic.POLICIES, default="cluster",
@@ -453,6 +489,11 @@ def main(argv: list[str]) -> int:
     if stray:
         raise HetjaxError(f"hetjax launch does not know {stray}; its own flags are listed by "
                           "'hetjax launch --help', and training settings are --config flags")
+    if args.max_restarts < 0:
+        raise HetjaxError(f"--max-restarts {args.max_restarts}: give a number >= 0")
+    if args.elastic and (args.slurm or not args.max_restarts):
+        raise HetjaxError("--elastic re-plans at a restart: use it with --max-restarts N >= 1 "
+                          "and --local or --hostfile (under SLURM, resubmit with fewer nodes)")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):
@@ -476,8 +517,9 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             print(f"{_env_prefix(env)} {shlex.join(cmd)}")
             return 0
-        return run([("srun", tuple(cmd), {**os.environ, **env})], args.grace, args.timeout,
-                   verbose=args.verbose)
+        return run_with_restarts(lambda _: [("srun", tuple(cmd), {**os.environ, **env})],
+                                 args.grace, args.timeout, args.max_restarts,
+                                 verbose=args.verbose)
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
@@ -491,11 +533,64 @@ def main(argv: list[str]) -> int:
             print(f"# process {w.index} on {w.host}")
             print(w.shell if w.local else shlex.join(w.argv))
         return 0
-    children = [(f"p{w.index}", w.argv,
+
+    def children(failed: list[str]):
+        # Fresh workers per attempt: a --local restart takes a new free coordinator port.
+        ws = workers
+        if failed and args.elastic:
+            ws = elastic_workers(cfg, args, config_args, failed)
+        elif failed:
+            ws = plan_workers(cfg, topology, plan, args, config_args)
+        return [(f"p{w.index}", w.argv,
                  nic.merge_environment(os.environ, w.env, override=True) if w.local else None)
-                for w in workers]
-    return run(children, args.grace, args.timeout, verbose=args.verbose)
+                for w in ws]
+
+    return run_with_restarts(children, args.grace, args.timeout, args.max_restarts,
+                             verbose=args.verbose)
 
 
-__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "describe",
+def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
+    """The workers of an elastic restart: the hosts of the processes in `failed` (names of
+    the launches so far, each numbered in its own launch) are dropped, the topology loses
+    their nodes, and the planner chooses the layout for what is left. The reduced topology
+    and hostfile are written into the workdir for the workers to read."""
+    hosts = ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
+    topology = hconfig.build_topology(cfg)
+    for name in failed:  # replay the drops in order: process numbers shift after each
+        slot = process_slots(topology, len(hosts))[int(name[1:])]
+        topology = topology.without_nodes(slot.nodes)
+        hosts.pop(slot.index)
+    if not hosts:
+        raise HetjaxError("--elastic: every host has failed; nothing is left to run on")
+    os.makedirs(cfg.workdir, exist_ok=True)
+    topo_file = os.path.abspath(os.path.join(cfg.workdir, "elastic_topology.json"))
+    with open(topo_file, "w") as f:
+        f.write(topology.to_json(indent=1))
+    default = hconfig.base_config()
+    extra = [f"--config.topology.file={topo_file}",
+             f"--config.topology.preset={default.topology.preset}",
+             "--config.topology.nodes=0", "--config.topology.devices_per_node=0",
+             "--config.parallel.pp=0", "--config.parallel.dp=0", "--config.parallel.tp=0",
+             "--config.pipeline.stage_layers=()"]
+    config_args = [*config_args, *extra]
+    new_cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
+                                        if a.startswith("--config=")), None),
+                                  [a for a in config_args if a.startswith("--config.")])
+    hconfig.validate(new_cfg)
+    plan = plan_from_config(new_cfg, topology)  # a clear error if nothing fits the rest
+    new_args = argparse.Namespace(**vars(args))
+    if args.local is not None:
+        new_args.local = len(hosts)
+    else:
+        new_args.hostfile = os.path.join(os.path.dirname(topo_file), "elastic_hosts.txt")
+        with open(new_args.hostfile, "w") as f:
+            f.write("\n".join(hosts) + "\n")
+    print(f"hetjax launch: --elastic: dropped {', '.join(failed)}; re-planned on "
+          f"{topology.num_devices} devices:\n{topology.describe()}\n{plan.describe(topology)}",
+          flush=True)
+    return plan_workers(new_cfg, topology, plan, new_args, config_args)
+
+
+__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "run_with_restarts",
+           "describe",
            "read_hostfile", "fingerprint", "Worker"]

@@ -16,12 +16,19 @@ run summary with its history (`hetjax.history.RunSummary`: a dict with `.history
 a run writes `<workdir>/loss.png`; a run that is already complete says so and trains nothing.
 A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and its
 metrics.
+
+Guards (docs/reliability.md): executors skip an update whose loss or gradient norm is not finite;
+the loop reports each such step and stops after `train.max_bad_steps` in a row. SIGTERM during
+a single-process `train()` saves the current step and raises `Preempted` (CLI exit code 75).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -33,9 +40,9 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, Preempted
 from hetjax.history import LOSS_PNG, History, RunSummary
-from hetjax.metrics import MetricsWriter, Progress, read_metrics
+from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.tokenizer import load_tokenizer
@@ -238,6 +245,7 @@ class Trainer:
         self._data = None
         self._eval_data = None
         self._checkpointer = None
+        self._last_saved = None
 
     # --- state and data (created on first use) --------------------------------------------------
     @property
@@ -368,6 +376,7 @@ class Trainer:
                 "hetjax_version": __version__}
         self.checkpointer.save(step, self.state, self.layout(), self.data.get_state(), meta,
                                eval_loss=eval_loss)
+        self._last_saved = step
         if wait:
             self.checkpointer.wait()
         return step
@@ -378,12 +387,14 @@ class Trainer:
         r = self.checkpointer.restore(self.layout(), step)
         if r is None:
             return None
-        if r.meta.get("data") != self.data_spec.to_dict():
+        saved, now = r.meta.get("data") or {}, self.data_spec.to_dict()
+        if saved != now:
+            diff = ", ".join(f"{k} = {saved.get(k)!r} there, {now.get(k)!r} now"
+                             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
             raise HetjaxError(
                 f"checkpoint {r.step} in {self.checkpoint_dir} was written for other data "
-                f"({r.meta.get('data')}), this run reads {self.data_spec.to_dict()}; resume "
-                "with the same data.*, train.seq_len, train.batch_size and train.seed, or use "
-                "another workdir")
+                f"({diff}); resume with the same data.*, train.seq_len, train.batch_size and "
+                "train.seed, or use another workdir")
         self.state = r.state
         self.data.set_state(r.data_state)
         return r.step
@@ -433,8 +444,14 @@ class Trainer:
         hooks = self.hooks if hooks is None else hooks
         start = int(self.state.step)
         aside = 0.0
+        previous, bad = None, 0
         for done in range(start + 1, total + 1):
             metrics = self.step()
+            if previous is not None:
+                # The step before this one is read only now, so the device is never idle
+                # waiting for the host check.
+                bad = self._check_finite(*previous, bad)
+            previous = (done, metrics)
             info = StepInfo(self, done, done == start + 1, done == total, metrics, aside)
             due = [h for h in hooks if h.due(info)]
             if any(h.aside for h in due):
@@ -448,6 +465,30 @@ class Trainer:
                     aside += time.perf_counter() - t
                     info.aside_s = aside
             yield info
+        if previous is not None:
+            self._check_finite(*previous, bad)
+
+    def _check_finite(self, step: int, metrics: dict[str, jax.Array], bad: int) -> int:
+        """Report a step the executor skipped for a non-finite loss or gradient norm; raise
+        after train.max_bad_steps in a row. Returns the count of skipped steps in a row."""
+        loss, g_norm = (float(v) for v in jax.device_get((metrics["loss"],
+                                                          metrics["grad_norm"])))
+        if np.isfinite(loss) and np.isfinite(g_norm):
+            return 0
+        bad += 1
+        limit = self.config.train.max_bad_steps
+        if jax.process_index() == 0:
+            print(f"hetjax: step {step}: loss {loss}, grad_norm {g_norm}: update skipped "
+                  f"({bad} in a row, train.max_bad_steps = {limit})", file=sys.stderr,
+                  flush=True)
+        if bad >= limit:
+            raise HetjaxError(
+                f"train.max_bad_steps: {bad} steps in a row ({step - bad + 1}-{step}) had a "
+                f"non-finite loss or gradient norm; training stopped, nothing of them was saved"
+                f" (checkpoints in {self.checkpoint_dir}); fix: lower train.lr "
+                f"(= {self.config.train.lr:g}) or train.grad_clip, check model.vocab_size and "
+                "the data, then rerun to resume from the latest checkpoint")
+        return bad
 
     @property
     def metrics_path(self) -> str:
@@ -477,6 +518,8 @@ class Trainer:
             self._write_run_files()
             if resumed is not None:  # rows logged after that checkpoint were lost with it
                 _drop_metrics_after(os.path.join(self.workdir, "metrics.jsonl"), resumed)
+                if self.config.tensorboard:  # and TensorBoard shows what the file holds
+                    rebuild_tensorboard(self.workdir)
         writer = MetricsWriter(self.workdir, self.config.tensorboard, primary)
         progress = Progress(total, int(self.state.step), cfg.progress and not self.quiet,
                             cfg.log_every, primary)
@@ -519,12 +562,16 @@ class Trainer:
         if primary:  # aside: drawing is not training time
             standard.append(Hook(plot, 0, last=True, aside=True))
         aside = 0.0
+        preempted = _SigtermFlag()
         try:
             for info in self.iter_steps(total, standard + self.hooks):
                 aside = info.aside_s
+                if preempted.is_set() and not info.last:
+                    self._stop_preempted(info.step)
             if hasattr(self.executor, "finish"):  # worlds: peers pull our last messages first
                 self.executor.finish()
         finally:
+            preempted.restore()
             progress.close()
             writer.close()
             if self._checkpointer is not None:
@@ -583,6 +630,15 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
+    def _stop_preempted(self, step: int) -> None:
+        """SIGTERM arrived: checkpoint this step (unless a hook just did) and stop."""
+        if self._last_saved != step:
+            self.save(wait=True)
+        self.checkpointer.wait()
+        raise Preempted(f"preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
+                        f"{self.checkpoint_dir}; rerun the same command to resume (exit code "
+                        f"{Preempted.EXIT_CODE})")
+
     def _write_run_files(self):
         os.makedirs(self.workdir, exist_ok=True)
         with open(os.path.join(self.workdir, "plan.json"), "w") as f:
@@ -591,6 +647,24 @@ class Trainer:
             f.write(self.topology.to_json(indent=1))
         with open(os.path.join(self.workdir, "config.json"), "w") as f:
             f.write(self.config.to_json_best_effort(indent=1))
+
+
+class _SigtermFlag(threading.Event):
+    """Set by SIGTERM while a single-process `train()` runs; `restore()` puts the previous
+    handler back. (In a multi-process run the handler is not installed: every process would
+    have to stop at the same step, so SIGTERM ends it as before and the run resumes from its
+    latest periodic checkpoint.)"""
+
+    def __init__(self):
+        super().__init__()
+        self._previous = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self.set())
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _drop_metrics_after(path: str, step: int) -> None:

@@ -59,7 +59,7 @@ from layers.model import REMAT_POLICIES
 from parallel import schedules as sch
 from parallel import sharding as shd
 from parallel import zero
-from parallel.train_state import Executor, TrainState, opt_state_specs
+from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
 from parallel.mesh import DP_AXES, build_mesh
 from parallel.pipeline import check_plan, onehot_cross_entropy
 from hetjax.errors import PlanError
@@ -380,6 +380,9 @@ class Stage:
             updates, opt_state = self.ex.tx.update(grads, state.opt_state, params)
             params = optax.apply_updates(params, updates)
             params = jax.lax.with_sharding_constraint(params, self.state_sharding.params)
+            # g_norm is NaN when the loss is (MpmdExecutor.step): one flag for every stage.
+            params, opt_state = skip_unless_finite(0.0, g_norm, (params, opt_state),
+                                                   (state.params, state.opt_state))
             return TrainState(step=state.step + 1, params=params, opt_state=opt_state)
 
         def eval_forward(c, pieces, x, inputs, targets, m):
@@ -494,6 +497,9 @@ class MpmdExecutor(Executor):
     def step(self, state: MpmdState, batch):
         lr = self.lr_schedule(state.step)  # before the update donates the state
         loss, grads, g_norm = self.stage_loss_and_grads(state, batch)
+        # The non-finite guard: a non-finite loss marks the step so every stage skips it.
+        g_norm = jnp.where(jnp.isfinite(jax.device_put(loss, self.stages[0].scalar)), g_norm,
+                           jnp.nan)
         new = tuple(st.run(st.update, s, g, jax.device_put(g_norm, st.scalar))
                     for st, s, g in zip(self.stages, state.stages, grads))
         return MpmdState(stages=new), {"loss": loss, "grad_norm": g_norm, "lr": lr}
