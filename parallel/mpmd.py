@@ -441,6 +441,7 @@ class MpmdExecutor(Executor):
         first = self.stages[self.chunks[0].stage]
         last = self.stages[self.chunks[-1].stage]
         self.batch_sharding = {"inputs": first.batch, "targets": last.batch}
+        self.local = list(range(plan.pp))  # the stages this process's state holds
         self._rows = None
 
     def chunks_of(self, s: int) -> list[Chunk]:
@@ -498,10 +499,11 @@ class MpmdExecutor(Executor):
         lr = self.lr_schedule(state.step)  # before the update donates the state
         loss, grads, g_norm = self.stage_loss_and_grads(state, batch)
         # The non-finite guard: a non-finite loss marks the step so every stage skips it.
-        g_norm = jnp.where(jnp.isfinite(jax.device_put(loss, self.stages[0].scalar)), g_norm,
-                           jnp.nan)
-        new = tuple(st.run(st.update, s, g, jax.device_put(g_norm, st.scalar))
-                    for st, s, g in zip(self.stages, state.stages, grads))
+        first = self.stages[self.local[0]]
+        g_norm = jnp.where(jnp.isfinite(jax.device_put(loss, first.scalar)), g_norm, jnp.nan)
+        new = tuple(self.stages[s].run(self.stages[s].update, st, g,
+                                       jax.device_put(g_norm, self.stages[s].scalar))
+                    for s, st, g in zip(self.local, state.stages, grads))
         return MpmdState(stages=new), {"loss": loss, "grad_norm": g_norm, "lr": lr}
 
     def loss_and_grads(self, state: MpmdState, batch):

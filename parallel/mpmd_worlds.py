@@ -243,14 +243,6 @@ class WorldsExecutor(MpmdExecutor):
         return []
 
     # --- the step ---------------------------------------------------------------------------
-    def step(self, state: MpmdState, batch):
-        lr = self.lr_schedule(state.step)
-        loss, grads, g_norm = self.stage_loss_and_grads(state, batch)
-        new = tuple(self.stages[s].run(self.stages[s].update, st, g,
-                                       jax.device_put(g_norm, self.stages[s].scalar))
-                    for s, st, g in zip(self.local, state.stages, grads))
-        return MpmdState(stages=new), {"loss": loss, "grad_norm": g_norm, "lr": lr}
-
     def loss_and_grads(self, state, batch):
         loss, grads, _ = self.stage_loss_and_grads(state, batch)
         return loss, grads
