@@ -192,8 +192,14 @@ class Trainer:
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
         self.tx, self.schedule = make_optimizer(config.train)
-        self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
-                                      self.schedule, config.train.grad_clip)
+        if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
+            from hetjax.diloco import DilocoExecutor
+
+            self.executor = DilocoExecutor(config, self.topology, self.model_cfg, self.tx,
+                                           self.schedule)
+        else:
+            self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
+                                          self.schedule, config.train.grad_clip)
         self.tokens_per_step = self.plan.global_batch * self.plan.seq_len
         self.flops_per_step = self.model_cfg.flops_per_token(self.plan.seq_len) * \
             self.tokens_per_step
