@@ -268,6 +268,10 @@ def cmd_plan(argv: list[str]) -> int:
 
     for line in bound_lines(plan):
         print(line)
+    from hetjax.planner.diloco import plan_lines
+
+    for line in plan_lines(cfg, topology, plan):  # sites on slow links: DiLoCo vs synchronous
+        print(line)
     if "json" in opts:
         with open(opts["json"], "w") as f:
             f.write(plan.to_json(indent=1))

@@ -119,16 +119,28 @@ class DilocoPricing:
     rows: tuple[Exchange, ...]
 
     def table(self) -> str:
+        lk = self.link
+        if len(self.sites) <= 4:
+            inner = ", ".join(f"{s} {_time(t)}" for s, t in zip(self.sites, self.site_step_s))
+        else:
+            inner = (f"{len(self.sites)} sites, {_time(min(self.site_step_s))} to "
+                     f"{_time(max(self.site_step_s))}")
         w = max(len(r.name) for r in self.rows)
-        head = (f"sites joined by {self.link.bandwidth_gbps:g} Gb/s ({self.link.latency_us / 1e3:g}"
-                f" ms) at the slowest: " + ", ".join(
-                    f"{s} {t * 1e3:.1f} ms/step" for s, t in zip(self.sites, self.site_step_s)))
-        lines = [head, f"  {'':<{w}}  {'step':>10}  {'tokens/s':>10}  {'bytes/step/site':>16}  "
+        lines = [f"inner step on each site's own plan: {inner}",
+                 f"slowest link between sites: {lk.bandwidth_gbps:g} Gb/s, "
+                 f"{lk.latency_us / 1e3:g} ms",
+                 f"{'':<{w}}  {'step':>9}  {'tokens/s':>11}  {'bytes/step/site':>15}  "
                  f"{'one exchange':>12}"]
         for r in self.rows:
-            lines.append(f"  {r.name:<{w}}  {r.step_time_s:>8.3f} s  {r.tokens_per_s:>10,.0f}  "
-                         f"{_size(r.bytes_per_step):>16}  {r.sync_time_s:>10.3f} s")
+            known = r.bytes_per_step == r.bytes_per_step  # not NaN (the planner's own layout)
+            lines.append(f"{r.name:<{w}}  {_time(r.step_time_s):>9}  {r.tokens_per_s:>11,.0f}  "
+                         f"{_size(r.bytes_per_step) if known else '-':>15}  "
+                         f"{_time(r.sync_time_s) if known else '-':>12}")
         return "\n".join(lines)
+
+
+def _time(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
 def _size(n: float) -> str:
@@ -220,6 +232,22 @@ def sites_are_slow(topology: Topology) -> bool:
                for lk in [topology._cluster_link_or_none(a, b)])
 
 
-__all__ = ["CODECS", "DilocoPricing", "Exchange", "payload_bytes", "price", "price_config",
+def plan_lines(c, topology: Topology, whole_plan) -> list[str]:
+    """What `hetjax plan` adds: the DiLoCo comparison, when DiLoCo is on or sites are joined
+    by slow links (a config whose sites cannot be planned gets one line saying why)."""
+    from hetjax.errors import HetjaxError
+
+    if not c.diloco.inner_steps and not sites_are_slow(topology):
+        return []
+    try:
+        pricing = price_config(c, topology, whole_plan)
+    except HetjaxError as e:
+        return [f"DiLoCo across sites: not priced ({e})"]
+    on = "on" if c.diloco.inner_steps else "off; diloco.inner_steps=H turns it on"
+    return [f"DiLoCo across sites (diloco.* {on}; predicted, per step):",
+            *("  " + line for line in pricing.table().splitlines())]
+
+
+__all__ = ["plan_lines", "CODECS", "DilocoPricing", "Exchange", "payload_bytes", "price", "price_config",
            "site_clusters", "site_config", "site_topology", "site_first_ranks",
            "slowest_site_link", "sites_are_slow"]
