@@ -123,23 +123,25 @@ def worker(args):
     mesh = Mesh(np.array(jax.devices()), ("site",))
     spread = NamedSharding(mesh, P("site"))
 
-    def across(fn, *xs):  # run fn over the sites' stacked values; this site's result
-        glob = [jax.make_array_from_single_device_arrays((n, *x.shape), spread, [x[None]])
-                for x in xs]
-        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("site"),) * len(xs),
-                                    out_specs=P("site")))(*glob)
-        return out.addressable_data(0)[0]
+    def collective(fn):  # fn over the sites' stacked values, compiled once
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("site"), out_specs=P("site")))
+
+    mean_fn = collective(lambda v: jax.lax.pmean(v, "site"))
+    gather_fn = collective(lambda v: jax.lax.all_gather(v[0], "site")[None])
+
+    def across(fn, x):  # this site's result of fn over every site's x
+        glob = jax.make_array_from_single_device_arrays((n, *x.shape), spread, [x[None]])
+        return fn(glob).addressable_data(0)[0]
 
     def pmean(x):
-        return across(lambda v: jax.lax.pmean(v, "site"), x)
+        return across(mean_fn, x)
 
     row = cfg.model.d_model
     pad = (-flat0.size) % row
 
     def gathered_mean_int8(x):
         q, scale = quantize(jnp.pad(x, (0, pad)).reshape(-1, row), 8)
-        qs = across(lambda v: jax.lax.all_gather(v[0], "site")[None], q)
-        ss = across(lambda v: jax.lax.all_gather(v[0], "site")[None], scale)
+        qs, ss = across(gather_fn, q), across(gather_fn, scale)
         deq = sum(dequantize(qs[i], ss[i], (qs.shape[1], row), 8) for i in range(n)) / n
         return deq.reshape(-1)[:x.size]
 
@@ -229,34 +231,38 @@ def testbed(args):
                             "cross_bytes_per_step_site": sum(cross) / len(cross) / args.steps,
                             "exchange_s": ranks[0]["exchange_s"],
                             "num_params": ranks[0]["num_params"]})
-    sync = results[0]
-    tokens = args.batch * args.seq_len
-    print(f"testbed: 3 hosts (one per site), {args.mbps:g} Mbit/s between sites (htb; latency "
-          f"not emulated), {sync['num_params'] / 1e6:.2f}M parameters, {args.steps} steps")
-    print("run | loss (last 10) | vs sync | step (measured) | tokens/s | speed-up | "
-          "bytes/step/site (counters) | predicted")
-    n, P_ = 3, sync["num_params"]
-    from hetjax.config import base_config
-
-    row = base_config().model.d_model
-    for r in results:
-        if r["label"].startswith("synchronous"):
-            pred = 2 * (n - 1) / n * 4 * P_
-        elif r["label"].endswith("none"):
-            pred = 2 * (n - 1) / n * 4 * P_ / args.H
-        else:  # the testbed worker all-gathers int8 codes + scales: (n - 1) payloads a site
-            rows = -(-P_ // row)
-            pred = (n - 1) * (rows * row + 4 * rows) / args.H
-        tps = tokens / r["step_s"]
-        print(" | ".join([r["label"], f"{r['final_loss']:.4f}",
-                          f"{(r['final_loss'] / sync['final_loss'] - 1) * 100:+.1f}%",
-                          f"{r['step_s'] * 1e3:.0f} ms", f"{tps:,.0f}",
-                          f"{tps / (tokens / sync['step_s']):.1f}x",
-                          f"{r['cross_bytes_per_step_site'] / 1e3:,.1f} kB",
-                          f"{pred / 1e3:,.1f} kB"]))
+            if len(results) == 1:
+                print(f"testbed: 3 hosts (one per site), {args.mbps:g} Mbit/s between sites "
+                      f"(htb; latency not emulated), {results[0]['num_params'] / 1e6:.2f}M "
+                      f"parameters, {args.steps} steps x {args.batch * args.seq_len} tokens")
+                print("run | loss (last 10) | vs sync | step (measured) | tokens/s | speed-up"
+                      " | bytes/step/site (counters) | predicted | wall", flush=True)
+            print(_testbed_row(results[-1], results[0], args), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "testbed": results}, f, indent=1)
+
+
+def _testbed_row(r, sync, args) -> str:
+    """One table row; the prediction is what the algorithm the worker ran sends a site."""
+    from hetjax.config import base_config
+
+    n, P_, row = 3, r["num_params"], base_config().model.d_model
+    if r["label"].startswith("synchronous"):
+        pred = 2 * (n - 1) / n * 4 * P_  # ring all-reduce of the fp32 gradient
+    elif r["label"].endswith("none"):
+        pred = 2 * (n - 1) / n * 4 * P_ / args.H
+    else:  # the testbed worker all-gathers int8 codes + scales: (n - 1) payloads a site
+        rows = -(-P_ // row)
+        pred = (n - 1) * (rows * row + 4 * rows) / args.H
+    tokens = args.batch * args.seq_len
+    tps = tokens / r["step_s"]
+    return " | ".join([r["label"], f"{r['final_loss']:.4f}",
+                       f"{(r['final_loss'] / sync['final_loss'] - 1) * 100:+.1f}%",
+                       f"{r['step_s'] * 1e3:.0f} ms", f"{tps:,.0f}",
+                       f"{tps / (tokens / sync['step_s']):.1f}x",
+                       f"{r['cross_bytes_per_step_site'] / 1e3:,.1f} kB",
+                       f"{pred / 1e3:,.1f} kB", f"{r['wall_s']:.0f} s"])
 
 
 def main():

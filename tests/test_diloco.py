@@ -141,3 +141,16 @@ def test_config_rejects_a_bad_codec():
 
     with pytest.raises(ConfigError, match="diloco.codec"):
         validate(tiny_config(**{"diloco.codec": "fp8"}))
+
+
+def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
+    from hetjax.cli import main
+
+    assert main(["hetjax", "plan", "--config.topology.preset=dtfm_multi_university",
+                 "--config.topology.nodes=2", "--config.train.batch_size=8",
+                 "--config.diloco.inner_steps=10", "--config.diloco.codec=int4"]) == 0
+    out = capsys.readouterr().out
+    assert "DiLoCo across sites (diloco.* on" in out
+    for row in ("synchronous, planner's layout", "synchronous DP across sites",
+                "DiLoCo H=10 int4 streamed"):
+        assert row in out
