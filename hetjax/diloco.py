@@ -23,7 +23,6 @@ single-device reference.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.struct
 import jax

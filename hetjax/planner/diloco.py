@@ -11,9 +11,9 @@ sub-topology with the global batch split evenly over the sites). Between sites:
   int8 / int4 a reduce-scatter and an all-gather of quantized shards (1 or 1/2 byte a
   parameter plus one fp32 scale per row of d_model values): each site's pseudo-gradient is
   quantized once, each shard's owner averages the dequantized shards and quantizes the mean
-  once more for the all-gather (two rounding steps; the runner does the same). Blocking, the exchange adds t_sync / H to a step;
-  streamed (fragments synced while the next inner steps run) a step costs
-  max(t_inner, t_sync / H).
+  once more for the all-gather (two rounding steps; the runner does the same). Blocking,
+  the exchange adds t_sync / H to a step; streamed (fragments synced while the next inner
+  steps run) a step costs max(t_inner, t_sync / H).
 
 Both exchanges use the slowest link between two sites (a ring pays its slowest hop) with
 `ring_time`; a site with k nodes splits the exchange over its k nodes' flows (the cost model's
@@ -248,6 +248,7 @@ def plan_lines(c, topology: Topology, whole_plan) -> list[str]:
             *("  " + line for line in pricing.table().splitlines())]
 
 
-__all__ = ["plan_lines", "CODECS", "DilocoPricing", "Exchange", "payload_bytes", "price", "price_config",
+__all__ = ["plan_lines", "CODECS", "DilocoPricing", "Exchange", "payload_bytes", "price",
+           "price_config",
            "site_clusters", "site_config", "site_topology", "site_first_ranks",
            "slowest_site_link", "sites_are_slow"]
