@@ -199,6 +199,10 @@ def testbed(args):
     modes = [("synchronous DP", "sync", "none")] + [
         (f"DiLoCo H={args.H} {c}", "diloco", c) for c in (args.codec or ["none", "int8"])]
     results = []
+    if args.baseline:  # the synchronous row of an earlier --json run with the same settings
+        with open(args.baseline) as f:
+            results.append(json.load(f)["testbed"][0])
+        modes = modes[1:]
     with Testbed(topo, scale=1.0) as tb:
         for i, (label, mode, wire) in enumerate(modes):
             port = 9400 + i
@@ -231,7 +235,7 @@ def testbed(args):
                             "cross_bytes_per_step_site": sum(cross) / len(cross) / args.steps,
                             "exchange_s": ranks[0]["exchange_s"],
                             "num_params": ranks[0]["num_params"]})
-            if len(results) == 1:
+            if len(results) == 1 or (args.baseline and len(results) == 2):
                 print(f"testbed: 3 hosts (one per site), {args.mbps:g} Mbit/s between sites "
                       f"(htb; latency not emulated), {results[0]['num_params'] / 1e6:.2f}M "
                       f"parameters, {args.steps} steps x {args.batch * args.seq_len} tokens")
@@ -276,6 +280,8 @@ def main():
     ap.add_argument("--codec", action="append", default=None)
     ap.add_argument("--workdir", default="runs/bench_diloco")
     ap.add_argument("--json", default="")
+    ap.add_argument("--baseline", default="",
+                    help="--testbed: reuse the synchronous row of this earlier --json output")
     ap.add_argument("--testbed", action="store_true",
                     help="run on the emulated testbed (root): one process per site")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
