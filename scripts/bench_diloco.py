@@ -155,7 +155,8 @@ def worker(args):
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o
 
-    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    outer_tx = optax.sgd(args.outer_lr, momentum=args.outer_momentum or None,
+                         nesterov=bool(args.outer_momentum))
     theta = flat0
     outer_opt = outer_tx.init(theta)
     losses, times, exchange_s = [], [], []
@@ -280,6 +281,8 @@ def main():
     ap.add_argument("--codec", action="append", default=None)
     ap.add_argument("--workdir", default="runs/bench_diloco")
     ap.add_argument("--json", default="")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain outer SGD")
     ap.add_argument("--baseline", default="",
                     help="--testbed: reuse the synchronous row of this earlier --json output")
     ap.add_argument("--testbed", action="store_true",
