@@ -357,6 +357,10 @@ def cmd_plan(argv: list[str]) -> int:
 
     for line in bound_lines(plan):
         print(line)
+    from hetjax.planner.diloco import plan_lines
+
+    for line in plan_lines(cfg, topology, plan):  # sites on slow links: DiLoCo vs synchronous
+        print(line)
     if runners_up:
         print("the chosen plan (#0) and the runners-up:")
         print("\n".join("  " + line for line in

@@ -116,6 +116,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.async_save = True
     c.checkpoint.dir = ""
 
+    # DiLoCo between sites (docs/diloco.md): sites train alone for inner_steps steps, then
+    # exchange pseudo-gradients and take an outer optimizer step. 0: synchronous training.
+    c.diloco = ml_collections.ConfigDict()
+    c.diloco.inner_steps = 0
+    c.diloco.sites = ()
+    c.diloco.codec = "none"
+    c.diloco.outer_optimizer = "nesterov"
+    c.diloco.outer_lr = 0.7
+    c.diloco.outer_momentum = 0.9
+    c.diloco.inner_optimizer = "adamw"
+
     c.workdir = "runs/default"
     c.tensorboard = True
     return c
@@ -191,6 +202,13 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.keep_best": "also keep the N with the lowest eval loss (needs eval.every)",
     "checkpoint.async_save": "write in the background while training goes on",
     "checkpoint.dir": "empty: <workdir>/checkpoints",
+    "diloco.inner_steps": "DiLoCo: sites train alone for H steps between exchanges; 0: off",
+    "diloco.sites": "empty: every topology cluster a site; or ('a+b', 'c') groups clusters",
+    "diloco.codec": "pseudo-gradients on the wire: none (fp32) | int8 | int4",
+    "diloco.outer_optimizer": "nesterov | sgd",
+    "diloco.outer_lr": "outer optimizer learning rate",
+    "diloco.outer_momentum": "outer Nesterov momentum",
+    "diloco.inner_optimizer": "adamw (the train.* optimizer) | sgd (train.lr)",
     "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
     "tensorboard": "also write TensorBoard event files",
 }
@@ -460,6 +478,7 @@ def validate(c) -> None:
                  "give an existing directory of text files or a glob like '/data/*.txt'")
     _validate_paths(c)
     _validate_data_and_checkpoints(c)
+    _validate_diloco(c)
     _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
              f"must be in [0, 1), got {c.planner.memory_margin}",
              "use 0.1 (plans use at most 90% of device memory)")
@@ -568,6 +587,21 @@ def _validate_data_and_checkpoints(c) -> None:
                  f"ranks checkpoints by eval loss, but eval.every = {e.every} does not evaluate "
                  f"at every save (checkpoint.every = {k.every})",
                  f"set eval.every to a divisor of {k.every}, e.g. --config.eval.every={k.every}")
+
+
+def _validate_diloco(c) -> None:
+    d = c.diloco
+    _require(isinstance(d.inner_steps, int) and d.inner_steps >= 0, "diloco.inner_steps",
+             f"must be an integer >= 0, got {d.inner_steps!r}",
+             "set --config.diloco.inner_steps=50 (0 turns DiLoCo off)")
+    for f, options in (("diloco.codec", ("none", "int8", "int4")),
+                       ("diloco.outer_optimizer", ("nesterov", "sgd")),
+                       ("diloco.inner_optimizer", ("adamw", "sgd"))):
+        _require(_get(c, f) in options, f, f"unknown choice {_get(c, f)!r}",
+                 f"choose one of {', '.join(options)}")
+    _require(d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}", "use 0.7")
+    _require(0 <= d.outer_momentum < 1, "diloco.outer_momentum",
+             f"must be in [0, 1), got {d.outer_momentum}", "use 0.9")
 
 
 def _common_divisors(*xs: int) -> list[int]:

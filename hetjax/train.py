@@ -231,7 +231,12 @@ class Trainer:
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
         self.tx, self.schedule = make_optimizer(config.train)
-        if worlds_job():
+        if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
+            from hetjax.diloco import DilocoExecutor
+
+            self.executor = DilocoExecutor(config, self.topology, self.model_cfg, self.tx,
+                                           self.schedule)
+        elif worlds_job():
             self.executor = make_worlds_executor(config, self.plan, self.topology,
                                                  self.model_cfg, self.tx, self.schedule)
         else:

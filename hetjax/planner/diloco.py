@@ -1,0 +1,254 @@
+"""DiLoCo pricing: what synchronous data parallelism across sites costs per step against
+DiLoCo's local SGD (each site trains `H` inner steps alone, then the sites exchange
+pseudo-gradients once), in step time and in bytes crossing the inter-site links.
+
+Sites are topology clusters, or groups of them (`diloco.sites`, e.g. ("ohio+virginia",
+"tokyo")). Inside a site the step follows the site's own plan (the planner's, on the site's
+sub-topology with the global batch split evenly over the sites). Between sites:
+
+- synchronous DP: every step, one all-reduce of the fp32 gradient (4 bytes a parameter);
+- DiLoCo: every H steps, the pseudo-gradients; without a codec an fp32 all-reduce, with
+  int8 / int4 a reduce-scatter and an all-gather of quantized shards (1 or 1/2 byte a
+  parameter plus one fp32 scale per row of d_model values): each site's pseudo-gradient is
+  quantized once, each shard's owner averages the dequantized shards and quantizes the mean
+  once more for the all-gather (two rounding steps; the runner does the same). Blocking,
+  the exchange adds t_sync / H to a step; streamed (fragments synced while the next inner
+  steps run) a step costs max(t_inner, t_sync / H).
+
+Both exchanges use the slowest link between two sites (a ring pays its slowest hop) with
+`ring_time`; a site with k nodes splits the exchange over its k nodes' flows (the cost model's
+links are per flow, as DT-FM's measured pair bandwidths are). Pure Python: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hetjax.errors import ConfigError
+from hetjax.hardware import Link, Topology
+from hetjax.planner.cost import ring_time
+
+CODECS = ("none", "int8", "int4")
+BITS = {"none": 32, "int8": 8, "int4": 4}
+SCALE_BYTES = 4  # one float32 scale per quantized row
+SLOW_LINK_GBPS = 10.0  # `hetjax plan` prices DiLoCo when sites are joined by slower links
+
+
+def site_clusters(topology: Topology, sites=()) -> list[tuple[str, tuple[int, ...]]]:
+    """(site name, cluster indices) per site: every cluster its own site when `sites` is
+    empty, else one site per entry, clusters joined by '+' ("ohio+virginia")."""
+    names = [c.name for c in topology.clusters]
+    if not sites:
+        return [(n, (i,)) for i, n in enumerate(names)]
+    out, seen = [], set()
+    for entry in sites:
+        idx = []
+        for name in str(entry).split("+"):
+            name = name.strip()
+            if name not in names:
+                raise ConfigError("diloco.sites", f"{name!r} is not a cluster of topology "
+                                  f"{topology.name!r}", f"use cluster names from: "
+                                  f"{', '.join(names)} (join clusters of one site with '+')")
+            if name in seen:
+                raise ConfigError("diloco.sites", f"cluster {name!r} is in two sites",
+                                  "put every cluster in exactly one site")
+            seen.add(name)
+            idx.append(names.index(name))
+        out.append(("+".join(names[i] for i in idx), tuple(idx)))
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise ConfigError("diloco.sites", f"clusters {missing} are in no site",
+                          "list every cluster of the topology in one site")
+    return out
+
+
+def site_topology(topology: Topology, clusters: tuple[int, ...]) -> Topology:
+    """The sub-topology of one site: its clusters and the links among them."""
+    keep = [topology.clusters[i] for i in clusters]
+    names = {c.name for c in keep}
+    return Topology(name=f"{topology.name}/{'+'.join(c.name for c in keep)}",
+                    clusters=tuple(keep), inter_cluster=topology.inter_cluster,
+                    cluster_links=tuple(cl for cl in topology.cluster_links
+                                        if cl.a in names and cl.b in names))
+
+
+def site_first_ranks(topology: Topology, sites) -> list[list[int]]:
+    """The topology ranks of each site's devices, in site order."""
+    return [[r for i in clusters for r in topology.cluster_ranks(i)] for _, clusters in sites]
+
+
+def slowest_site_link(topology: Topology, sites) -> Link:
+    """The slowest link joining two different sites (what a ring across sites pays)."""
+    links = [topology.cluster_link(a, b)
+             for i, (_, ca) in enumerate(sites) for _, cb in sites[i + 1:]
+             for a in ca for b in cb]
+    if not links:
+        raise ConfigError("diloco.sites", "there is only one site", "DiLoCo needs two sites "
+                          "or more: use a topology with several clusters, or diloco.sites")
+    return min(links, key=lambda lk: (lk.bandwidth_gbps, -lk.latency_us))
+
+
+def payload_bytes(num_params: int, codec: str, row: int) -> float:
+    """Bytes of one site's pseudo-gradient under `codec` (rows of `row` values share a scale)."""
+    if codec not in CODECS:
+        raise ConfigError("diloco.codec", f"unknown codec {codec!r}",
+                          f"choose one of {', '.join(CODECS)}")
+    if codec == "none":
+        return 4.0 * num_params
+    return num_params * BITS[codec] / 8 + SCALE_BYTES * num_params / row
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One way of joining the sites: seconds per step and bytes one site sends across the
+    inter-site links per step (averaged over a round for DiLoCo)."""
+
+    name: str
+    step_time_s: float
+    bytes_per_step: float
+    tokens_per_s: float
+    sync_time_s: float  # one exchange
+
+
+@dataclass(frozen=True)
+class DilocoPricing:
+    sites: tuple[str, ...]
+    site_step_s: tuple[float, ...]  # each site's inner step under its own plan
+    link: Link
+    rows: tuple[Exchange, ...]
+
+    def table(self) -> str:
+        lk = self.link
+        if len(self.sites) <= 4:
+            inner = ", ".join(f"{s} {_time(t)}" for s, t in zip(self.sites, self.site_step_s))
+        else:
+            inner = (f"{len(self.sites)} sites, {_time(min(self.site_step_s))} to "
+                     f"{_time(max(self.site_step_s))}")
+        w = max(len(r.name) for r in self.rows)
+        lines = [f"inner step on each site's own plan: {inner}",
+                 f"slowest link between sites: {lk.bandwidth_gbps:g} Gb/s, "
+                 f"{lk.latency_us / 1e3:g} ms",
+                 f"{'':<{w}}  {'step':>9}  {'tokens/s':>11}  {'bytes/step/site':>15}  "
+                 f"{'one exchange':>12}"]
+        for r in self.rows:
+            known = r.bytes_per_step == r.bytes_per_step  # not NaN (the planner's own layout)
+            lines.append(f"{r.name:<{w}}  {_time(r.step_time_s):>9}  {r.tokens_per_s:>11,.0f}  "
+                         f"{_size(r.bytes_per_step) if known else '-':>15}  "
+                         f"{_time(r.sync_time_s) if known else '-':>12}")
+        return "\n".join(lines)
+
+
+def _time(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
+def _size(n: float) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def price(topology: Topology, sites, site_step_s, num_params: int, row: int,
+          tokens_per_step: int, inner_steps: int, codec: str,
+          whole_plan_step_s: float | None = None) -> DilocoPricing:
+    """Price synchronous DP across `sites` against DiLoCo (H = inner_steps, `codec`), given
+    each site's predicted inner step time. `whole_plan_step_s`: the planner's synchronous plan
+    over the whole topology, shown for reference (its bytes depend on its layout)."""
+    if inner_steps < 1:
+        raise ConfigError("diloco.inner_steps", f"must be >= 1 to price DiLoCo, got "
+                          f"{inner_steps}", "set --config.diloco.inner_steps=50")
+    n = len(sites)
+    link = slowest_site_link(topology, sites)
+    flows = min(sum(topology.clusters[i].nodes for i in c) for _, c in sites)
+    t_inner = max(site_step_s)
+
+    def allreduce(nbytes):
+        return ring_time("all_reduce", nbytes / flows, n, link)
+
+    grad = 4.0 * num_params
+    ar_bytes = 2 * (n - 1) / n * grad  # what a ring all-reduce sends from each site
+    rows = []
+    if whole_plan_step_s is not None:
+        rows.append(Exchange("synchronous, planner's layout", whole_plan_step_s, float("nan"),
+                             tokens_per_step / whole_plan_step_s, float("nan")))
+    t_sync = allreduce(grad)
+    rows.append(Exchange("synchronous DP across sites", t_inner + t_sync, ar_bytes,
+                         tokens_per_step / (t_inner + t_sync), t_sync))
+    h = inner_steps
+    for c in dict.fromkeys(("none", codec)):
+        q = payload_bytes(num_params, c, row)
+        t, sent = allreduce(q), 2 * (n - 1) / n * q
+        label = f"DiLoCo H={h}" + ("" if c == "none" else f" {c}")
+        rows.append(Exchange(label, t_inner + t / h, sent / h, tokens_per_step / (t_inner + t / h),
+                             t))
+        streamed = max(t_inner, t / h)
+        rows.append(Exchange(label + " streamed", streamed, sent / h, tokens_per_step / streamed,
+                             t))
+    return DilocoPricing(tuple(s for s, _ in sites), tuple(site_step_s), link, tuple(rows))
+
+
+def site_config(c, n_sites: int):
+    """The config a site plans with: the global batch split evenly over the sites, dp left to
+    the site (the other degrees as configured)."""
+    sc = c.copy_and_resolve_references()
+    if c.train.batch_size % n_sites:
+        raise ConfigError("train.batch_size", f"{c.train.batch_size} sequences do not split "
+                          f"evenly over {n_sites} DiLoCo sites",
+                          f"make train.batch_size a multiple of {n_sites}")
+    sc.train.batch_size = c.train.batch_size // n_sites
+    sc.parallel.dp = 0
+    return sc
+
+
+def price_config(c, topology: Topology, whole_plan=None) -> DilocoPricing:
+    """`price` for a hetjax config: site plans from the planner, the model's size."""
+    from hetjax.planner import model_from_config, predict
+    from hetjax.planner.config_plan import options_from_config, plan_from_config
+
+    sites = site_clusters(topology, tuple(c.diloco.sites))
+    sc = site_config(c, len(sites))
+    model = model_from_config(c)
+    steps = []
+    for _, clusters in sites:
+        sub = site_topology(topology, clusters)
+        p = plan_from_config(sc, sub)
+        if "step_time_s" not in p.predicted:
+            p = dataclasses.replace(p, predicted=predict(p, sub, model,
+                                                         options_from_config(sc)).as_dict())
+        steps.append(p.predicted["step_time_s"])
+    whole = whole_plan.predicted.get("step_time_s") if whole_plan is not None else None
+    return price(topology, sites, steps, model.num_params, c.model.d_model,
+                 c.train.batch_size * c.train.seq_len, c.diloco.inner_steps or 50,
+                 c.diloco.codec, whole)
+
+
+def sites_are_slow(topology: Topology) -> bool:
+    """Whether some clusters are joined by links slower than SLOW_LINK_GBPS (DiLoCo's case)."""
+    n = len(topology.clusters)
+    return any(lk is not None and lk.bandwidth_gbps < SLOW_LINK_GBPS
+               for a in range(n) for b in range(a + 1, n)
+               for lk in [topology._cluster_link_or_none(a, b)])
+
+
+def plan_lines(c, topology: Topology, whole_plan) -> list[str]:
+    """What `hetjax plan` adds: the DiLoCo comparison, when DiLoCo is on or sites are joined
+    by slow links (a config whose sites cannot be planned gets one line saying why)."""
+    from hetjax.errors import HetjaxError
+
+    if not c.diloco.inner_steps and not sites_are_slow(topology):
+        return []
+    try:
+        pricing = price_config(c, topology, whole_plan)
+    except HetjaxError as e:
+        return [f"DiLoCo across sites: not priced ({e})"]
+    on = "on" if c.diloco.inner_steps else "off; diloco.inner_steps=H turns it on"
+    return [f"DiLoCo across sites (diloco.* {on}; predicted, per step):",
+            *("  " + line for line in pricing.table().splitlines())]
+
+
+__all__ = ["plan_lines", "CODECS", "DilocoPricing", "Exchange", "payload_bytes", "price",
+           "price_config",
+           "site_clusters", "site_config", "site_topology", "site_first_ranks",
+           "slowest_site_link", "sites_are_slow"]

@@ -1,0 +1,156 @@
+"""DiLoCo (hetjax/diloco.py) and its pricing (hetjax/planner/diloco.py): the exchange equals
+synchronous data parallelism in its degenerate case, the codec keeps its error bound,
+checkpoints resume mid-round, the planner's bytes and times follow the formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from hetjax.errors import ConfigError
+
+
+def _config(workdir, **overrides):
+    base = {"topology.nodes": 1, "topology.devices_per_node": 2,  # 2 sites of 2 devices
+            "diloco.inner_steps": 1, "train.grad_clip": 0.0, "train.batch_size": 8,
+            "checkpoint.every": 0, "workdir": str(workdir)}
+    base.update(overrides)
+    return tiny_config(**base)
+
+
+def _batches(n, cfg):
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 256, (n, cfg.train.batch_size, cfg.train.seq_len + 1))
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in toks]
+
+
+def test_one_inner_step_with_outer_sgd_at_lr_1_is_synchronous_data_parallelism(tmp_path):
+    """H = 1, no codec, inner SGD, outer SGD lr 1: theta - mean(theta - theta_s) is the SGD
+    step on the global batch; compared with a plain single-device SGD loop."""
+    from hetjax.train import Trainer
+
+    cfg = _config(tmp_path, **{"diloco.inner_optimizer": "sgd", "diloco.outer_optimizer": "sgd",
+                               "diloco.outer_lr": 1.0, "train.lr": 0.5})
+    tr = Trainer(cfg, quiet=True)
+    assert len(tr.executor.site_execs) == 2
+    params = jax.device_get(tr.params)
+    sched = tr.schedule
+
+    @jax.jit
+    def sgd(p, inputs, targets, step):
+        g = jax.grad(lambda q: tr.executor.loss_fn(q, inputs, targets))(p)
+        return jax.tree.map(lambda a, b: a - sched(step) * b, p, g)
+
+    dev = jax.devices()[0]
+    ref = jax.device_put(params, dev)
+    for i, b in enumerate(_batches(3, cfg)):
+        tr.step(b)
+        ref = sgd(ref, jnp.asarray(b["inputs"]), jnp.asarray(b["targets"]), i)
+    got, ref = jax.device_get(tr.params), jax.device_get(ref)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), ref, params))
+    assert max(moved) > 1e-3  # the steps did change the parameters
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantization_round_trip_within_half_a_step(bits):
+    from hetjax.diloco import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 33)).astype(np.float32) * rng.uniform(0.01, 10, (6, 1))
+    x[2] = 0.0  # an all-zero row
+    q, scale = quantize(jnp.asarray(x), bits)
+    y = np.asarray(dequantize(q, scale, x.shape, bits))
+    bound = np.abs(x).max(axis=1, keepdims=True) / (2 * (2 ** (bits - 1) - 1))
+    assert (np.abs(x - y) <= bound * (1 + 1e-6) + 1e-12).all()
+    assert np.abs(x - y).max() > 0  # it does quantize
+    assert q.nbytes == (x.size if bits == 8 else (x.size + 1) // 2)
+
+
+def test_checkpoint_resumes_mid_round_exactly(tmp_path):
+    """H = 2, int8, Nesterov: 5 steps straight, saving at step 3 (mid-round); a fresh trainer
+    restores step 3 and trains to 5. The checkpoint holds the sites, theta and the outer
+    momentum, so both end equal."""
+    from hetjax.train import Trainer
+
+    over = {"diloco.inner_steps": 2, "diloco.codec": "int8", "train.steps": 5,
+            "data.source": "synthetic", "checkpoint.async_save": False,
+            "checkpoint.dir": str(tmp_path / "ckpt"),
+            "topology.devices_per_node": 1}  # 2 sites of 1 device: fewer, smaller compiles
+    straight = Trainer(_config(tmp_path / "a", **over, **{"checkpoint.every": 3}), quiet=True)
+    straight.train()
+    assert straight.executor.exchanges == 2 and 3 in straight.checkpointer.steps()
+    resumed = Trainer(_config(tmp_path / "b", **over), quiet=True)
+    assert resumed.restore(3) == 3
+    assert resumed.executor.exchanges == 0
+    resumed.train()
+    assert resumed.executor.exchanges == 1  # the round that was open at step 3 closed at 4
+    a, b = jax.device_get(straight.state), jax.device_get(resumed.state)
+    assert int(b.step) == 5
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    # The outer momentum is in the state and moved.
+    assert max(np.abs(m).max() for m in jax.tree.leaves(b.outer_opt[0])) > 0
+
+
+def test_sites_and_their_errors():
+    from hetjax.planner.diloco import site_clusters, site_topology
+    from hetjax.topology import preset
+
+    t = preset("dtfm_regional", nodes=2)
+    assert [s for s, _ in site_clusters(t)] == ["virginia", "oregon", "california", "ohio"]
+    sites = site_clusters(t, ("virginia+ohio", "oregon+california"))
+    assert sites == [("virginia+ohio", (0, 3)), ("oregon+california", (1, 2))]
+    sub = site_topology(t, (0, 3))
+    assert sub.num_devices == 4 and sub.cluster_link(0, 1).bandwidth_gbps == 1.12
+    with pytest.raises(ConfigError, match="diloco.sites.*in no site"):
+        site_clusters(t, ("virginia", "oregon"))
+    with pytest.raises(ConfigError, match="diloco.sites.*'paris' is not a cluster"):
+        site_clusters(t, ("paris",))
+
+
+def test_pricing_follows_the_ring_formulas():
+    from hetjax.hardware import Link
+    from hetjax.planner.cost import ring_time
+    from hetjax.planner.diloco import payload_bytes, price, site_clusters
+    from hetjax.topology import preset
+
+    t = preset("dtfm_multi_university", nodes=2)  # 2 sites of 2 nodes, 1.12 Gb/s between
+    sites = site_clusters(t)
+    P, H = 10_000_000, 50
+    pr = price(t, sites, [0.2, 0.3], P, 1000, 4096, H, "int8")
+    rows = {r.name: r for r in pr.rows}
+    link = Link("ethernet", 1.12, 11e3)
+    sync = ring_time("all_reduce", 4 * P / 2, 2, link)  # 2 nodes a site split the exchange
+    assert rows["synchronous DP across sites"].step_time_s == pytest.approx(0.3 + sync)
+    assert rows["synchronous DP across sites"].bytes_per_step == pytest.approx(4 * P)
+    assert rows[f"DiLoCo H={H}"].step_time_s == pytest.approx(0.3 + sync / H)
+    assert rows[f"DiLoCo H={H}"].bytes_per_step == pytest.approx(4 * P / H)
+    q = payload_bytes(P, "int8", 1000)
+    assert q == pytest.approx(P + 4 * P / 1000)
+    assert rows[f"DiLoCo H={H} int8"].bytes_per_step == pytest.approx(q / H)
+    assert rows[f"DiLoCo H={H} int8 streamed"].step_time_s == pytest.approx(
+        max(0.3, ring_time("all_reduce", q / 2, 2, link) / H))
+    assert "DiLoCo H=50 int8" in pr.table()
+
+
+def test_config_rejects_a_bad_codec():
+    from hetjax.config import validate
+
+    with pytest.raises(ConfigError, match="diloco.codec"):
+        validate(tiny_config(**{"diloco.codec": "fp8"}))
+
+
+def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
+    from hetjax.cli import main
+
+    assert main(["hetjax", "plan", "--config.topology.preset=dtfm_multi_university",
+                 "--config.topology.nodes=2", "--config.train.batch_size=8",
+                 "--config.diloco.inner_steps=10", "--config.diloco.codec=int4"]) == 0
+    out = capsys.readouterr().out
+    assert "DiLoCo across sites (diloco.* on" in out
+    for row in ("synchronous, planner's layout", "synchronous DP across sites",
+                "DiLoCo H=10 int4 streamed"):
+        assert row in out
