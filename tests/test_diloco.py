@@ -148,7 +148,8 @@ def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
 
     assert main(["hetjax", "plan", "--config.topology.preset=dtfm_multi_university",
                  "--config.topology.nodes=2", "--config.train.batch_size=8",
-                 "--config.diloco.inner_steps=10", "--config.diloco.codec=int4"]) == 0
+                 "--config.diloco.inner_steps=10", "--config.diloco.codec=int4",
+                 "--config.parallel.pp=0", "--config.parallel.tp=0"]) == 0
     out = capsys.readouterr().out
     assert "DiLoCo across sites (diloco.* on" in out
     for row in ("synchronous, planner's layout", "synchronous DP across sites",
