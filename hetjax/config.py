@@ -22,7 +22,7 @@ from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("auto", "none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 SCHEDULES = ("gpipe", "1f1b")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
@@ -51,7 +51,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tie_embeddings = True
     c.model.dtype = "float32"  # compute dtype; "bfloat16" on accelerators
     c.model.param_dtype = "float32"
-    c.model.remat = "none"  # none | full | dots
+    # What a layer keeps for its backward: none (every intermediate; 3 forwards' work per
+    # layer), dots (matmul outputs), full (only its input; 4 forwards), auto (none, except
+    # full in the SPMD pipeline, whose stash would otherwise hold every intermediate)
+    c.model.remat = "auto"
 
     c.parallel = ml_collections.ConfigDict()
     # Degrees of pipeline, data and tensor parallelism; pp * dp * tp = topology devices.

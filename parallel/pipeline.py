@@ -57,10 +57,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
-from layers import ModelConfig, Transformer, block_apply
+from layers import ModelConfig, Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
 from parallel import zero
+from parallel.residuals import effective_remat, layer_fn, pullback, vjp_stash
 
 STAGE_AXIS = "stage"  # logical name of the leading axis of stage-stacked leaves ('pp')
 
@@ -208,6 +209,9 @@ class Pipeline:
         self.model = Transformer(model_cfg)
         self.schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
         self.program = sch.tick_program(self.schedule)
+        self.remat = effective_remat(model_cfg.remat, spmd_pipeline=True)
+        self._layer_fn = layer_fn(model_cfg, self.remat)
+        self._residuals = None  # residuals.Residuals of a layer, set when the step is traced
 
     # layout helpers bound to this plan (what the Trainer and checkpoints use)
     def to_stages(self, tree):
@@ -230,26 +234,41 @@ class Pipeline:
     def _layer(self, blocks, i):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), blocks)
 
-    def _block(self, layer_params, x):
-        return block_apply(self.cfg, layer_params, x)
+    def residual_shapes(self, blocks, act_shape, dtype):
+        """One layer's stashed residuals on one device's rows ([b / dp, S, d] input): their
+        shapes, and the `residuals.Residuals` spec every layer's pullback is rebuilt from
+        (the same for every layer: one block function, one input shape)."""
+        specs = []
+
+        def probe(p, h):
+            _, kept, spec = vjp_stash(self._layer_fn, p, h)
+            specs.append(spec)
+            return kept
+
+        shapes = jax.eval_shape(probe, self._layer(blocks, 0),
+                                jax.ShapeDtypeStruct(act_shape, dtype))
+        return shapes, specs[0]
 
     def layers_forward(self, blocks, x, n_layers, kept):
-        """Run layers 0 .. n_layers - 1; kept[i] = input of layer i, kept[n_layers] = output."""
+        """Run layers 0 .. n_layers - 1 under `jax.vjp`; kept['res'][k][i] = residual k of
+        layer i's pullback (per `model.remat`), kept['out'] = the stage's output."""
         def layer(i, carry):
-            h, kept = carry
-            return self._block(self._layer(blocks, i), h), kept.at[i].set(h)
+            h, res = carry
+            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, i), h)
+            return y, [r.at[i].set(v) for r, v in zip(res, new)]
 
-        y, kept = jax.lax.fori_loop(0, n_layers, layer, (x, kept))
-        return y, kept.at[n_layers].set(y)
+        y, res = jax.lax.fori_loop(0, n_layers, layer, (x, kept["res"]))
+        return y, {"res": res, "out": y}
 
     def layers_backward(self, blocks, kept, dy, n_layers, grads):
-        """Pull dy back through layers n_layers - 1 .. 0, recomputing each from its kept input;
-        adds the parameter gradients into `grads`; returns (input gradient, grads)."""
+        """Pull dy back through layers n_layers - 1 .. 0 from their stashed residuals (a layer
+        stashed with remat 'full' recomputes its forward here); adds the parameter gradients
+        into `grads`; returns (input gradient, grads)."""
         def layer(j, carry):
             dh, grads = carry
             i = n_layers - 1 - j
-            _, pullback = jax.vjp(self._block, self._layer(blocks, i), kept[i])
-            dp, dh = pullback(dh)
+            p = self._layer(blocks, i)
+            dp, dh = pullback(self._residuals, p, [r[i] for r in kept["res"]])(dh)
             return dh, jax.tree.map(lambda g, d: g.at[i].add(d), grads, dp)
 
         return jax.lax.fori_loop(0, n_layers, layer, (dy, grads))
@@ -287,7 +306,6 @@ class Pipeline:
         act = (n_dp, *inputs.shape[2:], self.cfg.d_model)
         dtype = jnp.dtype(self.cfg.dtype)
         act_names = (shd.DEVICE, "batch", "length", "embed")
-        kept_names = (shd.DEVICE, None, "batch", "length", "embed")
         zero_act = self._buffer(act, dtype, act_names)
         zero_shared = jax.tree.map(lambda a: jnp.zeros((n_dp, *a.shape), a.dtype), shared)
         # With s_g = 1 the accumulator holds each device's own partial sums [dp, ...], so a B
@@ -305,8 +323,8 @@ class Pipeline:
             (None, 0, 0))
 
         def head(sh, kept, tgt):  # the last stage's B starts from the loss of its rows
-            loss, pullback = jax.vjp(lambda s, y: self._head_loss(s, y, tgt), sh, kept[n_layers])
-            g_head, dy = pullback(jnp.float32(1.0))
+            loss, pb = jax.vjp(lambda s, y: self._head_loss(s, y, tgt), sh, kept["out"])
+            g_head, dy = pb(jnp.float32(1.0))
             return loss, dy, g_head
 
         head = zero.per_device(head, (None, 0, 0))
@@ -314,11 +332,18 @@ class Pipeline:
         def read(buf, slot, names):  # cond branches must agree on sharding, so pin what is read
             return nn.with_logical_constraint(buf[slot], names)
 
-        # One extra scratch slot each; a stash slot holds every layer input and the output.
+        def read_stash(stash, slot):
+            return {"res": [r[slot] for r in stash["res"]],
+                    "out": read(stash["out"], slot, act_names)}
+
+        # One extra scratch slot each. A stash slot holds every layer's residuals (the layer
+        # inputs alone with remat 'full') and the stage output.
         x_inbox = self._buffer((prog.x_slots + 1, *act), dtype, (None, *act_names))
         dy_inbox = self._buffer((prog.dy_slots + 1, *act), dtype, (None, *act_names))
-        stash = self._buffer((prog.stash_slots + 1, n_dp, self.plan.max_stage_layers + 1,
-                              *act[1:]), dtype, (None, *kept_names))
+        shapes, self._residuals = self.residual_shapes(blocks, act[1:], dtype)
+        slots, L = prog.stash_slots + 1, self.plan.max_stage_layers
+        stash = {"res": [jnp.zeros((slots, n_dp, L, *r.shape), r.dtype) for r in shapes],
+                 "out": self._buffer((slots, *act), dtype, (None, *act_names))}
         forward_pairs = [(s, s + 1) for s in range(pp - 1)]
         backward_pairs = [(s + 1, s) for s in range(pp - 1)]
 
@@ -326,7 +351,7 @@ class Pipeline:
             x_inbox, dy_inbox, stash, acc, losses = carry
             tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
             # Only one stash slot goes through the switch (the whole stash would be copied).
-            kept = read(stash, c["stash_slot"], kept_names)
+            kept = read_stash(stash, c["stash_slot"])
 
             def idle():
                 return zero_act, zero_act, kept, acc, losses
@@ -358,7 +383,7 @@ class Pipeline:
             y, dx, kept, acc, losses = jax.lax.switch(
                 c["action"], [idle, forward_tick, backward_tick])
             written = jnp.where(c["action"] == sch.FORWARD, c["stash_slot"], prog.stash_slots)
-            stash = stash.at[written].set(kept)
+            stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
             # The send flags are the same on every stage, so all take the same branch.
             x_recv = jax.lax.cond(c["send_x"], lambda: jax.lax.ppermute(y, "pp", forward_pairs),
                                   lambda: zero_act)

@@ -7,6 +7,7 @@ compute per stage, and the schedule timeline plots.
     python scripts/bench_pipeline.py plots      # docs/img/gpipe.png, docs/img/1f1b.png
     python scripts/bench_pipeline.py mpmd-memory  # per-stage state bytes, split [7, 1]
     python scripts/bench_pipeline.py mpmd-time  # MPMD task times -> asynchronous step time
+    python scripts/bench_pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
     python scripts/bench_pipeline.py            # all
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
@@ -239,8 +240,35 @@ def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
     print()
 
 
+def remat(schedules=("gpipe", "1f1b"), microbatches: int = 8) -> None:
+    """The SPMD pipeline's compiled train step per recompute policy on configs/holmes_mini.py:
+    FLOPs (`cost_analysis()`, per device) and temp memory (`memory_analysis()`)."""
+    print(f"## Recompute in the SPMD pipeline: configs/holmes_mini.py, M = {microbatches}, "
+          f"compiled train step per device")
+    print()
+    print("| schedule | model.remat | GFLOP | vs full | temp (MiB) | vs full |")
+    print("|---|---|---:|---:|---:|---:|")
+    for schedule in schedules:
+        rows = {}
+        for policy in ("full", "dots", "none", "auto"):
+            trainer = holmes_trainer(f"--config.pipeline.schedule={schedule}",
+                                     f"--config.pipeline.microbatches={microbatches}",
+                                     f"--config.train.batch_size={4 * microbatches}",
+                                     f"--config.model.remat={policy}")
+            compiled = trainer.compiled_step()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            rows[policy] = (cost["flops"], compiled.memory_analysis().temp_size_in_bytes)
+            f, t = rows[policy]
+            f0, t0 = rows["full"]
+            print(f"| {schedule} | {policy} | {f / 1e9:.3f} | {f / f0:.3f} | {t / MIB:.2f} | "
+                  f"{t / t0:.2f} |", flush=True)
+    print()
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time"]
+    what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time",
+                            "remat"]
     for w in what:
         {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
-         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time}[w]()
+         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat}[w]()

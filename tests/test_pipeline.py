@@ -122,12 +122,13 @@ def check_against_reference(config):
     return trainer
 
 
-# (schedule, layers per stage, dp, tp, micro-batches, extra config)
+# (schedule, layers per stage, dp, tp, micro-batches, extra config); every recompute policy
+# (model.remat; 'auto' is 'full' here) with dp and tp inside stages and a one-layer stage
 EXECUTOR_CASES = [
-    ("1f1b", (1, 2), 2, 2, 4, {}),  # a single-layer first stage
-    ("gpipe", (3, 1), 2, 2, 2, {}),  # a single-layer last stage, fewer micro-batches than...
+    ("1f1b", (1, 2), 2, 2, 4, {"model.remat": "none"}),  # a single-layer first stage
+    ("gpipe", (3, 1), 2, 2, 2, {"model.remat": "dots"}),  # a single-layer last stage
     ("1f1b", (2, 1, 3, 1), 2, 1, 8, {"model.tie_embeddings": False}),  # 1F1B steady state
-    ("gpipe", (1, 3, 2, 1), 1, 2, 4, {}),
+    ("gpipe", (1, 3, 2, 1), 1, 2, 4, {"model.remat": "full"}),
 ]
 
 
