@@ -11,7 +11,8 @@ spec; `pullback` rebuilds the function from the spec, the parameters and the sta
 forwards' work per layer per step), `dots` keeps the matmul outputs, `full` keeps only the
 layer's input and recomputes the layer in the backward (four forwards).
 `auto` (the config default) means what each executor did before recompute was a choice:
-no recompute, except in the SPMD pipeline, which recomputes every layer (`effective_remat`).
+no recompute, except in the SPMD pipeline, which recomputes every layer
+(`hetjax.plan.effective_remat`, shared with the cost model).
 """
 
 from __future__ import annotations
@@ -21,16 +22,9 @@ from typing import Any, Callable
 
 import jax
 
+from hetjax.plan import effective_remat
 from layers import block_apply
 from layers.model import REMAT_POLICIES
-
-
-def effective_remat(remat: str, spmd_pipeline: bool = False) -> str:
-    """`model.remat` with 'auto' resolved: 'full' in the SPMD pipeline (its stash otherwise
-    grows with every intermediate of every layer of every in-flight micro-batch), else 'none'."""
-    if remat == "auto":
-        return "full" if spmd_pipeline else "none"
-    return remat
 
 
 def layer_fn(model_cfg, remat: str) -> Callable:
