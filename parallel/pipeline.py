@@ -273,6 +273,25 @@ class Pipeline:
 
         return jax.lax.fori_loop(0, n_layers, layer, (dy, grads))
 
+    def layers_strands(self, blocks, x, kept_f, kept_b, dy, n_layers, grads):
+        """One tick of two strands: the forward of one micro-batch (input x, stash kept_f)
+        and the backward of another (stash kept_b, output gradient dy) in one loop, step j
+        running forward layer j and backward layer n_layers - 1 - j. The two are independent,
+        and sitting in one loop body lets XLA's scheduler overlap one's collectives with the
+        other's compute. Returns (output, new stash, input gradient, grads)."""
+        def layer(j, carry):
+            h, res, dh, grads = carry
+            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, j), h)
+            i = n_layers - 1 - j
+            dp, dh = pullback(self._residuals, self._layer(blocks, i),
+                              [r[i] for r in kept_b["res"]])(dh)
+            return (y, [r.at[j].set(v) for r, v in zip(res, new)], dh,
+                    jax.tree.map(lambda g, d: g.at[i].add(d), grads, dp))
+
+        y, res, dx, grads = jax.lax.fori_loop(0, n_layers, layer,
+                                              (x, kept_f["res"], dy, grads))
+        return y, {"res": res, "out": y}, dx, grads
+
     def _embed(self, shared, tokens):
         return self.model.apply({"params": shared}, tokens, method=Transformer.embed)
 
@@ -296,6 +315,10 @@ class Pipeline:
         columns = {k: jnp.asarray(getattr(prog, k))[:, stage] for k in
                    ("action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
                     "dy_recv_slot")}
+        paired = getattr(prog, "paired", False)  # some tick runs two strands (an F and a B)
+        if paired:
+            columns.update({k: jnp.asarray(getattr(prog, k))[:, stage]
+                            for k in ("b_microbatch", "b_stash_slot")})
         columns["send_x"] = jnp.asarray(prog.sends_activation)
         columns["send_dy"] = jnp.asarray(prog.sends_gradient)
 
@@ -318,6 +341,8 @@ class Pipeline:
         forward = zero.per_device(self.layers_forward, (None, 0, None, 0))
         backward = zero.per_device(self.layers_backward,
                                    (None, 0, 0, None, 0 if in_place else None))
+        strands = zero.per_device(self.layers_strands,
+                                  (None, 0, 0, 0, 0, None, 0 if in_place else None))
         embed_pullback = zero.per_device(
             lambda sh, tokens, dx: jax.vjp(lambda s: self._embed(s, tokens), sh)[1](dx)[0],
             (None, 0, 0))
@@ -350,26 +375,22 @@ class Pipeline:
         def tick(carry, c):
             x_inbox, dy_inbox, stash, acc, losses = carry
             tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
-            # Only one stash slot goes through the switch (the whole stash would be copied).
+            # Only the stash slots in use go through the switch (the whole stash would be
+            # copied): the action's, and in a two-strand tick also the backward's.
             kept = read_stash(stash, c["stash_slot"])
 
-            def idle():
-                return zero_act, zero_act, kept, acc, losses
+            def start_forward():
+                return jax.lax.cond(first, lambda: embed(shared, tokens),
+                                    lambda: read(x_inbox, c["x_slot"], act_names))
 
-            def forward_tick():
-                x = jax.lax.cond(first, lambda: embed(shared, tokens),
-                                 lambda: read(x_inbox, c["x_slot"], act_names))
-                y, kept_new = forward(blocks, x, n_layers, kept)
-                return y, zero_act, kept_new, acc, losses
-
-            def backward_tick():
-                loss, dy, g_head = jax.lax.cond(
+            def start_backward(kept, tgt):  # (loss, output gradient, head gradients)
+                return jax.lax.cond(
                     last, lambda: head(shared, kept, tgt),
                     lambda: (jnp.zeros((n_dp,), jnp.float32),
                              read(dy_inbox, c["dy_slot"], act_names), zero_shared))
-                acc_shared, acc_blocks = split_shared(acc)
-                dx, g_blocks = backward(blocks, kept, dy, n_layers,
-                                        acc_blocks if in_place else zero_blocks)
+
+            def finish_backward(tokens, dx, g_head, g_blocks, loss):
+                acc_shared, _ = split_shared(acc)
                 g_embed = jax.lax.cond(first, lambda: embed_pullback(shared, tokens, dx),
                                        lambda: zero_shared)
                 g_shared = jax.tree.map(jnp.add, g_head, g_embed)
@@ -378,11 +399,38 @@ class Pipeline:
                 else:
                     acc_new = jax.tree.map(jnp.add, acc, zero.scatter_grads(
                         join_shared(g_shared, g_blocks), zs, self.mesh))
-                return zero_act, dx, kept, acc_new, losses + loss
+                return acc_new, losses + loss
 
-            y, dx, kept, acc, losses = jax.lax.switch(
-                c["action"], [idle, forward_tick, backward_tick])
-            written = jnp.where(c["action"] == sch.FORWARD, c["stash_slot"], prog.stash_slots)
+            def grads_into():
+                return split_shared(acc)[1] if in_place else zero_blocks
+
+            def idle():
+                return zero_act, zero_act, kept, acc, losses
+
+            def forward_tick():
+                y, kept_new = forward(blocks, start_forward(), n_layers, kept)
+                return y, zero_act, kept_new, acc, losses
+
+            def backward_tick():
+                loss, dy, g_head = start_backward(kept, tgt)
+                dx, g_blocks = backward(blocks, kept, dy, n_layers, grads_into())
+                return (zero_act, dx, kept) + finish_backward(tokens, dx, g_head, g_blocks, loss)
+
+            branches = [idle, forward_tick, backward_tick]
+            if paired:
+                def strands_tick():  # F of `microbatch` and B of `b_microbatch`
+                    mb = c["b_microbatch"]
+                    kept_b = read_stash(stash, c["b_stash_slot"])
+                    loss, dy, g_head = start_backward(kept_b, targets[mb])
+                    y, kept_new, dx, g_blocks = strands(blocks, start_forward(), kept, kept_b,
+                                                        dy, n_layers, grads_into())
+                    return (y, dx, kept_new) + finish_backward(inputs[mb], dx, g_head,
+                                                               g_blocks, loss)
+
+                branches.append(strands_tick)
+
+            y, dx, kept, acc, losses = jax.lax.switch(c["action"], branches)
+            written = jnp.where(c["action"] == sch.BACKWARD, prog.stash_slots, c["stash_slot"])
             stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
             # The send flags are the same on every stage, so all take the same branch.
             x_recv = jax.lax.cond(c["send_x"], lambda: jax.lax.ppermute(y, "pp", forward_pairs),
