@@ -15,24 +15,32 @@ tp stay with the compiler, which places them from the parameter shardings and th
 logical constraints). At every tick each stage does what its column of the program says:
 - F(m): stage 0 embeds the tokens of micro-batch m, the others take the activation waiting
   in their inbox; then the stage runs its n_s layers (a `fori_loop` whose trip count is n_s,
-  so a short stage really does less work and padded slots cost nothing) and stashes the input
-  of every layer and the stage output.
+  so a short stage really does less work and padded slots cost nothing), each under `jax.vjp`,
+  and stashes each layer's pullback residuals (`parallel.residuals`) and the stage output.
 - B(m): the last stage starts from the loss (head and cross-entropy under `jax.vjp`), the
-  others from the output gradient waiting in their inbox; then layers n_s - 1 .. 0 each
-  recompute their forward from the stashed input under `jax.vjp` and pull the gradient back,
-  accumulating parameter gradients; stage 0 ends with the embedding's pullback.
+  others from the output gradient waiting in their inbox; then layers n_s - 1 .. 0 each rebuild
+  their pullback from the stash and pull the gradient back, accumulating parameter gradients;
+  stage 0 ends with the embedding's pullback.
+- F(m) + B(m') (schedules that co-execute two strands, `strands`): one loop whose step j runs
+  forward layer j of m and backward layer n_s - 1 - j of m', so the two independent strands
+  sit in one loop body and XLA's scheduler may overlap one's collectives with the other's
+  compute.
 Every F and B is vmapped over a leading per-device dimension (`zero.per_device`): the batch
 is split [dp, b / dp, ...] and a B yields each data-parallel device's own partial gradients,
 which the ZeRO kernels (parallel/zero.py, nested shard_maps manual over every axis but 'pp')
 reduce-scatter into the G accumulator after each B and reduce across replicas to OS shards
 once, after the tick loop. Parameters are gathered from their P shards before the shard_map.
 Then outputs move with two `ppermute`s (activations s -> s + 1, gradients s -> s - 1), skipped
-on ticks where no stage sends. This is full activation recomputation at layer granularity:
-between its F and B a micro-batch keeps max_layers + 1 activations [b, S, d] on its stage,
-during B only one layer's residuals exist at a time, and each layer costs the usual four
-forwards (F, then recompute plus the two of the backward in B). The stash has the schedule's
-`max_in_flight` slots: M for GPipe, pp for 1F1B whatever M is. `model.remat` has no effect
-under pp > 1: every layer is recomputed anyway.
+on ticks where no stage sends.
+
+Recompute follows `model.remat` ('auto', the default, is 'full' here). With 'full' a layer's
+residuals are its input alone: between its F and B a micro-batch keeps max_layers + 1
+activations [b, S, d] on its stage, during B one layer's activations exist at a time, and each
+layer costs four forwards (F, then recompute plus the two of the backward in B). With 'none'
+the stash keeps every intermediate of every layer slot (three forwards per layer; far more
+memory: the attention probabilities too), with 'dots' the matmul outputs. Parameters a pullback
+holds are not stashed (B passes them back in). The stash has the schedule's `max_in_flight`
+slots: M for GPipe, pp for 1F1B whatever M is.
 
 Shared parameters. The embedding is used by stage 0 (lookup) and, tied, by the last stage
 (logits); final norm and output projection by the last stage. Their gradient contributions,
@@ -225,10 +233,12 @@ class Pipeline:
 
     def describe(self) -> str:
         p = self.program
+        kept = {"none": "all residuals", "dots": "matmul outputs",
+                "full": "layer inputs, recomputed in B"}[self.remat]
         return (f"pipeline: {self.schedule.name}, {self.plan.microbatches} micro-batches in "
                 f"{p.ticks} ticks, layers per stage {list(self.plan.stage_layers)} in "
                 f"{self.plan.max_stage_layers} slots, stash of {p.stash_slots} micro-batches "
-                f"x {self.plan.max_stage_layers + 1} activations per device")
+                f"per device ({kept}; model.remat={self.cfg.remat})")
 
     # --- pieces of one stage -------------------------------------------------------------------
     def _layer(self, blocks, i):
