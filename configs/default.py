@@ -16,7 +16,9 @@ from hetjax.config import base_config
 def get_config():
     config = base_config()
     config.parallel.pp = 2  # one stage per cluster
-    config.parallel.dp = 2  # replicas inside a cluster
+    # replicas inside a cluster: the rest of the devices, 2 on the default topology (0 keeps the
+    # job valid when only --config.topology.* changes: `hetjax` runs this job without --config)
+    config.parallel.dp = 0
     config.parallel.tp = 2  # shards inside a node
     config.pipeline.schedule = "1f1b"
     config.train.microbatches = 4

@@ -19,7 +19,7 @@ USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE
 Train language models with JAX on heterogeneous clusters.
 
 commands:
-  train      train a model (default config: configs/default.py's settings)
+  train      train a model (without --config: configs/default.py, the default job)
   plan       print the layout training would use (the planner's, when parallel.pp or
              parallel.tp is 0) with predicted step time, memory, tokens/s, MFU and bubble;
              --json PATH writes the Plan, --plot PATH a PNG of the device map and timeline
@@ -71,28 +71,96 @@ def _take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, st
     return opts, rest
 
 
-def _parse(command: str, argv: list[str], extra: str = ""):
-    """Split --config / --config.* flags from the rest; load and validate the config."""
-    from hetjax import config as hconfig
+def default_job_path() -> str | None:
+    """configs/default.py of this checkout: the job `hetjax train` runs without --config (the
+    README's default job); None when hetjax is installed without the repository's configs."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "configs", "default.py")
+    return path if os.path.isfile(path) else None
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(f"usage: hetjax {command} [--config=FILE] [--config.SECTION.FIELD=VALUE ...]"
-              f"{extra}\n\nConfig fields (defaults from hetjax.config.base_config):")
-        print(_indent(str(hconfig.base_config())))
-        raise SystemExit(0)
-    path = None
-    overrides = []
+
+def _split_config_args(command: str, argv: list[str]) -> tuple[str | None, list[str]]:
+    path, overrides = None, []
     for a in argv:
         if a.startswith("--config="):
             path = a.split("=", 1)[1]
         elif a.startswith("--config."):
             overrides.append(a)
-        else:
+        elif a not in ("-h", "--help"):
             raise HetjaxError(f"unknown argument {a!r}; flags look like --config=FILE or "
                               f"--config.train.steps=100 (see 'hetjax {command} --help')")
+    return path or default_job_path(), overrides
+
+
+def _parse(command: str, argv: list[str], extra: str = ""):
+    """Split --config / --config.* flags from the rest; load and validate the config. Without
+    --config, the default job (configs/default.py)."""
+    from hetjax import config as hconfig
+
+    path, overrides = _split_config_args(command, argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(command, path, overrides, extra))
+        raise SystemExit(0)
     cfg = hconfig.load_config(path, overrides)
     hconfig.validate(cfg)
     return cfg
+
+
+def _flat(c, prefix: str = ""):
+    for k, v in c.items():
+        if hasattr(v, "items"):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def help_text(command: str, path: str | None, overrides: list[str], extra: str = "") -> str:
+    """Usage, then every config field: its value in the config given (--config and overrides;
+    default the default job), its description, and the base default where it differs."""
+    import textwrap
+
+    from hetjax import config as hconfig
+
+    cfg = hconfig.load_config(path, overrides)
+    base = dict(_flat(hconfig.base_config()))
+    order = {k: i for i, k in enumerate(hconfig.DESCRIPTIONS)}  # base_config()'s order
+    fields = sorted(_flat(cfg), key=lambda kv: order.get(kv[0], len(order)))
+    width = max(len(f"{k} = {v!r}") for k, v in fields) + 2
+    width = min(width, 44)
+    given = os.path.relpath(path) if path else "the base defaults (hetjax.config.base_config)"
+    header = (f"Config fields, with the values of {given}"
+              f"{' and ' + ' '.join(overrides) if overrides else ''}; '*' marks a value that "
+              "differs from the base default (given after the description).")
+    lines = [f"usage: hetjax {command} [--config=FILE] [--config.SECTION.FIELD=VALUE ...]{extra}",
+             "", *textwrap.wrap(header, 100)]
+    section = None
+    for key, value in fields:
+        top = key.split(".")[0] if "." in key else ""
+        if top != section:
+            section = top
+            lines.append(f"\n  [{top}]" if top else "")
+        shown = f"{key} = {_show(value)}"
+        desc = hconfig.DESCRIPTIONS.get(key, "")
+        if key in base and base[key] != value:
+            shown = "*" + shown
+            desc += f" (base default: {_show(base[key])})"
+        else:
+            shown = " " + shown
+        wrapped = textwrap.wrap(desc, 100 - width - 4) or [""]
+        if len(shown) > width:
+            lines.append(f"   {shown}")
+            lines += [f"   {'':<{width}} {w}" for w in wrapped]
+        else:
+            lines.append(f"   {shown:<{width}} {wrapped[0]}")
+            lines += [f"   {'':<{width}} {w}" for w in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def _show(value) -> str:
+    """A value as the --config.x=VALUE flag takes it (tuples as (3, 1), strings quoted)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
 
 
 def _indent(text: str) -> str:
@@ -248,16 +316,25 @@ def cmd_tokenizer(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    """Print (and optionally save and draw) the Plan `hetjax train` would use."""
+    """Print (and optionally save and draw) the Plan `hetjax train` would use, and the
+    runners-up when the planner chose it."""
     import dataclasses
 
     from hetjax import config as hconfig
+    from hetjax.plan import comparison_table
     from hetjax.planner import model_from_config, options_from_config, plan_from_config, predict
+    from hetjax.planner.config_plan import plan_for_config, validate_layout
 
     opts, rest = _take_options(argv, ("json", "plot"))
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
-    plan = plan_from_config(cfg, topology)
+    runners_up = ()
+    if not cfg.parallel.pp or not cfg.parallel.tp or cfg.zero.preset == "auto":
+        validate_layout(cfg, topology)  # what plan_from_config checks first
+        result = plan_for_config(cfg, topology)  # the same search, keeping the runners-up
+        plan, runners_up = result.plan, result.runners_up
+    else:
+        plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict(
@@ -268,6 +345,10 @@ def cmd_plan(argv: list[str]) -> int:
 
     for line in bound_lines(plan):
         print(line)
+    if runners_up:
+        print("the chosen plan (#0) and the runners-up:")
+        print("\n".join("  " + line for line in
+                        comparison_table([plan, *runners_up]).splitlines()))
     if "json" in opts:
         with open(opts["json"], "w") as f:
             f.write(plan.to_json(indent=1))

@@ -20,57 +20,51 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
+from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-SCHEDULES = ("gpipe", "1f1b")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """All fields with their defaults: a tiny LLaMA-style model on the default CPU topology."""
+    """All fields with their defaults: a tiny LLaMA-style model on the default CPU topology.
+    What each field means is in DESCRIPTIONS, below (shown by `hetjax <command> --help`)."""
     c = ml_collections.ConfigDict()
 
     c.topology = ml_collections.ConfigDict()
-    c.topology.preset = "cpu_hybrid"  # a name from hetjax.topology.PRESETS
-    c.topology.file = ""  # or a JSON topology (Topology.to_json()); overrides preset
-    c.topology.nodes = 0  # > 0 overrides the preset's nodes per cluster
-    c.topology.devices_per_node = 0  # > 0 overrides the preset's devices per node
+    c.topology.preset = "cpu_hybrid"
+    c.topology.file = ""
+    c.topology.nodes = 0
+    c.topology.devices_per_node = 0
 
     c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 0  # 0: the tokenizer's vocabulary rounded up to a multiple of 128
+    c.model.vocab_size = 0
     c.model.d_model = 128
     c.model.n_layers = 4
     c.model.n_heads = 4
-    c.model.n_kv_heads = 2  # grouped-query attention; = n_heads for plain multi-head
+    c.model.n_kv_heads = 2
     c.model.d_ff = 384
-    c.model.max_seq_len = 512  # longest sequence the rotary tables are built for
+    c.model.max_seq_len = 512
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = True
-    c.model.dtype = "float32"  # compute dtype; "bfloat16" on accelerators
+    c.model.dtype = "float32"
     c.model.param_dtype = "float32"
-    # What a layer keeps for its backward: none (every intermediate; 3 forwards' work per
-    # layer), dots (matmul outputs), full (only its input; 4 forwards), auto (none, except
-    # full in the SPMD pipeline, whose stash would otherwise hold every intermediate)
     c.model.remat = "auto"
 
     c.parallel = ml_collections.ConfigDict()
-    # Degrees of pipeline, data and tensor parallelism; pp * dp * tp = topology devices.
-    # 0 means "let hetjax choose" (the planner, or all remaining devices for dp).
     c.parallel.pp = 1
     c.parallel.dp = 0
     c.parallel.tp = 1
-    c.parallel.allow_straddle = False  # allow a TP group across nodes / a stage across clusters
+    c.parallel.allow_straddle = False
 
     c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.stage_layers = ()  # layers per stage, e.g. (3, 1); empty: even split
+    c.pipeline.stage_layers = ()
     c.pipeline.schedule = "1f1b"
-    # spmd: one shard_map program, stages in lockstep ticks; mpmd: one program per stage,
-    # stages run asynchronously; auto: the one the planner predicts faster
     c.pipeline.executor = "spmd"
-    c.pipeline.microbatches = 0  # alias of train.microbatches for pipeline users; 0: unset
+    c.pipeline.microbatches = 0
 
     c.zero = ml_collections.ConfigDict()
     c.zero.preset = "ddp"
@@ -79,49 +73,124 @@ def base_config() -> ml_collections.ConfigDict:
     c.zero.s_os = 1
 
     c.planner = ml_collections.ConfigDict()
-    c.planner.memory_margin = 0.1  # share of device memory a plan leaves free (fragmentation)
-    c.planner.calibration = ""  # a `hetjax calibrate` JSON file: measured compute and links
+    c.planner.memory_margin = 0.1
+    c.planner.calibration = ""
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300
-    c.train.batch_size = 32  # global, in sequences
+    c.train.batch_size = 32
     c.train.seq_len = 128
-    c.train.microbatches = 1  # the batch is split into this many micro-batches per step
+    c.train.microbatches = 1
     c.train.lr = 3e-3
-    c.train.min_lr_ratio = 0.1  # cosine decay ends at lr * min_lr_ratio
-    c.train.warmup_steps = -1  # -1: 10% of train.steps
+    c.train.min_lr_ratio = 0.1
+    c.train.warmup_steps = -1
     c.train.weight_decay = 0.1
     c.train.b1 = 0.9
     c.train.b2 = 0.95
     c.train.eps = 1e-8
-    c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
+    c.train.grad_clip = 1.0
     c.train.seed = 0
     c.train.log_every = 10
-    c.train.progress = True  # progress bar on the terminal / notebook
+    c.train.progress = True
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "stdlib"  # stdlib (Python's own sources) | files | synthetic
-    c.data.path = ""  # directory or glob of text files for source=files
-    c.data.tokenizer = "byte"  # "byte", or a SentencePiece .model from `hetjax tokenizer train`
-    c.data.dir = ""  # where text corpora are prepared (tfds); "": ~/.cache/hetjax/tfds
-    c.data.eval_fraction = 0.01  # share of the documents held out for evaluation
-    c.data.prefetch = 4  # batches the loader prepares ahead of the step
-    c.data.threads = 2  # loader threads
+    c.data.source = "stdlib"
+    c.data.path = ""
+    c.data.tokenizer = "byte"
+    c.data.dir = ""
+    c.data.eval_fraction = 0.01
+    c.data.prefetch = 4
+    c.data.threads = 2
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.every = 0  # evaluate on held-out data every N steps (and at the end); 0: never
-    c.eval.batches = 4  # global batches per evaluation
+    c.eval.every = 0
+    c.eval.batches = 4
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 100  # save every N steps and at the end; 0: no checkpoints
-    c.checkpoint.keep = 3  # keep the latest K checkpoints
-    c.checkpoint.keep_best = 0  # also keep the N with the lowest eval loss (needs eval.every)
-    c.checkpoint.async_save = True  # write in the background while training goes on
-    c.checkpoint.dir = ""  # "": <workdir>/checkpoints
+    c.checkpoint.every = 100
+    c.checkpoint.keep = 3
+    c.checkpoint.keep_best = 0
+    c.checkpoint.async_save = True
+    c.checkpoint.dir = ""
 
     c.workdir = "runs/default"
     c.tensorboard = True
     return c
+
+
+
+# What each field means: the one place, shown by `hetjax <command> --help` (tests check every
+# field of base_config() has an entry).
+DESCRIPTIONS: dict[str, str] = {
+    "topology.preset": "a name from hetjax.topology.PRESETS",
+    "topology.file": "a JSON topology (Topology.to_json()); overrides preset",
+    "topology.nodes": "> 0 overrides the preset's nodes per cluster",
+    "topology.devices_per_node": "> 0 overrides the preset's devices per node",
+    "model.vocab_size": "0: the tokenizer's vocabulary rounded up to a multiple of 128",
+    "model.d_model": "width of the residual stream",
+    "model.n_layers": "decoder blocks",
+    "model.n_heads": "attention (query) heads",
+    "model.n_kv_heads": "key/value heads: grouped-query attention; = n_heads for plain "
+                        "multi-head",
+    "model.d_ff": "hidden width of the SwiGLU feed-forward",
+    "model.max_seq_len": "longest sequence the rotary tables are built for",
+    "model.rope_theta": "rotary embedding base",
+    "model.norm_eps": "RMSNorm epsilon",
+    "model.tie_embeddings": "share the input embedding with the output projection",
+    "model.dtype": "compute dtype; bfloat16 on accelerators",
+    "model.param_dtype": "dtype parameters are stored (and optimized) in",
+    "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
+                   "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
+                   "(none, but full in the SPMD pipeline)",
+    "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
+    "parallel.dp": "data-parallel replicas; 0: all remaining devices",
+    "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
+    "parallel.allow_straddle": "allow a TP group across nodes / a stage across clusters",
+    "pipeline.stage_layers": "layers per stage, e.g. (3, 1); empty: even split",
+    "pipeline.schedule": "gpipe | 1f1b | interleaved | zb-h1 | strands (parallel/schedules.py)",
+    "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
+                         "program per stage, stages run asynchronously; auto: the one the "
+                         "planner predicts faster",
+    "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
+    "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
+                   "zero2 | zero3 | mics | auto | custom",
+    "zero.s_p": "parameter shard factor (zero.preset=custom only)",
+    "zero.s_g": "gradient shard factor (zero.preset=custom only)",
+    "zero.s_os": "optimizer-state shard factor (zero.preset=custom only)",
+    "planner.memory_margin": "share of device memory a plan leaves free (fragmentation)",
+    "planner.calibration": "a `hetjax calibrate` JSON file: measured compute and links",
+    "train.steps": "optimizer steps of the run",
+    "train.batch_size": "global batch, in sequences",
+    "train.seq_len": "tokens per sequence",
+    "train.microbatches": "the batch is split into this many micro-batches per step",
+    "train.lr": "peak learning rate (AdamW)",
+    "train.min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
+    "train.warmup_steps": "linear warmup steps; -1: 10% of train.steps",
+    "train.weight_decay": "AdamW weight decay (matrices only, not norm scales)",
+    "train.b1": "AdamW beta1",
+    "train.b2": "AdamW beta2",
+    "train.eps": "AdamW epsilon",
+    "train.grad_clip": "global-norm clipping; 0 disables",
+    "train.seed": "seed of the parameters and the data order",
+    "train.log_every": "a metrics row and log line every N steps",
+    "train.progress": "progress bar on the terminal / notebook",
+    "data.source": "stdlib (Python's own sources) | files | synthetic",
+    "data.path": "directory or glob of text files for source=files",
+    "data.tokenizer": "byte, or a SentencePiece .model from `hetjax tokenizer train`",
+    "data.dir": "where text corpora are prepared (tfds); empty: ~/.cache/hetjax/tfds",
+    "data.eval_fraction": "share of the documents held out for evaluation",
+    "data.prefetch": "batches the loader prepares ahead of the step",
+    "data.threads": "loader threads",
+    "eval.every": "evaluate on held-out data every N steps (and at the end); 0: never",
+    "eval.batches": "global batches per evaluation",
+    "checkpoint.every": "save every N steps and at the end; 0: no checkpoints",
+    "checkpoint.keep": "keep the latest K checkpoints",
+    "checkpoint.keep_best": "also keep the N with the lowest eval loss (needs eval.every)",
+    "checkpoint.async_save": "write in the background while training goes on",
+    "checkpoint.dir": "empty: <workdir>/checkpoints",
+    "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
+    "tensorboard": "also write TensorBoard event files",
+}
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -270,6 +339,10 @@ def validate(c) -> None:
              f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
+    _require(c.pipeline.executor != "spmd" or c.pipeline.schedule in spmd_schedules(),
+             "pipeline.schedule", f"the SPMD executor cannot run {c.pipeline.schedule!r} (several "
+             f"chunks per stage or a split backward)",
+             f"set --config.pipeline.executor=mpmd, or use one of {', '.join(spmd_schedules())}")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
              f"unknown preset {c.zero.preset!r}",
              f"choose one of {', '.join(zr.CONFIG_PRESETS)}")

@@ -299,29 +299,90 @@ class Topology:
         return bw, lat
 
     # --- display and serialisation --------------------------------------------------------
-    def describe(self) -> str:
-        lines = [f"topology {self.name!r}: {len(self.clusters)} clusters, "
-                 f"{self.num_nodes} nodes, {self.num_devices} devices"]
-        lines.append(f"  {'cluster':<12}{'nodes x dev':<13}{'ranks':<12}{'accelerator':<24}"
-                     f"{'NIC':<30}{'intra-node':<20}")
+    # Above this many clusters (or listed cluster links) describe() groups alike rows.
+    COMPACT_ROWS = 8
+
+    def cluster_rows(self, full: bool = False) -> list[dict[str, str]]:
+        """One row per cluster; with more than COMPACT_ROWS clusters (unless `full`),
+        consecutive clusters of identical hardware share a row."""
+        groups: list[list[int]] = []
         for ci, c in enumerate(self.clusters):
-            r = self.cluster_ranks(ci)
-            acc = f"{c.accelerator.name} {c.accelerator.peak_tflops:g}TF {c.accelerator.memory_gib:g}GiB"
-            lines.append(
-                f"  {c.name:<12}{f'{c.nodes} x {c.devices_per_node}':<13}"
-                f"{f'{r.start}-{r.stop - 1}':<12}{acc:<24}{_fmt_link(c.nic):<30}"
-                f"{_fmt_link(c.intra_node):<20}")
-        lines.append("  between clusters: " + (_fmt_link(self.inter_cluster)
-                                                if self.inter_cluster is not None
-                                                else "only the links listed"))
-        for cl in self.cluster_links:
-            lines.append(f"    {cl.a} <-> {cl.b}: {_fmt_link(cl.link)}")
-        for a, b in self.disconnected_pairs():
-            lines.append(f"    {a} <-> {b}: no link")
+            same = groups and dataclasses.replace(self.clusters[groups[-1][0]], name="") == \
+                dataclasses.replace(c, name="")
+            if same and not full and len(self.clusters) > self.COMPACT_ROWS:
+                groups[-1].append(ci)
+            else:
+                groups.append([ci])
+        rows = []
+        for g in groups:
+            c = self.clusters[g[0]]
+            first, last = self.cluster_ranks(g[0]), self.cluster_ranks(g[-1])
+            ranks = (f"{first.start}-{last.stop - 1}" if last.stop - first.start > 1
+                     else str(first.start))
+            name = c.name if len(g) == 1 else \
+                f"{c.name} .. {self.clusters[g[-1]].name} ({len(g)} clusters)"
+            each = " each" if len(g) > 1 else ""
+            acc = c.accelerator
+            rows.append({"cluster": name, "nodes x dev": f"{c.nodes} x {c.devices_per_node}{each}",
+                         "ranks": ranks,
+                         "accelerator": f"{acc.name} {acc.peak_tflops:g}TF "
+                                        f"{acc.memory_gib:g}GiB",
+                         "NIC": _fmt_link(c.nic), "intra-node": _fmt_link(c.intra_node)})
+        return rows
+
+    def link_lines(self, full: bool = False) -> list[str]:
+        """The links between clusters: each listed pair, or (more than COMPACT_ROWS pairs,
+        unless `full`) one line per link kind with its range of rates and latencies and the
+        slowest pair."""
+        if len(self.clusters) == 1:
+            return []
+        lines = ["between clusters: " + (_fmt_link(self.inter_cluster)
+                                         if self.inter_cluster is not None
+                                         else "only the links listed")]
+        if full or len(self.cluster_links) <= self.COMPACT_ROWS:
+            lines += [f"  {cl.a} <-> {cl.b}: {_fmt_link(cl.link)}" for cl in self.cluster_links]
+        else:
+            from hetjax import units
+
+            for kind in sorted({cl.link.kind for cl in self.cluster_links}):
+                ls = [cl for cl in self.cluster_links if cl.link.kind == kind]
+                bw = [cl.link.bandwidth_gbps * 1e9 for cl in ls]
+                lat = [cl.link.latency_us * 1e-6 for cl in ls]
+                slow = min(ls, key=lambda cl: cl.link.bytes_per_s)
+                lines.append(f"  {len(ls)} {kind} links: {units.bits_per_s(min(bw))} to "
+                             f"{units.bits_per_s(max(bw))}, latency {units.seconds(min(lat))} to "
+                             f"{units.seconds(max(lat))};\n    slowest {slow.a} <-> {slow.b}: "
+                             f"{_fmt_link(slow.link)}")
+            lines.append("  (every pair: topology.describe(full=True))")
+        lines += [f"  {a} <-> {b}: no link" for a, b in self.disconnected_pairs()]
+        return lines
+
+    def size_text(self) -> str:
+        from hetjax.units import count
+
+        return (f"{count(len(self.clusters), 'cluster')}, {count(self.num_nodes, 'node')}, "
+                f"{count(self.num_devices, 'device')}")
+
+    def describe(self, full: bool = False) -> str:
+        """The clusters and links as a table; large topologies compactly (alike clusters on
+        one row, cluster links by kind) unless `full`."""
+        rows = self.cluster_rows(full)
+        lines = [f"topology {self.name!r}: {self.size_text()}",
+                 *("  " + line for line in _table(rows))]
+        lines += ["  " + line for line in self.link_lines(full)]
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:  # notebooks
-        return "<pre>" + self.describe() + "</pre>"
+    def _repr_html_(self) -> str:  # notebooks: the same table as HTML
+        import html
+
+        rows = self.cluster_rows()
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+        body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(v)}</td>"
+                                        for v in r.values()) + "</tr>" for r in rows)
+        links = "<br>".join(html.escape(line) for line in self.link_lines())
+        return (f"<p><b>topology {html.escape(self.name)}</b>: {self.size_text()}</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                f"<p style='font-family:monospace'>{links}</p>")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -372,18 +433,50 @@ class Topology:
         """
         import jax
 
+        _simulate_cpu_devices(jax, self.num_devices)
         avail = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         if self.num_devices > len(avail):
             raise TopologyError(
                 f"topology {self.name!r} needs {self.num_devices} devices but JAX sees "
-                f"{len(avail)} ({avail[0].platform}). On CPU, set "
+                f"{len(avail)} ({avail[0].platform}). On CPU, JAX had started before hetjax "
+                "could ask for simulated devices: restart the Python process (or notebook "
+                "kernel) and build the Trainer before any other JAX operation, or set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={self.num_devices} before "
-                "jax is imported (the hetjax CLI does this itself), or pick a smaller "
+                "jax is imported (the hetjax CLI does this itself); or pick a smaller "
                 "topology (--config.topology.nodes / devices_per_node).")
         return avail[: self.num_devices]
 
 
-def _fmt_link(lk: Link) -> str:
-    eff = f" x{lk.efficiency:.2f}" if lk.efficiency != 1 else ""
-    return f"{lk.kind} {lk.bandwidth_gbps:g}Gb/s{eff} {lk.latency_us:g}us"
+def _simulate_cpu_devices(jax, n: int) -> None:
+    """Before JAX starts its backends (a fresh notebook kernel that only imported jax), give
+    its CPU backend `n` devices, unless the user already chose a count (XLA_FLAGS or
+    jax_num_cpu_devices). Accelerator backends are not affected; once JAX has started, the
+    caller's error message says how to restart with the right count."""
+    import os
 
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a JAX without this (private) probe: leave it
+        return
+    chosen = jax.config.jax_num_cpu_devices != -1 or \
+        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if not started and not chosen:
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def _fmt_link(lk: Link) -> str:
+    from hetjax import units
+
+    eff = f" x{lk.efficiency:.2f}" if lk.efficiency != 1 else ""
+    return f"{lk.kind} {units.bits_per_s(lk.bandwidth_gbps * 1e9)}{eff} " \
+        f"{units.seconds(lk.latency_us * 1e-6)}"
+
+
+def _table(rows: list[dict[str, str]]) -> list[str]:
+    """Rows of equal keys as text columns, each as wide as its widest cell."""
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    return ["  ".join(f"{r[c]:<{width[c]}}" for c in cols).rstrip()
+            for r in [dict(zip(cols, cols)), *rows]]

@@ -13,7 +13,9 @@ variables and join through `prepare_worker` (a rendezvous naming absent processe
 `jax.distributed.initialize`). Under SLURM, srun cannot give each task its own environment, so
 every task computes its own from the allocation.
 
-The launcher supervises what it starts: each line a process prints is prefixed with its id;
+The launcher supervises what it starts: each line a process prints (stdout and stderr read
+apart, so a library's C++ log line never lands inside a Python one) is prefixed with its id;
+third-party noise (gloo's per-rank connection lines, `NOISE`) is hidden unless `--verbose`;
 when one process fails, the others get SIGTERM and, after `--grace` seconds, SIGKILL (a peer
 may sit in a collective with the dead one forever); the exit code is the first failure's.
 """
@@ -25,6 +27,7 @@ import ctypes
 import hashlib
 import os
 import queue
+import re
 import shlex
 import signal
 import socket
@@ -212,15 +215,25 @@ def _how(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+# Worker output lines hidden unless --verbose: third-party logs that say nothing the launcher
+# does not (gloo prints one line per rank when its connections are up).
+NOISE = (re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),)
+
+
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
-        timeout: float = 0, out=None) -> int:
-    """Start `children` ((name, argv, env)), prefix their output with their name, and stop
-    them all when one fails (SIGTERM, then SIGKILL after `grace` s) or after `timeout` s
-    (0: no limit). Returns 0, or the exit code of the first failure (128 + signal)."""
+        timeout: float = 0, out=None, verbose: bool = False) -> int:
+    """Start `children` ((name, argv, env)), prefix each line of their output with their name
+    (lines matching `NOISE` hidden unless `verbose`), and stop them all when one fails
+    (SIGTERM, then SIGKILL after `grace` s) or after `timeout` s (0: no limit). Returns 0, or
+    the exit code of the first failure (128 + signal)."""
     out = out or sys.stdout
     lock = threading.Lock()
+    hidden = [0]
 
-    def say(line: str) -> None:
+    def say(line: str, worker: bool = False) -> None:
+        if worker and not verbose and any(p.search(line.split("] ", 1)[-1]) for p in NOISE):
+            hidden[0] += 1
+            return
         with lock:
             out.write(line + "\n")
             out.flush()
@@ -231,18 +244,19 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
         for name, argv, env in children:
             procs.append(subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent))
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent))
             say(f"hetjax launch: started {name} (pid {procs[-1].pid})")
     except OSError as e:
         _stop(procs, grace)
         raise HetjaxError(f"could not start {children[len(procs)][1][0]!r}: {e.strerror}") from None
     # Threads start only after every fork: forking while other threads run is unsafe.
     exits: queue.Queue = queue.Queue()
-    pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{n}] ", say), daemon=True)
-             for n, p in zip(names, procs)]
-    for i, (p, pump) in enumerate(zip(procs, pumps)):
+    pumps = [threading.Thread(target=_pump, args=(stream, f"[{n}] ", say), daemon=True)
+             for n, p in zip(names, procs) for stream in (p.stdout, p.stderr)]
+    for i, p in enumerate(procs):
         threading.Thread(target=lambda i, p: exits.put((i, p.wait())), args=(i, p),
                          daemon=True).start()
+    for pump in pumps:
         pump.start()
 
     running = set(range(len(procs)))
@@ -285,6 +299,8 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
             t.join(timeout=5)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    if hidden[0]:
+        say(f"hetjax launch: hid {hidden[0]} gloo connection lines (--verbose shows them)")
     if failure is None:
         return 0
     name, rc = failure
@@ -298,8 +314,11 @@ def _interrupt(signum, frame):
 
 
 def _pump(stream, prefix: str, say) -> None:
+    """One prefixed line per line of `stream`; of a line redrawn with carriage returns (a
+    progress bar), its last state."""
     for raw in iter(stream.readline, b""):
-        say(prefix + raw.decode(errors="replace").rstrip("\n"))
+        line = raw.decode(errors="replace").rstrip("\r\n").rsplit("\r", 1)[-1]
+        say(prefix + line, worker=True)
     stream.close()
 
 
@@ -373,6 +392,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--command", choices=("train", "calibrate"), default="train",
                    help="what every worker runs: 'hetjax train' (default) or 'hetjax "
                         "calibrate' (writes <workdir>/calibration.json)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show third-party noise in the workers' output (gloo's "
+                        "connection lines)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each process's command line and environment; start nothing")
     return p
@@ -389,8 +411,10 @@ def main(argv: list[str]) -> int:
     for name in ("init_timeout", "heartbeat_timeout"):
         if getattr(args, name) <= 0:
             raise HetjaxError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    from hetjax.cli import default_job_path  # the workers' `hetjax train` reads the same job
+
     cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
-                                    if a.startswith("--config=")), None),
+                                    if a.startswith("--config=")), None) or default_job_path(),
                               [a for a in config_args if a.startswith("--config.")])
     hconfig.validate(cfg)
     topology = hconfig.build_topology(cfg)
@@ -405,7 +429,8 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             print(f"{_env_prefix(env)} {shlex.join(cmd)}")
             return 0
-        return run([("srun", tuple(cmd), {**os.environ, **env})], args.grace, args.timeout)
+        return run([("srun", tuple(cmd), {**os.environ, **env})], args.grace, args.timeout,
+                   verbose=args.verbose)
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
@@ -418,7 +443,7 @@ def main(argv: list[str]) -> int:
     children = [(f"p{w.index}", w.argv,
                  nic.merge_environment(os.environ, w.env, override=True) if w.local else None)
                 for w in workers]
-    return run(children, args.grace, args.timeout)
+    return run(children, args.grace, args.timeout, verbose=args.verbose)
 
 
 __all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "describe",

@@ -1,8 +1,9 @@
 """Where training metrics go: a JSON-lines file, TensorBoard event files, and a progress bar.
 
 Only the primary process (process 0) writes files, so a multi-host run leaves one copy. The
-progress bar is tqdm's auto bar (a widget in notebooks); when stderr is not a terminal it is
-replaced by one log line every `log_every` steps.
+progress bar is a tqdm widget in notebooks that have ipywidgets, tqdm's text bar in notebooks
+without them and on terminals; when neither (stderr is a pipe or a file) it is replaced by one
+log line every `log_every` steps.
 """
 
 from __future__ import annotations
@@ -63,10 +64,8 @@ class Progress:
         self.total = total
         self.bar = None
         if self.enabled and _interactive():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
-                            dynamic_ncols=True)
+            self.bar = _bar_class()(total=total, initial=initial, desc="train", unit="step",
+                                    dynamic_ncols=True)
 
     def update(self, step: int, metrics: dict[str, float] | None) -> None:
         if not self.enabled:
@@ -92,6 +91,32 @@ def _short(m: dict[str, float]) -> dict[str, str]:
             out[k] = f"{v:.2%}" if k == "mfu" else (f"{v:.3g}" if k != "tokens_per_s"
                                                      else f"{v:,.0f}")
     return out
+
+
+def _bar_class():
+    """tqdm's notebook widget when ipywidgets is there (tqdm.auto would warn "IProgress not
+    found" without it and fall back), else the text bar, which notebooks render too."""
+    if _in_notebook():
+        try:
+            import ipywidgets  # noqa: F401
+            from tqdm.notebook import tqdm
+
+            return tqdm
+        except ImportError:
+            pass
+    from tqdm import tqdm
+
+    return tqdm
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def _interactive() -> bool:

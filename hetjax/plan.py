@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hetjax.units import gib, percent, seconds
 from hetjax.topology import Topology
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
@@ -147,15 +148,17 @@ class Plan:
         for s in range(self.pp):
             ranks = self.stage_ranks(s)
             lr = self.layer_range(s)
-            row = {"stage": str(s), "layers": f"{lr.start}-{lr.stop - 1} ({len(lr)})",
+            row = {"stage": str(s), "layers": (f"{lr.start}-{lr.stop - 1}" if len(lr) > 1
+                                               else str(lr.start)) + f" ({len(lr)})",
                    "ranks": _fmt_ranks(ranks)}
             if topology is not None:
-                row["clusters"] = ",".join(sorted({topology.cluster_of(r).name
-                                                   for r in ranks}))
+                names = sorted({topology.cluster_of(r).name for r in ranks})
+                row["clusters"] = ",".join(names) if len(names) <= 3 else \
+                    f"{','.join(names[:2])},.. ({len(names)})"
             if "stage_time_s" in pr:
                 row["time/micro-batch"] = _fmt_seconds(pr["stage_time_s"][s])
-                row["memory GiB"] = (f"{pr['stage_memory_gib'][s]:.2f} / "
-                                     f"{pr['stage_capacity_gib'][s]:.2f}")
+                row["memory / capacity"] = (f"{gib(pr['stage_memory_gib'][s] * 2**30)} / "
+                                            f"{gib(pr['stage_capacity_gib'][s] * 2**30)}")
                 row["idle/step"] = _fmt_seconds(pr["stage_idle_s"][s])
             rows.append(row)
         return rows
@@ -178,8 +181,8 @@ class Plan:
         fits = "" if pr.get("fits", True) else " -- DOES NOT FIT in device memory"
         layout = f" ({pr['layout']})" if "layout" in pr else ""
         return (f"predicted{layout}: step {_fmt_seconds(pr['step_time_s'])}, "
-                f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {pr['mfu']:.1%}, "
-                f"bubble {pr['bubble']:.1%}{fits}")
+                f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {percent(pr['mfu'])}, "
+                f"bubble {percent(pr['bubble'], 3)}{fits}")
 
     def header(self) -> str:
         z = self.zero
@@ -238,11 +241,41 @@ class Plan:
 def _fmt_ranks(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    if len(ranks) > 8:  # a long scattered group: its start and its size
+        return ",".join(map(str, ranks[:4])) + f",.. ({len(ranks)} ranks)"
     return ",".join(map(str, ranks))
 
 
-def _fmt_seconds(t: float) -> str:
-    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"
+def comparison_rows(plans: list["Plan"]) -> list[dict[str, str]]:
+    """One row per plan (e.g. the planner's choice and its runners-up): layout and prediction."""
+    rows = []
+    for i, p in enumerate(plans):
+        pr = p.predicted
+        row = {"#": str(i), "pp x dp x tp": f"{p.pp} x {p.dp} x {p.tp}",
+               "schedule": p.schedule + (f" ({p.executor})" if p.pp > 1 else ""),
+               "micro-batches": str(p.microbatches), "zero": p.zero.name,
+               "layers/stage": ",".join(map(str, p.stage_layers))
+               if p.pp <= 8 else f"{min(p.stage_layers)}-{max(p.stage_layers)}"}
+        if "step_time_s" in pr:
+            row.update({"step": seconds(pr["step_time_s"]),
+                        "tokens/s": f"{pr['tokens_per_s']:,.0f}",
+                        "MFU": percent(pr["mfu"]),
+                        "bubble": percent(pr["bubble"], 3),
+                        "fits": "yes" if pr.get("fits", True) else "NO"})
+        rows.append(row)
+    return rows
+
+
+def comparison_table(plans: list["Plan"]) -> str:
+    """`comparison_rows` as a text table."""
+    rows = comparison_rows(plans)
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(r.get(c, "")) for r in rows)) for c in cols}
+    return "\n".join("  ".join(f"{r.get(c, ''):<{width[c]}}" for c in cols).rstrip()
+                     for r in [dict(zip(cols, cols)), *rows])
+
+
+_fmt_seconds = seconds
 
 
 def even_split(n_layers: int, stages: int) -> tuple[int, ...]:

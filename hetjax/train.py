@@ -11,7 +11,9 @@ the loaders when training starts.
 The loop (`iter_steps`) yields a `StepInfo` after every step and runs the hooks that are due
 (`Hook`: a function with an interval). `train()` installs the standard hooks -- evaluation,
 checkpoints (both kept out of the step time), timing, the metrics file / TensorBoard and the
-progress bar -- resumes from the latest checkpoint, runs the loop and returns the run summary.
+progress bar, the loss plot -- resumes from the latest checkpoint, runs the loop and returns the
+run summary with its history (`hetjax.history.RunSummary`: a dict with `.history`). The end of
+a run writes `<workdir>/loss.png`; a run that is already complete says so and trains nothing.
 A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and its
 metrics.
 """
@@ -32,6 +34,7 @@ from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import HetjaxError
+from hetjax.history import LOSS_PNG, History, RunSummary
 from hetjax.metrics import MetricsWriter, Progress, read_metrics
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
@@ -364,6 +367,23 @@ class Trainer:
                      f" vocab {m.vocab_size}, {m.dtype} compute")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """Notebooks: the topology and plan tables, the device map and simulated timeline as
+        an inline figure, and the model line."""
+        import base64
+        import html
+        import io
+
+        from hetjax.planner.plot import plan_figure
+
+        png = io.BytesIO()
+        plan_figure(self.plan, self.topology, self.model_cfg).savefig(png, format="png", dpi=80)
+        image = base64.b64encode(png.getvalue()).decode()
+        model_line = self.describe().splitlines()[-1]
+        return (self.topology._repr_html_() + self.plan._repr_html_()
+                + f"<img src='data:image/png;base64,{image}' style='max-width:100%'/>"
+                + f"<p>{html.escape(model_line)}</p>")
+
     def add_hook(self, fn: Callable[[StepInfo], Any], every: int = 1, **kw) -> Hook:
         """Run `fn(info)` after every `every`-th step of `train()` / `iter_steps()` (after the
         standard hooks, so `info.metrics` holds the step's timing and eval loss when they ran);
@@ -396,15 +416,27 @@ class Trainer:
                     info.aside_s = aside
             yield info
 
-    def train(self, steps: int | None = None) -> dict[str, Any]:
-        """Train until step `steps` (default train.steps) with the standard hooks and the
-        user's; returns the run summary.
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.workdir, "metrics.jsonl")
 
-        A fresh trainer first resumes from the latest checkpoint in its checkpoint directory."""
+    @property
+    def history(self) -> History:
+        """The logged rows of this workdir's run so far (`metrics.jsonl`), as columns."""
+        return History.load(self.metrics_path)
+
+    def train(self, steps: int | None = None) -> RunSummary:
+        """Train until step `steps` (default train.steps) with the standard hooks and the
+        user's; returns the run summary with its history (`summary.history.columns()`).
+
+        A fresh trainer first resumes from the latest checkpoint in its checkpoint directory; a
+        run already at `steps` trains nothing and says it is complete."""
         cfg, ckpt = self.config.train, self.config.checkpoint
         total = steps if steps is not None else cfg.steps
         primary = jax.process_index() == 0
         resumed = self.restore() if ckpt.every and int(self.state.step) == 0 else None
+        if int(self.state.step) >= total:
+            return self._complete(total, resumed)
         if self.config.eval.every:  # opened now, so missing held-out data stops us before step 1
             self._open_eval_data()
         if primary:
@@ -426,6 +458,13 @@ class Trainer:
         def checkpoint(info):
             self.save(eval_loss=info.added.get("eval_loss"))
 
+        rows: list[dict[str, float]] = []  # this process's log rows (process 0 has the file)
+        plot_path = os.path.join(self.workdir, LOSS_PNG)
+
+        def plot(info):
+            marks = {resumed: f"resumed from step {resumed}"} if resumed is not None else None
+            self.history.plot(plot_path, title=self._plot_title(resumed), marks=marks)
+
         # A log row after the first and the last step, every log_every steps and whenever an
         # evaluation ran; the progress bar moves every step.
         log = dict(every=cfg.log_every, first=True, last=True,
@@ -439,9 +478,12 @@ class Trainer:
         standard += [
             Hook(timing, **log),
             Hook(lambda info: writer.write(info.step, info.metrics), **log),
+            Hook(lambda info: rows.append({"step": info.step, **info.metrics}), **log),
             Hook(lambda info: progress.update(info.step, info.metrics
                                               if timing.mark_step == info.step else None)),
         ]
+        if primary:  # aside: drawing is not training time
+            standard.append(Hook(plot, 0, last=True, aside=True))
         aside = 0.0
         try:
             for info in self.iter_steps(total, standard + self.hooks):
@@ -452,18 +494,55 @@ class Trainer:
             if self._checkpointer is not None:
                 self._checkpointer.wait()  # an in-flight save completes before we return
         summary = timing.summary(total, aside)
+        history = self.history if primary else History(rows)
         summary.update({
             "eval_loss": last_eval[-1] if last_eval else None,
             "resumed_from": resumed,
             "workdir": os.path.abspath(self.workdir),
             "metrics": os.path.abspath(writer.path),
             "tensorboard": os.path.abspath(writer.tb_dir) if writer.tb_dir else None,
+            "plot": os.path.abspath(plot_path) if primary and os.path.exists(plot_path) else None,
         })
         if ckpt.every:
             saved = self.checkpointer.steps()
             summary["checkpoints"] = f"{self.checkpoint_dir} (steps {', '.join(map(str, saved))})"
             if resumed is not None:
                 summary["checkpoints"] += f", resumed from {resumed}"
+        summary = RunSummary(summary, history)
+        if primary and not self.quiet:
+            print(format_summary(summary), flush=True)
+        return summary
+
+    def _plot_title(self, resumed: int | None = None) -> str:
+        """The run's name and plan (the plan of the steps since `resumed`, when resumed)."""
+        p = self.plan
+        since = f" since step {resumed}" if resumed is not None else ""
+        return (f"{os.path.basename(os.path.abspath(self.workdir))}: pp={p.pp} dp={p.dp} "
+                f"tp={p.tp}{since}")
+
+    def _complete(self, total: int, resumed: int | None) -> RunSummary:
+        """The summary of a run that is already at step `total`: from its metrics file."""
+        step = int(self.state.step)
+        history = self.history
+        plot_path = os.path.join(self.workdir, LOSS_PNG)
+        primary = jax.process_index() == 0
+        if primary and len(history) and not os.path.exists(plot_path):
+            history.plot(plot_path, title=self._plot_title())
+        where = (f"checkpoint {resumed}" if resumed is not None
+                 else "this trainer's state")
+        message = (f"run complete at step {step} of {total} ({where}); nothing to train. "
+                   "Raise --config.train.steps (or call train(steps=N)) to go on, or use "
+                   "another workdir.")
+        summary = RunSummary({
+            "steps": step, "complete": True, "message": message, "resumed_from": resumed,
+            "first_loss": history.rows[0].get("loss") if len(history) else None,
+            "final_loss": history.last("loss"), "eval_loss": history.last("eval_loss"),
+            "tokens_per_s": history.last("tokens_per_s") or 0.0,
+            "mfu": history.last("mfu") or 0.0,
+            "workdir": os.path.abspath(self.workdir),
+            "metrics": os.path.abspath(self.metrics_path),
+            "plot": os.path.abspath(plot_path) if os.path.exists(plot_path) else None,
+        }, history)
         if primary and not self.quiet:
             print(format_summary(summary), flush=True)
         return summary
@@ -489,10 +568,20 @@ def _drop_metrics_after(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-def format_summary(s: dict[str, Any]) -> str:
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary as (label, text) rows, for the terminal table and the notebook's HTML."""
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
+    if s.get("complete"):
+        rows = [("status", s["message"]), ("workdir", s["workdir"]),
+                ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}")]
+        if s.get("eval_loss") is not None:
+            rows.append(("eval loss", f"{s['eval_loss']:.4f} (held-out documents)"))
+        rows.append(("metrics", s["metrics"]))
+        if s.get("plot"):
+            rows.append(("loss curve", s["plot"]))
+        return rows
     rows = [
         ("steps", str(s["steps"])),
         ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}"),
@@ -509,9 +598,16 @@ def format_summary(s: dict[str, Any]) -> str:
         rows.append(("tensorboard", s["tensorboard"]))
     if s.get("checkpoints"):
         rows.append(("checkpoints", s["checkpoints"]))
+    if s.get("plot"):
+        rows.append(("loss curve", s["plot"]))
+    return rows
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    rows = summary_rows(s)
     w = max(len(k) for k, _ in rows)
     return "summary\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
 __all__ = ["Trainer", "TrainState", "Hook", "StepInfo", "make_optimizer", "opt_state_specs",
-           "format_summary"]
+           "format_summary", "summary_rows", "History", "RunSummary"]

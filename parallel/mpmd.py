@@ -62,6 +62,7 @@ from parallel.train_state import Executor, TrainState, opt_state_specs
 from parallel.mesh import DP_AXES, build_mesh
 from parallel.pipeline import check_plan, onehot_cross_entropy
 from parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
+from hetjax.errors import PlanError
 from hetjax.plan import even_split
 
 @flax.struct.dataclass
@@ -234,6 +235,8 @@ class Stage:
             out.update({k: jax.tree.map(jnp.add, out[k], v) for k, v in piece.items()})
 
         def place(leaf, *layer_grads):
+            if not layer_grads:  # a chunk without layers (it passes its input on)
+                return jnp.zeros(leaf.shape, leaf.dtype)
             before = jnp.zeros((chunk.offset, *leaf.shape[1:]), leaf.dtype)
             after = jnp.zeros((leaf.shape[0] - chunk.offset - len(layer_grads),
                                *leaf.shape[1:]), leaf.dtype)
@@ -402,9 +405,9 @@ class MpmdExecutor(Executor):
         check_plan(plan, model_cfg.n_layers)
         self.grad_clip = grad_clip
         self.tied = model_cfg.tie_embeddings
-        self.schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+        self.schedule = schedule_for(plan)
         self.order = issue_order(self.schedule)
-        self.chunks = model_chunks(plan.stage_layers, chunk_placement(self.schedule))
+        self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.mesh = build_mesh(plan, topology)  # all stages: checkpoints pass through it
         names = self.mesh.axis_names[1:]
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
@@ -502,11 +505,11 @@ class MpmdExecutor(Executor):
         grad_inbox: dict[tuple[int, int], jax.Array] = {}
         stash: dict[tuple[int, int], Any] = {}  # (model chunk, micro-batch) -> residuals
         douts: dict[tuple[int, int], Any] = {}
-        remaining = [sum(a.kind in ("B", "W") for a in self.schedule.orders[s])
+        remaining = [sum(a.kind in sch.RELEASE_KINDS for a in self.schedule.orders[s])
                      for s in range(plan.pp)]
         finished: list[Any] = [None] * plan.pp
         for s, a in self.order:
-            st, m, c = stages[s], a.microbatch, getattr(a, "chunk", 0)
+            st, m, c = stages[s], a.microbatch, a.chunk
             chunk = st.chunks[c]
             k = chunk.index
             run = st.run if task_times is None else functools.partial(_timed, st, (s, a.kind),
@@ -520,12 +523,14 @@ class MpmdExecutor(Executor):
                 else:
                     inbox[k + 1, m] = jax.device_put(out, stages[chunks[k + 1].stage].activation)
                 continue
-            dy = (jnp.ones((plan.dp,), jnp.float32, device=st.activation) if chunk.last
-                  else grad_inbox.pop((k, m)))
-            if a.kind in ("B", "W"):
+            dy = None  # W reads the output gradients its I kept
+            if a.kind in sch.BACKWARD_KINDS:
+                dy = (jnp.ones((plan.dp,), jnp.float32, device=st.activation) if chunk.last
+                      else grad_inbox.pop((k, m)))
+            if a.kind in sch.RELEASE_KINDS:
                 remaining[s] -= 1
             # The stage's last backward also reduces its gradients, while others still work.
-            last = a.kind in ("B", "W") and not remaining[s]
+            last = a.kind in sch.RELEASE_KINDS and not remaining[s]
             stage_losses = losses if st is head else zeros[s]
             dx = None
             if a.kind == "B" and last:
@@ -579,15 +584,16 @@ def _timed(stage: Stage, key, times: dict, fn, *args):
     return out
 
 
-def chunk_placement(schedule: sch.Schedule) -> list[int]:
-    """The stage that runs each model chunk, in model order."""
-    placement = getattr(schedule, "placement", None)
-    if placement is None:
-        return list(range(schedule.stages))
-    return list(placement(schedule.stages) if callable(placement) else placement)
+def schedule_for(plan) -> sch.Schedule:
+    """The plan's schedule from the registry; PlanError if it cannot run this plan."""
+    try:
+        schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+    except ValueError as e:
+        raise PlanError(f"{e}. Fix: change pipeline.microbatches or pipeline.schedule") from None
+    return schedule
 
 
-def issue_order(schedule: sch.Schedule) -> list[tuple[int, sch.Action]]:
+def issue_order(schedule: sch.Schedule) -> list[tuple[int, sch.Task]]:
     """Every task as (stage, action) in an order that respects the schedule's dependencies and
     each stage's own order: by start time on the schedule's unit-time timeline."""
     events = sch.timeline(schedule, [1.0] * schedule.stages, [1.0] * schedule.stages)

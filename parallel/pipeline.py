@@ -216,6 +216,11 @@ class Pipeline:
         self.mesh = mesh
         self.model = Transformer(model_cfg)
         self.schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+        if not self.schedule.spmd_compatible:
+            raise PlanError(f"the SPMD pipeline executor cannot run the {plan.schedule} schedule "
+                            f"(several chunks per stage or a split backward). Fix: set "
+                            f"pipeline.executor=mpmd, or use one of "
+                            f"{', '.join(sch.spmd_schedules())}")
         self.program = sch.tick_program(self.schedule)
         self.remat = effective_remat(model_cfg.remat, spmd_pipeline=True)
         self._layer_fn = layer_fn(model_cfg, self.remat)
@@ -325,7 +330,7 @@ class Pipeline:
         columns = {k: jnp.asarray(getattr(prog, k))[:, stage] for k in
                    ("action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
                     "dy_recv_slot")}
-        paired = getattr(prog, "paired", False)  # some tick runs two strands (an F and a B)
+        paired = prog.paired  # some tick runs two strands (an F and a B)
         if paired:
             columns.update({k: jnp.asarray(getattr(prog, k))[:, stage]
                             for k in ("b_microbatch", "b_stash_slot")})

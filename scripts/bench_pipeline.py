@@ -49,17 +49,18 @@ def holmes_trainer(*overrides: str) -> Trainer:
 
 def memory(microbatches=(4, 8, 16, 32), per_microbatch: int = 4) -> None:
     """Temp memory of the whole compiled train step on configs/holmes_mini.py (pp=2, dp=2,
-    tp=2), micro-batch size fixed, so GPipe's kept inputs grow with M and 1F1B's do not."""
+    tp=2), micro-batch size fixed, so GPipe's kept inputs grow with M and those of 1F1B and
+    strands do not."""
     print(f"## Activation memory: configs/holmes_mini.py, micro-batch {per_microbatch} sequences "
           f"x 128 tokens (2 per device), temp bytes per device of the compiled train step")
     print()
-    print("| micro-batches M | GPipe temp (MiB) | 1F1B temp (MiB) | GPipe stash slots | "
-          "1F1B stash slots |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| micro-batches M | GPipe temp (MiB) | 1F1B temp (MiB) | strands temp (MiB) | "
+          "GPipe stash slots | 1F1B stash slots | strands stash slots |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in microbatches:
         row = [str(m)]
         kept = []
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "strands"):
             trainer = holmes_trainer(f"--config.pipeline.schedule={schedule}",
                                      f"--config.pipeline.microbatches={m}",
                                      f"--config.train.batch_size={per_microbatch * m}")
@@ -126,25 +127,26 @@ def step_time(split=(4, 3), microbatches=(4, 8, 16, 32)) -> None:
     print(f"## Modelled step time, stages of {list(split)} layers, F = n, B = 3n "
           f"(one layer forward = 1)")
     print()
-    print("| micro-batches M | GPipe (executor) | 1F1B (executor) | 1F1B asynchronous | "
-          "1F1B / GPipe |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| micro-batches M | GPipe (executor) | 1F1B (executor) | strands (executor) | "
+          "1F1B asynchronous | 1F1B / GPipe | strands / GPipe |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in microbatches:
-        g = sch.lockstep_time(sch.gpipe(len(split), m), fwd, bwd)
-        o = sch.lockstep_time(sch.one_f_one_b(len(split), m), fwd, bwd)
-        a = max(e.end for e in sch.timeline(sch.one_f_one_b(len(split), m), fwd, bwd))
-        print(f"| {m} | {g:.0f} | {o:.0f} | {a:.0f} | {o / g:.2f} |")
+        g = sch.lockstep_time(sch.make_schedule("gpipe", len(split), m), fwd, bwd)
+        o = sch.lockstep_time(sch.make_schedule("1f1b", len(split), m), fwd, bwd)
+        d = sch.lockstep_time(sch.make_schedule("strands", len(split), m), fwd, bwd)
+        a = max(e.end for e in sch.timeline(sch.make_schedule("1f1b", len(split), m), fwd, bwd))
+        print(f"| {m} | {g:.0f} | {o:.0f} | {d:.0f} | {a:.0f} | {o / g:.2f} | {d / g:.2f} |")
     print()
 
 
 def plots(outdir: str = os.path.join(REPO, "docs", "img"), stages: int = 4,
           microbatches: int = 8) -> None:
-    """Timelines of both schedules, forward 1 and backward 2 time units per stage."""
+    """Timelines of every registered schedule, forward 1 and backward 2 time units per stage."""
     os.makedirs(outdir, exist_ok=True)
     for name in sch.SCHEDULES:
         s = sch.make_schedule(name, stages, microbatches)
         events = sch.timeline(s, [1.0] * stages, [2.0] * stages)
-        held = ", ".join(str(s.max_in_flight(st)) for st in range(stages))
+        held = ", ".join(f"{s.activation_share(st):g}" for st in range(stages))
         path = sch.plot_timeline(events, os.path.join(outdir, f"{name}.png"),
                                  title=f"{name}: {stages} stages, {microbatches} micro-batches, "
                                        f"B = 2F; micro-batches held per stage: {held}")
@@ -194,12 +196,11 @@ def mpmd_memory(split=(7, 1)) -> None:
     print()
 
 
-def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
-    """Each MPMD stage's forward and backward of one micro-batch, timed task by task on
-    holmes_mini (its split, d_model 256), then played on the asynchronous timeline for every
-    schedule the MPMD executor runs: the step time the stages would take running in parallel
-    (one process here runs them one after another; the emulated cluster runs them apart)."""
+def _task_times(schedule: str, microbatches: int, repeats: int) -> dict:
+    """Best-of-`repeats` median seconds of each (stage, task kind) of the MPMD executor
+    running `schedule` on holmes_mini (d_model 256)."""
     trainer = holmes_trainer("--config.pipeline.executor=mpmd",
+                             f"--config.pipeline.schedule={schedule}",
                              f"--config.pipeline.microbatches={microbatches}",
                              f"--config.train.batch_size={4 * microbatches}",
                              "--config.model.d_model=256", "--config.model.d_ff=768")
@@ -212,31 +213,50 @@ def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
         if r:
             for k, v in sample.items():
                 times.setdefault(k, []).append(float(np.median(v)))
+    return {k: min(v) for k, v in times.items()}
+
+
+def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
+    """Each schedule's MPMD tasks timed task by task on holmes_mini (its split, d_model 256),
+    then played on the asynchronous timeline: the step time the stages would take running in
+    parallel (one process here runs them one after another; the emulated cluster runs them
+    apart). The bubble played from measured times is printed beside the schedule's formula."""
     pp = len(split)
-    fwd = [min(times[s, "F"]) for s in range(pp)]
-    bwd = [min(times[s, "B"]) for s in range(pp)]
+    rows, task_rows = [], []
+    for name in sch.SCHEDULES:
+        t = _task_times(name, microbatches, repeats)
+        schedule = sch.make_schedule(name, pp, microbatches)
+        v = schedule.virtual  # a chunk task does 1 / v of the stage's work
+        fwd = [v * t[s, "F"] for s in range(pp)]
+        if schedule.splits_backward:
+            bwd = [v * (t[s, "I"] + t[s, "W"]) for s in range(pp)]
+            share = sum(t[s, "W"] for s in range(pp)) / sum(t[s, "I"] + t[s, "W"]
+                                                         for s in range(pp))
+        else:
+            bwd, share = [v * t[s, "B"] for s in range(pp)], 0.5
+        events = sch.timeline(schedule, fwd, bwd, weight_share=share)
+        step = max(e.end for e in events)
+        busy = sum(e.end - e.start for e in events)
+        f, b = float(np.mean(fwd)), float(np.mean(bwd))
+        rows.append((name, step, 1 - busy / (pp * step), schedule.bubble(f, b)))
+        task_rows += [(name, s, split[s], fwd[s], bwd[s]) for s in range(pp)]
     print(f"## MPMD task times, holmes_mini (layers {list(split)}, d_model 256, "
           f"{microbatches} micro-batches of 4 x 128 tokens), best of {repeats}")
     print()
-    print("| stage | layers | F (ms) | B (ms) |")
-    print("|---:|---:|---:|---:|")
-    for s in range(pp):
-        print(f"| {s} | {split[s]} | {fwd[s] * 1e3:.1f} | {bwd[s] * 1e3:.1f} |")
+    print("| schedule | stage | layers | F per micro-batch (ms) | B per micro-batch (ms) |")
+    print("|---|---:|---:|---:|---:|")
+    for name, s, n, fw, bw in task_rows:
+        print(f"| {name} | {s} | {n} | {fw * 1e3:.1f} | {bw * 1e3:.1f} |")
     print()
-    print("Asynchronous step time from these task times (transfers free on one host):")
+    print("Asynchronous step time played from these task times (transfers free on one host), "
+          "and the bubble its formula predicts with the mean stage times:")
     print()
-    print("| schedule | step (ms) | bubble | vs GPipe |")
-    print("|---|---:|---:|---:|")
-    gpipe = None
-    for name in sch.SCHEDULES:
-        events = sch.timeline(sch.make_schedule(name, pp, microbatches), fwd, bwd)
-        step = max(e.end for e in events)
-        busy = sum(e.end - e.start for e in events)
-        gpipe = gpipe or step
-        print(f"| {name} | {step * 1e3:.1f} | {1 - busy / (pp * step):.1%} | "
-              f"{step / gpipe:.3f} |")
-    serial = microbatches * sum(f + b for f, b in zip(fwd, bwd))
-    print(f"\nSerial (one device at a time, as one CPU process runs it): {serial * 1e3:.1f} ms")
+    print("| schedule | step (ms) | bubble played | bubble by formula | vs GPipe | vs 1F1B |")
+    print("|---|---:|---:|---:|---:|---:|")
+    steps = {r[0]: r[1] for r in rows}
+    for name, step, bubble, formula in rows:
+        print(f"| {name} | {step * 1e3:.1f} | {bubble:.1%} | {formula:.1%} | "
+              f"{step / steps['gpipe']:.3f} | {step / steps['1f1b']:.3f} |")
     print()
 
 

@@ -1,6 +1,7 @@
 """The layering of hetjax's core, read from the source with `ast` (nothing is imported):
 
     hetjax/errors.py                  errors                   (a leaf)
+    hetjax/units.py                   numbers in human units   (a leaf)
     hetjax/hardware.py, catalogue.py, the hardware topology      (no JAX; `hetjax.topology`
       paper_presets.py, testbed_presets.py, topology.py            gathers them)
     hetjax/plan.py                    the Plan                 (topology and errors only)
@@ -27,7 +28,7 @@ PACKAGES = ("hetjax.planner", "parallel")  # whose __init__ runs before any of t
 def _module_files() -> dict[str, str]:
     """Module name -> file, for the modules whose layering this test guards."""
     files = {"hetjax.plan": "hetjax/plan.py", "hetjax.config": "hetjax/config.py",
-             "hetjax.errors": "hetjax/errors.py"}
+             "hetjax.errors": "hetjax/errors.py", "hetjax.units": "hetjax/units.py"}
     for name in ("topology", "hardware", "catalogue", "paper_presets", "testbed_presets"):
         files[f"hetjax.{name}"] = f"hetjax/{name}.py"
     for package in PACKAGES:
@@ -136,15 +137,20 @@ def test_no_import_circles():
     assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH))
 
 
+def test_the_units_are_a_leaf():
+    assert {n.split(".")[0] for n in all_names("hetjax.units")} <= set(sys.stdlib_module_names)
+
+
 def test_the_plan_is_a_leaf():
-    """hetjax/plan.py: the standard library, numpy, the topology and the errors only."""
+    """hetjax/plan.py: the standard library, numpy, the topology, the errors and the units
+    only."""
     with open(os.path.join(REPO, MODULES["hetjax.plan"])) as f:
         tree = ast.parse(f.read())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     ours = {m for m in modules if m.split(".")[0] in ("hetjax", "parallel", "layers")}
     others = {m.split(".")[0] for m in modules - ours} - set(sys.stdlib_module_names)
-    assert ours <= {"hetjax.topology", "hetjax.errors"}, ours
+    assert ours <= {"hetjax.topology", "hetjax.errors", "hetjax.units"}, ours
     assert others <= {"numpy"}, others
 
 

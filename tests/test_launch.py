@@ -21,11 +21,15 @@ from hetjax.distributed import DistributedError, WorkerSpec, rendezvous
 from hetjax.errors import HetjaxError
 
 # A tiny model so 4 workers compile and run on 2 busy cores in seconds. Every field
-# tiny_config sets is spelled out, so the launched job and the in-process reference agree.
+# tiny_config sets is spelled out, and every field the default job (configs/default.py, what
+# `hetjax` runs without --config) changes is set back, so the launched job and the in-process
+# reference agree.
 TINY = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
         "model.d_ff": 64, "model.max_seq_len": 64, "train.seq_len": 16, "train.batch_size": 16,
         "train.steps": 3, "train.warmup_steps": 1, "train.log_every": 1,
-        "train.progress": False, "data.source": "synthetic", "tensorboard": False}
+        "train.progress": False, "data.source": "synthetic", "tensorboard": False,
+        "parallel.pp": 1, "parallel.dp": 0, "parallel.tp": 1, "train.microbatches": 1,
+        "eval.every": 0}
 
 
 def config_args(overrides: dict) -> list[str]:
@@ -93,7 +97,7 @@ def test_local_launch_matches_single_process(tmp_path, single_process, processes
     # One copy of the run files and one final checkpoint; each process announced, output
     # prefixed.
     assert sorted(os.listdir(tmp_path / "multi")) == ["checkpoints", "config.json",
-                                                      "metrics.jsonl", "plan.json",
+                                                      "loss.png", "metrics.jsonl", "plan.json",
                                                       "topology.json"]
     assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["3"]
     assert len(re.findall(r"^\[p0\] summary$", out, re.M)) == 1

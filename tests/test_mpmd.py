@@ -30,6 +30,9 @@ CASES = [
     ("gpipe", (3, 1), 4, 1, 4, {"model.remat": "dots", "zero.preset": "zero1"}),
     ("1f1b", (2, 1, 3, 1), 2, 1, 8, {"model.tie_embeddings": False}),
     ("1f1b", (2, 2), 4, 1, 4, {"model.remat": "full", "zero.preset": "zero3"}),
+    # two chunks per stage; stage 0's second chunk has no layer (it passes its input on)
+    ("interleaved", (1, 3), 2, 2, 4, {}),
+    ("zb-h1", (3, 1), 4, 1, 4, {"model.remat": "none"}),  # the backward split into I and W
 ]
 
 

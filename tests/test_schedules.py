@@ -1,47 +1,114 @@
-"""Schedules as data: valid orders, activation memory, the tick grid and the timeline."""
+"""Schedules as data: the registry, valid orders, activation memory, bubbles, the tick grid and
+the timeline; a schedule defined in this file runs in the simulator, the plot and the executor."""
 
+import numpy as np
 import pytest
 
+from hetjax.planner.simulate import in_flight, simulate
 from parallel import schedules as sch
 
-
-@pytest.mark.parametrize("name", sch.SCHEDULES)
-@pytest.mark.parametrize("stages, mb", [(1, 1), (2, 4), (4, 4), (4, 9), (3, 2)])
-def test_every_stage_runs_each_forward_and_backward_once(name, stages, mb):
-    s = sch.make_schedule(name, stages, mb)
-    for order in s.orders:
-        assert sorted((a.kind, a.microbatch) for a in order) == \
-            sorted([("F", m) for m in range(mb)] + [("B", m) for m in range(mb)])
-        seen = set()
-        for a in order:  # a backward comes after its own forward
-            assert a.kind == "F" or ("F", a.microbatch) in seen
-            seen.add((a.kind, a.microbatch))
+TICK_SCHEDULES = ("gpipe", "1f1b", "strands")
+SIZES = [(1, 1), (2, 4), (4, 4), (4, 8), (3, 6), (4, 9), (3, 2)]
 
 
-def test_activation_memory_gpipe_grows_1f1b_is_bounded():
+def sizes_for(name):
+    """The SIZES the schedule accepts (interleaved needs M to be a multiple of pp)."""
+    out = []
+    for stages, mb in SIZES:
+        try:
+            sch.SCHEDULES[name].check(stages, mb)
+        except ValueError:
+            continue
+        out.append((stages, mb))
+    return out
+
+
+def test_the_registry_holds_every_schedule_and_says_which_the_spmd_executor_runs():
+    assert list(sch.SCHEDULES) == ["gpipe", "1f1b", "interleaved", "zb-h1", "strands"]
+    assert sch.spmd_schedules() == TICK_SCHEDULES
+    assert sch.SCHEDULES["interleaved"].virtual == 2
+    assert sch.SCHEDULES["zb-h1"].splits_backward
+
+
+@pytest.mark.parametrize("name", list(sch.SCHEDULES))
+def test_every_chunk_runs_each_forward_and_backward_once(name):
+    for stages, mb in sizes_for(name):
+        s = sch.make_schedule(name, stages, mb)
+        backward = ["I", "W"] if s.splits_backward else ["B"]
+        for st, order in enumerate(s.orders):
+            assert {a.stage for a in order} == {st}
+            expect = [(k, m, c) for c in range(s.virtual) for m in range(mb)
+                      for k in ["F"] + backward]
+            assert sorted((a.kind, a.microbatch, a.chunk) for a in order) == sorted(expect)
+            seen = set()
+            for a in order:  # a backward comes after its own forward, W after its I
+                need = {"F": None, "B": "F", "I": "F", "W": "I"}[a.kind]
+                assert need is None or (need, a.microbatch, a.chunk) in seen, (name, st, a)
+                seen.add((a.kind, a.microbatch, a.chunk))
+        # every model chunk is placed on a stage, each stage runs `virtual` of them
+        assert sorted(s.placement()) == sorted(list(range(stages)) * s.virtual)
+
+
+def test_activation_memory_gpipe_grows_the_others_are_bounded():
     for mb in (4, 8, 16):
-        g, o = sch.gpipe(4, mb), sch.one_f_one_b(4, mb)
+        g, o = sch.make_schedule("gpipe", 4, mb), sch.make_schedule("1f1b", 4, mb)
+        i, z = sch.make_schedule("interleaved", 4, mb), sch.make_schedule("zb-h1", 4, mb)
         assert [g.max_in_flight(s) for s in range(4)] == [mb] * 4
         assert [o.max_in_flight(s) for s in range(4)] == [4, 3, 2, 1]
+        # Megatron's warm-up, 2 (pp - 1 - s) + (v - 1) pp chunk forwards, plus one (at most
+        # all v M chunk forwards); each chunk holds half of the stage's activations
+        expect = [min(2 * mb, 2 * (3 - s) + 4 + 1) for s in range(4)]
+        assert [i.max_in_flight(s) for s in range(4)] == expect
+        assert [i.activation_share(s) for s in range(4)] == [e / 2 for e in expect]
+        # ZB-H1 holds s weight-gradient tasks back: 1F1B's peak, pp, on every stage
+        assert [z.max_in_flight(s) for s in range(4)] == [4, 4, 4, 4]
+        assert in_flight("zb-h1", 4, mb) == (4.0,) * 4
 
 
-@pytest.mark.parametrize("name", sch.SCHEDULES)
+@pytest.mark.parametrize("name", list(sch.SCHEDULES))
+def test_bubbles_follow_their_formulas(name):
+    """With equal stages (F = 1, B = 2, W = 1) the played timeline's idle share is the
+    schedule's formula: (p - 1)(F + B) for GPipe / 1F1B, divided by v for interleaved,
+    (p - 1)(F + I - W) for ZB-H1 -- below 1F1B's for the last two (with M >= p)."""
+    for stages, mb in [(p, m) for p, m in sizes_for(name) if m >= p]:
+        s = sch.make_schedule(name, stages, mb)
+        ev = sch.timeline(s, [1.0] * stages, [2.0] * stages)
+        end = max(e.end for e in ev)
+        played = 1 - sum(e.end - e.start for e in ev) / (stages * end)
+        assert played == pytest.approx(s.bubble(), abs=1e-9), (stages, mb)
+        if stages > 1 and name in ("interleaved", "zb-h1"):
+            assert s.bubble() < sch.make_schedule("1f1b", stages, mb).bubble()
+
+
+def test_interleaved_refuses_a_microbatch_count_it_cannot_group():
+    with pytest.raises(ValueError, match="multiple of the pipeline stages"):
+        sch.make_schedule("interleaved", 4, 6)
+
+
+def test_the_tick_grid_refuses_schedules_the_spmd_executor_cannot_run():
+    for name in ("interleaved", "zb-h1"):
+        with pytest.raises(ValueError, match="pipeline.executor=mpmd"):
+            sch.tick_program(sch.make_schedule(name, 2, 4))
+
+
+@pytest.mark.parametrize("name", TICK_SCHEDULES)
 def test_tick_grid_respects_dependencies(name):
     s = sch.make_schedule(name, 4, 6)
     table = sch.tick_table(s)
     when = {(a.kind, a.microbatch, st): t for t, row in enumerate(table)
-            for st, a in enumerate(row) if a}
+            for st, cell in enumerate(row) for a in sch.cell_tasks(cell)}
     for m in range(6):
         for st in range(1, 4):
             assert when[("F", m, st)] > when[("F", m, st - 1)]
         for st in range(3):
             assert when[("B", m, st)] > when[("B", m, st + 1)]
-    # both schedules take 2 * (M + S - 1) unit ticks with F = B = 1
-    assert len(table) == 2 * (6 + 4 - 1)
+    # GPipe and 1F1B take 2 * (M + S - 1) unit ticks with F = B = 1; strands, whose ticks
+    # may hold an F and a B, M + 2 S - 1
+    assert len(table) == (6 + 2 * 4 - 1 if name == "strands" else 2 * (6 + 4 - 1))
 
 
 def test_timeline_with_uneven_stages_and_transfers():
-    s = sch.one_f_one_b(2, 3)
+    s = sch.make_schedule("1f1b", 2, 3)
     ev = sch.timeline(s, fwd=[1.0, 2.0], bwd=[2.0, 4.0], send_fwd=[0.5], send_bwd=[0.5])
     # Critical path: F0 on stage 0 (1) + send (0.5) + stage 1 does 3 F and 3 B (18)
     # + the last gradient back (0.5) + B2 on stage 0 (2) = 22
@@ -57,7 +124,7 @@ def test_unknown_schedule_is_refused():
 
 
 def test_plot_timeline_writes_png(tmp_path):
-    s = sch.gpipe(2, 2)
+    s = sch.make_schedule("gpipe", 2, 2)
     path = sch.plot_timeline(sch.timeline(s, [1, 1], [2, 2]), str(tmp_path / "t.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -75,16 +142,18 @@ def run_tick_program(prog: sch.TickProgram) -> list[int]:
         out_x, out_dy = [None] * S, [None] * S
         for s in range(S):
             kind, m, k = prog.action[t, s], prog.microbatch[t, s], prog.stash_slot[t, s]
-            if kind == sch.FORWARD:
+            if kind in (sch.BACKWARD, sch.BOTH):
+                mb, kb = ((prog.b_microbatch[t, s], prog.b_stash_slot[t, s]) if kind == sch.BOTH
+                          else (m, k))
+                assert stash[s][kb] == mb, (t, s, "stash")
+                stash[s][kb] = None
+                assert s == S - 1 or dy_inbox[s][prog.dy_slot[t, s]] == mb, (t, s, "gradient")
+                out_dy[s] = mb
+            if kind in (sch.FORWARD, sch.BOTH):
                 assert s == 0 or inbox[s][prog.x_slot[t, s]] == m, (t, s, "input")
                 assert k < prog.stash_slots and stash[s][k] is None, (t, s, "stash in use")
                 stash[s][k] = m
                 out_x[s] = m
-            elif kind == sch.BACKWARD:
-                assert stash[s][k] == m, (t, s, "stash")
-                stash[s][k] = None
-                assert s == S - 1 or dy_inbox[s][prog.dy_slot[t, s]] == m, (t, s, "gradient")
-                out_dy[s] = m
             peak[s] = max(peak[s], sum(v is not None for v in stash[s]))
         assert prog.sends_activation[t] == any(v is not None for v in out_x[:-1])
         assert prog.sends_gradient[t] == any(v is not None for v in out_dy[1:])
@@ -94,7 +163,7 @@ def run_tick_program(prog: sch.TickProgram) -> list[int]:
     return peak
 
 
-@pytest.mark.parametrize("name", sch.SCHEDULES)
+@pytest.mark.parametrize("name", ("gpipe", "1f1b"))
 @pytest.mark.parametrize("stages, mb", [(2, 1), (2, 4), (3, 2), (4, 4), (4, 9), (4, 16)])
 def test_tick_program_delivers_every_input_and_gradient(name, stages, mb):
     s = sch.make_schedule(name, stages, mb)
@@ -107,8 +176,40 @@ def test_tick_program_delivers_every_input_and_gradient(name, stages, mb):
     assert prog.x_slots == prog.dy_slots == 1  # with unit ticks nothing waits long
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_strands_run_two_strands_per_tick_at_gpipe_lockstep_time_with_a_flat_stash(stages):
+    """DHelix on the tick grid: after the warm-up every tick of a stage holds an F and a B of
+    different micro-batches; the lockstep step equals GPipe's, and the stash stays within
+    2 (pp - s) micro-batches whatever M (2 (pp - s) - 1 slots: B frees one before F takes
+    one), where GPipe's grows with M."""
+    f, b = [1.0] * stages, [2.5] * stages
+    slots = set()
+    for mb in (1, 2, 4, 8, 16, 32):
+        s = sch.make_schedule("strands", stages, mb)
+        g = sch.make_schedule("gpipe", stages, mb)
+        assert sch.lockstep_time(s, f, b) == pytest.approx(sch.lockstep_time(g, f, b))
+        assert simulate("strands", mb, f, b, lockstep=True).step_time == pytest.approx(
+            (mb + stages - 1) * (f[0] + b[0]))
+        prog = sch.tick_program(s)
+        peak = run_tick_program(prog)
+        for st in range(stages):
+            assert s.max_in_flight(st) <= 2 * (stages - st)
+            assert peak[st] <= 2 * (stages - st) - 1
+        assert in_flight("strands", stages, mb) == tuple(
+            float(s.max_in_flight(st)) for st in range(stages))
+        grid = sch.tick_table(s)
+        pairs = [cell for row in grid for cell in row if isinstance(cell, tuple)]
+        assert all(a.kind == "F" and b.kind == "B" and a.microbatch != b.microbatch
+                   for a, b in pairs)
+        assert prog.paired == bool(pairs)
+        if mb >= 2 * stages:
+            assert len(pairs) == stages * (mb - 2 * stages) + stages * stages
+            slots.add(prog.stash_slots)
+    assert slots == {2 * stages - 1}  # flat in M
+
+
 def test_transfers_are_the_sends_of_the_tick_grid():
-    s = sch.one_f_one_b(3, 2)
+    s = sch.make_schedule("1f1b", 3, 2)
     tr = sch.transfers(s)
     acts = [(t.src, t.dst, t.microbatch) for t in tr if t.kind == "activation"]
     grads = [(t.src, t.dst, t.microbatch) for t in tr if t.kind == "gradient"]
@@ -122,10 +223,50 @@ def test_transfers_are_the_sends_of_the_tick_grid():
 def test_lockstep_time_of_the_executor_grid():
     # 1F1B, 2 stages, 2 micro-batches, F = 1, B = 3. Grid: [F0 .] [F1 F0] [. B0] [B0 F1]
     # [. B1] [B1 .]; ticks last 1 1 3 3 3 3 = 14, while the asynchronous timeline needs 12.
-    s = sch.one_f_one_b(2, 2)
+    s = sch.make_schedule("1f1b", 2, 2)
     assert sch.lockstep_time(s, [1, 1], [3, 3]) == 14
     assert max(e.end for e in sch.timeline(s, [1, 1], [3, 3])) == 12
     # GPipe's ticks hold one kind of action, so lockstep costs nothing with equal stages.
-    g = sch.gpipe(4, 8)
+    g = sch.make_schedule("gpipe", 4, 8)
     assert sch.lockstep_time(g, [1] * 4, [3] * 4) == max(e.end for e in
                                                          sch.timeline(g, [1] * 4, [3] * 4))
+
+
+# --- a schedule added here, in a test file, runs everywhere -----------------------------------
+class AllForwardsThenBackwardsReversed(sch.Schedule):
+    """A toy: every forward, then every backward from the last micro-batch to the first."""
+
+    name = "toy-reversed"
+
+    def build(self):
+        M = self.microbatches
+        return [[sch.Task("F", m) for m in range(M)] +
+                [sch.Task("B", m) for m in reversed(range(M))] for _ in range(self.stages)]
+
+
+@pytest.fixture
+def toy_schedule():
+    sch.register(AllForwardsThenBackwardsReversed)
+    yield AllForwardsThenBackwardsReversed.name
+    del sch.SCHEDULES[AllForwardsThenBackwardsReversed.name]
+
+
+def test_a_schedule_defined_in_a_test_runs_in_simulator_plot_and_executor(toy_schedule,
+                                                                           tmp_path):
+    from test_pipeline import check_against_reference, pipe_config
+
+    s = sch.make_schedule(toy_schedule, 3, 4)
+    assert s.spmd_compatible and s.max_in_flight(0) == 4
+    # the simulator plays it both ways; lockstep equals GPipe's (same ticks, reversed B)
+    asynchronous = simulate(toy_schedule, 4, [1.0] * 3, [2.0] * 3)
+    lockstep = simulate(toy_schedule, 4, [1.0] * 3, [2.0] * 3, lockstep=True)
+    gpipe = simulate("gpipe", 4, [1.0] * 3, [2.0] * 3, lockstep=True)
+    assert asynchronous.step_time == lockstep.step_time == gpipe.step_time
+    assert [e.action.microbatch for e in asynchronous.events if e.action.kind == "B"
+            and e.stage == 0] == [3, 2, 1, 0]
+    path = sch.plot_timeline(list(asynchronous.events), str(tmp_path / "toy.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # the SPMD executor runs its tick grid: loss and gradients equal the plain model's
+    trainer = check_against_reference(pipe_config((1, 2), toy_schedule, 2, 2, 4))
+    assert trainer.plan.schedule == toy_schedule
+    np.testing.assert_array_equal(trainer.pipeline.program.microbatch[-1], [0, 0])

@@ -16,7 +16,8 @@ import math
 from hetjax.errors import ConfigError
 from hetjax.plan import Plan, ZeroFactors, even_split
 from hetjax.planner import zero as zr
-from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, model_from_config
+from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
+                                 runs_schedule)
 from hetjax.planner.placement import placement_problems, refuse_straddle
 from hetjax.planner.search import PlanResult, plan
 from hetjax.topology import Topology
@@ -105,8 +106,11 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
 
 
 def _executors(c) -> tuple[str, ...]:
-    """The pipeline executors to consider: the configured one, or both for 'auto'."""
-    return tuple(PLAN_EXECUTORS) if c.pipeline.executor == "auto" else (c.pipeline.executor,)
+    """The pipeline executors to consider: the configured one, or for 'auto' every one that
+    can run the configured schedule."""
+    if c.pipeline.executor != "auto":
+        return (c.pipeline.executor,)
+    return tuple(e for e in PLAN_EXECUTORS if runs_schedule(e, c.pipeline.schedule))
 
 
 def _with_executor(result: PlanResult, executor: str) -> PlanResult:
@@ -133,7 +137,8 @@ def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | 
         return plan_
     model = model_from_config(c)
     priced = []
-    for executor, name in PLAN_EXECUTORS.items():
+    for executor in _executors(c):
+        name = PLAN_EXECUTORS[executor]
         cm = CostModel(topology, model, dataclasses.replace(options or CostOptions(),
                                                             executor=name))
         p = dataclasses.replace(plan_, executor=executor, predicted={})

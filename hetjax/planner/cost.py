@@ -30,6 +30,7 @@ from hetjax.plan import Plan, ZeroFactors, effective_remat
 from hetjax.planner import collectives as coll, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, simulate
 from hetjax.topology import Accelerator, Link, Topology
+from parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
     from layers.config import ModelConfig
@@ -59,6 +60,12 @@ _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node
 EXECUTORS = ("hetjax", "mpmd", "megatron")
 # The cost model's name for each pipeline executor a Plan can name (Plan.executor).
 PLAN_EXECUTORS = {"spmd": "hetjax", "mpmd": "mpmd"}
+
+
+def runs_schedule(executor: str, schedule: str) -> bool:
+    """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
+    schedule: the SPMD executor only runs the tick-grid schedules (parallel/schedules.py)."""
+    return executor not in ("spmd", "hetjax") or SCHEDULES[schedule].spmd_compatible
 
 
 @dataclass(frozen=True)

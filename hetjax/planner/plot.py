@@ -1,79 +1,180 @@
-"""A picture of a Plan: which stage each device runs (the device map) above the simulated
-timeline of one step (drawn by `parallel.schedules.plot_timeline`)."""
+"""A picture of a Plan: the device map (which stage each device runs, TP groups outlined, DP
+replica numbered) above the simulated timeline of one step, in the step time's unit.
+
+Labels are drawn only where they fit: a text wider than its box is dropped, never overlapped.
+The timeline's axis ends at the predicted step time (the pipeline, then the gradient sync no
+stage could hide), the same number `hetjax plan` prints.
+"""
 
 from __future__ import annotations
 
-import os
-import tempfile
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hetjax import units
 from hetjax.plan import Plan
 from hetjax.planner.cost import CostModel, CostOptions
 from hetjax.topology import Topology
-from parallel.schedules import plot_timeline
 
 if TYPE_CHECKING:
     from layers.config import ModelConfig
+
+FWD, BWD, SYNC = "#4C72B0", "#DD8452", "#9a9a9a"
 
 
 def plot_plan(plan: Plan, topology: Topology, model: "ModelConfig", path: str,
               options: CostOptions | None = None) -> str:
     """Write a PNG of `plan` on `topology`: device map and simulated timeline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pred, sim = CostModel(topology, model, options).predict(plan, with_events=True)
-    labels = [f"stage {s}: {len(plan.layer_range(s))} layers, "
-              f"{pred.stage_memory[s] / 2**30:.2f} GiB" for s in range(plan.pp)]
-    with tempfile.TemporaryDirectory() as tmp:
-        timeline_png = plot_timeline(
-            list(sim.events), os.path.join(tmp, "timeline.png"),
-            title=f"simulated step {pred.step_time:.4g} s, bubble {pred.bubble:.0%}",
-            stage_labels=labels)
-        timeline = plt.imread(timeline_png)
-    nodes = topology.num_nodes
-    fig = plt.figure(figsize=(12, 3 + min(8, 0.3 * nodes) + timeline.shape[0] / 110))
-    grid = fig.add_gridspec(2, 1, height_ratios=[min(8, 0.3 * nodes) + 1,
-                                                 timeline.shape[0] / 110])
-    _device_map(fig.add_subplot(grid[0]), plan, topology)
-    ax = fig.add_subplot(grid[1])
-    ax.imshow(timeline)
-    ax.axis("off")
-    fig.tight_layout()
+    fig = plan_figure(plan, topology, model, options)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
-def _device_map(ax, plan: Plan, topology: Topology) -> None:
-    """One row per node, one cell per device, coloured by pipeline stage."""
-    import matplotlib.pyplot as plt
+def plan_figure(plan: Plan, topology: Topology, model: "ModelConfig",
+                options: CostOptions | None = None):
+    """The matplotlib Figure `plot_plan` writes (notebooks display it as it is)."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, safe in notebooks
 
-    width = max(c.devices_per_node for c in topology.clusters)
-    stage = np.full((topology.num_nodes, width), np.nan)
-    mesh = plan.mesh_ranks()
-    for s in range(plan.pp):
-        for r in mesh[s].ravel():
-            d = topology.devices[int(r)]
-            stage[d.global_node, d.local] = s
-    cmap = plt.get_cmap("tab20", max(plan.pp, 2))
-    ax.imshow(stage, cmap=cmap, vmin=-0.5, vmax=max(plan.pp, 2) - 0.5, aspect="auto",
+    pred, sim = CostModel(topology, model, options).predict(plan, with_events=True)
+    rows = min(len(topology.clusters) if topology.num_nodes > 16 else topology.num_nodes, 32)
+    map_h = 0.9 + 0.32 * rows
+    line_h = 0.9 + 0.45 * plan.pp
+    fig = Figure(figsize=(12, map_h + line_h + 0.8))
+    grid = fig.add_gridspec(2, 1, height_ratios=[map_h, line_h])
+    device_map(fig.add_subplot(grid[0]), plan, topology)
+    timeline(fig.add_subplot(grid[1]), plan, pred, sim)
+    fig.tight_layout()
+    return fig
+
+
+def _fits(ax, text: str, width_data: float, fontsize: float) -> bool:
+    """Whether `text` at `fontsize` is narrower than `width_data` x-units of `ax`."""
+    fig = ax.figure
+    width_px = ax.get_position().width * fig.get_figwidth() * fig.dpi
+    x0, x1 = ax.get_xlim()
+    px_per_unit = width_px / abs(x1 - x0)
+    text_px = len(text) * fontsize * 0.62 * fig.dpi / 72  # a generous average glyph width
+    return text_px + 4 <= width_data * px_per_unit
+
+
+def device_map(ax, plan: Plan, topology: Topology) -> None:
+    """One row per node (per cluster when there are more than 16 nodes; at most 32 rows
+    shown), one cell per device, coloured by pipeline stage;
+    each TP group outlined in black; the cell text names the stage and the DP replica
+    (devices of one stage and TP index across replicas form a DP group)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+    import matplotlib
+
+    per_cluster = topology.num_nodes > 16  # many small nodes: one row per cluster instead
+    if per_cluster:
+        width = max(c.nodes * c.devices_per_node for c in topology.clusters)
+        names = [c.name for c in topology.clusters]
+    else:
+        width = max(c.devices_per_node for c in topology.clusters)
+        names = [f"{c.name}/{n}" for c in topology.clusters for n in range(c.nodes)]
+    nodes = len(names)
+    stage = np.full((nodes, width), np.nan)
+    replica = np.full((nodes, width), -1)
+    mesh = plan.mesh_ranks()  # (pp, dp, tp)
+    where = {}
+    for (s, d, t), r in np.ndenumerate(mesh):
+        dev = topology.devices[int(r)]
+        cell = ((dev.cluster, int(r) - topology.cluster_ranks(dev.cluster).start) if per_cluster
+                else (dev.global_node, dev.local))
+        stage[cell], replica[cell] = s, d
+        where[int(r)] = cell
+    shown = min(nodes, 32)
+    colors = matplotlib.colormaps["tab20" if plan.pp > 10 else "tab10"].colors
+    cmap = ListedColormap([colors[i % len(colors)] for i in range(max(plan.pp, 1))])
+    ax.imshow(stage[:shown], cmap=cmap, vmin=-0.5, vmax=plan.pp - 0.5, aspect="auto",
               interpolation="nearest")
-    if topology.num_devices <= 256:
-        for (node, local), s in np.ndenumerate(stage):
-            if not np.isnan(s):
-                ax.text(local, node, f"s{int(s)}", ha="center", va="center", fontsize=7)
-    rows = [f"{c.name}/{n}" for c in topology.clusters for n in range(c.nodes)]
-    step = max(1, len(rows) // 32)
-    ax.set_yticks(range(0, len(rows), step))
-    ax.set_yticklabels(rows[::step], fontsize=7)
-    ax.set_xticks(range(width))
-    ax.set_xlabel("device in node")
-    ax.set_title(f"device map: pp={plan.pp} dp={plan.dp} tp={plan.tp} (colour = stage)")
+    ax.set_xlim(-0.5, width - 0.5)
+    ax.set_ylim(shown - 0.5, -0.5)
+    # TP groups: a black box around each group's cells when they sit side by side in a node.
+    if plan.tp > 1:
+        for s in range(plan.pp):
+            for d in range(plan.dp):
+                cells = [where[int(r)] for r in mesh[s, d]]
+                node = {n for n, _ in cells}
+                cols = sorted(c for _, c in cells)
+                if len(node) == 1 and cols == list(range(cols[0], cols[-1] + 1)) and \
+                        next(iter(node)) < shown:
+                    ax.add_patch(Rectangle((cols[0] - 0.45, next(iter(node)) - 0.42),
+                                           len(cols) - 0.1, 0.84, fill=False, lw=1.6,
+                                           edgecolor="black"))
+    for (n, c), s in np.ndenumerate(stage[:shown]):
+        if np.isnan(s):
+            continue
+        text = f"s{int(s)} r{replica[n, c]}" if plan.dp > 1 else f"s{int(s)}"
+        if _fits(ax, text, 0.9, 7):
+            ax.text(c, n, text, ha="center", va="center", fontsize=7)
+        elif _fits(ax, f"{int(s)}", 0.9, 6):
+            ax.text(c, n, f"{int(s)}", ha="center", va="center", fontsize=6)
+    names = names[:shown]
+    step = max(1, math.ceil(len(names) / 16))  # tick labels never crowd
+    ax.set_yticks(range(0, len(names), step))
+    ax.set_yticklabels(names[::step], fontsize=7)
+    ax.set_xticks(range(0, width, max(1, math.ceil(width / 16))))
+    ax.set_xlabel("device in cluster" if per_cluster else "device in node")
+    more = f" (first {shown} of {nodes} rows)" if shown < nodes else ""
+    ax.set_title(f"device map: pp={plan.pp} dp={plan.dp} tp={plan.tp}{more} -- colour: stage, "
+                 f"r: DP replica{', black box: TP group' if plan.tp > 1 else ''}", fontsize=10)
+    if plan.pp <= 12:
+        ax.legend(handles=[Patch(color=cmap(s), label=f"stage {s}") for s in range(plan.pp)],
+                  loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7, frameon=False)
 
 
-__all__ = ["plot_plan"]
+def timeline(ax, plan: Plan, pred, sim) -> None:
+    """One row per stage: forward (blue) and backward (orange) per micro-batch, then the
+    gradient sync the stage could not hide (grey); the axis ends at the step time."""
+    events = list(sim.events)
+    step = pred.step_time
+    unit, scale = _time_unit(step)
+    # Separators between bars only while bars are wide: on a long schedule they would paint
+    # the thin bars white.
+    edge = "white" if len(events) <= 24 * max(plan.pp, 1) else "none"
+    for e in events:
+        color = FWD if e.action.kind == "F" else BWD
+        x, w = e.start * scale, (e.end - e.start) * scale
+        ax.broken_barh([(x, w)], (e.stage - 0.4, 0.8), facecolors=color, edgecolors=edge,
+                       linewidth=0.5)
+    ax.set_xlim(0, step * scale)
+    ax.set_ylim(plan.pp - 0.5, -0.5)
+    for e in events:  # after the limits are set, so the fit test knows the scale
+        label = str(e.action)
+        if _fits(ax, label, (e.end - e.start) * scale, 7):
+            ax.text((e.start + e.end) / 2 * scale, e.stage, label, ha="center",
+                    va="center", fontsize=7, color="white")
+    for s in range(plan.pp):
+        ends = [e.end for e in events if e.stage == s]
+        exposed = sim.sync_exposed[s] if s < len(sim.sync_exposed) else 0.0
+        if ends and exposed > 0:
+            x, w = max(ends) * scale, exposed * scale
+            ax.broken_barh([(x, w)], (s - 0.4, 0.8), facecolors=SYNC, edgecolors="white")
+            if _fits(ax, "sync", w, 7):
+                ax.text(x + w / 2, s, "sync", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(plan.pp))
+    ax.set_yticklabels([f"stage {s}: {units.count(plan.stage_layers[s], 'layer')}, "
+                        f"{units.gib(pred.stage_memory[s])}" for s in range(plan.pp)],
+                       fontsize=8)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(f"simulated step: {units.seconds(step)} ({plan.schedule}, "
+                 f"{units.count(plan.microbatches, 'micro-batch', 'micro-batches')}), bubble "
+                 f"{units.percent(pred.bubble, 3)} -- blue: forward, orange: backward, grey: "
+                 "gradient sync not hidden", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _time_unit(t: float) -> tuple[str, float]:
+    """The unit a time axis ending at `t` seconds reads best in, and its scale."""
+    if t >= 1:
+        return "s", 1.0
+    if t >= 1e-3:
+        return "ms", 1e3
+    return f"{units.MICRO}s", 1e6
+
+
+__all__ = ["plot_plan", "plan_figure", "device_map", "timeline"]

@@ -30,12 +30,13 @@ import numpy as np
 from hetjax.errors import PlanError
 from hetjax.plan import Plan, ZeroFactors, effective_remat, even_split
 from hetjax.planner import assign, partition, zero as zr
-from hetjax.planner.cost import CostModel, CostOptions, Layout, MissingLinkError, StageCost
+from hetjax.planner.cost import (CostModel, CostOptions, Layout, MissingLinkError, StageCost,
+                                 runs_schedule)
 from hetjax.planner.placement import placement_problems
 from hetjax.planner.simulate import (closed_form, exposed, in_flight, lockstep_ticks,
                                      lower_bound)
 from hetjax.topology import Topology
-from parallel.schedules import SCHEDULES
+from parallel.schedules import SCHEDULES, spmd_schedules
 
 if TYPE_CHECKING:
     from layers.config import ModelConfig
@@ -92,6 +93,20 @@ class _Candidate:
     tag: str
 
 
+def fits_schedule(name: str, pp: int, microbatches: int, executor: str,
+                  first: str = "") -> bool:
+    """Whether a pipeline of pp stages with this many micro-batches can use the schedule under
+    the executor. A single stage runs every schedule as plain accumulation: it is priced once
+    per tick-grid schedule (as always), or once if `first`, the first schedule asked for."""
+    if pp == 1:
+        return SCHEDULES[name].spmd_compatible or name == first
+    try:
+        SCHEDULES[name].check(pp, microbatches)
+    except ValueError:
+        return False
+    return runs_schedule(executor, name)
+
+
 @dataclass
 class _Shortfall:
     """The closest a layout came to fitting memory (for the error message)."""
@@ -130,11 +145,19 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     for name in schedules:
         if name not in SCHEDULES:
             raise PlanError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    executor = s.cm.options.executor
+    if schedule is SCHEDULES:  # the default: every schedule this executor can run
+        schedules = tuple(n for n in schedules if runs_schedule(executor, n))
+    elif not any(runs_schedule(executor, n) for n in schedules) and pp != 1:
+        raise PlanError(f"the {executor} executor cannot run schedule {schedules[0]!r}; use the "
+                        f"mpmd executor or one of {', '.join(spmd_schedules())}")
     cands = []
     for p, d, t in s.degrees(pp, dp, tp, stage_layers):
         for order, orders, tag in s.layouts(p, d, t):
             for M in s.microbatch_counts(d, microbatches):
                 for name in schedules:
+                    if not fits_schedule(name, p, M, executor, schedules[0]):
+                        continue
                     try:
                         c = s.evaluate(Layout(p, d, t, order, M, global_batch, seq_len, name),
                                        orders, tag, zero, tuple(stage_layers))

@@ -1,0 +1,269 @@
+"""The terminal and notebook experience: run history and loss plot, the re-run message, help
+text, plan output in human units, launch output lines, HTML displays."""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from hetjax.history import History
+from hetjax.train import Trainer
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 12-step run with evaluation and checkpoints, and its summary."""
+    workdir = str(tmp_path_factory.mktemp("run"))
+    config = tiny_config(**{"train.steps": 12, "train.log_every": 3, "eval.every": 6,
+                            "checkpoint.every": 6, "workdir": workdir})
+    return config, Trainer(config, quiet=True).train()
+
+
+def test_train_returns_the_history_as_columns_and_reads_it_back(finished_run):
+    config, summary = finished_run
+    cols = summary.history.columns()
+    assert list(cols["step"]) == [1, 3, 6, 9, 12]
+    assert cols["loss"].dtype == np.float64 and np.isfinite(cols["loss"]).all()
+    assert cols["loss"][-1] == summary["final_loss"]
+    # eval_loss exists on evaluation rows only; the others hold NaN so columns line up.
+    assert list(np.isfinite(cols["eval_loss"])) == [False, False, True, False, True]
+    assert np.isnan(cols["tokens_per_s"][0]) and (cols["tokens_per_s"][1:] > 0).all()
+    again = History.load(config.workdir).columns()
+    assert set(again) == set(cols)
+    np.testing.assert_array_equal(again["loss"], cols["loss"])
+
+
+def test_the_end_of_a_run_writes_the_loss_plot_and_the_summary_names_it(finished_run):
+    config, summary = finished_run
+    png = os.path.join(config.workdir, "loss.png")
+    assert summary["plot"] == os.path.abspath(png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert f"loss curve            {summary['plot']}" in str(summary)
+    assert "<table>" in summary._repr_html_() and "data:image/png;base64," in \
+        summary._repr_html_()
+
+
+def test_rerunning_a_finished_run_says_it_is_complete_and_at_which_step(finished_run, capsys):
+    config, summary = finished_run
+    again = Trainer(config).train()
+    out = capsys.readouterr().out
+    assert "run complete at step 12 of 12 (checkpoint 12); nothing to train" in out
+    assert "tokens/s" not in out  # no empty timing summary
+    assert again["complete"] and again["steps"] == 12
+    assert again["final_loss"] == summary["final_loss"]
+    assert len(again.history) == len(summary.history)
+
+
+# --- hetjax <command> --help -------------------------------------------------------------------
+def cli_out(capsys, *argv) -> str:
+    from hetjax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["hetjax", *argv])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_config_field_has_a_description():
+    from hetjax.cli import _flat
+    from hetjax.config import DESCRIPTIONS, base_config
+
+    fields = [k for k, _ in _flat(base_config())]
+    assert sorted(fields) == sorted(DESCRIPTIONS)
+    assert all(len(d) > 5 for d in DESCRIPTIONS.values())
+
+
+def test_help_describes_each_field_with_the_values_of_the_config_given(capsys):
+    out = cli_out(capsys, "train", "--help")  # no --config: the default job
+    assert "values of configs/default.py" in out
+    assert " *parallel.pp = 2 " in out and "(base default: 1)" in out
+    assert "   parallel.dp = 0 " in out  # as the base default: not marked
+    assert "train.steps = 300" in out and "optimizer steps of the run" in out
+    assert "pipeline.stage_layers = ()" in out and "!!python" not in out
+    assert max(map(len, out.splitlines())) <= 100
+    out = cli_out(capsys, "plan", "--config=configs/holmes_mini.py",
+                  "--config.pipeline.stage_layers=(3,1)", "--help")
+    assert "values of configs/holmes_mini.py and --config.pipeline.stage_layers=(3,1)" in out
+    assert "*pipeline.stage_layers = (3, 1)" in out
+
+
+def test_train_without_config_runs_the_default_job():
+    from hetjax import cli
+
+    assert cli._parse("train", []).to_dict() == \
+        cli._parse("train", ["--config=configs/default.py"]).to_dict()
+    assert cli._parse("train", []).parallel.pp == 2
+
+
+# --- hetjax plan: runners-up, units, large topologies, the plot -------------------------------
+def test_units_read_like_a_person_writes_them():
+    from hetjax import units
+
+    assert units.seconds(49e-3) == "49 ms" and units.seconds(4.9e-5) == "49 \u00b5s"
+    assert units.seconds(0.3536) == "354 ms" and units.seconds(2.5) == "2.5 s"
+    assert units.bits_per_s(2e11) == "200 Gb/s" and units.bytes_per_s(1.97e10) == "19.7 GB/s"
+    assert units.gib(2**31) == "2 GiB" and units.gib(2**24) == "16 MiB"
+    # Tiny shares keep their digits instead of rounding to 0.0%.
+    assert units.percent(3.4e-6) == "0.00034%" and units.percent(0.385, 3) == "38.5%"
+    assert units.count(1, "layer") == "1 layer" and units.count(3, "layer") == "3 layers"
+
+
+def test_plan_prints_runners_up_in_human_units_and_plots(capsys, tmp_path):
+    from hetjax import cli
+
+    png = tmp_path / "plan.png"
+    assert cli.main(["hetjax", "plan", "--config.parallel.pp=0", "--config.parallel.tp=0",
+                     "--config.parallel.dp=0", f"--plot={png}"]) == 0
+    out = capsys.readouterr().out
+    assert "the chosen plan (#0) and the runners-up:" in out
+    table = out.split("runners-up:\n")[1].splitlines()
+    assert table[0].split()[:3] == ["#", "pp", "x"] and table[1].split()[0] == "0"
+    assert len([line for line in table if line.strip()[:1].isdigit()]) >= 2
+    assert "50 \u00b5s" in out and "us " not in out and "Gb/s" in out  # link latency, rate
+    assert " ms" in out and "MFU" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_64_device_topology_prints_compactly():
+    from hetjax.topology import preset
+
+    text = preset("dtfm_worldwide").describe()
+    assert len(text.splitlines()) < 16 and max(map(len, text.splitlines())) <= 100
+    assert "28 ethernet links: 335 Mb/s to 1.16 Gb/s, latency 11 ms to 238 ms" in text
+    assert "slowest seoul <-> ireland" in text
+    spot = preset("dtfm_datacenter_spot").describe()
+    assert "gpu0 .. gpu31 (32 clusters)" in spot and len(spot.splitlines()) < 8
+    assert len(preset("dtfm_datacenter_spot").describe(full=True).splitlines()) > 40
+    one = preset("cpu_single").describe()
+    assert one.startswith("topology 'cpu_single': 1 cluster, 1 node, 8 devices")
+    assert "between clusters" not in one
+
+
+def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
+    from hetjax.planner import model_from_config, plan_from_config
+    from hetjax.planner.cost import CostModel
+    from hetjax.planner.plot import plan_figure
+    from hetjax.topology import preset
+
+    config = tiny_config(**{"topology.preset": "hethub_mixed", "parallel.pp": 2,
+                            "parallel.dp": 4, "parallel.tp": 2, "model.n_layers": 8,
+                            "pipeline.stage_layers": (7, 1), "train.microbatches": 4})
+    topology = preset("hethub_mixed")
+    plan = plan_from_config(config, topology)
+    model = model_from_config(config)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = plan_figure(plan, topology, model)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    device_map, timeline = fig.axes[:2]
+    step = CostModel(topology, model).predict(plan).step_time
+    assert timeline.get_xlim()[1] == pytest.approx(step * 1e3)  # in ms, to the step time
+    assert timeline.get_xlabel() == "time (ms)"
+    # No two drawn labels overlap, in either panel.
+    renderer = canvas.get_renderer()
+    for ax in (device_map, timeline):
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        assert boxes
+        for i, a in enumerate(boxes):
+            assert not any(a.overlaps(b) for b in boxes[i + 1:])
+    labelled = [t for t in timeline.texts if t.get_text()[:1] in "FB"]
+    assert 0 < len(labelled) < 2 * plan.pp * plan.microbatches  # the narrow ones were dropped
+    # TP groups are outlined: one box per (stage, replica) = pp * dp.
+    assert len(device_map.patches) == plan.pp * plan.dp
+
+
+# --- launch output ----------------------------------------------------------------------------
+def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
+    import io
+    import sys
+
+    from hetjax import launch
+
+    script = ("import sys\n"
+              "print('step 1 loss 5.0', flush=True)\n"
+              "sys.stderr.write('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number "
+              "of connected peer ranks is : 1\\n'); sys.stderr.flush()\n"
+              "sys.stderr.write('train: 10%\\rtrain: 50%\\rtrain: 100%\\n'); sys.stderr.flush()\n"
+              "print('summary', flush=True)\n")
+    children = [(f"p{i}", (sys.executable, "-c", script), None) for i in range(2)]
+    for verbose in (False, True):
+        out = io.StringIO()
+        assert launch.run(children, grace=5, out=out, verbose=verbose) == 0
+        lines = out.getvalue().splitlines()
+        worker = [line for line in lines if not line.startswith("hetjax launch:")]
+        assert all(line.startswith(("[p0] ", "[p1] ")) for line in worker)
+        for p in ("p0", "p1"):
+            assert f"[{p}] step 1 loss 5.0" in lines and f"[{p}] summary" in lines
+            assert f"[{p}] train: 100%" in lines  # a redrawn bar: its last state
+            assert (f"[{p}] [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+                    "connected peer ranks is : 1" in lines) == verbose
+        assert ("hetjax launch: hid 2 gloo connection lines (--verbose shows them)"
+                in lines) == (not verbose)
+
+
+# --- notebook display -------------------------------------------------------------------------
+def test_topology_plan_and_history_render_as_html_tables(finished_run):
+    from hetjax.planner import plan_from_config
+    from hetjax.topology import preset
+
+    topology = preset("dtfm_worldwide")
+    html = topology._repr_html_()
+    assert "<table>" in html and "<td style='text-align:left'>oregon</td>" in html
+    assert "28 ethernet links" in html
+    config, summary = finished_run
+    plan = plan_from_config(config, preset("cpu_hybrid"))
+    assert "<table>" in plan._repr_html_()
+    h = summary.history._repr_html_()
+    assert h.count("<tr>") == len(summary.history) + 1 and "eval_loss" in h
+
+
+def test_progress_bar_without_ipywidgets_is_the_text_bar(monkeypatch):
+    import builtins
+
+    import tqdm
+
+    from hetjax import metrics
+
+    monkeypatch.setattr(metrics, "_in_notebook", lambda: True)
+    real_import = builtins.__import__
+
+    def no_widgets(name, *a, **kw):
+        if name == "ipywidgets":
+            raise ImportError(name)
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_widgets)
+    assert metrics._bar_class() is tqdm.tqdm
+
+
+def test_a_fresh_process_gets_the_topologys_devices_without_xla_flags():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import jax, hetjax\n"
+            "devices = hetjax.preset('cpu_hybrid').jax_devices()\n"
+            "print(len(devices), len(jax.devices()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["8", "8"]
+    # JAX already started with 1 device: one message saying what to do.
+    code = "import jax, hetjax\njax.devices()\nhetjax.preset('cpu_hybrid').jax_devices()\n"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "restart the Python process (or notebook kernel)" in r.stderr
+
+
+def test_a_trainer_renders_its_tables_and_the_device_map_inline():
+    trainer = Trainer(tiny_config(**{"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2,
+                                     "train.microbatches": 2}), quiet=True)
+    html = trainer._repr_html_()
+    assert html.count("<table>") == 2 and "data:image/png;base64," in html
+    assert "parameters" in html
