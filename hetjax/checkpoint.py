@@ -15,7 +15,9 @@ methods.
 
 orbax writes a step into a temporary directory and renames it into place when every item is
 complete, so a save that is interrupted (crash, SIGKILL) never replaces a good checkpoint; its
-leftover temporary directory is removed when the next run opens the directory.
+leftover temporary directory is removed when the next run opens the directory. A save refuses
+a state holding NaN/Inf; a restore that fails to read a checkpoint sets it aside
+(`<step>.corrupt`) and falls back to the next older one.
 """
 
 from __future__ import annotations
@@ -70,6 +72,46 @@ def abstract_with_shardings(tree, shardings):
                         tree, shardings)
 
 
+def nonfinite_leaves(tree) -> list[str]:
+    """Paths of the floating-point leaves of `tree` holding a NaN or Inf."""
+    import jax.numpy as jnp
+
+    # One compiled check per set of devices (an MPMD state lives on several sub-meshes), not
+    # one per leaf: a save must not wait for dozens of compilations.
+    groups: dict[Any, list] = collections.defaultdict(list)
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            devices = frozenset(x.sharding.device_set) if hasattr(x, "sharding") else frozenset()
+            groups[devices].append((path, x))
+    bad = []
+    for leaves in groups.values():
+        finite = _all_finite([x for _, x in leaves])
+        bad += [jax.tree_util.keystr(path, simple=True, separator="/")
+                for (path, _), ok in zip(leaves, jax.device_get(finite)) if not ok]
+    return sorted(bad)
+
+
+@jax.jit
+def _all_finite(xs):
+    import jax.numpy as jnp
+
+    return [jnp.isfinite(x).all() for x in xs]
+
+
+# What orbax says when a checkpoint reads fine but has another model's shapes or structure.
+_MISMATCH = ("is not compatible with the stored shape", "tree structures do not match"
+)
+
+
+class _Unreadable(Exception):
+    """A checkpoint that fails to read back (the message says what failed)."""
+
+
+def _first_sentence(e: Exception) -> str:
+    text = " ".join(str(e).split()).split(" See full TensorStore details")[0]
+    return f"{type(e).__name__}: {text[:200]}"
+
+
 @dataclass
 class Restored:
     step: int
@@ -121,9 +163,20 @@ class Checkpointer:
 
     def save(self, step: int, state, layout: Layout, data_state: dict, meta: dict, *,
              eval_loss: float | None = None) -> None:
-        """Start saving `step` (returns while an async save writes in the background)."""
+        """Start saving `step` (returns while an async save writes in the background).
+
+        Refuses (HetjaxError) a state holding a NaN or Inf: a checkpoint is always one a run
+        can resume from."""
+        natural = layout.to_natural(state)
+        bad = nonfinite_leaves(natural)
+        if bad:
+            raise HetjaxError(
+                f"checkpoint {step}: refusing to save a state with NaN/Inf values in "
+                f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; the latest good "
+                f"checkpoint in {self.directory} is kept; fix: rerun to resume from it, with a "
+                "lower train.lr")
         self._in_flight.append(step)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(layout.to_natural(state)),
+        args = ocp.args.Composite(state=ocp.args.StandardSave(natural),
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
         metrics = {"eval_loss": float(eval_loss)} if eval_loss is not None else None
@@ -136,22 +189,61 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def restore(self, layout: Layout, step: int | None = None) -> Restored | None:
-        """Restore `step` (default: the latest complete one) into `layout`'s shardings;
-        None if the directory holds no checkpoint."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
+        """Restore `step` (default: the newest checkpoint that reads back whole) into
+        `layout`'s shardings; None if the directory holds no readable checkpoint.
+
+        Without `step`, a checkpoint that fails to read (a truncated or garbled file, a junk
+        step directory, NaN/Inf values) is reported in one line, renamed to `<step>.corrupt`
+        and the next older one is tried. A checkpoint that reads but does not fit this model
+        is the user's to resolve: that is an error, and nothing is moved."""
+        if step is not None:
+            return self._restore(layout, step)
+        for candidate in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return self._restore(layout, candidate)
+            except _Unreadable as e:
+                self._set_aside(candidate, str(e))
+        return None
+
+    def _restore(self, layout: Layout, step: int) -> Restored:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(layout.natural_target()),
                                   data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         try:
             r = self.manager.restore(step, args=args)
-        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-            detail = " ".join(str(e).split())[:300]  # orbax's message spans many lines
+        except Exception as e:  # orbax and tensorstore raise many kinds; sorted out below
+            detail = " ".join(str(e).split())
+            if not any(m in detail for m in _MISMATCH):
+                raise _Unreadable(_first_sentence(e)) from None
             raise HetjaxError(
                 f"checkpoint {step} in {self.directory} does not fit this model and optimizer "
-                f"({type(e).__name__}: {detail}); resume with the model config it was "
+                f"({type(e).__name__}: {detail[:300]}); resume with the model config it was "
                 f"written with (see its meta/ item) or use another workdir") from None
+        if r.data is None or r.meta is None:
+            raise _Unreadable("its data or meta item is missing")
+        bad = nonfinite_leaves(r.state)
+        if bad:
+            raise _Unreadable(f"it holds NaN/Inf values in {', '.join(bad[:3])}")
         return Restored(step, layout.from_natural(r.state), dict(r.data), dict(r.meta))
+
+    def _set_aside(self, step: int, what: str) -> None:
+        """Rename an unreadable checkpoint to `<step>.corrupt` (kept for a post-mortem, out of
+        orbax's sight) and tell the user in one line."""
+        src = os.path.join(self.directory, str(step))
+        dst = src + ".corrupt"
+        n = 1
+        while os.path.exists(dst):
+            n += 1
+            dst = f"{src}.corrupt{n}"
+        if jax.process_index() == 0:
+            os.rename(src, dst)
+            print(f"hetjax: checkpoint {step} in {self.directory} cannot be read ({what}); "
+                  f"moved aside to {os.path.basename(dst)}, trying the previous one",
+                  file=sys.stderr, flush=True)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"hetjax_set_aside_{step}")
+        self.manager.reload()
 
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, Preempted
 
 USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
@@ -326,6 +326,11 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax.planner.config_plan import plan_for_config, validate_layout
 
     opts, rest = _take_options(argv, ("json", "plot"))
+    for name, path in opts.items():  # checked before the plan is computed
+        where = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise HetjaxError(f"--{name}={path}: directory {where} does not exist or is not "
+                              f"writable; fix: create it, or give a path in an existing one")
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
     runners_up = ()
@@ -341,6 +346,13 @@ def cmd_plan(argv: list[str]) -> int:
             plan, topology, model, options_from_config(cfg)).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    if plan.executor == "mpmd" and plan.pp > 1:
+        from hetjax.planner.worlds import world_lines
+        from parallel import nic
+
+        for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
+                topology, plan, w, slot)):
+            print("  " + line)
     from hetjax.planner.search import bound_lines
 
     for line in bound_lines(plan):
@@ -445,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
+    except Preempted as e:
+        print(f"hetjax: {e}", file=sys.stderr)
+        return Preempted.EXIT_CODE
     except HetjaxError as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 2

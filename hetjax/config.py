@@ -11,8 +11,10 @@ counts, placement) run where the Plan is built (hetjax/planner/config_plan.py).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 
 import ml_collections
 
@@ -91,6 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip = 1.0
     c.train.seed = 0
     c.train.log_every = 10
+    c.train.max_bad_steps = 3
     c.train.progress = True
 
     c.data = ml_collections.ConfigDict()
@@ -147,7 +150,8 @@ DESCRIPTIONS: dict[str, str] = {
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
     "parallel.allow_straddle": "allow a TP group across nodes / a stage across clusters",
     "pipeline.stage_layers": "layers per stage, e.g. (3, 1); empty: even split",
-    "pipeline.schedule": "gpipe | 1f1b | interleaved | zb-h1 | strands (parallel/schedules.py)",
+    "pipeline.schedule": "gpipe | 1f1b | interleaved | zb-h1 (these two: executor mpmd) | "
+                         "strands (two strands per tick)",
     "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
                          "program per stage, stages run asynchronously; auto: the one the "
                          "planner predicts faster",
@@ -173,6 +177,8 @@ DESCRIPTIONS: dict[str, str] = {
     "train.grad_clip": "global-norm clipping; 0 disables",
     "train.seed": "seed of the parameters and the data order",
     "train.log_every": "a metrics row and log line every N steps",
+    "train.max_bad_steps": "a step whose loss or gradient norm is NaN/Inf is skipped (no "
+                           "update); this many in a row stop the run with an error",
     "train.progress": "progress bar on the terminal / notebook",
     "data.source": "stdlib (Python's own sources) | files | synthetic",
     "data.path": "directory or glob of text files for source=files",
@@ -195,26 +201,142 @@ DESCRIPTIONS: dict[str, str] = {
 
 # --- loading -----------------------------------------------------------------------------------
 def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigDict:
-    """Load a `get_config()` file (or the defaults) and apply `--config.x.y=v` overrides."""
+    """Load a `get_config()` file (or the defaults) and apply `--config.x.y=v` overrides.
+
+    Every way the file or an override can be wrong (missing file, not Python, a syntax error,
+    get_config failing or returning something else, an unknown field, a value of the wrong
+    type) raises one HetjaxError naming the file line or the field and the fix."""
     from absl import flags
     from ml_collections import config_flags
 
+    cfg = base_config() if path is None else _load_file(path)
+    check_fields(cfg)  # before the overrides, so a partial file is named as the culprit
+    for o in overrides:
+        _known_field(cfg, o[len("--config."):].split("=", 1)[0])
     fv = flags.FlagValues()
     # config_flags finds the --config.* override flags by scanning the argv it is given
     # (sys.argv by default), so hand it ours.
-    if path is None:
-        argv = ["hetjax", *overrides]
-        config_flags.DEFINE_config_dict("config", base_config(), flag_values=fv, sys_argv=argv)
-    else:
-        argv = ["hetjax", f"--config={path}", *overrides]
-        config_flags.DEFINE_config_file("config", path, flag_values=fv, sys_argv=argv)
+    argv = ["hetjax", *overrides]
+    config_flags.DEFINE_config_dict("config", cfg, flag_values=fv, sys_argv=argv)
     try:
         fv(argv)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
-        # ml_collections reports a misspelled field as AttributeError("... Did you mean ...").
         detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "").replace("'", "").strip('"').split())
+        bad = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", detail)
+        if bad:  # a value that does not parse as the field's type
+            field = bad.group(1)
+            raise ConfigError(field, f"cannot take the value {bad.group(2)!r} ({bad.group(3)})",
+                              f"give it a value like its default, e.g. "
+                              f"--config.{field}={_get(base_config(), field)!r}") from None
         raise HetjaxError(f"could not read the config {path or '(defaults)'}: {detail}") from None
+    check_fields(fv.config)
     return fv.config
+
+
+def _load_file(path: str) -> ml_collections.ConfigDict:
+    """Run a config file's `get_config(*args)` (`path` may end in `:arg`, as config_flags)."""
+    import importlib.util
+    import traceback
+
+    file, *args = path.split(":")
+    fix = ("give a Python file with get_config() returning a ConfigDict, e.g. "
+           "--config=configs/default.py")
+    if not os.path.isfile(file):
+        raise HetjaxError(f"--config={path}: no such file; fix: {fix}")
+    if not file.endswith(".py"):
+        raise HetjaxError(f"--config={path}: a config is a Python file, not "
+                          f"{os.path.splitext(file)[1] or 'a file without .py'}; fix: {fix}")
+
+    def failure(e: BaseException) -> HetjaxError:
+        # The deepest frame inside the config file says which line went wrong.
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(file)]
+        where = f" line {frames[-1].lineno} ({frames[-1].line.strip()})" if frames else ""
+        detail = " ".join(str(e).replace("<class ", "").replace(">", "").split())
+        return HetjaxError(f"--config={path}:{where}: {type(e).__name__}: {detail}; fix: "
+                           "correct that line (field types are those of base_config())")
+
+    spec = importlib.util.spec_from_file_location("hetjax_user_config", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise HetjaxError(f"--config={path}: syntax error at line {e.lineno}: {e.msg}; fix: "
+                          f"correct line {e.lineno}") from None
+    except Exception as e:
+        raise failure(e) from None
+    if not callable(getattr(module, "get_config", None)):
+        raise HetjaxError(f"--config={path}: defines no get_config(); fix: {fix}")
+    try:
+        cfg = module.get_config(*args)
+    except Exception as e:
+        raise failure(e) from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise HetjaxError(f"--config={path}: get_config() returned a {type(cfg).__name__}, not "
+                          "a ConfigDict; fix: start from hetjax.config.base_config() and return "
+                          "it with your changes")
+    return cfg
+
+
+def _kind(default) -> tuple[tuple[type, ...], str]:
+    """The types a field with this default accepts, and their name for messages."""
+    if isinstance(default, bool):
+        return (bool,), "true or false"
+    if isinstance(default, int):
+        return (int,), "an integer"
+    if isinstance(default, float):
+        return (int, float), "a number"
+    if isinstance(default, (tuple, list)):
+        return (tuple, list), "a tuple, e.g. (3, 1)"
+    return (type(default),), f"a {type(default).__name__}"
+
+
+def _known_field(c, dotted: str) -> None:
+    """Raise ConfigError unless `dotted` names a field of `c`, suggesting the nearest name."""
+    import difflib
+
+    node, done = c, []
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            near = difflib.get_close_matches(part, known, n=1)
+            where = ".".join(done)
+            fix = (f"did you mean {'.'.join([*done, near[0]])}?" if near else
+                   f"the fields of {where or 'the config'} are: {', '.join(known)}")
+            raise ConfigError(".".join([*done, part]), "is not a hetjax config field", fix)
+        node, done = node[part], [*done, part]
+
+
+def check_fields(c, ref=None, prefix: str = "") -> None:
+    """Every field of `c` is one of base_config()'s, none is missing, and each has its type."""
+    import difflib
+
+    ref = base_config() if ref is None else ref
+    if not isinstance(c, ml_collections.ConfigDict):
+        raise ConfigError(prefix.rstrip(".") or "(config)",
+                          f"must be a ConfigDict section, got {c!r}",
+                          "start from hetjax.config.base_config() and change fields in it")
+    for k in c.keys():
+        if k not in ref:
+            near = difflib.get_close_matches(k, list(ref.keys()), n=1)
+            raise ConfigError(prefix + k, "is not a hetjax config field",
+                              f"did you mean {prefix + near[0]}?" if near else
+                              f"the fields of {prefix.rstrip('.') or 'the config'} are: "
+                              f"{', '.join(ref.keys())}")
+    for k in ref.keys():
+        field = prefix + k
+        if k not in c:
+            raise ConfigError(field, "is missing", "start the config from "
+                              "hetjax.config.base_config() (it has every field) and change "
+                              "what you need")
+        default, value = ref[k], c[k]
+        if isinstance(default, ml_collections.ConfigDict):
+            check_fields(value, default, field + ".")
+            continue
+        types, name = _kind(default)
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise ConfigError(field, f"must be {name}, got {value!r} ({type(value).__name__})",
+                              f"set it like its default, e.g. --config.{field}={default!r}")
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -239,12 +361,22 @@ def build_topology(c) -> topo.Topology:
     """The topology a config names (file or preset, with node/device overrides)."""
     t = c.topology
     if t.file:
+        _require(t.preset == base_config().topology.preset, "topology.preset",
+                 f"is {t.preset!r} but topology.file = {t.file!r} is set too; the file would "
+                 "silently win", "set only one of topology.file and topology.preset")
         try:
             with open(t.file) as f:
                 return topo.Topology.from_json(f.read())
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             raise ConfigError("topology.file", f"{t.file!r} does not exist",
                               "give the path of a JSON topology (Topology.to_json())") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError("topology.file", f"{t.file!r} is not valid JSON (line {e.lineno}, "
+                              f"column {e.colno}: {e.msg})",
+                              "fix the JSON; Topology.to_json() shows the format") from None
+        except HetjaxError as e:
+            raise ConfigError("topology.file", f"{t.file!r}: {e}",
+                              "correct that entry of the file") from None
     _require(t.preset in topo.PRESETS, "topology.preset", f"unknown preset {t.preset!r}",
              f"choose one of: {', '.join(sorted(topo.PRESETS))}")
     kwargs = {}
@@ -270,11 +402,13 @@ def warmup_steps(t) -> int:
 
 def validate(c) -> None:
     """Check every field that can be checked without JAX. Raises ConfigError."""
+    check_fields(c)
     m, tr = c.model, c.train
     for f, ex in (("model.d_model", 128), ("model.n_layers", 4), ("model.n_heads", 4),
                   ("model.n_kv_heads", 2), ("model.d_ff", 384), ("model.max_seq_len", 512),
                   ("train.steps", 100), ("train.batch_size", 32), ("train.seq_len", 128),
-                  ("train.microbatches", 1), ("train.log_every", 10)):
+                  ("train.microbatches", 1), ("train.log_every", 10),
+                  ("train.max_bad_steps", 3)):
         _positive_int(c, f, ex)
     _require(m.vocab_size >= 0, "model.vocab_size", f"must be >= 0, got {m.vocab_size}",
              "set 0 to size it from the tokenizer")
@@ -321,6 +455,13 @@ def validate(c) -> None:
     _require(c.data.source != "files" or bool(c.data.path), "data.path",
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
+    if c.data.source == "files":  # found now, not after the model is compiled
+        import glob
+
+        _require(bool(glob.glob(os.path.expanduser(c.data.path))), "data.path",
+                 f"{c.data.path!r} matches no file or directory",
+                 "give an existing directory of text files or a glob like '/data/*.txt'")
+    _validate_paths(c)
     _validate_data_and_checkpoints(c)
     _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
              f"must be in [0, 1), got {c.planner.memory_margin}",
@@ -380,12 +521,40 @@ def validate(c) -> None:
                  f"give {p.pp} numbers, or set parallel.pp = {len(sl)}")
 
 
+def _validate_paths(c) -> None:
+    """The workdir and checkpoint directory can be created or written (checked before start-up,
+    not when the first file is written)."""
+    for field in ("workdir", "checkpoint.dir"):
+        path = _get(c, field)
+        if not path:
+            continue
+        path = os.path.abspath(os.path.expanduser(path))
+        _require(not os.path.exists(path) or os.path.isdir(path), field,
+                 f"{path} exists and is not a directory", f"choose another --config.{field}")
+        parent = path
+        while not os.path.exists(parent):  # the deepest existing ancestor must be writable
+            parent = os.path.dirname(parent)
+        _require(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK), field,
+                 f"{path} cannot be written ({parent} is "
+                 f"{'not writable' if os.path.isdir(parent) else 'a file'})",
+                 f"choose a --config.{field} under a directory you can write")
+
+
 def _validate_data_and_checkpoints(c) -> None:
     d, e, k = c.data, c.eval, c.checkpoint
     _require(d.tokenizer == "byte" or os.path.isfile(os.path.expanduser(d.tokenizer)),
              "data.tokenizer", f"{d.tokenizer!r} is neither 'byte' nor a file",
              "use 'byte', or train a SentencePiece model with 'hetjax tokenizer train "
              "--out=tok.model' and set --config.data.tokenizer=tok.model")
+    if c.model.vocab_size:
+        # Token ids past the embedding table give NaN losses, silently: refuse them here.
+        from hetjax.tokenizer import load_tokenizer
+
+        n = load_tokenizer(d.tokenizer).vocab_size
+        _require(c.model.vocab_size >= n, "model.vocab_size",
+                 f"{c.model.vocab_size} is smaller than the tokenizer's {n} tokens "
+                 f"(data.tokenizer = {d.tokenizer!r})",
+                 f"set --config.model.vocab_size=0 (sized from the tokenizer) or >= {n}")
     _require(0 <= d.eval_fraction <= 0.5, "data.eval_fraction",
              f"must be in [0, 0.5], got {d.eval_fraction}", "use 0.01")
     for f, ex in (("data.prefetch", 4), ("data.threads", 2), ("eval.batches", 4),

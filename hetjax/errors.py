@@ -32,3 +32,11 @@ class TopologyError(HetjaxError):
 
 class PlanError(HetjaxError):
     """No layout satisfies the request; the message names the binding constraint."""
+
+
+class Preempted(HetjaxError):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint of its current step; rerunning
+    the same command resumes from it. The CLI exits with `EXIT_CODE` (EX_TEMPFAIL: try again),
+    so a scheduler or `hetjax launch` can tell it from a failure."""
+
+    EXIT_CODE = 75

@@ -31,6 +31,12 @@ from hetjax.errors import TopologyError
 LINK_KINDS = ("loopback", "nvlink", "pcie", "infiniband", "roce", "ethernet")
 
 
+def _number(value, what: str) -> None:
+    """A topology number read from JSON must be a number, not a string or a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TopologyError(f"{what} must be a number, got {value!r}; write it without quotes")
+
+
 @dataclass(frozen=True)
 class Link:
     """A point-to-point link class with an alpha-beta cost: latency plus bytes / bandwidth."""
@@ -43,6 +49,8 @@ class Link:
     efficiency: float = 1.0
 
     def __post_init__(self):
+        for f in ("bandwidth_gbps", "latency_us", "efficiency"):
+            _number(getattr(self, f), f"{self.kind} link {f}")
         if self.kind not in LINK_KINDS:
             raise TopologyError(
                 f"link kind {self.kind!r} is unknown; use one of {', '.join(LINK_KINDS)}")
@@ -83,6 +91,15 @@ class Accelerator:
     peak_tflops: float
     memory_gib: float
     vendor: str = "nvidia"
+
+    def __post_init__(self):
+        # The planner divides by both: a zero or negative value would crash or mislead it.
+        for f in ("peak_tflops", "memory_gib"):
+            v = getattr(self, f)
+            _number(v, f"accelerator {self.name!r} {f}")
+            if not v > 0:
+                raise TopologyError(f"accelerator {self.name!r} {f} must be > 0, got {v}; give "
+                                    "the device's peak dense bf16 TFLOP/s and memory in GiB")
 
     @property
     def memory_bytes(self) -> float:
@@ -162,6 +179,20 @@ class Topology:
     @property
     def num_nodes(self) -> int:
         return sum(c.nodes for c in self.clusters)
+
+    def without_nodes(self, nodes) -> "Topology":
+        """This topology with the global node indices `nodes` removed (a cluster's nodes are
+        alike, so it keeps fewer of them; a cluster left with none goes, with its links)."""
+        gone, first = [0] * len(self.clusters), 0
+        for i, c in enumerate(self.clusters):
+            gone[i] = sum(first <= n < first + c.nodes for n in nodes)
+            first += c.nodes
+        kept = tuple(dataclasses.replace(c, nodes=c.nodes - g)
+                     for c, g in zip(self.clusters, gone) if c.nodes > g)
+        names = {c.name for c in kept}
+        return dataclasses.replace(
+            self, name=f"{self.name}-{len(set(nodes))}", clusters=kept,
+            cluster_links=tuple(x for x in self.cluster_links if {x.a, x.b} <= names))
 
     @functools.cached_property
     def devices(self) -> tuple[DeviceInfo, ...]:
@@ -413,7 +444,7 @@ class Topology:
                                else None),
                 cluster_links=tuple(ClusterLink(x["a"], x["b"], link(x["link"]))
                                     for x in d.get("cluster_links", ())))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise TopologyError(
                 f"topology description is malformed ({type(e).__name__}: {e}); it needs "
                 "'clusters' (each with name, nodes, devices_per_node, accelerator, nic, "

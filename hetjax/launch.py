@@ -18,6 +18,8 @@ apart, so a library's C++ log line never lands inside a Python one) is prefixed 
 third-party noise (gloo's per-rank connection lines, `NOISE`) is hidden unless `--verbose`;
 when one process fails, the others get SIGTERM and, after `--grace` seconds, SIGKILL (a peer
 may sit in a collective with the dead one forever); the exit code is the first failure's.
+`--max-restarts N` then starts the job again (it resumes from its checkpoint), and `--elastic`
+does so without the failed process's host, re-planned on the topology left.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from hetjax.distributed import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT,
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner import plan_from_config
+from hetjax.planner.worlds import plan_worlds, world_lines
 from hetjax.topology import Topology
-from parallel import nic
+from parallel import bridge, nic
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
 DEFAULT_PORT = 8476  # coordinator port for hostfile launches when none is given
@@ -64,8 +67,16 @@ def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
     """Make this process worker `spec.process_id`: complete its environment (values the
     launcher or the user already set win), join the job, and check its devices."""
     plan = plan_from_config(cfg, topology)
-    slot = process_slots(topology, spec.num_processes)[spec.process_id]
-    env = nic.process_environment(topology, plan, slot, os.environ.get(ENV_NIC_POLICY, "cluster"))
+    policy = os.environ.get(ENV_NIC_POLICY, "cluster")
+    if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
+        slots = process_slots(topology, len(os.environ[bridge.ENV_BRIDGE_HOSTS].split(",")))
+        slot = slots[int(os.environ[bridge.ENV_BRIDGE_RANK])]
+        worlds = plan_worlds(plan, topology, slots)
+        env = nic.world_environment(topology, plan, worlds[int(os.environ[nic.ENV_WORLD])], slot,
+                                    policy, len(worlds))
+    else:
+        slot = process_slots(topology, spec.num_processes)[spec.process_id]
+        env = nic.process_environment(topology, plan, slot, policy)
     os.environ.update(nic.merge_environment(os.environ, env, override=False))
     initialize(spec, fingerprint(cfg, topology))
     import jax
@@ -122,20 +133,37 @@ def worker_command(python: str, config_args, command: str = "train") -> list[str
 
 
 def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list[Worker]:
-    """The processes of a --local or --hostfile launch."""
+    """The processes of a --local or --hostfile launch: one jax.distributed job, or, for an
+    MPMD plan whose stages sit on several fabrics or accelerator kinds, one job per world
+    (`hetjax.planner.worlds`), each with its own coordinator, plus the bridge's addresses."""
     if args.local is not None:
         hosts = ["127.0.0.1"] * args.local
-        coordinator = f"127.0.0.1:{args.port or free_port()}"
     else:
         hosts = read_hostfile(args.hostfile)
-        coordinator = args.coordinator or f"{hosts[0]}:{args.port or DEFAULT_PORT}"
     slots = process_slots(topology, len(hosts))
+    worlds = plan_worlds(plan, topology, slots)
+    if len(worlds) == 1:
+        coordinators = [f"127.0.0.1:{args.port or free_port()}" if args.local is not None else
+                        args.coordinator or f"{hosts[0]}:{args.port or DEFAULT_PORT}"]
+    elif args.local is not None:
+        coordinators = [f"127.0.0.1:{args.port + w.index if args.port else free_port()}"
+                        for w in worlds]
+    else:  # each world's coordinator on its first host, on consecutive ports
+        coordinators = [f"{hosts[w.processes[0]]}:{(args.port or DEFAULT_PORT) + w.index}"
+                        for w in worlds]
+    bridge_port = (args.port or DEFAULT_PORT) + 100 if args.local is None else free_port_block(
+        len(hosts))
     workers = []
     for slot, host in zip(slots, hosts):
-        spec = WorkerSpec(coordinator, len(slots), slot.index, args.init_timeout,
-                          args.heartbeat_timeout)
-        env = {**nic.process_environment(topology, plan, slot, args.nic_policy),
+        w = next(w for w in worlds if slot.index in w.processes)
+        spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
+                          args.init_timeout, args.heartbeat_timeout)
+        env = {**nic.world_environment(topology, plan, w, slot, args.nic_policy, len(worlds)),
                **spec.environ(), ENV_NIC_POLICY: args.nic_policy}
+        if len(worlds) > 1:
+            env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
+            # a world that never comes up is named by its bridge peers after the init timeout
+            env[bridge.ENV_BRIDGE_TIMEOUT] = str(args.init_timeout)
         cmd = worker_command(args.python, config_args, getattr(args, "command", "train"))
         local = args.local is not None
         if local:
@@ -147,6 +175,27 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
         argv = cmd if local else shlex.split(args.rsh.format(host=host)) + [shell]
         workers.append(Worker(slot, host, env, shell, tuple(argv), local))
     return workers
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 free now (the bridge's control ports on one machine)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise HetjaxError(f"found no {n} consecutive free ports for the bridge")
 
 
 def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict[str, str],
@@ -221,11 +270,12 @@ NOISE = (re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),)
 
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
-        timeout: float = 0, out=None, verbose: bool = False) -> int:
+        timeout: float = 0, out=None, failed: list | None = None,
+        verbose: bool = False) -> int:
     """Start `children` ((name, argv, env)), prefix each line of their output with their name
     (lines matching `NOISE` hidden unless `verbose`), and stop them all when one fails
     (SIGTERM, then SIGKILL after `grace` s) or after `timeout` s (0: no limit). Returns 0, or
-    the exit code of the first failure (128 + signal)."""
+    the exit code of the first failure (128 + signal), whose name is appended to `failed`."""
     out = out or sys.stdout
     lock = threading.Lock()
     hidden = [0]
@@ -306,7 +356,33 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     name, rc = failure
     if name is not None:
         say(f"hetjax launch: failed: {name} {_how(rc)} first")
+        if failed is not None:
+            failed.append(name)
     return _exit_code(rc)
+
+
+# Exit codes a restart cannot help: success, a user error (exit 2), a preemption the worker
+# saved for (75: the scheduler wants the job gone), the --timeout, an interrupt.
+NO_RESTART = (0, 2, 75, 124, 130)
+
+
+def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
+                      out=None, verbose: bool = False) -> int:
+    """`run` the children `make_children(failed)` returns; after a failure, start them afresh
+    up to `max_restarts` times (workers resume from the job's latest checkpoint). `failed` lists
+    the names of the processes that failed first in earlier attempts. Returns the last
+    attempt's exit code."""
+    out = out or sys.stdout
+    failed: list[str] = []
+    for attempt in range(max_restarts + 1):
+        rc = run(make_children(failed), grace, timeout, out, failed, verbose)
+        if rc in NO_RESTART or attempt == max_restarts:
+            return rc
+        out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
+                  f"{max_restarts}) after exit code {rc}; it resumes from its latest "
+                  "checkpoint\n")
+        out.flush()
+    return rc
 
 
 def _interrupt(signum, frame):
@@ -377,6 +453,13 @@ def parser() -> argparse.ArgumentParser:
                                      "dead and stops the others (default %(default)s)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping (default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="after a worker fails, restart the whole job up to N times; it "
+                        "resumes from its latest checkpoint (default 0)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --max-restarts: restart without the host whose process failed, "
+                        "re-planned (parallel.* chosen by the planner) on the remaining "
+                        "topology; training resumes from the plan-independent checkpoint")
     p.add_argument("--timeout", type=float, default=0, metavar="S",
                    help="stop the job after S seconds (default 0: no limit)")
     p.add_argument("--nic-policy", choices=nic.POLICIES, default="cluster",
@@ -406,6 +489,11 @@ def main(argv: list[str]) -> int:
     if stray:
         raise HetjaxError(f"hetjax launch does not know {stray}; its own flags are listed by "
                           "'hetjax launch --help', and training settings are --config flags")
+    if args.max_restarts < 0:
+        raise HetjaxError(f"--max-restarts {args.max_restarts}: give a number >= 0")
+    if args.elastic and (args.slurm or not args.max_restarts):
+        raise HetjaxError("--elastic re-plans at a restart: use it with --max-restarts N >= 1 "
+                          "and --local or --hostfile (under SLURM, resubmit with fewer nodes)")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):
@@ -429,22 +517,80 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             print(f"{_env_prefix(env)} {shlex.join(cmd)}")
             return 0
-        return run([("srun", tuple(cmd), {**os.environ, **env})], args.grace, args.timeout,
-                   verbose=args.verbose)
+        return run_with_restarts(lambda _: [("srun", tuple(cmd), {**os.environ, **env})],
+                                 args.grace, args.timeout, args.max_restarts,
+                                 verbose=args.verbose)
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
                    args.nic_policy), flush=True)
+    if plan.executor == "mpmd" and plan.pp > 1:
+        for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
+                topology, plan, w, slot, args.nic_policy), tuple(w.slot for w in workers)):
+            print(line, flush=True)
     if args.dry_run:
         for w in workers:
             print(f"# process {w.index} on {w.host}")
             print(w.shell if w.local else shlex.join(w.argv))
         return 0
-    children = [(f"p{w.index}", w.argv,
+
+    def children(failed: list[str]):
+        # Fresh workers per attempt: a --local restart takes a new free coordinator port.
+        ws = workers
+        if failed and args.elastic:
+            ws = elastic_workers(cfg, args, config_args, failed)
+        elif failed:
+            ws = plan_workers(cfg, topology, plan, args, config_args)
+        return [(f"p{w.index}", w.argv,
                  nic.merge_environment(os.environ, w.env, override=True) if w.local else None)
-                for w in workers]
-    return run(children, args.grace, args.timeout, verbose=args.verbose)
+                for w in ws]
+
+    return run_with_restarts(children, args.grace, args.timeout, args.max_restarts,
+                             verbose=args.verbose)
 
 
-__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "describe",
+def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
+    """The workers of an elastic restart: the hosts of the processes in `failed` (names of
+    the launches so far, each numbered in its own launch) are dropped, the topology loses
+    their nodes, and the planner chooses the layout for what is left. The reduced topology
+    and hostfile are written into the workdir for the workers to read."""
+    hosts = ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
+    topology = hconfig.build_topology(cfg)
+    for name in failed:  # replay the drops in order: process numbers shift after each
+        slot = process_slots(topology, len(hosts))[int(name[1:])]
+        topology = topology.without_nodes(slot.nodes)
+        hosts.pop(slot.index)
+    if not hosts:
+        raise HetjaxError("--elastic: every host has failed; nothing is left to run on")
+    os.makedirs(cfg.workdir, exist_ok=True)
+    topo_file = os.path.abspath(os.path.join(cfg.workdir, "elastic_topology.json"))
+    with open(topo_file, "w") as f:
+        f.write(topology.to_json(indent=1))
+    default = hconfig.base_config()
+    extra = [f"--config.topology.file={topo_file}",
+             f"--config.topology.preset={default.topology.preset}",
+             "--config.topology.nodes=0", "--config.topology.devices_per_node=0",
+             "--config.parallel.pp=0", "--config.parallel.dp=0", "--config.parallel.tp=0",
+             "--config.pipeline.stage_layers=()"]
+    config_args = [*config_args, *extra]
+    new_cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
+                                        if a.startswith("--config=")), None),
+                                  [a for a in config_args if a.startswith("--config.")])
+    hconfig.validate(new_cfg)
+    plan = plan_from_config(new_cfg, topology)  # a clear error if nothing fits the rest
+    new_args = argparse.Namespace(**vars(args))
+    if args.local is not None:
+        new_args.local = len(hosts)
+    else:
+        new_args.hostfile = os.path.join(os.path.dirname(topo_file), "elastic_hosts.txt")
+        with open(new_args.hostfile, "w") as f:
+            f.write("\n".join(hosts) + "\n")
+    print(f"hetjax launch: --elastic: dropped {', '.join(failed)}; re-planned on "
+          f"{topology.num_devices} devices:\n{topology.describe()}\n{plan.describe(topology)}",
+          flush=True)
+    return plan_workers(new_cfg, topology, plan, new_args, config_args)
+
+
+__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "run_with_restarts",
+           "describe",
            "read_hostfile", "fingerprint", "Worker"]

@@ -49,6 +49,28 @@ class MetricsWriter:
             self._tb = None
 
 
+def rebuild_tensorboard(workdir: str) -> None:
+    """Rewrite `<workdir>/tensorboard` from `<workdir>/metrics.jsonl`, after a resume.
+
+    TensorBoard would otherwise keep the steps logged after the restored checkpoint (which the
+    metrics file has dropped) twice, and lose the events a killed run still buffered; the
+    metrics file is written line by line, so it is the record both follow."""
+    import shutil
+
+    from tensorboardX import SummaryWriter
+
+    tb_dir = os.path.join(workdir, "tensorboard")
+    shutil.rmtree(tb_dir, ignore_errors=True)
+    path = os.path.join(workdir, "metrics.jsonl")
+    # Its own file name: the run's writer, opened within the same second, must not reuse it.
+    writer = SummaryWriter(tb_dir, filename_suffix=".restored")
+    for row in read_metrics(path) if os.path.exists(path) else []:
+        for k, v in row.items():
+            if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
+                writer.add_scalar(f"train/{k}", v, row["step"], walltime=row.get("time"))
+    writer.close()
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

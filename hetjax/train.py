@@ -16,12 +16,19 @@ run summary with its history (`hetjax.history.RunSummary`: a dict with `.history
 a run writes `<workdir>/loss.png`; a run that is already complete says so and trains nothing.
 A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and its
 metrics.
+
+Guards (docs/reliability.md): executors skip an update whose loss or gradient norm is not finite;
+the loop reports each such step and stops after `train.max_bad_steps` in a row. SIGTERM during
+a single-process `train()` saves the current step and raises `Preempted` (CLI exit code 75).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -33,15 +40,16 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, Preempted
 from hetjax.history import LOSS_PNG, History, RunSummary
-from hetjax.metrics import MetricsWriter, Progress, read_metrics
+from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.tokenizer import load_tokenizer
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel.executor import TrainState, make_executor, opt_state_specs
+from parallel.nic import ENV_WORLD, ENV_WORLDS
 
 
 def learning_rate_schedule(t) -> optax.Schedule:
@@ -174,6 +182,34 @@ class Timing:
         }
 
 
+def worlds_job() -> bool:
+    """Whether this process is one world of a multi-world MPMD job (`hetjax launch` set it)."""
+    return int(os.environ.get(ENV_WORLDS, "1")) > 1
+
+
+def make_worlds_executor(config, plan: Plan, topology: Topology, model_cfg, tx, schedule):
+    """This world's `parallel.mpmd_worlds.WorldsExecutor`: the plan's worlds
+    (`hetjax.planner.worlds`), this process's bridge, which process runs which rank."""
+    from hetjax.distributed import process_slots
+    from hetjax.planner.worlds import plan_worlds
+    from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
+    from parallel.mpmd_worlds import WorldsExecutor
+
+    for field in ("eval.every", "checkpoint.every"):
+        section, name = field.split(".")
+        if config[section][name]:
+            raise HetjaxError(f"config.{field}={config[section][name]}: a multi-world job does "
+                              f"not evaluate or checkpoint yet; set --config.{field}=0")
+    if plan.executor != "mpmd":
+        raise HetjaxError(f"{ENV_WORLDS} > 1 needs the MPMD executor; set "
+                          "--config.pipeline.executor=mpmd")
+    slots = process_slots(topology, len(os.environ[ENV_BRIDGE_HOSTS].split(",")))
+    worlds = plan_worlds(plan, topology, slots)
+    owner = {r: slot.index for slot in slots for r in slot.ranks}
+    return WorldsExecutor(plan, topology, model_cfg, tx, schedule, config.train.grad_clip,
+                          worlds, int(os.environ[ENV_WORLD]), owner, bridge_from_environ())
+
+
 class Trainer:
     """Train a hetjax model from a config.
 
@@ -195,8 +231,12 @@ class Trainer:
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
         self.tx, self.schedule = make_optimizer(config.train)
-        self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
-                                      self.schedule, config.train.grad_clip)
+        if worlds_job():
+            self.executor = make_worlds_executor(config, self.plan, self.topology,
+                                                 self.model_cfg, self.tx, self.schedule)
+        else:
+            self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
+                                          self.schedule, config.train.grad_clip)
         self.tokens_per_step = self.plan.global_batch * self.plan.seq_len
         self.flops_per_step = self.model_cfg.flops_per_token(self.plan.seq_len) * \
             self.tokens_per_step
@@ -205,6 +245,7 @@ class Trainer:
         self._data = None
         self._eval_data = None
         self._checkpointer = None
+        self._last_saved = None
 
     # --- state and data (created on first use) --------------------------------------------------
     @property
@@ -335,6 +376,7 @@ class Trainer:
                 "hetjax_version": __version__}
         self.checkpointer.save(step, self.state, self.layout(), self.data.get_state(), meta,
                                eval_loss=eval_loss)
+        self._last_saved = step
         if wait:
             self.checkpointer.wait()
         return step
@@ -345,12 +387,14 @@ class Trainer:
         r = self.checkpointer.restore(self.layout(), step)
         if r is None:
             return None
-        if r.meta.get("data") != self.data_spec.to_dict():
+        saved, now = r.meta.get("data") or {}, self.data_spec.to_dict()
+        if saved != now:
+            diff = ", ".join(f"{k} = {saved.get(k)!r} there, {now.get(k)!r} now"
+                             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
             raise HetjaxError(
                 f"checkpoint {r.step} in {self.checkpoint_dir} was written for other data "
-                f"({r.meta.get('data')}), this run reads {self.data_spec.to_dict()}; resume "
-                "with the same data.*, train.seq_len, train.batch_size and train.seed, or use "
-                "another workdir")
+                f"({diff}); resume with the same data.*, train.seq_len, train.batch_size and "
+                "train.seed, or use another workdir")
         self.state = r.state
         self.data.set_state(r.data_state)
         return r.step
@@ -400,8 +444,14 @@ class Trainer:
         hooks = self.hooks if hooks is None else hooks
         start = int(self.state.step)
         aside = 0.0
+        previous, bad = None, 0
         for done in range(start + 1, total + 1):
             metrics = self.step()
+            if previous is not None:
+                # The step before this one is read only now, so the device is never idle
+                # waiting for the host check.
+                bad = self._check_finite(*previous, bad)
+            previous = (done, metrics)
             info = StepInfo(self, done, done == start + 1, done == total, metrics, aside)
             due = [h for h in hooks if h.due(info)]
             if any(h.aside for h in due):
@@ -415,6 +465,30 @@ class Trainer:
                     aside += time.perf_counter() - t
                     info.aside_s = aside
             yield info
+        if previous is not None:
+            self._check_finite(*previous, bad)
+
+    def _check_finite(self, step: int, metrics: dict[str, jax.Array], bad: int) -> int:
+        """Report a step the executor skipped for a non-finite loss or gradient norm; raise
+        after train.max_bad_steps in a row. Returns the count of skipped steps in a row."""
+        loss, g_norm = (float(v) for v in jax.device_get((metrics["loss"],
+                                                          metrics["grad_norm"])))
+        if np.isfinite(loss) and np.isfinite(g_norm):
+            return 0
+        bad += 1
+        limit = self.config.train.max_bad_steps
+        if jax.process_index() == 0:
+            print(f"hetjax: step {step}: loss {loss}, grad_norm {g_norm}: update skipped "
+                  f"({bad} in a row, train.max_bad_steps = {limit})", file=sys.stderr,
+                  flush=True)
+        if bad >= limit:
+            raise HetjaxError(
+                f"train.max_bad_steps: {bad} steps in a row ({step - bad + 1}-{step}) had a "
+                f"non-finite loss or gradient norm; training stopped, nothing of them was saved"
+                f" (checkpoints in {self.checkpoint_dir}); fix: lower train.lr "
+                f"(= {self.config.train.lr:g}) or train.grad_clip, check model.vocab_size and "
+                "the data, then rerun to resume from the latest checkpoint")
+        return bad
 
     @property
     def metrics_path(self) -> str:
@@ -433,7 +507,8 @@ class Trainer:
         run already at `steps` trains nothing and says it is complete."""
         cfg, ckpt = self.config.train, self.config.checkpoint
         total = steps if steps is not None else cfg.steps
-        primary = jax.process_index() == 0
+        # one metrics writer per job: process 0 of world 0 (every world has the loss)
+        primary = jax.process_index() == 0 and os.environ.get(ENV_WORLD, "0") == "0"
         resumed = self.restore() if ckpt.every and int(self.state.step) == 0 else None
         if int(self.state.step) >= total:
             return self._complete(total, resumed)
@@ -443,6 +518,8 @@ class Trainer:
             self._write_run_files()
             if resumed is not None:  # rows logged after that checkpoint were lost with it
                 _drop_metrics_after(os.path.join(self.workdir, "metrics.jsonl"), resumed)
+                if self.config.tensorboard:  # and TensorBoard shows what the file holds
+                    rebuild_tensorboard(self.workdir)
         writer = MetricsWriter(self.workdir, self.config.tensorboard, primary)
         progress = Progress(total, int(self.state.step), cfg.progress and not self.quiet,
                             cfg.log_every, primary)
@@ -485,10 +562,16 @@ class Trainer:
         if primary:  # aside: drawing is not training time
             standard.append(Hook(plot, 0, last=True, aside=True))
         aside = 0.0
+        preempted = _SigtermFlag()
         try:
             for info in self.iter_steps(total, standard + self.hooks):
                 aside = info.aside_s
+                if preempted.is_set() and not info.last:
+                    self._stop_preempted(info.step)
+            if hasattr(self.executor, "finish"):  # worlds: peers pull our last messages first
+                self.executor.finish()
         finally:
+            preempted.restore()
             progress.close()
             writer.close()
             if self._checkpointer is not None:
@@ -547,6 +630,15 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
+    def _stop_preempted(self, step: int) -> None:
+        """SIGTERM arrived: checkpoint this step (unless a hook just did) and stop."""
+        if self._last_saved != step:
+            self.save(wait=True)
+        self.checkpointer.wait()
+        raise Preempted(f"preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
+                        f"{self.checkpoint_dir}; rerun the same command to resume (exit code "
+                        f"{Preempted.EXIT_CODE})")
+
     def _write_run_files(self):
         os.makedirs(self.workdir, exist_ok=True)
         with open(os.path.join(self.workdir, "plan.json"), "w") as f:
@@ -555,6 +647,24 @@ class Trainer:
             f.write(self.topology.to_json(indent=1))
         with open(os.path.join(self.workdir, "config.json"), "w") as f:
             f.write(self.config.to_json_best_effort(indent=1))
+
+
+class _SigtermFlag(threading.Event):
+    """Set by SIGTERM while a single-process `train()` runs; `restore()` puts the previous
+    handler back. (In a multi-process run the handler is not installed: every process would
+    have to stop at the same step, so SIGTERM ends it as before and the run resumes from its
+    latest periodic checkpoint.)"""
+
+    def __init__(self):
+        super().__init__()
+        self._previous = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self.set())
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _drop_metrics_after(path: str, step: int) -> None:

@@ -36,7 +36,7 @@ from layers import ModelConfig
 from parallel import sharding as shd
 from parallel import zero
 from parallel.mesh import build_mesh
-from parallel.train_state import Executor, TrainState, opt_state_specs
+from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
 
 
 class SingleProgramExecutor(Executor):
@@ -130,8 +130,13 @@ class SingleProgramExecutor(Executor):
         params = optax.apply_updates(params, updates)
         # ... and the refreshed parameters are re-gathered inside the OS sub-group to P.
         params = jax.lax.with_sharding_constraint(params, self.state_sharding.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": self.lr_schedule(state.step)}
+        g_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient skips the update inside the program (so every executor
+        # built on this step does): the state keeps its parameters and moments, only the step
+        # (and with it the data position) advances. The Trainer counts and reports such steps.
+        params, opt_state = skip_unless_finite(loss, g_norm, (params, opt_state),
+                                               (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": g_norm, "lr": self.lr_schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def step(self, state, batch):

@@ -58,7 +58,7 @@ from layers import Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
 from parallel import zero
-from parallel.train_state import Executor, TrainState, opt_state_specs
+from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
 from parallel.mesh import DP_AXES, build_mesh
 from parallel.pipeline import check_plan, onehot_cross_entropy
 from parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
@@ -362,6 +362,9 @@ class Stage:
             updates, opt_state = self.ex.tx.update(grads, state.opt_state, params)
             params = optax.apply_updates(params, updates)
             params = jax.lax.with_sharding_constraint(params, self.state_sharding.params)
+            # g_norm is NaN when the loss is (MpmdExecutor.step): one flag for every stage.
+            params, opt_state = skip_unless_finite(0.0, g_norm, (params, opt_state),
+                                                   (state.params, state.opt_state))
             return TrainState(step=state.step + 1, params=params, opt_state=opt_state)
 
         def eval_forward(c, pieces, x, inputs, targets, m):
@@ -420,6 +423,7 @@ class MpmdExecutor(Executor):
         first = self.stages[self.chunks[0].stage]
         last = self.stages[self.chunks[-1].stage]
         self.batch_sharding = {"inputs": first.batch, "targets": last.batch}
+        self.local = list(range(plan.pp))  # the stages this process's state holds
         self._rows = None
 
     def chunks_of(self, s: int) -> list[Chunk]:
@@ -476,8 +480,12 @@ class MpmdExecutor(Executor):
     def step(self, state: MpmdState, batch):
         lr = self.lr_schedule(state.step)  # before the update donates the state
         loss, grads, g_norm = self.stage_loss_and_grads(state, batch)
-        new = tuple(st.run(st.update, s, g, jax.device_put(g_norm, st.scalar))
-                    for st, s, g in zip(self.stages, state.stages, grads))
+        # The non-finite guard: a non-finite loss marks the step so every stage skips it.
+        first = self.stages[self.local[0]]
+        g_norm = jnp.where(jnp.isfinite(jax.device_put(loss, first.scalar)), g_norm, jnp.nan)
+        new = tuple(self.stages[s].run(self.stages[s].update, st, g,
+                                       jax.device_put(g_norm, self.stages[s].scalar))
+                    for s, st, g in zip(self.local, state.stages, grads))
         return MpmdState(stages=new), {"loss": loss, "grad_norm": g_norm, "lr": lr}
 
     def loss_and_grads(self, state: MpmdState, batch):
@@ -492,46 +500,70 @@ class MpmdExecutor(Executor):
 
         With `task_times` (for benchmarks) every task is waited for and its seconds appended
         under (stage, kind), which serialises the stages."""
-        plan, stages, chunks = self.plan, self.stages, self.chunks
-        inputs, targets = batch["inputs"], batch["targets"]
+        stages, chunks = self.stages, self.chunks
+        finished = self.run_tasks(dict(enumerate(state.stages)), batch, task_times)
         head = stages[chunks[-1].stage]
-        pieces = [st.run(st.gather, s.params) for st, s in zip(stages, state.stages)]
-        acc = [st.run(st.new_accumulator, s.params) for st, s in zip(stages, state.stages)]
-        zeros = [jax.device_put(jnp.zeros((plan.dp,), jnp.float32),
-                                NamedSharding(st.mesh, P(DP_AXES))) for st in stages]
-        losses = zeros[head.index]
-        # (model chunk, micro-batch) -> the activation it reads / the gradient of its output
-        inbox: dict[tuple[int, int], jax.Array] = {}
-        grad_inbox: dict[tuple[int, int], jax.Array] = {}
+        finished = [finished[s] for s in range(self.plan.pp)]
+        grads = [g for g, _ in finished]
+        embed = stages[chunks[0].stage]
+        if self.tied and head is not embed:
+            # the embedding's two gradients, summed between its two stages only
+            a, b = grads[embed.index]["embedder"], grads[head.index]["embedder"]
+            grads[embed.index] = {**grads[embed.index], "embedder": embed.run(
+                embed.add, a, jax.device_put(b, embed.os_sharding["embedder"]))}
+            grads[head.index] = {**grads[head.index], "embedder": head.run(
+                head.add, jax.device_put(a, head.os_sharding["embedder"]), b)}
+        sq = sum(jax.device_put(st.run(st.squared_norm, g), stages[0].scalar)
+                 for st, g in zip(stages, grads))
+        return finished[head.index][1], grads, jnp.sqrt(sq)
+
+    def run_tasks(self, mine: dict[int, TrainState], batch,
+                  task_times: dict[tuple[int, str], list[float]] | None = None) -> dict:
+        """Run the schedule's tasks of the stages in `mine` (stage -> its state), in the issue
+        order; activations and gradients for other stages go through `deliver` and arrive
+        through `take`. Returns, per stage, what its last backward gave: (its gradients
+        reduced across its replicas, the mean loss on the head's stage)."""
+        plan, stages, chunks = self.plan, self.stages, self.chunks
+        inputs, targets = batch.get("inputs"), batch.get("targets")
+        pieces = {s: stages[s].run(stages[s].gather, mine[s].params) for s in mine}
+        acc = {s: stages[s].run(stages[s].new_accumulator, mine[s].params) for s in mine}
+        zeros = {s: jax.device_put(jnp.zeros((plan.dp,), jnp.float32),
+                                   NamedSharding(stages[s].mesh, P(DP_AXES))) for s in mine}
+        head_s = chunks[-1].stage
+        losses = zeros.get(head_s)
+        # ("activation" | "gradient", model chunk, micro-batch) -> what that chunk's task reads
+        inbox: dict[tuple[str, int, int], jax.Array] = {}
         stash: dict[tuple[int, int], Any] = {}  # (model chunk, micro-batch) -> residuals
         douts: dict[tuple[int, int], Any] = {}
-        remaining = [sum(a.kind in sch.RELEASE_KINDS for a in self.schedule.orders[s])
-                     for s in range(plan.pp)]
-        finished: list[Any] = [None] * plan.pp
-        for s, a in self.order:
+        remaining = {s: sum(a.kind in sch.RELEASE_KINDS for a in self.schedule.orders[s])
+                     for s in mine}
+        finished: dict[int, Any] = {}
+        tasks = [(s, a) for s, a in self.order if s in mine]
+        for t, (s, a) in enumerate(tasks):
+            self.before_task(tasks, t)
             st, m, c = stages[s], a.microbatch, a.chunk
             chunk = st.chunks[c]
             k = chunk.index
             run = st.run if task_times is None else functools.partial(_timed, st, (s, a.kind),
                                                                      task_times)
             if a.kind == "F":
-                x = inbox.pop((k, m)) if not chunk.first else None
+                x = None if chunk.first else self.take(inbox, "activation", s, k, m)
                 out, stash[k, m] = run(st.forward, c, pieces[s][c], x, inputs, targets,
                                        jnp.int32(m))
                 if chunk.last:
                     losses = losses + out
                 else:
-                    inbox[k + 1, m] = jax.device_put(out, stages[chunks[k + 1].stage].activation)
+                    self.deliver(inbox, "activation", out, s, k + 1, m)
                 continue
             dy = None  # W reads the output gradients its I kept
             if a.kind in sch.BACKWARD_KINDS:
                 dy = (jnp.ones((plan.dp,), jnp.float32, device=st.activation) if chunk.last
-                      else grad_inbox.pop((k, m)))
+                      else self.take(inbox, "gradient", s, k, m))
             if a.kind in sch.RELEASE_KINDS:
                 remaining[s] -= 1
             # The stage's last backward also reduces its gradients, while others still work.
             last = a.kind in sch.RELEASE_KINDS and not remaining[s]
-            stage_losses = losses if st is head else zeros[s]
+            stage_losses = losses if s == head_s else zeros[s]
             dx = None
             if a.kind == "B" and last:
                 dx, finished[s] = run(st.last_backward, c, pieces[s][c], stash.pop((k, m)), dy,
@@ -547,19 +579,21 @@ class MpmdExecutor(Executor):
                 acc[s] = run(st.weight_grads, c, pieces[s][c], stash.pop((k, m)),
                              douts.pop((k, m)), acc[s])
             if dx is not None:
-                grad_inbox[k - 1, m] = jax.device_put(dx, stages[chunks[k - 1].stage].activation)
-        grads = [g for g, _ in finished]
-        embed = stages[chunks[0].stage]
-        if self.tied and head is not embed:
-            # the embedding's two gradients, summed between its two stages only
-            a, b = grads[embed.index]["embedder"], grads[head.index]["embedder"]
-            grads[embed.index] = {**grads[embed.index], "embedder": embed.run(
-                embed.add, a, jax.device_put(b, embed.os_sharding["embedder"]))}
-            grads[head.index] = {**grads[head.index], "embedder": head.run(
-                head.add, jax.device_put(a, head.os_sharding["embedder"]), b)}
-        sq = sum(jax.device_put(st.run(st.squared_norm, g), stages[0].scalar)
-                 for st, g in zip(stages, grads))
-        return finished[head.index][1], grads, jnp.sqrt(sq)
+                self.deliver(inbox, "gradient", dx, s, k - 1, m)
+        return finished
+
+    def before_task(self, tasks: list, t: int) -> None:
+        """Called before task t of `tasks` runs (the multi-world executor prefetches)."""
+
+    def deliver(self, inbox: dict, kind: str, value, sender: int, chunk: int, m: int) -> None:
+        """Hand the activation (or gradient) stage `sender` produced to model chunk `chunk`'s
+        stage: an asynchronous device-to-device copy."""
+        inbox[kind, chunk, m] = jax.device_put(value, self.stages[self.chunks[chunk].stage]
+                                               .activation)
+
+    def take(self, inbox: dict, kind: str, s: int, chunk: int, m: int):
+        """The activation (or gradient) model chunk `chunk` on stage s reads."""
+        return inbox.pop((kind, chunk, m))
 
     # --- batches and evaluation --------------------------------------------------------------
     def eval_loss(self, state: MpmdState, batch: dict[str, np.ndarray]) -> float:

@@ -135,6 +135,24 @@ def process_environment(topology: Topology, plan: Plan, slot: ProcessSlot,
     return env
 
 
+ENV_WORLD = "HETJAX_WORLD"  # this process's world index (multi-world MPMD jobs)
+ENV_WORLDS = "HETJAX_WORLDS"  # how many worlds the job has
+
+
+def world_environment(topology: Topology, plan: Plan, world, slot: ProcessSlot,
+                      policy: str = "cluster", num_worlds: int = 1) -> dict[str, str]:
+    """`process_environment` for a process of `world` (a `hetjax.planner.worlds.World`): with
+    one world per cluster a process's NCCL talks only to processes of its own cluster, so its
+    cluster's RDMA settings serve every collective it runs (the stage boundaries between
+    worlds go over the bridge, not NCCL)."""
+    if slot.index not in world.processes:
+        raise PlanError(f"process {slot.index} is not in world {world.index} (its processes "
+                        f"are {list(world.processes)})")
+    env = process_environment(topology, plan, slot, policy)
+    env.update({ENV_WORLD: str(world.index), ENV_WORLDS: str(num_worlds)})
+    return env
+
+
 def merge_environment(base, env: dict[str, str], override: bool) -> dict[str, str]:
     """`base` (a mapping, e.g. os.environ) updated with `env`. XLA_FLAGS merge flag by flag
     (by name); on a clash `env` wins if `override`, else `base` does."""
@@ -234,6 +252,6 @@ def link_report(plan: Plan, topology: Topology, slots=None, policy: str = "clust
     return "links per group\n" + "\n".join(lines)
 
 
-__all__ = ["process_environment", "nccl_env", "xla_gpu_flags", "simulated_cpu_env",
+__all__ = ["process_environment", "world_environment", "ENV_WORLD", "ENV_WORLDS", "nccl_env", "xla_gpu_flags", "simulated_cpu_env",
            "merge_environment", "transport", "GroupLink", "group_links", "stock_nccl_notes",
            "link_report", "POLICIES"]

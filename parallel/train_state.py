@@ -13,6 +13,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
@@ -28,6 +29,13 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+
+
+def skip_unless_finite(loss, grad_norm, new, old):
+    """`new` (a pytree) when the step's loss and gradient norm are finite, else `old`: the
+    non-finite guard every executor applies to its update."""
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def opt_state_specs(tx, abstract_opt_state, specs):
@@ -132,4 +140,4 @@ class Executor(abc.ABC):
         return cross_entropy(logits, targets)
 
 
-__all__ = ["Executor", "TrainState", "batch_rows", "opt_state_specs"]
+__all__ = ["Executor", "TrainState", "batch_rows", "opt_state_specs", "skip_unless_finite"]

@@ -388,3 +388,27 @@ def test_put_batch_places_rows_by_their_global_index():
     np.testing.assert_array_equal(np.asarray(placed["inputs"]).reshape(16, -1), batch["inputs"])
     with pytest.raises(ValueError, match="its devices hold rows"):
         trainer.put_batch({k: v[8:] for k, v in batch.items()}, rows=np.arange(8, 16))
+
+
+def test_an_mpmd_plan_on_two_fabrics_launches_one_world_per_cluster(tmp_path, capsys):
+    """Each world has its own coordinator and process ids, its cluster's NCCL settings, and
+    every process gets the bridge's addresses (its global index, every host)."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("ib-node-0\nib-node-1\nroce-node-0\nroce-node-1\n")
+    assert launch.main(["--hostfile", str(hostfile), "--dry-run", "--chdir", "/srv/hetjax",
+                        "--config.topology.preset=holmes_hybrid", "--config.parallel.pp=2",
+                        "--config.parallel.tp=2", "--config.train.batch_size=32",
+                        "--config.pipeline.executor=mpmd"]) == 0
+    out = capsys.readouterr().out
+    assert "world 1: stages 1 on roce (a100), 2 process(es)" in out
+    commands = [line for line in out.splitlines() if line.startswith("ssh ")]
+    assert len(commands) == 4
+    for i, cmd in enumerate(commands):
+        world = i // 2
+        assert f"HETJAX_COORDINATOR={['ib-node-0', 'roce-node-0'][world]}:{8476 + world}" in cmd
+        assert f"HETJAX_PROCESS_ID={i % 2} " in cmd and "HETJAX_NUM_PROCESSES=2 " in cmd
+        assert f"HETJAX_WORLD={world} " in cmd and "HETJAX_WORLDS=2 " in cmd
+        assert f"HETJAX_BRIDGE_RANK={i} " in cmd
+        assert "HETJAX_BRIDGE_HOSTS=ib-node-0,ib-node-1,roce-node-0,roce-node-1 " in cmd
+        assert "NCCL_NET=IB " in cmd  # no socket fallback: only the bridge leaves a cluster
+    assert "NCCL_IB_GID_INDEX=3" in commands[2] and "NCCL_IB_GID_INDEX" not in commands[0]

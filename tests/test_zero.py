@@ -197,7 +197,8 @@ def test_presets_map_to_factors_from_dp_and_devices_per_node():
 BAD = [  # (overrides, field, words of the message)
     ({"zero.s_p": 3, "zero.s_g": 3, "zero.s_os": 3}, "zero.s_p", "[1, 2, 4, 8]"),
     ({"zero.s_p": 2, "zero.s_g": 4, "zero.s_os": 8}, "zero.s_g", "set zero.s_g to 2 or 8"),
-    ({"zero.s_p": 4, "zero.s_g": 4, "zero.s_os": 2}, "zero.s_os", "multiples of s_p = 4"),
+    ({"zero.s_p": 4, "zero.s_g": 4, "zero.s_os": 2}, "zero.s_p", "divisors of s_os = 2: [1, 2]"),
+    ({"zero.s_p": 2, "zero.s_g": 2, "zero.s_os": 3}, "zero.s_os", "multiples of s_p = 2"),
     ({"zero.s_p": 1, "zero.s_g": 1, "zero.s_os": 16}, "zero.s_os", "[1, 2, 4, 8]"),
 ]
 

@@ -116,6 +116,12 @@ def named(name: str, dp: int, node_local: int) -> ZeroFactors:
 def order_problem(s_p: int, s_g: int, s_os: int) -> tuple[str, str, str] | None:
     """AMSP's ordering rule, as (field, problem, fix), or None when kept: s_p divides s_os
     (each optimizer-state shard lies inside its parameter shard) and s_g is s_p or s_os."""
+    if s_p > s_os:  # raising s_os may be impossible (it divides dp): lowering s_p never is
+        return ("zero.s_p",
+                f"s_p = {s_p} is larger than s_os = {s_os}; each optimizer-state shard must "
+                "lie inside its device's parameter shard, so s_p must divide s_os",
+                f"choose zero.s_p from the divisors of s_os = {s_os}: "
+                f"{[d for d in range(1, s_os + 1) if s_os % d == 0]}")
     if s_os % s_p:
         return ("zero.s_os",
                 f"s_os = {s_os} is not a multiple of s_p = {s_p}; each optimizer-state shard "

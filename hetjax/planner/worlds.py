@@ -1,0 +1,122 @@
+"""Which JAX world runs which pipeline stages: one world per group of stages that share one
+cluster fabric and one accelerator kind.
+
+Under the MPMD executor, each such group is its own `jax.distributed` job (a *world*): its own
+coordinator and processes, its own stock NCCL environment from its cluster's `nic_settings`
+(so data parallelism inside an InfiniBand cluster stays on InfiniBand and inside a RoCE cluster
+on RoCE, with no socket fallback), and its own compiled programs for its own accelerator kind.
+Stages in different worlds exchange activations, their gradients, the tied embedding's
+gradient, the loss and the clipping norm over the bridge (`parallel/bridge.py`).
+
+The rule: a stage's key is the set of clusters its devices lie in (a stage that straddles
+clusters is its own fabric) plus their accelerator kinds; stages with equal keys form one
+world; worlds are numbered by their first stage. A world owns whole processes: a process
+(`hetjax.distributed.process_slots`) whose devices belong to two worlds is an error. A plan
+that is not MPMD, or has pp = 1, is one world. jax-free: the launcher and `hetjax plan` use it
+before jax starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetjax.distributed import ProcessSlot, process_slots
+from hetjax.errors import PlanError
+from hetjax.plan import Plan
+from hetjax.topology import Topology
+
+
+@dataclass(frozen=True)
+class World:
+    """World `index`: the pipeline stages it runs, on its clusters' devices, by its processes
+    (global process indices, in order; its own process ids are 0..len - 1)."""
+
+    index: int
+    stages: tuple[int, ...]
+    clusters: tuple[int, ...]
+    accelerator: str
+    ranks: tuple[int, ...]  # topology ranks of its stages' devices, ascending
+    processes: tuple[int, ...]  # global process indices (process_slots order)
+
+    def process_id(self, global_process: int) -> int:
+        return self.processes.index(global_process)
+
+
+def stage_key(plan: Plan, topology: Topology, s: int) -> tuple:
+    ranks = plan.stage_ranks(s)
+    clusters = tuple(sorted({topology.devices[r].cluster for r in ranks}))
+    kinds = tuple(sorted({topology.clusters[c].accelerator.name for c in clusters}))
+    return clusters, kinds
+
+
+def plan_worlds(plan: Plan, topology: Topology,
+                slots: tuple[ProcessSlot, ...] | None = None) -> list[World]:
+    """The plan's worlds (see the module docstring); `slots` default to one process per
+    node."""
+    slots = slots or process_slots(topology, topology.num_nodes)
+    if plan.executor != "mpmd" or plan.pp == 1:
+        groups = {((), ()): list(range(plan.pp))}
+    else:
+        groups: dict[tuple, list[int]] = {}
+        for s in range(plan.pp):
+            groups.setdefault(stage_key(plan, topology, s), []).append(s)
+    owner = {r: slot.index for slot in slots for r in slot.ranks}
+    worlds = []
+    for i, stages in enumerate(sorted(groups.values(), key=min)):
+        ranks = sorted(r for s in stages for r in plan.stage_ranks(s))
+        clusters = tuple(sorted({topology.devices[r].cluster for r in ranks}))
+        procs = tuple(sorted({owner[r] for r in ranks}))
+        worlds.append(World(i, tuple(stages), clusters, "+".join(sorted(
+            {topology.clusters[c].accelerator.name for c in clusters})), tuple(ranks), procs))
+    seen: dict[int, int] = {}
+    for w in worlds:
+        for p in w.processes:
+            if p in seen:
+                slot = slots[p]
+                raise PlanError(
+                    f"process {p} (topology nodes {list(slot.nodes)}) runs devices of world "
+                    f"{seen[p]} and world {w.index}; a process belongs to one world. Use one "
+                    "process per node (the default), or place stages on whole processes")
+            seen[p] = w.index
+    return worlds
+
+
+def world_of_stage(worlds: list[World], s: int) -> World:
+    return next(w for w in worlds if s in w.stages)
+
+
+def world_lines(plan: Plan, topology: Topology, environment, slots=None) -> list[str]:
+    """For `hetjax plan`: each world's stages, clusters, accelerator kind, processes and
+    NCCL network, and which stage boundaries cross the bridge (and on which link).
+    `environment(world, slot)` is a process's environment (`parallel.nic.world_environment`;
+    passed in because the planner does not read parallel/'s jax modules)."""
+    slots = slots or process_slots(topology, topology.num_nodes)
+    worlds = plan_worlds(plan, topology, slots)
+    if len(worlds) == 1:
+        return [f"worlds: one (all {plan.pp} stages in one jax.distributed job)"]
+    lines = [f"worlds: {len(worlds)} (one jax.distributed job each; the bridge between them)"]
+    for w in worlds:
+        env = environment(w, slots[w.processes[0]])
+        names = ",".join(topology.clusters[c].name for c in w.clusters)
+        net = env.get("NCCL_NET", "?")
+        extra = "".join(f" {k}={env[k]}" for k in ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX")
+                        if k in env)
+        lines.append(f"  world {w.index}: stages {_span(w.stages)} on {names} "
+                     f"({w.accelerator}), {len(w.processes)} process(es), NCCL_NET={net}{extra}")
+    for s in range(plan.pp - 1):
+        a, b = world_of_stage(worlds, s), world_of_stage(worlds, s + 1)
+        if a is not b:
+            link = topology.group_link(plan.stage_ranks(s)[:1] + plan.stage_ranks(s + 1)[:1])
+            lines.append(f"  bridge: stage {s} (world {a.index}) <-> stage {s + 1} "
+                         f"(world {b.index}) over {link.kind}")
+    return lines
+
+
+def _span(xs) -> str:
+    xs = list(xs)
+    if xs == list(range(xs[0], xs[-1] + 1)) and len(xs) > 1:
+        return f"{xs[0]}-{xs[-1]}"
+    return ",".join(map(str, xs))
+
+
+__all__ = ["World", "plan_worlds", "world_of_stage", "world_lines", "stage_key"]

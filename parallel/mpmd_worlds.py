@@ -1,0 +1,348 @@
+"""The MPMD executor across JAX worlds: this process's world runs its own stages, the bridge
+carries what crosses to the other worlds.
+
+A multi-world job runs one `jax.distributed` job per world (`hetjax.planner.worlds`); every
+process of every world runs this executor with the same plan. A world builds `parallel.mpmd`
+`Stage`s (sub-mesh, shardings, compiled F / B / I / W / update programs) only for its own
+stages, on its own devices, and walks the same schedule issue order (`mpmd.issue_order`) as the
+single-world executor, skipping other worlds' tasks. Only cross-stage movement changes: when
+the peer stage lives in another world, the activation of a forward, the gradient of a
+backward's input, the tied embedding's gradient (summed in the same order as in one world),
+the loss and each world's part of the squared gradient norm go over the bridge
+(`parallel.bridge`) instead of `jax.device_put`.
+
+Every stage has the same mesh shape (dp, dp_os, dp_p, tp), so an array of one stage and its
+counterpart on another stage have, at every mesh *position*, the same shard: the process
+holding a position on the receiving side pulls that shard from the process holding the same
+position on the sending side (message part = leaf * positions + position). Receives are
+prefetched a few tasks ahead (never blocking on a prefetch: a peer may need this world's next
+send first), up to the bridge's in-flight bound.
+
+Deadlock freedom: each world issues its tasks in one global topological order and sends never
+block, so the earliest unfinished task of the whole job can always run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from hetjax.errors import HetjaxError
+from parallel import schedules as sch
+from parallel.bridge import Bridge, message_key
+from parallel.mesh import AXES, mesh_shape
+from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, issue_order, model_chunks,
+                           schedule_for, stage_tree)
+from parallel.pipeline import check_plan
+from parallel.train_state import Executor, TrainState
+
+LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
+
+
+class WorldsExecutor(MpmdExecutor):
+    """`MpmdExecutor` for the stages of world `world` of `worlds` (`World`s from
+    `hetjax.planner.worlds.plan_worlds`); `owner[rank]` is the global process (= bridge rank)
+    that runs topology rank `rank`; `devices` are the world's devices in rank order (default:
+    every device of this process's jax.distributed job). The train state holds the local
+    stages only."""
+
+    def __init__(self, plan, topology, model_cfg, tx, lr_schedule, grad_clip: float,
+                 worlds: Sequence, world: int, owner: dict[int, int], bridge: Bridge,
+                 devices: Sequence | None = None):
+        Executor.__init__(self, plan, topology, model_cfg, tx, lr_schedule)
+        check_plan(plan, model_cfg.n_layers)
+        self.grad_clip = grad_clip
+        self.tied = model_cfg.tie_embeddings
+        self.schedule = schedule_for(plan)
+        self.order = issue_order(self.schedule)
+        self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
+        self.worlds, self.world = list(worlds), worlds[world]
+        self.owner, self.bridge = owner, bridge
+        self.world_of = {s: w.index for w in self.worlds for s in w.stages}
+        self.grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
+        if devices is None:  # this world's jax.distributed job: its devices in rank order
+            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if len(devices) != len(self.world.ranks):
+            raise HetjaxError(
+                f"world {self.world.index} runs topology ranks {list(self.world.ranks)[:4]}... "
+                f"({len(self.world.ranks)} devices) but its jax.distributed job has "
+                f"{len(devices)} devices; start each world with its own processes and devices")
+        device_of = dict(zip(self.world.ranks, devices))
+        boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+        self.stages: list[Stage | None] = [None] * plan.pp
+        self.position: dict[tuple[int, Any], int] = {}  # (stage, device) -> mesh position
+        for s in self.world.stages:
+            grid = np.vectorize(device_of.get, otypes=[object])(self.grid[s])
+            mesh = Mesh(grid, AXES[1:], axis_types=(AxisType.Auto,) * (len(AXES) - 1))
+            chunks = self.chunks_of(s)
+            self.stages[s] = Stage(self, s, mesh, chunks, jax.eval_shape(
+                lambda b, c=chunks: stage_tree(b, c, self.tied), boxed))
+            for p, d in enumerate(grid.flat):
+                self.position[s, d] = p
+        self.local = list(self.world.stages)
+        self.batch_sharding = {}
+        if self.chunks[0].stage in self.local:
+            self.batch_sharding["inputs"] = self.stages[self.chunks[0].stage].batch
+        if self.chunks[-1].stage in self.local:
+            self.batch_sharding["targets"] = self.stages[self.chunks[-1].stage].batch
+        self.mesh = None  # no mesh spans every stage here
+        b = plan.microbatch_size // plan.dp
+        self.activation = jax.ShapeDtypeStruct(
+            (plan.dp, b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
+        self._calls = 0  # steps run: the message keys' step field
+        self._route_cache: dict[tuple, list[list[int]]] = {}
+
+    def describe(self) -> str:
+        return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "
+                f"stages {list(self.local)}; the bridge carries the rest")
+
+    # --- state ----------------------------------------------------------------------------
+    def init_state(self, seed: int) -> MpmdState:
+        # On one local device, then through the host: every process of the world has it.
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        natural = jax.device_get(jax.jit(self._unboxed_init, out_shardings=one)(
+            jax.random.key(seed)))
+        return self.from_natural_params(natural)
+
+    def _unboxed_init(self, key):
+        import flax.linen as nn
+
+        return nn.unbox(self._init_boxed(key))
+
+    def from_natural_params(self, natural) -> MpmdState:
+        states = []
+        for s in self.local:
+            st = self.stages[s]
+            params = stage_tree(natural, st.chunks, self.tied)
+
+            def init(p):
+                return TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                  opt_state=self.tx.init(p))
+
+            with st.context():
+                states.append(jax.jit(init, out_shardings=st.state_sharding)(
+                    jax.device_put(params, st.state_sharding.params)))
+        return MpmdState(stages=tuple(states))
+
+    def params(self, state):
+        raise HetjaxError("the natural parameters of a multi-world job are spread over its "
+                          "worlds; read each world's stages from MpmdState.stages")
+
+    def checkpoint_layout(self, state):
+        raise HetjaxError("checkpoints of a multi-world job are not written yet; train with "
+                          "checkpoint.every=0, or run the job as one world")
+
+    def eval_loss(self, state, batch):
+        raise HetjaxError("evaluation of a multi-world job is not supported yet; set "
+                          "train.eval_every=0, or evaluate a checkpoint in one world")
+
+    @property
+    def data_rows(self) -> np.ndarray:
+        """The global batch rows this process's devices hold: of the inputs (first stage's
+        world), or of the targets (last stage's world), or none."""
+        from parallel.train_state import batch_rows
+
+        if self._rows is None:
+            shardings = list(self.batch_sharding.values())
+            self._rows = batch_rows(self.plan, shardings[0]) if shardings else np.zeros(0, int)
+        return self._rows
+
+    def put_batch(self, batch, rows=None):
+        return super().put_batch({k: v for k, v in batch.items() if k in self.batch_sharding},
+                                 rows)
+
+    # --- moving arrays between worlds --------------------------------------------------------
+    def _routes(self, s_local: int, s_to: int, shape, sharding) -> list[list[int]]:
+        """For an array of `shape` laid out like `sharding` (on local stage s_local; every
+        stage has the same mesh shape), the mesh positions of stage s_to grouped by receiving
+        process and shard: each group's first position is pulled over the bridge once, and the
+        rest of the group gets a local copy (so a shard replicated over tp crosses once per
+        process)."""
+        key = (s_local, s_to, tuple(shape), sharding.spec)
+        if key not in self._route_cache:
+            index = {self.position[s_local, d]: tuple((i.start, i.stop) for i in idx)
+                     for d, idx in sharding.devices_indices_map(tuple(shape)).items()}
+            groups: dict[tuple, list[int]] = {}
+            for p in range(self.grid[s_to].size):
+                receiver = self.owner[int(self.grid[s_to].flat[p])]
+                groups.setdefault((receiver, index[p]), []).append(p)
+            self._route_cache[key] = [sorted(ps) for ps in groups.values()]
+        return self._route_cache[key]
+
+    def _send(self, tree, s_from: int, s_to: int, shardings, kind: str, field: int,
+              mb: int) -> None:
+        """Offer the shards of `tree` (resharded to `shardings` on stage s_from) that stage
+        s_to's processes will pull from this process."""
+        leaves = jax.tree.leaves(jax.device_put(tree, shardings))
+        devices, n, me = self.stages[s_from].mesh.devices.flat, self.grid[s_from].size, \
+            self.bridge.rank
+        for i, leaf in enumerate(leaves):
+            shards = {sh.device: sh.data for sh in leaf.addressable_shards}
+            for ps in self._routes(s_from, s_to, leaf.shape, leaf.sharding):
+                if self.owner[int(self.grid[s_from].flat[ps[0]])] == me:
+                    self.bridge.send(message_key(self._calls, field, mb, kind, i * n + ps[0]),
+                                     [shards[devices[ps[0]]]])
+
+    def _pulls(self, s_to: int, s_from: int, abstract, shardings, kind: str, field: int,
+               mb: int):
+        """(peer, key, spec, leaf, positions) of every shard this process's devices of stage
+        s_to need: pulled onto the first position's device, copied to the others."""
+        out = []
+        n, me = self.grid[s_to].size, self.bridge.rank
+        devices = self.stages[s_to].mesh.devices.flat
+        leaves = jax.tree.leaves(abstract)
+        for i, (leaf, sharding) in enumerate(zip(leaves, jax.tree.leaves(shardings))):
+            shard_shape = sharding.shard_shape(leaf.shape)
+            for ps in self._routes(s_to, s_to, leaf.shape, sharding):
+                if self.owner[int(self.grid[s_to].flat[ps[0]])] != me:
+                    continue
+                peer = self.owner[int(self.grid[s_from].flat[ps[0]])]
+                spec = jax.ShapeDtypeStruct(shard_shape, leaf.dtype, sharding=(
+                    jax.sharding.SingleDeviceSharding(devices[ps[0]])))
+                out.append((peer, message_key(self._calls, field, mb, kind, i * n + ps[0]),
+                            spec, i, ps))
+        return out
+
+    def _prefetch(self, pulls) -> None:
+        for peer, key, spec, _, _ in pulls:
+            if self.bridge.in_flight >= self.bridge.max_in_flight:
+                return  # never block on a prefetch (see the module docstring)
+            self.bridge.prefetch(peer, key, [spec])
+
+    def _recv(self, s_to: int, s_from: int, abstract, shardings, kind: str, field: int,
+              mb: int):
+        devices = self.stages[s_to].mesh.devices.flat
+        arrays: dict[int, list] = {}
+        for peer, key, spec, i, ps in self._pulls(s_to, s_from, abstract, shardings, kind,
+                                                  field, mb):
+            (x,) = self.bridge.recv(peer, key, [spec])
+            arrays.setdefault(i, []).append(x)
+            arrays[i] += [jax.device_put(x, devices[q]) for q in ps[1:]]
+        leaves, treedef = jax.tree.flatten(abstract)
+        sh = jax.tree.leaves(shardings)
+        return jax.tree.unflatten(treedef, [
+            jax.make_array_from_single_device_arrays(leaf.shape, sh[i], arrays[i])
+            for i, leaf in enumerate(leaves)])
+
+    def _input_pulls(self, s: int, a) -> list:
+        """The bridge pulls task `a` of stage s needs (none if its input is local)."""
+        c = self.stages[s].chunks[a.chunk]
+        if a.kind == "F" and not c.first and self.chunks[c.index - 1].stage not in self.local:
+            return self._pulls(s, self.chunks[c.index - 1].stage, self.activation,
+                               self.stages[s].activation, "activation", c.index - 1,
+                               a.microbatch)
+        if a.kind in sch.BACKWARD_KINDS and not c.last and \
+                self.chunks[c.index + 1].stage not in self.local:
+            return self._pulls(s, self.chunks[c.index + 1].stage, self.activation,
+                               self.stages[s].activation, "gradient", c.index + 1,
+                               a.microbatch)
+        return []
+
+    # --- the step ---------------------------------------------------------------------------
+    def loss_and_grads(self, state, batch):
+        loss, grads, _ = self.stage_loss_and_grads(state, batch)
+        return loss, grads
+
+    def stage_loss_and_grads(self, state: MpmdState, batch, task_times=None):
+        """`MpmdExecutor.stage_loss_and_grads` for this world's stages: the mean loss, the
+        local stages' gradients (in `self.local` order) and the global gradient norm."""
+        stages, chunks, local = self.stages, self.chunks, self.local
+        mine = dict(zip(local, state.stages))
+        head_s, embed_s = chunks[-1].stage, chunks[0].stage
+        finished = self.run_tasks(mine, batch, task_times)
+        grads = {s: finished[s][0] for s in local}
+        if self.tied and head_s != embed_s:
+            grads = self._sum_embedding(grads, head_s, embed_s)
+        first = stages[local[0]]
+        sq = sum(jax.device_put(stages[s].run(stages[s].squared_norm, grads[s]), first.scalar)
+                 for s in local)
+        parts = self._all_worlds(sq, "norm")
+        g_norm = jnp.sqrt(sum(parts))
+        if head_s in mine:
+            loss = jax.device_put(finished[head_s][1], first.scalar)
+            self._to_other_worlds(loss, "loss")
+        else:
+            loss = self._from_world(self.world_of[head_s], "loss")
+        self._calls += 1
+        return loss, [grads[s] for s in local], g_norm
+
+    def before_task(self, tasks: list, t: int) -> None:
+        """Start the bridge pulls of the next LOOKAHEAD tasks' remote inputs."""
+        for s2, a2 in tasks[t + 1:t + 1 + LOOKAHEAD]:
+            self._prefetch(self._input_pulls(s2, a2))
+
+    def deliver(self, inbox: dict, kind: str, value, sender: int, chunk: int, m: int) -> None:
+        """Within this world a device-to-device copy; to another world, over the bridge
+        (the message is keyed by the sender's model chunk)."""
+        receiver = self.chunks[chunk].stage
+        if receiver in self.local:
+            return super().deliver(inbox, kind, value, sender, chunk, m)
+        source = chunk - 1 if kind == "activation" else chunk + 1
+        self._send(value, sender, receiver, self.stages[sender].activation, kind, source, m)
+
+    def take(self, inbox: dict, kind: str, s: int, chunk: int, m: int):
+        """From the inbox, or pulled over the bridge from the sender's world."""
+        if (kind, chunk, m) in inbox:
+            return inbox.pop((kind, chunk, m))
+        source = chunk - 1 if kind == "activation" else chunk + 1
+        return self._recv(s, self.chunks[source].stage, self.activation,
+                          self.stages[s].activation, kind, source, m)
+
+    def _sum_embedding(self, grads, head_s: int, embed_s: int):
+        """The tied embedding's two gradients summed, a + b (embed's + head's) on both stages,
+        as `MpmdExecutor` does, whichever worlds the two stages live in."""
+        stages, out = self.stages, dict(grads)
+        here = [s for s in (embed_s, head_s) if s in grads]
+        if len(here) == 2:  # one world: as in MpmdExecutor
+            a, b = grads[embed_s]["embedder"], grads[head_s]["embedder"]
+            e, h = stages[embed_s], stages[head_s]
+            out[embed_s] = {**grads[embed_s], "embedder": e.run(
+                e.add, a, jax.device_put(b, e.os_sharding["embedder"]))}
+            out[head_s] = {**grads[head_s], "embedder": h.run(
+                h.add, jax.device_put(a, h.os_sharding["embedder"]), b)}
+            return out
+        if not here:
+            return out
+        (s,) = here
+        other = head_s if s == embed_s else embed_s
+        st = stages[s]
+        mine_g = grads[s]["embedder"]
+        self._send(mine_g, s, other, st.os_sharding["embedder"], "embedding_gradient", s, 0)
+        theirs = self._recv(s, other, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mine_g),
+            st.os_sharding["embedder"], "embedding_gradient", other, 0)
+        a, b = (mine_g, theirs) if s == embed_s else (theirs, mine_g)
+        out[s] = {**grads[s], "embedder": st.run(st.add, a, b)}
+        return out
+
+    # --- scalars between worlds ---------------------------------------------------------------
+    def _to_other_worlds(self, x, kind: str) -> None:
+        st = self.stages[self.local[0]]
+        for w in self.worlds:
+            if w is not self.world:
+                self._send(x, st.index, w.stages[0], st.scalar, kind, self.world.index, w.index)
+
+    def _from_world(self, w: int, kind: str):
+        st = self.stages[self.local[0]]
+        return self._recv(st.index, self.worlds[w].stages[0],
+                          jax.ShapeDtypeStruct((), jnp.float32), st.scalar, kind, w,
+                          self.world.index)
+
+    def _all_worlds(self, x, kind: str) -> list:
+        """Every world's value of the scalar `x`, in world order, on this world's first
+        stage."""
+        self._to_other_worlds(x, kind)
+        return [x if w is self.world else self._from_world(w.index, kind) for w in self.worlds]
+
+    def finish(self) -> None:
+        """Wait until every peer process has pulled this process's last messages."""
+        peers = sorted({self.owner[r] for w in self.worlds if w is not self.world
+                        for r in w.ranks})
+        self.bridge.barrier(peers)
+
+
+__all__ = ["WorldsExecutor"]

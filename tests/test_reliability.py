@@ -1,0 +1,564 @@
+"""Reliability (issue 16): every bad input is one clear error before anything heavy, a
+non-finite step is skipped and never saved, a corrupt checkpoint is set aside, SIGTERM saves
+and exits with its own code.
+
+`BAD_INPUTS` is the table docs/reliability.md shows: each case is a `hetjax` command line (with
+`{tmp}` standing for a directory holding the files `_write_inputs` makes) and the exact error
+it must print. `python tests/test_reliability.py` prints the table as markdown.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, tiny_config
+
+CONFIG_FILES = {
+    "syntax.py": "def get_config(:\n",
+    "dict.py": "def get_config():\n    return {'train': {'steps': 3}}\n",
+    "partial.py": ("import ml_collections\n\ndef get_config():\n"
+                   "    c = ml_collections.ConfigDict()\n"
+                   "    c.train = ml_collections.ConfigDict()\n"
+                   "    c.train.steps = 3\n    return c\n"),
+    "badtype.py": ("from hetjax.config import base_config\n\ndef get_config():\n"
+                   "    c = base_config()\n    c.train.steps = 'ten'\n    return c\n"),
+    "unknown.py": ("from hetjax.config import base_config\n\ndef get_config():\n"
+                   "    c = base_config()\n    c.train.stepz = 10\n    return c\n"),
+    "config.json": '{"train": {"steps": 3}}\n',
+    "topo_bad.json": "{bad\n",
+    "afile": "",
+}
+_CLUSTER = {"name": "a", "nodes": 1, "devices_per_node": 2,
+            "accelerator": {"name": "cpu", "peak_tflops": 1.0, "memory_gib": 2.0},
+            "nic": {"kind": "ethernet", "bandwidth_gbps": 10, "latency_us": 5},
+            "intra_node": {"kind": "loopback", "bandwidth_gbps": 100, "latency_us": 1}}
+
+
+def _topology(**accelerator_or_nic) -> str:
+    c = json.loads(json.dumps(_CLUSTER))
+    for k, v in accelerator_or_nic.items():
+        part, field = k.split("__")
+        c[part][field] = v
+    return json.dumps({"name": "x", "clusters": [c], "inter_cluster": None})
+
+
+TOPOLOGY_FILES = {"topo_zero_tflops.json": _topology(accelerator__peak_tflops=0),
+                  "topo_string_number.json": _topology(nic__bandwidth_gbps="ten")}
+
+# (what a user tried, hetjax command line, the exact error it prints)
+BAD_INPUTS = [
+    ("config file missing", "topology --config={tmp}/missing.py",
+     "--config={tmp}/missing.py: no such file; fix: give a Python file with get_config() "
+     "returning a ConfigDict, e.g. --config=configs/default.py"),
+    ("config file with a syntax error", "topology --config={tmp}/syntax.py",
+     "--config={tmp}/syntax.py: syntax error at line 1: invalid syntax; fix: correct line 1"),
+    ("get_config() returns a dict", "topology --config={tmp}/dict.py",
+     "--config={tmp}/dict.py: get_config() returned a dict, not a ConfigDict; fix: start from "
+     "hetjax.config.base_config() and return it with your changes"),
+    ("get_config() returns a partial ConfigDict", "topology --config={tmp}/partial.py",
+     "config.checkpoint: is missing\n  fix: start the config from hetjax.config.base_config() "
+     "(it has every field) and change what you need"),
+    ("a field of the wrong type set in a config file", "topology --config={tmp}/badtype.py",
+     "--config={tmp}/badtype.py: line 5 (c.train.steps = 'ten'): TypeError: Could not override "
+     "field 'steps' (reference). ten is of original type 'str' and cannot be casted to type "
+     "'int'; fix: correct that line (field types are those of base_config())"),
+    ("an unknown field set in a config file", "topology --config={tmp}/unknown.py",
+     "config.train.stepz: is not a hetjax config field\n  fix: did you mean train.steps?"),
+    ("a JSON file passed as --config", "topology --config={tmp}/config.json",
+     "--config={tmp}/config.json: a config is a Python file, not .json; fix: give a Python file "
+     "with get_config() returning a ConfigDict, e.g. --config=configs/default.py"),
+    ("misspelled override", "topology --config.train.stepz=3",
+     "config.train.stepz: is not a hetjax config field\n  fix: did you mean train.steps?"),
+    ("misspelled section", "topology --config.trian.steps=3",
+     "config.trian: is not a hetjax config field\n  fix: did you mean train?"),
+    ("override of the wrong type", "topology --config.train.steps=ten",
+     "config.train.steps: cannot take the value 'ten' (invalid literal for int() with base 10: "
+     "ten)\n  fix: give it a value like its default, e.g. --config.train.steps=300"),
+    ("topology file with invalid JSON", "topology --config.topology.file={tmp}/topo_bad.json",
+     "config.topology.file: '{tmp}/topo_bad.json' is not valid JSON (line 1, column 2: "
+     "Expecting property name enclosed in double quotes)\n  fix: fix the JSON; "
+     "Topology.to_json() shows the format"),
+    ("topology file with a string where a number belongs",
+     "topology --config.topology.file={tmp}/topo_string_number.json",
+     "config.topology.file: '{tmp}/topo_string_number.json': ethernet link bandwidth_gbps must "
+     "be a number, got 'ten'; write it without quotes\n  fix: correct that entry of the file"),
+    ("accelerator with peak_tflops 0",
+     "plan --config.topology.file={tmp}/topo_zero_tflops.json",
+     "config.topology.file: '{tmp}/topo_zero_tflops.json': accelerator 'cpu' peak_tflops must "
+     "be > 0, got 0; give the device's peak dense bf16 TFLOP/s and memory in GiB\n  fix: "
+     "correct that entry of the file"),
+    ("topology.file and topology.preset both set",
+     "topology --config.topology.file={tmp}/topo_bad.json "
+     "--config.topology.preset=holmes_hybrid",
+     "config.topology.preset: is 'holmes_hybrid' but topology.file = '{tmp}/topo_bad.json' is "
+     "set too; the file would silently win\n  fix: set only one of topology.file and "
+     "topology.preset"),
+    ("model vocabulary smaller than the tokenizer's", "train --config.model.vocab_size=100",
+     "config.model.vocab_size: 100 is smaller than the tokenizer's 257 tokens (data.tokenizer = "
+     "'byte')\n  fix: set --config.model.vocab_size=0 (sized from the tokenizer) or >= 257"),
+    ("missing data.path", "train --config.data.source=files --config.data.path={tmp}/texts",
+     "config.data.path: '{tmp}/texts' matches no file or directory\n  fix: give an existing "
+     "directory of text files or a glob like '/data/*.txt'"),
+    ("workdir is a file", "train --config.workdir={tmp}/afile",
+     "config.workdir: {tmp}/afile exists and is not a directory\n  fix: choose another "
+     "--config.workdir"),
+    ("workdir cannot be created", "train --config.workdir={tmp}/afile/run",
+     "config.workdir: {tmp}/afile/run cannot be written ({tmp}/afile is a file)\n  fix: choose "
+     "a --config.workdir under a directory you can write"),
+    ("custom ZeRO point with s_p > s_os",
+     "plan --config.zero.preset=custom --config.zero.s_p=3",
+     "config.zero.s_p: s_p = 3 is larger than s_os = 1; each optimizer-state shard must lie "
+     "inside its device's parameter shard, so s_p must divide s_os\n  fix: choose zero.s_p "
+     "from the divisors of s_os = 1: [1]"),
+    ("parallel.tp across nodes in hetjax plan",
+     "plan --config.parallel.pp=2 --config.parallel.dp=1 --config.parallel.tp=4 "
+     "--config.model.n_kv_heads=4",
+     "the layout breaks hetjax's placement rules: TP group [0, 1, 2, 3] spans 2 nodes, so every "
+     "layer's all-reduce crosses infiniband. Fix: choose tp <= devices per node and pp so each "
+     "stage fits in a cluster, or set --config.parallel.allow_straddle=True to accept it."),
+    ("--plot into a missing directory", "plan --plot {tmp}/no/plan.png",
+     "--plot={tmp}/no/plan.png: directory {tmp}/no does not exist or is not writable; fix: "
+     "create it, or give a path in an existing one"),
+    ("--json into a missing directory", "plan --json={tmp}/no/plan.json",
+     "--json={tmp}/no/plan.json: directory {tmp}/no does not exist or is not writable; fix: "
+     "create it, or give a path in an existing one"),
+]
+
+
+def _write_inputs(tmp: str) -> None:
+    for name, text in {**CONFIG_FILES, **TOPOLOGY_FILES}.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+
+
+def run_cli(command_line: str, tmp: str) -> tuple[int, str]:
+    """Run `hetjax <command_line>` in this process; its exit code and what it printed to
+    stderr. None of BAD_INPUTS gets as far as importing JAX's devices."""
+    import contextlib
+    import io
+
+    from hetjax import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["hetjax", *command_line.format(tmp=tmp).split()])
+    return rc, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("inputs"))
+    _write_inputs(tmp)
+    return tmp
+
+
+@pytest.mark.parametrize("what,command_line,error", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_clear_error(inputs, what, command_line, error):
+    rc, err = run_cli(command_line, inputs)
+    assert rc == 2
+    assert err == f"hetjax: error: {error.format(tmp=inputs)}\n"
+
+
+def test_unknown_field_set_from_python_is_refused():
+    from hetjax.config import validate
+    from hetjax.errors import ConfigError
+
+    c = tiny_config()
+    c.train.stepz = 10
+    with pytest.raises(ConfigError) as e:
+        validate(c)
+    assert str(e.value) == "config.train.stepz: is not a hetjax config field\n" \
+                           "  fix: did you mean train.steps?"
+
+
+def test_a_field_of_the_wrong_type_set_from_python_is_refused():
+    from hetjax.config import validate
+    from hetjax.errors import ConfigError
+
+    c = tiny_config()
+    c.data.unlock()
+    del c.data["path"]
+    c.data.path = 3  # a new field of another type: ConfigDict's own type check cannot see it
+    with pytest.raises(ConfigError) as e:
+        validate(c)
+    assert str(e.value) == "config.data.path: must be a str, got 3 (int)\n" \
+                           "  fix: set it like its default, e.g. --config.data.path=''"
+
+
+# --- a run never goes on with, or saves, non-finite values -----------------------------------
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """One compiled tiny trainer (untied embeddings, so one poisoned embedding row makes only
+    the batches holding that token non-finite), reset between tests by `fresh`."""
+    from hetjax.train import Trainer
+
+    c = tiny_config(**{"model.tie_embeddings": False, "checkpoint.every": 2,
+                       "checkpoint.async_save": False, "train.steps": 4, "train.log_every": 1,
+                       "train.warmup_steps": 0})
+    return Trainer(c, workdir=str(tmp_path_factory.mktemp("run")), quiet=True)
+
+
+def fresh(trainer, workdir, **config):
+    """The trainer as if new in `workdir` (same compiled executor): initial state, data from
+    the start, no checkpointer yet."""
+    for key, value in config.items():
+        *section, field = key.split(".")
+        (trainer.config[section[0]] if section else trainer.config)[field] = value
+    trainer.workdir = str(workdir)
+    trainer.state = trainer.init_state()
+    if trainer._checkpointer is not None:
+        trainer._checkpointer.close()
+    trainer._data = trainer._checkpointer = None
+    return trainer
+
+
+def poison(trainer, rows):
+    """NaN in the embedding rows `rows` of the trainer's state."""
+    import jax
+    import jax.numpy as jnp
+
+    p = trainer.state.params
+    emb = p["embedder"]["embedding"]
+    emb = jax.device_put(emb.at[rows].set(jnp.nan), emb.sharding)
+    trainer.state = trainer.state.replace(params={**p, "embedder": {"embedding": emb}})
+
+
+def test_a_non_finite_step_is_skipped_and_training_goes_on(trainer, tmp_path):
+    import jax
+    import numpy as np
+
+    fresh(trainer, tmp_path)
+    token = 7
+    poison(trainer, token)
+    batch = next(trainer.data)
+    good = {k: np.where(v == token, token + 1, v) for k, v in batch.items()}
+    bad = {k: v.copy() for k, v in good.items()}
+    bad["inputs"][0, 0] = token
+    before = jax.device_get(trainer.state.params)
+    m = jax.device_get(trainer.step(bad))
+    assert np.isnan(m["loss"]) and np.isnan(m["grad_norm"])
+    after = jax.device_get(trainer.state)
+    assert int(after.step) == 1  # the batch is consumed, the update is not applied
+    jax.tree.map(np.testing.assert_array_equal, after.params, before)
+    m = jax.device_get(trainer.step(good))
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+    assert not np.array_equal(jax.device_get(trainer.state.params["lm_head"]["kernel"]),
+                              before["lm_head"]["kernel"])
+
+
+def test_the_mpmd_executor_skips_a_non_finite_step_on_every_stage():
+    import jax
+    import numpy as np
+
+    from hetjax.train import Trainer
+
+    c = tiny_config(**{"model.d_model": 32, "model.d_ff": 64, "model.tie_embeddings": False,
+                       "parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,
+                       "pipeline.stage_layers": (1, 1), "pipeline.executor": "mpmd",
+                       "pipeline.microbatches": 1, "train.batch_size": 4,
+                       "train.warmup_steps": 0})
+    trainer = Trainer(c, quiet=True)
+    token = 5
+    natural = trainer.params
+    emb = natural["embedder"]["embedding"]
+    trainer.state = trainer.executor.from_natural_params(
+        {**natural, "embedder": {"embedding": emb.at[token].set(np.nan)}})
+    batch = next(trainer.data)
+    good = {k: np.where(v == token, token + 1, v) for k, v in batch.items()}
+    bad = {k: v.copy() for k, v in good.items()}
+    bad["inputs"][0, 0] = token
+    before = jax.device_get(trainer.params)
+    m = jax.device_get(trainer.step(bad))
+    assert np.isnan(m["loss"]) and np.isnan(m["grad_norm"])
+    assert int(trainer.state.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), before)
+    m = jax.device_get(trainer.step(good))
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+    after = jax.device_get(trainer.params)
+    up = [x["layers"]["block"]["mlp"]["up"]["kernel"] for x in (before, after)]
+    for layer in (0, 1):  # the layer of each stage trained again
+        assert not np.array_equal(up[0][layer], up[1][layer])
+
+
+def test_max_bad_steps_in_a_row_stop_the_run(trainer, tmp_path, capsys):
+    from hetjax.errors import HetjaxError
+
+    fresh(trainer, tmp_path, **{"train.max_bad_steps": 2, "checkpoint.every": 0})
+    poison(trainer, slice(None))  # every batch is non-finite
+    try:
+        with pytest.raises(HetjaxError) as e:
+            trainer.train()
+    finally:
+        fresh(trainer, tmp_path, **{"train.max_bad_steps": 3, "checkpoint.every": 2})
+    assert str(e.value) == (
+        "train.max_bad_steps: 2 steps in a row (1-2) had a non-finite loss or gradient norm; "
+        f"training stopped, nothing of them was saved (checkpoints in {tmp_path}/checkpoints); "
+        "fix: lower train.lr (= 0.003) or train.grad_clip, check model.vocab_size and the data, "
+        "then rerun to resume from the latest checkpoint")
+    assert capsys.readouterr().err.splitlines() == [
+        "hetjax: step 1: loss nan, grad_norm nan: update skipped (1 in a row, "
+        "train.max_bad_steps = 2)",
+        "hetjax: step 2: loss nan, grad_norm nan: update skipped (2 in a row, "
+        "train.max_bad_steps = 2)"]
+
+
+def test_a_checkpoint_never_holds_a_non_finite_value(trainer, tmp_path):
+    from hetjax.errors import HetjaxError
+
+    fresh(trainer, tmp_path)
+    trainer.save(wait=True)  # a good one first
+    poison(trainer, 3)
+    with pytest.raises(HetjaxError) as e:
+        trainer.save(wait=True)
+    assert str(e.value) == (
+        "checkpoint 0: refusing to save a state with NaN/Inf values in params/embedder/embedding;"
+        f" the latest good checkpoint in {tmp_path}/checkpoints is kept; fix: rerun to resume "
+        "from it, with a lower train.lr")
+    assert trainer.checkpointer.steps() == [0]
+
+
+# --- corrupt checkpoints are set aside, the run resumes from the newest good one ---------------
+@pytest.fixture(scope="module")
+def saved_run(trainer, tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4, and its losses."""
+    from hetjax.metrics import read_metrics
+
+    workdir = tmp_path_factory.mktemp("saved")
+    fresh(trainer, workdir).train()
+    losses = [r["loss"] for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))]
+    return str(workdir), losses
+
+
+def _largest_array_file(step_dir):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state"))
+             for f in fs if os.sep + "d" + os.sep in os.path.join(r, f)]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(path, size=None):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 if size is None else size)
+
+
+# (what is broken, how, the step set aside, the part of the report in parentheses)
+CORRUPTIONS = [
+    ("a truncated array file", lambda d: _truncate(_largest_array_file(d + "/4")), 4,
+     "Exception: Encountered error while reading array index: "),
+    ("a truncated metadata file", lambda d: _truncate(d + "/4/state/_METADATA", 100), 4,
+     "JSONDecodeError: "),
+    ("a garbled meta item", lambda d: open(d + "/4/meta/metadata", "w").write("{bad"), 4,
+     "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 "
+     "(char 1)"),
+    ("a junk step directory", lambda d: (os.makedirs(d + "/6"), open(d + "/6/x", "w").write(
+        "junk")), 6, "KeyError: 'Item \"data\" was not found in the checkpoint. Available "
+     "items: []'"),
+]
+
+
+@pytest.mark.parametrize("what,corrupt,step,detail", CORRUPTIONS,
+                         ids=[c[0] for c in CORRUPTIONS])
+def test_a_corrupt_checkpoint_is_set_aside_and_the_newest_good_one_restored(
+        trainer, saved_run, tmp_path, capsys, what, corrupt, step, detail):
+    import jax
+    import numpy as np
+
+    src, _ = saved_run
+    shutil.copytree(os.path.join(src, "checkpoints"), tmp_path / "checkpoints")
+    ckpt = str(tmp_path / "checkpoints")
+    corrupt(ckpt)
+    fresh(trainer, tmp_path)
+    newest_good = 4 if step == 6 else 2
+    assert trainer.restore() == newest_good
+    err = capsys.readouterr().err.strip()
+    prefix = f"hetjax: checkpoint {step} in {ckpt} cannot be read ({detail}"
+    suffix = f"); moved aside to {step}.corrupt, trying the previous one"
+    assert err.startswith(prefix) and err.endswith(suffix) and "\n" not in err, err
+    assert os.path.isdir(os.path.join(ckpt, f"{step}.corrupt"))
+    assert trainer.checkpointer.steps() == ([2, 4] if step == 6 else [2])
+    assert int(trainer.state.step) == newest_good
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(trainer.params)))
+
+
+def test_a_checkpoint_of_another_model_is_an_error_and_stays_in_place(trainer, saved_run,
+                                                                       tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.errors import HetjaxError
+
+    src, _ = saved_run
+    ckpt = str(tmp_path / "checkpoints")
+    shutil.copytree(os.path.join(src, "checkpoints"), ckpt)
+    fresh(trainer, tmp_path)
+    layout = trainer.layout()
+    target = layout.natural_target()
+    other = jax.ShapeDtypeStruct((7,), jnp.float32, sharding=target.step.sharding)
+    layout.natural_target = lambda: target.replace(step=other)
+    with pytest.raises(HetjaxError, match="does not fit this model and optimizer"):
+        trainer.checkpointer.restore(layout)
+    assert trainer.checkpointer.steps() == [2, 4]
+
+
+# --- preemption: SIGTERM saves the current step and exits with its own code -------------------
+def test_sigterm_saves_the_current_step_and_the_rerun_continues_identically(trainer, saved_run,
+                                                                           tmp_path):
+    from hetjax.errors import Preempted
+    from hetjax.metrics import read_metrics
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    # The signal arrives during step 3 as from a scheduler; checkpoints are every 2 steps.
+    hook = trainer.add_hook(lambda info: os.kill(os.getpid(), signal.SIGTERM)
+                            if info.step == 3 else None)
+    try:
+        with pytest.raises(Preempted) as e:
+            trainer.train()
+    finally:
+        trainer.hooks.remove(hook)
+    assert str(e.value) == (
+        f"preempted (SIGTERM) after step 3: saved checkpoint 3 in {tmp_path}/checkpoints; "
+        "rerun the same command to resume (exit code 75)")
+    assert trainer.checkpointer.steps() == [2, 3]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    summary = fresh(trainer, tmp_path, tensorboard=True).train()
+    trainer.config.tensorboard = False
+    assert summary["resumed_from"] == 3
+    rows = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["loss"] for r in rows] == reference
+    # TensorBoard holds each step once, with the metrics file's values.
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train/loss") == \
+        [(r["step"], pytest.approx(r["loss"])) for r in rows]
+
+
+def tensorboard_scalars(tb_dir, tag):
+    """(step, value) of `tag` in every event file under `tb_dir` (TFRecord framing)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for name in sorted(os.listdir(tb_dir)):
+        data = open(os.path.join(tb_dir, name), "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            out += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+    return sorted(out)
+
+
+TINY_CLI = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.d_ff=128",
+            "--config.model.max_seq_len=64", "--config.train.seq_len=16",
+            "--config.train.batch_size=16", "--config.train.progress=False",
+            "--config.data.source=synthetic", "--config.tensorboard=False",
+            "--config.train.log_every=1", "--config.eval.every=0"]
+
+
+@pytest.mark.heavy
+def test_sigterm_to_hetjax_train_exits_75_with_a_checkpoint(tmp_path):
+    from hetjax.metrics import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetjax", "train", *TINY_CLI, "--config.train.steps=100000",
+         "--config.checkpoint.every=100000", f"--config.workdir={tmp_path}"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(read_metrics(str(metrics))) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    last = proc.stderr.read().strip().splitlines()[-1]
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert rc == 75, last
+    assert last == (f"hetjax: preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
+                    f"{tmp_path}/checkpoints; rerun the same command to resume (exit code 75)")
+    assert os.path.isdir(tmp_path / "checkpoints" / str(step))
+
+
+# --- hetjax launch --max-restarts ---------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
+    import io
+
+    from hetjax import launch
+
+    marker = tmp_path / "attempts"
+    # p1 dies by SIGKILL on the first two attempts (like a lost worker), then succeeds.
+    code = (f"import os, pathlib; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) "
+            "if p.exists() else 0; p.write_text('x' * (n + 1)); "
+            "os.kill(os.getpid(), 9) if n < 2 else None")
+    children = lambda _: [("p0", (sys.executable, "-c", "pass"), None),  # noqa: E731
+                        ("p1", (sys.executable, "-c", code), None)]
+    out = io.StringIO()
+    assert launch.run_with_restarts(children, grace=1, max_restarts=2, out=out) == 0
+    assert marker.read_text() == "xxx"
+    restarts = [line for line in out.getvalue().splitlines() if "restarting" in line]
+    assert restarts == [
+        f"hetjax launch: restarting the job ({k} of --max-restarts 2) after exit code 137; it "
+        "resumes from its latest checkpoint" for k in (1, 2)]
+    marker.unlink()
+    assert launch.run_with_restarts(children, grace=1, max_restarts=1, out=io.StringIO()) == 137
+    # A user error (exit 2) or a preemption (75) is not retried.
+    for rc in (2, 75):
+        out = io.StringIO()
+        once = lambda _, rc=rc: [  # noqa: E731
+            ("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]
+        assert launch.run_with_restarts(once, grace=1, max_restarts=3, out=out) == rc
+        assert "restarting" not in out.getvalue()
+
+
+def test_an_elastic_restart_drops_the_failed_host_and_re_plans(tmp_path, capsys):
+    from hetjax import config as hconfig
+    from hetjax import launch
+
+    argv = ["--local", "4", "--max-restarts", "1", "--elastic", "--config.train.batch_size=24",
+            f"--config.workdir={tmp_path}"]
+    args, config_args = launch.parser().parse_known_args(argv)
+    cfg = hconfig.load_config(None, config_args)
+    workers = launch.elastic_workers(cfg, args, config_args, ["p2"])
+    assert len(workers) == 3
+    topology = hconfig.build_topology(cfg).without_nodes([2])
+    assert [(c.name, c.nodes) for c in topology.clusters] == [("ib", 2), ("roce", 1)]
+    with open(tmp_path / "elastic_topology.json") as f:
+        assert f.read() == topology.to_json(indent=1)
+    assert f"--config.topology.file={tmp_path}/elastic_topology.json" in workers[0].argv
+    out = capsys.readouterr().out
+    assert out.startswith("hetjax launch: --elastic: dropped p2; re-planned on 6 devices:\n")
+    import re
+
+    pp, dp, tp = map(int, re.search(r"plan \(planner\): pp=(\d+) dp=(\d+) tp=(\d+)", out).groups())
+    assert pp * dp * tp == 6
+    # A second failure (p0 of the three) leaves the roce node alone with its cluster.
+    assert len(launch.elastic_workers(cfg, args, config_args, ["p2", "p0"])) == 2
+
+
+def markdown_table(tmp: str) -> str:
+    rows = ["| bad input | command | outcome |", "|---|---|---|"]
+    for what, command_line, _ in BAD_INPUTS:
+        rc, err = run_cli(command_line, tmp)
+        shown = err.strip().replace(tmp, "$TMP").replace("\n", "<br>").replace("|", "\\|")
+        rows.append(f"| {what} | `hetjax {command_line.format(tmp='$TMP')}` | exit {rc}: "
+                    f"`{shown}` |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    sys.path.insert(0, REPO)
+    with tempfile.TemporaryDirectory() as d:
+        _write_inputs(d)
+        print(markdown_table(d))
