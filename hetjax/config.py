@@ -25,7 +25,7 @@ from hetjax.planner.config_plan import resolve_microbatches
 from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("auto", "none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 
@@ -54,7 +54,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tie_embeddings = True
     c.model.dtype = "float32"
     c.model.param_dtype = "float32"
-    c.model.remat = "none"
+    c.model.remat = "auto"
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.pp = 1
@@ -153,13 +153,16 @@ DESCRIPTIONS: dict[str, str] = {
     "model.tie_embeddings": "share the input embedding with the output projection",
     "model.dtype": "compute dtype; bfloat16 on accelerators",
     "model.param_dtype": "dtype parameters are stored (and optimized) in",
-    "model.remat": "rematerialize activations in the backward pass: none | full | dots",
+    "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
+                   "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
+                   "(none, but full in the SPMD pipeline)",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
     "parallel.allow_straddle": "allow a TP group across nodes / a stage across clusters",
     "pipeline.stage_layers": "layers per stage, e.g. (3, 1); empty: even split",
-    "pipeline.schedule": "gpipe | 1f1b | interleaved | zb-h1 (the last two: executor mpmd)",
+    "pipeline.schedule": "gpipe | 1f1b | interleaved | zb-h1 (these two: executor mpmd) | "
+                         "strands (two strands per tick)",
     "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
                          "program per stage, stages run asynchronously; auto: the one the "
                          "planner predicts faster",

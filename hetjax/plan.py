@@ -282,3 +282,13 @@ def even_split(n_layers: int, stages: int) -> tuple[int, ...]:
     """Layers per stage as even as possible, earlier stages taking the remainder."""
     q, r = divmod(n_layers, stages)
     return tuple(q + (1 if s < r else 0) for s in range(stages))
+
+
+def effective_remat(remat: str, spmd_pipeline: bool = False) -> str:
+    """`model.remat` with 'auto' resolved to what each executor did before recompute was a
+    choice: 'full' in the SPMD pipeline (its stash would otherwise hold every intermediate of
+    every layer slot of every in-flight micro-batch), else 'none'. Executors and the cost
+    model both resolve it here, so they agree."""
+    if remat == "auto":
+        return "full" if spmd_pipeline else "none"
+    return remat

@@ -32,7 +32,7 @@ class _ScanStep(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         block = DecoderBlock
-        if self.cfg.remat != "none":
+        if self.cfg.remat in REMAT_POLICIES:  # 'none' and 'auto' keep every intermediate
             block = nn.remat(DecoderBlock, prevent_cse=False,
                              policy=REMAT_POLICIES[self.cfg.remat])
         return block(self.cfg, name="block")(x), None

@@ -143,6 +143,13 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
+def computations(hlo: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO text, by name. Ops in one
+    computation are what XLA's scheduler may reorder and overlap with each other (ops in a
+    loop body or a branch are scheduled with that body)."""
+    return _computations(hlo)[0]
+
+
 def _executions(comps: dict[str, list[str]],
                 entry: str) -> dict[str, tuple[int, int, bool]]:
     """(executions per call, loop depth, inside a conditional's branch) of every computation
@@ -251,4 +258,4 @@ def totals(ops: list[Collective], axes=None) -> dict[tuple[str, tuple[str, ...]]
 
 
 __all__ = ["Collective", "KINDS", "collectives", "with_branch_runs", "totals", "array_bytes",
-           "loop_carry"]
+           "loop_carry", "computations"]

@@ -54,14 +54,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
-from layers import Transformer, block_apply
-from layers.model import REMAT_POLICIES
+from layers import Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
 from parallel import zero
 from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
 from parallel.mesh import DP_AXES, build_mesh
 from parallel.pipeline import check_plan, onehot_cross_entropy
+from parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
 from hetjax.errors import PlanError
 from hetjax.plan import even_split
 
@@ -194,9 +194,9 @@ class Stage:
         self.scalar = NamedSharding(mesh, P())
         self.batch = NamedSharding(mesh, shd.batch_spec())
         self.model = Transformer(cfg)
-        self.remat = cfg.remat
-        # (chunk position, piece) -> (treedef, where) of its pullback, found while tracing F
-        self._residuals: dict[tuple[int, int], tuple[Any, list[int]]] = {}
+        self.remat = effective_remat(cfg.remat)
+        # (chunk position, piece) -> how to rebuild its pullback, found while tracing F
+        self._residuals: dict[tuple[int, int], Residuals] = {}
         self._jit()
 
     def context(self):
@@ -245,18 +245,10 @@ class Stage:
         out["layers"] = {"block": jax.tree.map(place, self.abstract["layers"]["block"], *g)}
         return out
 
-    def _layer_fn(self):
-        def layer(p, h):
-            return block_apply(self.ex.model_cfg, p, h)
-
-        if self.remat == "none":
-            return layer
-        return jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
-
     def _piece_fns(self, c: int, tokens, targets):
         """One function (params, input) -> output per piece of chunk c; the embedding's input
         is None (it starts from `tokens`), the head's output is the loss of `targets`."""
-        model, layer, chunk = self.model, self._layer_fn(), self.chunks[c]
+        model, layer, chunk = self.model, layer_fn(self.ex.model_cfg, self.remat), self.chunks[c]
         fns = []
         if chunk.first:
             fns.append(lambda p, _: model.apply({"params": p}, tokens, method=Transformer.embed))
@@ -269,53 +261,43 @@ class Stage:
     # --- the programs (one device's rows; vmapped over data-parallel devices) -----------------
     def _forward_one(self, c, pieces, x, tokens, targets):
         """F of chunk c on one device's rows: returns the output (the loss after the last
-        chunk) and, per piece, its pullback's residuals with references to `pieces` leaves
-        taken out."""
-        params = jax.tree.leaves(pieces)
-        where_param = {id(leaf): i for i, leaf in enumerate(params)}
+        chunk) and, per piece, its pullback's residuals without the piece's parameters
+        (`parallel.residuals`)."""
         stash = []
         h = x
         for k, (fn, p) in enumerate(zip(self._piece_fns(c, tokens, targets), pieces)):
             if h is None:  # the embedding: no input gradient
-                h, pullback = jax.vjp(lambda p_: fn(p_, None), p)
+                h, kept, self._residuals[c, k] = vjp_stash(lambda p_, fn=fn: fn(p_, None), p)
             else:
-                h, pullback = jax.vjp(fn, p, h)
-            leaves, treedef = jax.tree.flatten(pullback)
-            where = [where_param.get(id(leaf), -1) for leaf in leaves]
-            self._residuals[c, k] = (treedef, where)
-            stash.append([None if w >= 0 else leaf for leaf, w in zip(leaves, where)])
+                h, kept, self._residuals[c, k] = vjp_stash(fn, p, h)
+            stash.append(kept)
         return h, stash
 
-    def _pullback(self, c: int, k: int, params: list, residuals: list):
-        treedef, where = self._residuals[c, k]
-        return jax.tree.unflatten(treedef, [params[w] if w >= 0 else r
-                                            for r, w in zip(residuals, where)])
+    def _pullback(self, c: int, k: int, pieces: list, residuals: list):
+        return pullback(self._residuals[c, k], pieces[k], residuals)
 
     def _input_grads_one(self, c, pieces, stash, dy):
         """I of chunk c on one device's rows: the gradient of the chunk's input, and the output
         gradient of every piece (what W needs)."""
-        params = jax.tree.leaves(pieces)
         douts = [None] * len(stash)
         for k in reversed(range(len(stash))):
             douts[k] = dy
-            grads = self._pullback(c, k, params, stash[k])(dy)
+            grads = self._pullback(c, k, pieces, stash[k])(dy)
             dy = grads[1] if len(grads) > 1 else None
         return dy, douts
 
     def _backward_one(self, c, pieces, stash, dy):
         """B of chunk c on one device's rows: every pullback once, giving the chunk input's
         gradient and every piece's parameter gradient."""
-        params = jax.tree.leaves(pieces)
         grads = [None] * len(stash)
         for k in reversed(range(len(stash))):
-            g = self._pullback(c, k, params, stash[k])(dy)
+            g = self._pullback(c, k, pieces, stash[k])(dy)
             grads[k], dy = g[0], (g[1] if len(g) > 1 else None)
         return dy, self.stage_grads(c, grads)
 
     def _weight_grads_one(self, c, pieces, stash, douts):
         """W of chunk c on one device's rows: every piece's parameter gradient."""
-        params = jax.tree.leaves(pieces)
-        return self.stage_grads(c, [self._pullback(c, k, params, stash[k])(douts[k])[0]
+        return self.stage_grads(c, [self._pullback(c, k, pieces, stash[k])(douts[k])[0]
                                     for k in range(len(stash))])
 
     def _jit(self):
@@ -454,7 +436,7 @@ class MpmdExecutor(Executor):
 
     def describe(self) -> str:
         kept = {"none": "all residuals kept", "dots": "matmul outputs kept",
-                "full": "layers recomputed"}[self.model_cfg.remat]
+                "full": "layers recomputed"}[effective_remat(self.model_cfg.remat)]
         return (f"pipeline: mpmd, {self.schedule.name}, {self.plan.microbatches} micro-batches, "
                 f"one program per stage, layers per stage {list(self.plan.stage_layers)} "
                 f"(no padding), at most {max(self.schedule.max_in_flight(s) for s in range(self.plan.pp))} "

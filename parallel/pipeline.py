@@ -15,24 +15,32 @@ tp stay with the compiler, which places them from the parameter shardings and th
 logical constraints). At every tick each stage does what its column of the program says:
 - F(m): stage 0 embeds the tokens of micro-batch m, the others take the activation waiting
   in their inbox; then the stage runs its n_s layers (a `fori_loop` whose trip count is n_s,
-  so a short stage really does less work and padded slots cost nothing) and stashes the input
-  of every layer and the stage output.
+  so a short stage really does less work and padded slots cost nothing), each under `jax.vjp`,
+  and stashes each layer's pullback residuals (`parallel.residuals`) and the stage output.
 - B(m): the last stage starts from the loss (head and cross-entropy under `jax.vjp`), the
-  others from the output gradient waiting in their inbox; then layers n_s - 1 .. 0 each
-  recompute their forward from the stashed input under `jax.vjp` and pull the gradient back,
-  accumulating parameter gradients; stage 0 ends with the embedding's pullback.
+  others from the output gradient waiting in their inbox; then layers n_s - 1 .. 0 each rebuild
+  their pullback from the stash and pull the gradient back, accumulating parameter gradients;
+  stage 0 ends with the embedding's pullback.
+- F(m) + B(m') (schedules that co-execute two strands, `strands`): one loop whose step j runs
+  forward layer j of m and backward layer n_s - 1 - j of m', so the two independent strands
+  sit in one loop body and XLA's scheduler may overlap one's collectives with the other's
+  compute.
 Every F and B is vmapped over a leading per-device dimension (`zero.per_device`): the batch
 is split [dp, b / dp, ...] and a B yields each data-parallel device's own partial gradients,
 which the ZeRO kernels (parallel/zero.py, nested shard_maps manual over every axis but 'pp')
 reduce-scatter into the G accumulator after each B and reduce across replicas to OS shards
 once, after the tick loop. Parameters are gathered from their P shards before the shard_map.
 Then outputs move with two `ppermute`s (activations s -> s + 1, gradients s -> s - 1), skipped
-on ticks where no stage sends. This is full activation recomputation at layer granularity:
-between its F and B a micro-batch keeps max_layers + 1 activations [b, S, d] on its stage,
-during B only one layer's residuals exist at a time, and each layer costs the usual four
-forwards (F, then recompute plus the two of the backward in B). The stash has the schedule's
-`max_in_flight` slots: M for GPipe, pp for 1F1B whatever M is. `model.remat` has no effect
-under pp > 1: every layer is recomputed anyway.
+on ticks where no stage sends.
+
+Recompute follows `model.remat` ('auto', the default, is 'full' here). With 'full' a layer's
+residuals are its input alone: between its F and B a micro-batch keeps max_layers + 1
+activations [b, S, d] on its stage, during B one layer's activations exist at a time, and each
+layer costs four forwards (F, then recompute plus the two of the backward in B). With 'none'
+the stash keeps every intermediate of every layer slot (three forwards per layer; far more
+memory: the attention probabilities too), with 'dots' the matmul outputs. Parameters a pullback
+holds are not stashed (B passes them back in). The stash has the schedule's `max_in_flight`
+slots: M for GPipe, pp for 1F1B whatever M is.
 
 Shared parameters. The embedding is used by stage 0 (lookup) and, tied, by the last stage
 (logits); final norm and output projection by the last stage. Their gradient contributions,
@@ -57,10 +65,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
-from layers import ModelConfig, Transformer, block_apply
+from layers import ModelConfig, Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
 from parallel import zero
+from parallel.residuals import effective_remat, layer_fn, pullback, vjp_stash
 
 STAGE_AXIS = "stage"  # logical name of the leading axis of stage-stacked leaves ('pp')
 
@@ -213,6 +222,9 @@ class Pipeline:
                             f"pipeline.executor=mpmd, or use one of "
                             f"{', '.join(sch.spmd_schedules())}")
         self.program = sch.tick_program(self.schedule)
+        self.remat = effective_remat(model_cfg.remat, spmd_pipeline=True)
+        self._layer_fn = layer_fn(model_cfg, self.remat)
+        self._residuals = None  # residuals.Residuals of a layer, set when the step is traced
 
     # layout helpers bound to this plan (what the Trainer and checkpoints use)
     def to_stages(self, tree):
@@ -226,38 +238,74 @@ class Pipeline:
 
     def describe(self) -> str:
         p = self.program
+        kept = {"none": "all residuals", "dots": "matmul outputs",
+                "full": "layer inputs, recomputed in B"}[self.remat]
         return (f"pipeline: {self.schedule.name}, {self.plan.microbatches} micro-batches in "
                 f"{p.ticks} ticks, layers per stage {list(self.plan.stage_layers)} in "
                 f"{self.plan.max_stage_layers} slots, stash of {p.stash_slots} micro-batches "
-                f"x {self.plan.max_stage_layers + 1} activations per device")
+                f"per device ({kept}; model.remat={self.cfg.remat})")
 
     # --- pieces of one stage -------------------------------------------------------------------
     def _layer(self, blocks, i):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), blocks)
 
-    def _block(self, layer_params, x):
-        return block_apply(self.cfg, layer_params, x)
+    def residual_shapes(self, blocks, act_shape, dtype):
+        """One layer's stashed residuals on one device's rows ([b / dp, S, d] input): their
+        shapes, and the `residuals.Residuals` spec every layer's pullback is rebuilt from
+        (the same for every layer: one block function, one input shape)."""
+        specs = []
+
+        def probe(p, h):
+            _, kept, spec = vjp_stash(self._layer_fn, p, h)
+            specs.append(spec)
+            return kept
+
+        shapes = jax.eval_shape(probe, self._layer(blocks, 0),
+                                jax.ShapeDtypeStruct(act_shape, dtype))
+        return shapes, specs[0]
 
     def layers_forward(self, blocks, x, n_layers, kept):
-        """Run layers 0 .. n_layers - 1; kept[i] = input of layer i, kept[n_layers] = output."""
+        """Run layers 0 .. n_layers - 1 under `jax.vjp`; kept['res'][k][i] = residual k of
+        layer i's pullback (per `model.remat`), kept['out'] = the stage's output."""
         def layer(i, carry):
-            h, kept = carry
-            return self._block(self._layer(blocks, i), h), kept.at[i].set(h)
+            h, res = carry
+            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, i), h)
+            return y, [r.at[i].set(v) for r, v in zip(res, new)]
 
-        y, kept = jax.lax.fori_loop(0, n_layers, layer, (x, kept))
-        return y, kept.at[n_layers].set(y)
+        y, res = jax.lax.fori_loop(0, n_layers, layer, (x, kept["res"]))
+        return y, {"res": res, "out": y}
 
     def layers_backward(self, blocks, kept, dy, n_layers, grads):
-        """Pull dy back through layers n_layers - 1 .. 0, recomputing each from its kept input;
-        adds the parameter gradients into `grads`; returns (input gradient, grads)."""
+        """Pull dy back through layers n_layers - 1 .. 0 from their stashed residuals (a layer
+        stashed with remat 'full' recomputes its forward here); adds the parameter gradients
+        into `grads`; returns (input gradient, grads)."""
         def layer(j, carry):
             dh, grads = carry
             i = n_layers - 1 - j
-            _, pullback = jax.vjp(self._block, self._layer(blocks, i), kept[i])
-            dp, dh = pullback(dh)
+            p = self._layer(blocks, i)
+            dp, dh = pullback(self._residuals, p, [r[i] for r in kept["res"]])(dh)
             return dh, jax.tree.map(lambda g, d: g.at[i].add(d), grads, dp)
 
         return jax.lax.fori_loop(0, n_layers, layer, (dy, grads))
+
+    def layers_strands(self, blocks, x, kept_f, kept_b, dy, n_layers, grads):
+        """One tick of two strands: the forward of one micro-batch (input x, stash kept_f)
+        and the backward of another (stash kept_b, output gradient dy) in one loop, step j
+        running forward layer j and backward layer n_layers - 1 - j. The two are independent,
+        and sitting in one loop body lets XLA's scheduler overlap one's collectives with the
+        other's compute. Returns (output, new stash, input gradient, grads)."""
+        def layer(j, carry):
+            h, res, dh, grads = carry
+            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, j), h)
+            i = n_layers - 1 - j
+            dp, dh = pullback(self._residuals, self._layer(blocks, i),
+                              [r[i] for r in kept_b["res"]])(dh)
+            return (y, [r.at[j].set(v) for r, v in zip(res, new)], dh,
+                    jax.tree.map(lambda g, d: g.at[i].add(d), grads, dp))
+
+        y, res, dx, grads = jax.lax.fori_loop(0, n_layers, layer,
+                                              (x, kept_f["res"], dy, grads))
+        return y, {"res": res, "out": y}, dx, grads
 
     def _embed(self, shared, tokens):
         return self.model.apply({"params": shared}, tokens, method=Transformer.embed)
@@ -282,6 +330,10 @@ class Pipeline:
         columns = {k: jnp.asarray(getattr(prog, k))[:, stage] for k in
                    ("action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
                     "dy_recv_slot")}
+        paired = prog.paired  # some tick runs two strands (an F and a B)
+        if paired:
+            columns.update({k: jnp.asarray(getattr(prog, k))[:, stage]
+                            for k in ("b_microbatch", "b_stash_slot")})
         columns["send_x"] = jnp.asarray(prog.sends_activation)
         columns["send_dy"] = jnp.asarray(prog.sends_gradient)
 
@@ -292,7 +344,6 @@ class Pipeline:
         act = (n_dp, *inputs.shape[2:], self.cfg.d_model)
         dtype = jnp.dtype(self.cfg.dtype)
         act_names = (shd.DEVICE, "batch", "length", "embed")
-        kept_names = (shd.DEVICE, None, "batch", "length", "embed")
         zero_act = self._buffer(act, dtype, act_names)
         zero_shared = jax.tree.map(lambda a: jnp.zeros((n_dp, *a.shape), a.dtype), shared)
         # With s_g = 1 the accumulator holds each device's own partial sums [dp, ...], so a B
@@ -305,13 +356,15 @@ class Pipeline:
         forward = zero.per_device(self.layers_forward, (None, 0, None, 0))
         backward = zero.per_device(self.layers_backward,
                                    (None, 0, 0, None, 0 if in_place else None))
+        strands = zero.per_device(self.layers_strands,
+                                  (None, 0, 0, 0, 0, None, 0 if in_place else None))
         embed_pullback = zero.per_device(
             lambda sh, tokens, dx: jax.vjp(lambda s: self._embed(s, tokens), sh)[1](dx)[0],
             (None, 0, 0))
 
         def head(sh, kept, tgt):  # the last stage's B starts from the loss of its rows
-            loss, pullback = jax.vjp(lambda s, y: self._head_loss(s, y, tgt), sh, kept[n_layers])
-            g_head, dy = pullback(jnp.float32(1.0))
+            loss, pb = jax.vjp(lambda s, y: self._head_loss(s, y, tgt), sh, kept["out"])
+            g_head, dy = pb(jnp.float32(1.0))
             return loss, dy, g_head
 
         head = zero.per_device(head, (None, 0, 0))
@@ -319,37 +372,40 @@ class Pipeline:
         def read(buf, slot, names):  # cond branches must agree on sharding, so pin what is read
             return nn.with_logical_constraint(buf[slot], names)
 
-        # One extra scratch slot each; a stash slot holds every layer input and the output.
+        def read_stash(stash, slot):
+            return {"res": [r[slot] for r in stash["res"]],
+                    "out": read(stash["out"], slot, act_names)}
+
+        # One extra scratch slot each. A stash slot holds every layer's residuals (the layer
+        # inputs alone with remat 'full') and the stage output.
         x_inbox = self._buffer((prog.x_slots + 1, *act), dtype, (None, *act_names))
         dy_inbox = self._buffer((prog.dy_slots + 1, *act), dtype, (None, *act_names))
-        stash = self._buffer((prog.stash_slots + 1, n_dp, self.plan.max_stage_layers + 1,
-                              *act[1:]), dtype, (None, *kept_names))
+        shapes, self._residuals = self.residual_shapes(blocks, act[1:], dtype)
+        slots, L = prog.stash_slots + 1, self.plan.max_stage_layers
+        stash = {"res": [jnp.zeros((slots, n_dp, L, *r.shape), r.dtype) for r in shapes],
+                 "out": self._buffer((slots, *act), dtype, (None, *act_names))}
         forward_pairs = [(s, s + 1) for s in range(pp - 1)]
         backward_pairs = [(s + 1, s) for s in range(pp - 1)]
 
         def tick(carry, c):
             x_inbox, dy_inbox, stash, acc, losses = carry
             tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
-            # Only one stash slot goes through the switch (the whole stash would be copied).
-            kept = read(stash, c["stash_slot"], kept_names)
+            # Only the stash slots in use go through the switch (the whole stash would be
+            # copied): the action's, and in a two-strand tick also the backward's.
+            kept = read_stash(stash, c["stash_slot"])
 
-            def idle():
-                return zero_act, zero_act, kept, acc, losses
+            def start_forward():
+                return jax.lax.cond(first, lambda: embed(shared, tokens),
+                                    lambda: read(x_inbox, c["x_slot"], act_names))
 
-            def forward_tick():
-                x = jax.lax.cond(first, lambda: embed(shared, tokens),
-                                 lambda: read(x_inbox, c["x_slot"], act_names))
-                y, kept_new = forward(blocks, x, n_layers, kept)
-                return y, zero_act, kept_new, acc, losses
-
-            def backward_tick():
-                loss, dy, g_head = jax.lax.cond(
+            def start_backward(kept, tgt):  # (loss, output gradient, head gradients)
+                return jax.lax.cond(
                     last, lambda: head(shared, kept, tgt),
                     lambda: (jnp.zeros((n_dp,), jnp.float32),
                              read(dy_inbox, c["dy_slot"], act_names), zero_shared))
-                acc_shared, acc_blocks = split_shared(acc)
-                dx, g_blocks = backward(blocks, kept, dy, n_layers,
-                                        acc_blocks if in_place else zero_blocks)
+
+            def finish_backward(tokens, dx, g_head, g_blocks, loss):
+                acc_shared, _ = split_shared(acc)
                 g_embed = jax.lax.cond(first, lambda: embed_pullback(shared, tokens, dx),
                                        lambda: zero_shared)
                 g_shared = jax.tree.map(jnp.add, g_head, g_embed)
@@ -358,12 +414,39 @@ class Pipeline:
                 else:
                     acc_new = jax.tree.map(jnp.add, acc, zero.scatter_grads(
                         join_shared(g_shared, g_blocks), zs, self.mesh))
-                return zero_act, dx, kept, acc_new, losses + loss
+                return acc_new, losses + loss
 
-            y, dx, kept, acc, losses = jax.lax.switch(
-                c["action"], [idle, forward_tick, backward_tick])
-            written = jnp.where(c["action"] == sch.FORWARD, c["stash_slot"], prog.stash_slots)
-            stash = stash.at[written].set(kept)
+            def grads_into():
+                return split_shared(acc)[1] if in_place else zero_blocks
+
+            def idle():
+                return zero_act, zero_act, kept, acc, losses
+
+            def forward_tick():
+                y, kept_new = forward(blocks, start_forward(), n_layers, kept)
+                return y, zero_act, kept_new, acc, losses
+
+            def backward_tick():
+                loss, dy, g_head = start_backward(kept, tgt)
+                dx, g_blocks = backward(blocks, kept, dy, n_layers, grads_into())
+                return (zero_act, dx, kept) + finish_backward(tokens, dx, g_head, g_blocks, loss)
+
+            branches = [idle, forward_tick, backward_tick]
+            if paired:
+                def strands_tick():  # F of `microbatch` and B of `b_microbatch`
+                    mb = c["b_microbatch"]
+                    kept_b = read_stash(stash, c["b_stash_slot"])
+                    loss, dy, g_head = start_backward(kept_b, targets[mb])
+                    y, kept_new, dx, g_blocks = strands(blocks, start_forward(), kept, kept_b,
+                                                        dy, n_layers, grads_into())
+                    return (y, dx, kept_new) + finish_backward(inputs[mb], dx, g_head,
+                                                               g_blocks, loss)
+
+                branches.append(strands_tick)
+
+            y, dx, kept, acc, losses = jax.lax.switch(c["action"], branches)
+            written = jnp.where(c["action"] == sch.BACKWARD, prog.stash_slots, c["stash_slot"])
+            stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
             # The send flags are the same on every stage, so all take the same branch.
             x_recv = jax.lax.cond(c["send_x"], lambda: jax.lax.ppermute(y, "pp", forward_pairs),
                                   lambda: zero_act)

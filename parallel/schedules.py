@@ -80,6 +80,9 @@ class Schedule:
     virtual: ClassVar[int] = 1  # model chunks per stage
     splits_backward: ClassVar[bool] = False  # B split into I and W
     spmd_compatible: ClassVar[bool] = True  # the SPMD executor's tick grid can run it
+    # A tick of the SPMD grid may run an F and a B of different micro-batches (two strands);
+    # such a schedule gives its grid itself (`tick_grid`).
+    co_executes: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -100,6 +103,10 @@ class Schedule:
         """Raise ValueError (saying what to change) if the schedule cannot run these sizes."""
 
     def build(self) -> list[list[Task]]:
+        raise NotImplementedError
+
+    def tick_grid(self) -> list[list["Cell"]]:
+        """The SPMD tick grid of a co-executing schedule (see `tick_table`)."""
         raise NotImplementedError
 
     def placement(self) -> tuple[int, ...]:
@@ -244,6 +251,50 @@ class ZeroBubbleH1(Schedule):
         return fwd  # F + I - W, with I = W = B / 2
 
 
+@register
+class Strands(Schedule):
+    """DHelix's strand interleaving on the SPMD tick grid: stage s runs F(m) at tick m + s and
+    B(m) at tick m + 2 pp - 1 - s. After 2 (pp - s) - 1 warm-up forwards every tick of a stage
+    holds the forward of one micro-batch and the backward of another (two strands), which the
+    SPMD executor runs in one traced body so XLA may overlap one's collectives with the
+    other's compute; then cool-down backwards. In lockstep a tick of both costs F + B and the
+    grid has M - 1 of them plus pp ticks of F and pp of B: (M + pp - 1)(F + B), GPipe's step.
+    A stage holds at most 2 (pp - s) micro-batches (`max_in_flight`; the executor needs
+    2 (pp - s) - 1 stash slots, the tick's B freeing its slot before the F takes one): flat in
+    M, against GPipe's M."""
+
+    name = "strands"
+    co_executes = True
+
+    def lag(self, stage: int) -> int:
+        """Ticks between a micro-batch's F and its B on `stage`: F(m + lag) pairs with B(m)."""
+        return 2 * (self.stages - stage) - 1
+
+    def build(self):
+        M, orders = self.microbatches, []
+        for s in range(self.stages):
+            order = []
+            for i in range(M + self.lag(s)):
+                if i < M:
+                    order.append(Task("F", i))
+                if i >= self.lag(s):
+                    order.append(Task("B", i - self.lag(s)))
+            orders.append(order)
+        return orders
+
+    def tick_grid(self):
+        p, M = self.stages, self.microbatches
+        grid: list[list[Cell]] = [[None] * p for _ in range(M + 2 * p - 1)]
+        for s, order in enumerate(self.orders):
+            for a in order:
+                t = a.microbatch + (s if a.kind == "F" else s + self.lag(s))
+                cell = grid[t][s]
+                grid[t][s] = a if cell is None else (cell, a)  # (F, B)
+        while grid and not any(grid[-1]):
+            grid.pop()
+        return grid
+
+
 def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     """The registered schedule `name` for these sizes."""
     if name not in SCHEDULES:
@@ -342,9 +393,20 @@ def _play(schedule: Schedule, duration: Callable[[int, Task], float],
     return events
 
 
+Cell = "Task | tuple[Task, Task] | None"  # one stage's tick: idle, a task, or (F, B)
+
+
+def cell_tasks(cell) -> tuple[Task, ...]:
+    """The tasks of one cell of a tick grid, F before B."""
+    return () if cell is None else cell if isinstance(cell, tuple) else (cell,)
+
+
 def tick_table(schedule: Schedule) -> list[list[Task | None]]:
     """The unit-time grid: table[t][s] is what stage s does at tick t (None = idle); every
-    task takes one tick and transfers take none."""
+    task takes one tick and transfers take none. A co-executing schedule gives its own grid,
+    whose cells may hold a pair (F, B) of two strands (`cell_tasks`)."""
+    if schedule.co_executes:
+        return schedule.tick_grid()
     events = _play(schedule, lambda s, a: 1.0, lambda src, dst: 0.0)
     ticks = int(max(e.end for e in events))
     table: list[list[Task | None]] = [[None] * schedule.stages for _ in range(ticks)]
@@ -354,9 +416,10 @@ def tick_table(schedule: Schedule) -> list[list[Task | None]]:
 
 
 def tick_codes(table: list[list[Task | None]]) -> np.ndarray:
-    """A tick grid as codes [ticks, stages]: 0 idle, 1 forward, 2 backward."""
-    return np.array([[0 if a is None else 1 if a.kind == "F" else 2 for a in row]
-                     for row in table], dtype=np.int8)
+    """A tick grid as codes [ticks, stages]: 0 idle, 1 forward, 2 backward, 3 both (two
+    strands)."""
+    return np.array([[0 if a is None else 3 if isinstance(a, tuple) else 1 if a.kind == "F"
+                      else 2 for a in row] for row in table], dtype=np.int8)
 
 
 def lockstep_ticks(codes: np.ndarray, fwd: Sequence[float], bwd: Sequence[float],
@@ -367,15 +430,16 @@ def lockstep_ticks(codes: np.ndarray, fwd: Sequence[float], bwd: Sequence[float]
 
     Equals `timeline` for GPipe with equal stages (all stages do the same kind of action in a
     tick); 1F1B's steady state pairs an F on one stage with a B on the next, so its ticks cost
-    max(F, B) each. Keeping 1F1B's memory bound, no denser grid avoids this."""
+    max(F, B) each. A two-strand tick (code 3) costs F + B and sends both ways: strands
+    keep a bound like 1F1B's (2 (pp - s)) at GPipe's lockstep step time."""
     S = codes.shape[1]
     f, b = np.asarray(fwd, float), np.asarray(bwd, float)
     ahead, back = np.zeros(S), np.zeros(S)
     ahead[:S - 1] = list(send_fwd) or 0.0  # stage s sends its output across boundary s
     back[1:] = list(send_bwd) or 0.0  # stage s sends its input gradient across boundary s - 1
-    compute = np.where(codes == 1, f, np.where(codes == 2, b, 0.0)).max(axis=1)
-    return (compute + np.where(codes == 1, ahead, 0.0).max(axis=1)
-            + np.where(codes == 2, back, 0.0).max(axis=1))
+    compute = np.select([codes == 1, codes == 2, codes == 3], [f, b, f + b], 0.0).max(axis=1)
+    return (compute + np.where((codes == 1) | (codes == 3), ahead, 0.0).max(axis=1)
+            + np.where((codes == 2) | (codes == 3), back, 0.0).max(axis=1))
 
 
 def lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
@@ -403,9 +467,7 @@ def transfers(schedule: Schedule) -> list[Transfer]:
     placement = schedule.placement()
     out = []
     for t, row in enumerate(tick_table(schedule)):
-        for s, a in enumerate(row):
-            if a is None:
-                continue
+        for s, a in ((s, a) for s, cell in enumerate(row) for a in cell_tasks(cell)):
             k = schedule.model_chunk(a)
             if a.kind == "F" and k < len(placement) - 1 and placement[k + 1] != s:
                 out.append(Transfer(t, "activation", s, placement[k + 1], a.microbatch))
@@ -414,7 +476,7 @@ def transfers(schedule: Schedule) -> list[Transfer]:
     return out
 
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD, BOTH = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -433,15 +495,17 @@ class TickProgram:
     """
 
     schedule: Schedule
-    action: np.ndarray  # IDLE, FORWARD or BACKWARD
-    microbatch: np.ndarray  # micro-batch of the action (0 when idle)
+    action: np.ndarray  # IDLE, FORWARD, BACKWARD or BOTH (an F and a B: two strands)
+    microbatch: np.ndarray  # micro-batch of the action (of the F when BOTH; 0 when idle)
     x_slot: np.ndarray  # inbox slot F reads its input activation from
-    stash_slot: np.ndarray  # stash slot F writes and B reads
+    stash_slot: np.ndarray  # stash slot F writes and B reads (F's when BOTH)
     dy_slot: np.ndarray  # gradient-inbox slot B reads
     x_recv_slot: np.ndarray  # inbox slot the activation arriving after this tick goes to
     dy_recv_slot: np.ndarray  # gradient-inbox slot the gradient arriving after this tick goes to
     sends_activation: np.ndarray  # [ticks] bool: some stage sends forward after this tick
     sends_gradient: np.ndarray  # [ticks] bool: some stage sends backward after this tick
+    b_microbatch: np.ndarray  # micro-batch of the B when BOTH
+    b_stash_slot: np.ndarray  # stash slot the B reads when BOTH
     x_slots: int
     stash_slots: int
     dy_slots: int
@@ -449,6 +513,11 @@ class TickProgram:
     @property
     def ticks(self) -> int:
         return self.action.shape[0]
+
+    @property
+    def paired(self) -> bool:
+        """Whether some tick runs two strands (the executor then compiles that branch)."""
+        return bool((self.action == BOTH).any())
 
 
 class _Slots:
@@ -476,27 +545,34 @@ def tick_program(schedule: Schedule) -> TickProgram:
                          f"pipeline.executor=mpmd, or one of {', '.join(spmd_schedules())}")
     grid = tick_table(schedule)
     T, S = len(grid), schedule.stages
-    tab = {k: np.zeros((T, S), np.int32) for k in ("action", "microbatch")}
+    tab = {k: np.zeros((T, S), np.int32) for k in ("action", "microbatch", "b_microbatch")}
     slot_tab = {k: np.full((T, S), -1, np.int32) for k in
-                ("x_slot", "stash_slot", "dy_slot", "x_recv_slot", "dy_recv_slot")}
+                ("x_slot", "stash_slot", "dy_slot", "x_recv_slot", "dy_recv_slot",
+                 "b_stash_slot")}
     bufs = {b: [_Slots() for _ in range(S)] for b in ("x", "stash", "dy")}
     sends = {"activation": np.zeros(T, bool), "gradient": np.zeros(T, bool)}
     arrivals: dict[int, list[Transfer]] = {}
     for tr in transfers(schedule):
         arrivals.setdefault(tr.tick, []).append(tr)
     for t in range(T):
-        for s, a in enumerate(grid[t]):
-            if a is None:
+        for s, cell in enumerate(grid[t]):
+            tasks = cell_tasks(cell)
+            if not tasks:
                 continue
-            m = a.microbatch
-            tab["action"][t, s] = FORWARD if a.kind == "F" else BACKWARD
-            tab["microbatch"][t, s] = m
-            if a.kind == "F":
-                if m in bufs["x"][s].held:  # stage 0 makes its input from the tokens
-                    slot_tab["x_slot"][t, s] = bufs["x"][s].held.pop(m)
-                slot_tab["stash_slot"][t, s] = bufs["stash"][s].take(m)
-            else:
-                slot_tab["stash_slot"][t, s] = bufs["stash"][s].held.pop(m)
+            both = len(tasks) == 2
+            tab["action"][t, s] = BOTH if both else FORWARD if tasks[0].kind == "F" else BACKWARD
+            # The B first: it reads (and frees) its stash slot before the F writes one.
+            for a in sorted(tasks, key=lambda a: a.kind != "B"):
+                m = a.microbatch
+                if a.kind == "F":
+                    tab["microbatch"][t, s] = m
+                    if m in bufs["x"][s].held:  # stage 0 makes its input from the tokens
+                        slot_tab["x_slot"][t, s] = bufs["x"][s].held.pop(m)
+                    slot_tab["stash_slot"][t, s] = bufs["stash"][s].take(m)
+                    continue
+                tab["b_microbatch" if both else "microbatch"][t, s] = m
+                slot_tab["b_stash_slot" if both else "stash_slot"][t, s] = \
+                    bufs["stash"][s].held.pop(m)
                 if m in bufs["dy"][s].held:  # the last stage starts from the loss
                     slot_tab["dy_slot"][t, s] = bufs["dy"][s].held.pop(m)
         for tr in arrivals.get(t, []):
@@ -505,7 +581,7 @@ def tick_program(schedule: Schedule) -> TickProgram:
             slot_tab[f"{b}_recv_slot"][t, tr.dst] = bufs[b][tr.dst].take(tr.microbatch)
     size = {b: max(1, max(sl.size for sl in bufs[b])) for b in bufs}
     for k, v in slot_tab.items():  # unused reads and writes go to the scratch slot
-        v[v < 0] = size[k.split("_")[0]]
+        v[v < 0] = size["stash" if "stash" in k else k.split("_")[0]]
     return TickProgram(schedule=schedule, **tab, **slot_tab,
                        sends_activation=sends["activation"], sends_gradient=sends["gradient"],
                        x_slots=size["x"], stash_slots=size["stash"], dy_slots=size["dy"])
@@ -516,7 +592,7 @@ def format_table(schedule: Schedule) -> str:
     table = tick_table(schedule)
     rows = [f"{schedule.name} (stages={schedule.stages}, microbatches={schedule.microbatches})"]
     for s in range(schedule.stages):
-        cells = [str(table[t][s]) if table[t][s] else "." for t in range(len(table))]
+        cells = ["+".join(map(str, cell_tasks(table[t][s]))) or "." for t in range(len(table))]
         rows.append(f"  stage {s}: " + " ".join(f"{c:>3}" for c in cells))
     return "\n".join(rows)
 

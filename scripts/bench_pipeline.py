@@ -7,6 +7,7 @@ compute per stage, and the schedule timeline plots.
     python scripts/bench_pipeline.py plots      # docs/img/gpipe.png, docs/img/1f1b.png
     python scripts/bench_pipeline.py mpmd-memory  # per-stage state bytes, split [7, 1]
     python scripts/bench_pipeline.py mpmd-time  # MPMD task times -> asynchronous step time
+    python scripts/bench_pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
     python scripts/bench_pipeline.py            # all
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
@@ -48,17 +49,18 @@ def holmes_trainer(*overrides: str) -> Trainer:
 
 def memory(microbatches=(4, 8, 16, 32), per_microbatch: int = 4) -> None:
     """Temp memory of the whole compiled train step on configs/holmes_mini.py (pp=2, dp=2,
-    tp=2), micro-batch size fixed, so GPipe's kept inputs grow with M and 1F1B's do not."""
+    tp=2), micro-batch size fixed, so GPipe's kept inputs grow with M and those of 1F1B and
+    strands do not."""
     print(f"## Activation memory: configs/holmes_mini.py, micro-batch {per_microbatch} sequences "
           f"x 128 tokens (2 per device), temp bytes per device of the compiled train step")
     print()
-    print("| micro-batches M | GPipe temp (MiB) | 1F1B temp (MiB) | GPipe stash slots | "
-          "1F1B stash slots |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| micro-batches M | GPipe temp (MiB) | 1F1B temp (MiB) | strands temp (MiB) | "
+          "GPipe stash slots | 1F1B stash slots | strands stash slots |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in microbatches:
         row = [str(m)]
         kept = []
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "strands"):
             trainer = holmes_trainer(f"--config.pipeline.schedule={schedule}",
                                      f"--config.pipeline.microbatches={m}",
                                      f"--config.train.batch_size={per_microbatch * m}")
@@ -125,14 +127,15 @@ def step_time(split=(4, 3), microbatches=(4, 8, 16, 32)) -> None:
     print(f"## Modelled step time, stages of {list(split)} layers, F = n, B = 3n "
           f"(one layer forward = 1)")
     print()
-    print("| micro-batches M | GPipe (executor) | 1F1B (executor) | 1F1B asynchronous | "
-          "1F1B / GPipe |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| micro-batches M | GPipe (executor) | 1F1B (executor) | strands (executor) | "
+          "1F1B asynchronous | 1F1B / GPipe | strands / GPipe |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in microbatches:
         g = sch.lockstep_time(sch.make_schedule("gpipe", len(split), m), fwd, bwd)
         o = sch.lockstep_time(sch.make_schedule("1f1b", len(split), m), fwd, bwd)
+        d = sch.lockstep_time(sch.make_schedule("strands", len(split), m), fwd, bwd)
         a = max(e.end for e in sch.timeline(sch.make_schedule("1f1b", len(split), m), fwd, bwd))
-        print(f"| {m} | {g:.0f} | {o:.0f} | {a:.0f} | {o / g:.2f} |")
+        print(f"| {m} | {g:.0f} | {o:.0f} | {d:.0f} | {a:.0f} | {o / g:.2f} | {d / g:.2f} |")
     print()
 
 
@@ -257,8 +260,35 @@ def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
     print()
 
 
+def remat(schedules=("gpipe", "1f1b"), microbatches: int = 8) -> None:
+    """The SPMD pipeline's compiled train step per recompute policy on configs/holmes_mini.py:
+    FLOPs (`cost_analysis()`, per device) and temp memory (`memory_analysis()`)."""
+    print(f"## Recompute in the SPMD pipeline: configs/holmes_mini.py, M = {microbatches}, "
+          f"compiled train step per device")
+    print()
+    print("| schedule | model.remat | GFLOP | vs full | temp (MiB) | vs full |")
+    print("|---|---|---:|---:|---:|---:|")
+    for schedule in schedules:
+        rows = {}
+        for policy in ("full", "dots", "none", "auto"):
+            trainer = holmes_trainer(f"--config.pipeline.schedule={schedule}",
+                                     f"--config.pipeline.microbatches={microbatches}",
+                                     f"--config.train.batch_size={4 * microbatches}",
+                                     f"--config.model.remat={policy}")
+            compiled = trainer.compiled_step()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            rows[policy] = (cost["flops"], compiled.memory_analysis().temp_size_in_bytes)
+            f, t = rows[policy]
+            f0, t0 = rows["full"]
+            print(f"| {schedule} | {policy} | {f / 1e9:.3f} | {f / f0:.3f} | {t / MIB:.2f} | "
+                  f"{t / t0:.2f} |", flush=True)
+    print()
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time"]
+    what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time",
+                            "remat"]
     for w in what:
         {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
-         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time}[w]()
+         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat}[w]()

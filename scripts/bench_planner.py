@@ -253,8 +253,16 @@ def executors(_args) -> None:
                           schedule="1f1b", zero=zr.named("zero1", dp, 8))
             step = {ex: CostModel(t, model, CostOptions(executor=ex)).predict(holmes).step_time
                     for ex in ("hetjax", "mpmd", "megatron")}
+            # the SPMD pipeline keeping every layer's residuals (model.remat = none)
+            keep = dataclasses.replace(model, remat="none")
+            step["keep"] = CostModel(t, keep).predict(holmes).step_time
+            # ... and running DHelix's two strands per tick (lockstep time = GPipe's)
+            step["strands"] = CostModel(t, keep).predict(
+                dataclasses.replace(holmes, schedule="strands")).step_time
             rows.append([size, str(devices), str(batch), f"pp=2 dp={dp} M={batch // dp}",
                          f"{step['hetjax']:.2f} ({step['hetjax'] / step['megatron']:.2f}x)",
+                         f"{step['keep']:.2f} ({step['keep'] / step['megatron']:.2f}x)",
+                         f"{step['strands']:.2f} ({step['strands'] / step['megatron']:.2f}x)",
                          f"{step['mpmd']:.2f} ({step['mpmd'] / step['megatron']:.2f}x)",
                          f"{step['megatron']:.2f}"])
         # The planner's choice on 32 A100s as the link between the clusters slows down.
@@ -272,7 +280,8 @@ def executors(_args) -> None:
     print("Holmes' hybrid layout (IB + RoCE clusters of 8-A100 nodes, 25 GbE between; a stage "
           "per cluster, ZeRO-1, 1F1B, seq 2048): predicted step time [s] per executor, and "
           "its ratio to Megatron-LM's\n")
-    print(table(["model", "A100s", "batch", "layout", "spmd (lockstep)", "mpmd",
+    print(table(["model", "A100s", "batch", "layout", "spmd (lockstep)",
+                 "spmd remat=none (lockstep)", "spmd strands remat=none (lockstep)", "mpmd",
                  "megatron"], rows))
     print("\nThe planner's choice on 32 A100s (batch 768) when it prices each of hetjax's "
           "executors (free pp, dp, tp, M, schedule, ZeRO), as the Ethernet link between the "

@@ -183,9 +183,10 @@ def test_activation_memory_follows_the_schedule():
 
 
 def test_hetjax_executor_stashes_layer_inputs_and_replicates_shared_parameters():
-    """parallel/pipeline.py: every layer recomputed (whatever model.remat), max_layers + 1
-    stashed activations per micro-batch in flight, embedding and head on every stage."""
-    m = tiny_model(n_layers=8, remat="none")
+    """parallel/pipeline.py with model.remat 'auto': every layer recomputed (Megatron: none),
+    max_layers + 1 stashed activations per micro-batch in flight, embedding and head on every
+    stage."""
+    m = tiny_model(n_layers=8, remat="auto")
     t = preset("cpu_single")
     hj, mg = (CostModel(t, m, CostOptions(executor=e)) for e in ("hetjax", "megatron"))
     layout = _layout(4, 2, M=8, schedule="1f1b")
@@ -203,6 +204,27 @@ def test_hetjax_executor_stashes_layer_inputs_and_replicates_shared_parameters()
     single = hj.stage_costs(_layout(1, 8, M=2))[0]
     assert single.mem_layer > 0 and single.bwd_layer == pytest.approx(
         mg.stage_costs(_layout(1, 8, M=2))[0].bwd_layer)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_hetjax_executor_prices_the_recompute_policy_it_is_given(remat):
+    """model.remat none / dots in the SPMD pipeline: the backward recomputes what Megatron's
+    does, and every padded layer slot stashes the residuals the policy keeps."""
+    m = tiny_model(n_layers=8, remat=remat)
+    t = preset("cpu_single")
+    hj, mg = (CostModel(t, m, CostOptions(executor=e)) for e in ("hetjax", "megatron"))
+    full = CostModel(t, dataclasses.replace(m, remat="full"), CostOptions(executor="hetjax"))
+    layout = _layout(4, 2, M=8, schedule="1f1b")
+    ours, theirs, recomputed = (c.stage_costs(layout) for c in (hj, mg, full))
+    assert ours[0].bwd_layer == pytest.approx(theirs[0].bwd_layer)
+    assert ours[0].bwd_layer < recomputed[0].bwd_layer
+    tok = 32 / 8 / 2 * 128
+    slot = zr.model_state_bytes(m.layer_params, ZeroFactors(), zr.FP32)
+    kept = hj.activation_bytes_per_token(1, 128, remat) * tok
+    assert kept > tok * m.d_model * 4
+    assert [c.mem_slot - slot for c in ours] == pytest.approx([4 * kept, 3 * kept, 2 * kept,
+                                                               kept])
+    assert all(a.mem_slot > b.mem_slot for a, b in zip(ours, recomputed))
 
 
 def test_hetjax_executor_runs_ticks_in_lockstep():

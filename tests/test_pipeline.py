@@ -122,12 +122,13 @@ def check_against_reference(config):
     return trainer
 
 
-# (schedule, layers per stage, dp, tp, micro-batches, extra config)
+# (schedule, layers per stage, dp, tp, micro-batches, extra config); every recompute policy
+# (model.remat; 'auto' is 'full' here) with dp and tp inside stages and a one-layer stage
 EXECUTOR_CASES = [
-    ("1f1b", (1, 2), 2, 2, 4, {}),  # a single-layer first stage
-    ("gpipe", (3, 1), 2, 2, 2, {}),  # a single-layer last stage, fewer micro-batches than...
+    ("1f1b", (1, 2), 2, 2, 4, {"model.remat": "none"}),  # a single-layer first stage
+    ("gpipe", (3, 1), 2, 2, 2, {"model.remat": "dots"}),  # a single-layer last stage
     ("1f1b", (2, 1, 3, 1), 2, 1, 8, {"model.tie_embeddings": False}),  # 1F1B steady state
-    ("gpipe", (1, 3, 2, 1), 1, 2, 4, {}),
+    ("gpipe", (1, 3, 2, 1), 1, 2, 4, {"model.remat": "full"}),
 ]
 
 
@@ -343,6 +344,55 @@ def test_only_pipeline_permutes_cross_clusters_on_the_holmes_preset(holmes_run):
     assert any(sorted(c[2]) == dp_groups for c in reduces)
     assert any(sorted(c[2]) == tp_groups for c in reduces)
     assert not spans(tp_groups, "global_node") and not spans(dp_groups, "cluster")
+
+
+# --- two strands per tick (DHelix's strand interleaving) ---------------------------------------
+@pytest.fixture(scope="module")
+def strands_run():
+    """The strands schedule on pp 2 with a one-layer stage, dp 2, tp 2 and no recompute: the
+    trainer, a batch and the compiled loss and gradients (shared by the tests below)."""
+    trainer = Trainer(pipe_config((1, 2), "strands", 2, 2, 4, **{"model.remat": "none"}),
+                      quiet=True)
+    batch = trainer.put_batch(next(trainer.data))
+    with trainer._context():
+        compiled = jax.jit(trainer.loss_and_grads).lower(trainer.state.params, batch).compile()
+    return trainer, batch, compiled
+
+
+def test_strands_loss_and_every_gradient_equal_the_plain_model(strands_run):
+    trainer, batch, compiled = strands_run
+    assert trainer.pipeline.program.paired  # some tick runs an F and a B
+    with trainer._context():
+        loss, grads = compiled(trainer.state.params, batch)
+    ref_loss, ref_grads = reference_grads(trainer, batch)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    assert_grads_match(jax.device_get(trainer.pipeline.from_stages(grads)), ref_grads)
+
+
+def strands_in(lines: list[str]) -> set[str]:
+    """Which strands the tensor-parallel all-reduces of a computation's layer ops belong to:
+    'F' (jvp of a DecoderBlock) and / or 'B' (its transpose). XLA may combine two into one op."""
+    out = set()
+    for line in lines:
+        name = re.search(r'op_name="([^"]*)"', line)
+        if " all-reduce" not in line or not name:
+            continue
+        if re.search(r"(?<!transpose\()jvp\(DecoderBlock\)", name.group(1)):
+            out.add("F")
+        if "transpose(jvp(DecoderBlock))" in name.group(1):
+            out.add("B")
+    return out
+
+
+def test_a_strands_tick_puts_both_strands_collectives_in_one_computation(strands_run):
+    """The condition for XLA's scheduler to overlap one strand's communication with the
+    other's compute: the layers' tp all-reduces of the forward and of the backward sit in one
+    computation (the fused layer loop's body). GPipe and 1F1B run them in separate loops."""
+    from parallel import hlo
+
+    comps = hlo.computations(strands_run[2].as_text())
+    assert any(strands_in(lines) == {"F", "B"} for lines in comps.values())
+    assert any(strands_in(lines) == {"F"} for lines in comps.values())  # warm-up F ticks
 
 
 # --- activation memory of the schedules --------------------------------------------------------

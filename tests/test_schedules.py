@@ -7,7 +7,7 @@ import pytest
 from hetjax.planner.simulate import in_flight, simulate
 from parallel import schedules as sch
 
-TICK_SCHEDULES = ("gpipe", "1f1b")
+TICK_SCHEDULES = ("gpipe", "1f1b", "strands")
 SIZES = [(1, 1), (2, 4), (4, 4), (4, 8), (3, 6), (4, 9), (3, 2)]
 
 
@@ -24,7 +24,7 @@ def sizes_for(name):
 
 
 def test_the_registry_holds_every_schedule_and_says_which_the_spmd_executor_runs():
-    assert list(sch.SCHEDULES) == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    assert list(sch.SCHEDULES) == ["gpipe", "1f1b", "interleaved", "zb-h1", "strands"]
     assert sch.spmd_schedules() == TICK_SCHEDULES
     assert sch.SCHEDULES["interleaved"].virtual == 2
     assert sch.SCHEDULES["zb-h1"].splits_backward
@@ -96,14 +96,15 @@ def test_tick_grid_respects_dependencies(name):
     s = sch.make_schedule(name, 4, 6)
     table = sch.tick_table(s)
     when = {(a.kind, a.microbatch, st): t for t, row in enumerate(table)
-            for st, a in enumerate(row) if a}
+            for st, cell in enumerate(row) for a in sch.cell_tasks(cell)}
     for m in range(6):
         for st in range(1, 4):
             assert when[("F", m, st)] > when[("F", m, st - 1)]
         for st in range(3):
             assert when[("B", m, st)] > when[("B", m, st + 1)]
-    # both schedules take 2 * (M + S - 1) unit ticks with F = B = 1
-    assert len(table) == 2 * (6 + 4 - 1)
+    # GPipe and 1F1B take 2 * (M + S - 1) unit ticks with F = B = 1; strands, whose ticks
+    # may hold an F and a B, M + 2 S - 1
+    assert len(table) == (6 + 2 * 4 - 1 if name == "strands" else 2 * (6 + 4 - 1))
 
 
 def test_timeline_with_uneven_stages_and_transfers():
@@ -141,16 +142,18 @@ def run_tick_program(prog: sch.TickProgram) -> list[int]:
         out_x, out_dy = [None] * S, [None] * S
         for s in range(S):
             kind, m, k = prog.action[t, s], prog.microbatch[t, s], prog.stash_slot[t, s]
-            if kind == sch.FORWARD:
+            if kind in (sch.BACKWARD, sch.BOTH):
+                mb, kb = ((prog.b_microbatch[t, s], prog.b_stash_slot[t, s]) if kind == sch.BOTH
+                          else (m, k))
+                assert stash[s][kb] == mb, (t, s, "stash")
+                stash[s][kb] = None
+                assert s == S - 1 or dy_inbox[s][prog.dy_slot[t, s]] == mb, (t, s, "gradient")
+                out_dy[s] = mb
+            if kind in (sch.FORWARD, sch.BOTH):
                 assert s == 0 or inbox[s][prog.x_slot[t, s]] == m, (t, s, "input")
                 assert k < prog.stash_slots and stash[s][k] is None, (t, s, "stash in use")
                 stash[s][k] = m
                 out_x[s] = m
-            elif kind == sch.BACKWARD:
-                assert stash[s][k] == m, (t, s, "stash")
-                stash[s][k] = None
-                assert s == S - 1 or dy_inbox[s][prog.dy_slot[t, s]] == m, (t, s, "gradient")
-                out_dy[s] = m
             peak[s] = max(peak[s], sum(v is not None for v in stash[s]))
         assert prog.sends_activation[t] == any(v is not None for v in out_x[:-1])
         assert prog.sends_gradient[t] == any(v is not None for v in out_dy[1:])
@@ -160,7 +163,7 @@ def run_tick_program(prog: sch.TickProgram) -> list[int]:
     return peak
 
 
-@pytest.mark.parametrize("name", TICK_SCHEDULES)
+@pytest.mark.parametrize("name", ("gpipe", "1f1b"))
 @pytest.mark.parametrize("stages, mb", [(2, 1), (2, 4), (3, 2), (4, 4), (4, 9), (4, 16)])
 def test_tick_program_delivers_every_input_and_gradient(name, stages, mb):
     s = sch.make_schedule(name, stages, mb)
@@ -171,6 +174,38 @@ def test_tick_program_delivers_every_input_and_gradient(name, stages, mb):
     assert peak == [s.max_in_flight(st) for st in range(stages)]
     assert prog.stash_slots == (mb if name == "gpipe" else min(stages, mb))
     assert prog.x_slots == prog.dy_slots == 1  # with unit ticks nothing waits long
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_strands_run_two_strands_per_tick_at_gpipe_lockstep_time_with_a_flat_stash(stages):
+    """DHelix on the tick grid: after the warm-up every tick of a stage holds an F and a B of
+    different micro-batches; the lockstep step equals GPipe's, and the stash stays within
+    2 (pp - s) micro-batches whatever M (2 (pp - s) - 1 slots: B frees one before F takes
+    one), where GPipe's grows with M."""
+    f, b = [1.0] * stages, [2.5] * stages
+    slots = set()
+    for mb in (1, 2, 4, 8, 16, 32):
+        s = sch.make_schedule("strands", stages, mb)
+        g = sch.make_schedule("gpipe", stages, mb)
+        assert sch.lockstep_time(s, f, b) == pytest.approx(sch.lockstep_time(g, f, b))
+        assert simulate("strands", mb, f, b, lockstep=True).step_time == pytest.approx(
+            (mb + stages - 1) * (f[0] + b[0]))
+        prog = sch.tick_program(s)
+        peak = run_tick_program(prog)
+        for st in range(stages):
+            assert s.max_in_flight(st) <= 2 * (stages - st)
+            assert peak[st] <= 2 * (stages - st) - 1
+        assert in_flight("strands", stages, mb) == tuple(
+            float(s.max_in_flight(st)) for st in range(stages))
+        grid = sch.tick_table(s)
+        pairs = [cell for row in grid for cell in row if isinstance(cell, tuple)]
+        assert all(a.kind == "F" and b.kind == "B" and a.microbatch != b.microbatch
+                   for a, b in pairs)
+        assert prog.paired == bool(pairs)
+        if mb >= 2 * stages:
+            assert len(pairs) == stages * (mb - 2 * stages) + stages * stages
+            slots.add(prog.stash_slots)
+    assert slots == {2 * stages - 1}  # flat in M
 
 
 def test_transfers_are_the_sends_of_the_tick_grid():

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
-from hetjax.plan import Plan, ZeroFactors
+from hetjax.plan import Plan, ZeroFactors, effective_remat
 from hetjax.planner import collectives as coll, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, simulate
 from hetjax.topology import Accelerator, Link, Topology
@@ -43,9 +43,10 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node's NIC
 
 # How a pipeline (pp > 1) is executed, which changes its time and memory:
-# - "hetjax": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep; every
-#   layer is recomputed in the backward (model.remat does not apply) and a stage stashes each
-#   layer's input, max_layers + 1 activations per micro-batch in flight; embedding, final norm
+# - "hetjax": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep;
+#   recompute follows model.remat ('auto': every layer recomputed) and a stage stashes each
+#   layer slot's residuals (its input under 'full'), max_layers + 1 activations per micro-batch
+#   in flight under 'full'; embedding, final norm
 #   and head are replicated on every stage and their gradients summed around the ring of
 #   stages (pp - 1 point-to-point hops); the gradient sync runs after the loop.
 # - "mpmd": parallel/mpmd.py's executor, one program per stage. Stages run asynchronously,
@@ -272,6 +273,7 @@ class _Slot:
     sync_layer: float
     mem_slot: float  # model-state bytes per layer slot
     stash: float  # bytes per padded layer slot per micro-batch in flight (hetjax executor)
+    stash_out: float  # bytes of the stage output per micro-batch in flight (hetjax executor)
     act_layer: float  # activation bytes per layer per micro-batch in flight
     mem_base: float
     head_fwd: float
@@ -390,7 +392,7 @@ class CostModel:
         """Forward FLOPs per token a layer recomputes in its backward under `remat`."""
         m = self.model
         return {"full": m.layer_flops(seq_len), "dots": m.layer_flops(seq_len) -
-                m.layer_flops(0)}.get(remat or m.remat, 0.0)
+                m.layer_flops(0)}.get(remat or effective_remat(m.remat), 0.0)
 
     def train_flops_per_token(self, seq_len: int) -> float:
         """Hardware FLOPs per token including recompute (Megatron's count)."""
@@ -560,7 +562,7 @@ class CostModel:
         """Bytes one layer keeps for its backward, per token: block input and norms, q/k/v,
         attention probabilities, MLP gate/up/activation (all but the residual stream split
         over tp); remat 'full' keeps only the block input, 'dots' drops the probabilities."""
-        m, remat = self.model, remat or self.model.remat
+        m, remat = self.model, remat or effective_remat(self.model.remat)
         if remat == "full":
             return m.d_model * self.act_bytes
         kv = m.n_kv_heads * m.head_dim
@@ -576,7 +578,8 @@ class CostModel:
         and a prefetched layer are counted where they live.)"""
         if remat == "none":
             return 0.0
-        kept = 0.0 if self.pipelined_by_hetjax(layout) else \
+        # hetjax's stash of 'full' is counted with the stash (its layer inputs)
+        kept = 0.0 if self.pipelined_by_hetjax(layout) and remat == "full" else \
             self.activation_bytes_per_token(layout.tp, layout.seq_len, remat) * \
             layout.tokens_per_device()
         return full_layer - kept
@@ -604,7 +607,7 @@ class CostModel:
         mesh = layout.mesh()
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
         hetjax = self.pipelined_by_hetjax(layout)
-        remat = "full" if hetjax else m.remat
+        remat = effective_remat(m.remat, hetjax)
         zero_as = self.zero_style
         layer_p = m.layer_params / tp
         embed_p = m.embed_params / tp
@@ -632,11 +635,14 @@ class CostModel:
                                                cb, o.overlap),
                 sync_layer=z.sync + z.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
-                # hetjax stashes each layer's input in every padded slot, plus the stage
-                # output, and holds one layer's full activations while it recomputes.
-                stash=tok * m.d_model * self.act_bytes if hetjax else 0.0,
+                # hetjax stashes each layer's residuals (its input under remat 'full') in
+                # every padded slot, plus the stage output, and with 'full' holds one layer's
+                # full activations while it recomputes.
+                stash=self.activation_bytes_per_token(tp, layout.seq_len, remat) * tok
+                if hetjax else 0.0,
+                stash_out=tok * m.d_model * self.act_bytes if hetjax else 0.0,
                 act_layer=0.0 if hetjax else
-                self.activation_bytes_per_token(tp, layout.seq_len) * tok,
+                self.activation_bytes_per_token(tp, layout.seq_len, remat) * tok,
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
                 # (in mem_slot). Temporaries: the layer being recomputed holds its full
                 # activations (hetjax's pipeline always recomputes).
@@ -684,7 +690,7 @@ class CostModel:
             sync_fixed=(slot.embed_sync if embed else 0.0) + (slot.head_sync if head else 0.0)
             + (shared if slot.shared_everywhere or first or last else 0.0),
             mem_slot=slot.mem_slot + slot.stash * live, mem_layer=slot.act_layer * live,
-            mem_fixed=slot.mem_base + slot.stash * live + (slot.embed_mem if embed else 0.0)
+            mem_fixed=slot.mem_base + slot.stash_out * live + (slot.embed_mem if embed else 0.0)
             + (slot.head_mem if head else 0.0) + (slot.logits if last else 0.0),
             capacity=slot.capacity, label=slot.label,
             padded=self.options.executor != "mpmd")

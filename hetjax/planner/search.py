@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors, even_split
+from hetjax.plan import Plan, ZeroFactors, effective_remat, even_split
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import (CostModel, CostOptions, Layout, MissingLinkError, StageCost,
                                  runs_schedule)
@@ -538,7 +538,7 @@ class _Search:
         if self.shortfall.ratio < math.inf:
             r = self.shortfall.ratio
             fixes = [f"about {math.ceil(r * n)} devices of this kind (x{r:.2f} the memory)"]
-            if self.model.remat != "full":
+            if effective_remat(self.model.remat) != "full":
                 fixes.append("model.remat='full' (keeps one activation per layer)")
             fixes.append("a smaller train.batch_size or train.seq_len, or more micro-batches")
             return PlanError(

@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from parallel.schedules import (Action, Event, Schedule, make_schedule, tick_codes, tick_table,
-                              timeline)
+from parallel.schedules import (Action, Event, Schedule, cell_tasks, make_schedule,
+                                tick_codes, tick_table, timeline)
 from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
 
@@ -97,10 +97,14 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
     if lockstep:
         durations = lockstep_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd)
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
-        events = [Event(s, a, float(starts[t]), float(starts[t]) + (fwd[s] if a.kind == "F"
-                                                                     else bwd[s]))
-                  for t, row in enumerate(_ticks(schedule, S, microbatches)[0])
-                  for s, a in enumerate(row) if a is not None]
+        events = []
+        for t, row in enumerate(_ticks(schedule, S, microbatches)[0]):
+            for s, cell in enumerate(row):
+                start = float(starts[t])
+                for a in cell_tasks(cell):  # a two-strand tick: its F, then its B
+                    end = start + (fwd[s] if a.kind == "F" else bwd[s])
+                    events.append(Event(s, a, start, end))
+                    start = end
         # One SPMD program reduces the gradients after its loop: nothing hides them.
         hidden = list(sync)
         step = float(durations.sum()) + max(hidden)
