@@ -33,6 +33,7 @@ CASES = [
     # two chunks per stage; stage 0's second chunk has no layer (it passes its input on)
     ("interleaved", (1, 3), 2, 2, 4, {}),
     ("zb-h1", (3, 1), 4, 1, 4, {"model.remat": "none"}),  # the backward split into I and W
+    ("strands", (2, 1, 3, 1), 2, 1, 8, {}),  # the planner may choose it for the MPMD executor
 ]
 
 
