@@ -36,3 +36,31 @@ def test_notebook_runs_in_a_fresh_kernel(name, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2  # plan / loss figures
+
+
+def readme_snippet() -> str:
+    """The README's Python snippet, as written."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.heavy
+def test_the_readme_snippet_runs_as_written_in_a_fresh_kernel(monkeypatch, tmp_path):
+    """A fresh kernel is a fresh Python process with no XLA_FLAGS: the snippet gets its
+    simulated devices itself, trains, and its history and parameters are there."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    os.symlink(os.path.join(REPO, "configs"), tmp_path / "configs")  # its relative paths
+    snippet = readme_snippet()
+    check = ("assert summary.history.columns()['step'][-1] == 50\n"
+             "assert 'layers' in trainer.params\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(snippet),
+                                         nbformat.v4.new_code_cell(check)])
+    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in nb.cells for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
