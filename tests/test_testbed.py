@@ -368,8 +368,8 @@ def test_a_two_process_training_runs_through_the_launcher_across_the_shaped_link
     topo = cpu_hybrid(nodes=1, devices_per_node=1)  # ib-0 and roce-0
     config = [f"--config.{k}={v}" for k, v in {
         "topology.preset": "cpu_hybrid", "topology.nodes": 1, "topology.devices_per_node": 1,
-        "parallel.pp": 2, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
-        "model.n_kv_heads": 2, "model.d_ff": 64, "model.max_seq_len": 16,
+        "parallel.pp": 2, "parallel.tp": 1, "model.d_model": 32, "model.n_layers": 2,
+        "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 64, "model.max_seq_len": 16,
         "train.seq_len": 16, "train.batch_size": 8, "train.microbatches": 2,
         "train.steps": 3, "train.log_every": 1, "train.progress": False,
         "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0}.items()]
