@@ -63,7 +63,8 @@ class Workload:
                  "train.seq_len": self.seq_len, "train.batch_size": self.batch,
                  "train.microbatches": self.microbatches, "pipeline.schedule": self.schedule,
                  "train.steps": self.steps, "train.log_every": 1, "train.progress": False,
-                 "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0}
+                 "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0,
+                 "eval.every": 0}  # workers without --config run the default job: no evals
         return [f"--config.{k}={v}" for k, v in flags.items()]
 
     def model(self):
