@@ -448,9 +448,9 @@ class MpmdExecutor(Executor):
         return self.from_natural_params(natural)
 
     def from_natural_params(self, natural) -> MpmdState:
-        """Fresh optimizer states for natural parameters, split over the stages."""
+        """Fresh optimizer states for natural parameters, split over the (local) stages."""
         stages = []
-        for st in self.stages:
+        for st in (self.stages[s] for s in self.local):
             params = stage_tree(natural, st.chunks, self.tied)
 
             def init(p):

@@ -38,7 +38,7 @@ from parallel.mesh import AXES, mesh_shape
 from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, issue_order, model_chunks,
                            schedule_for, stage_tree)
 from parallel.pipeline import check_plan
-from parallel.train_state import Executor, TrainState
+from parallel.train_state import Executor
 
 LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
 
@@ -112,21 +112,6 @@ class WorldsExecutor(MpmdExecutor):
         import flax.linen as nn
 
         return nn.unbox(self._init_boxed(key))
-
-    def from_natural_params(self, natural) -> MpmdState:
-        states = []
-        for s in self.local:
-            st = self.stages[s]
-            params = stage_tree(natural, st.chunks, self.tied)
-
-            def init(p):
-                return TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                  opt_state=self.tx.init(p))
-
-            with st.context():
-                states.append(jax.jit(init, out_shardings=st.state_sharding)(
-                    jax.device_put(params, st.state_sharding.params)))
-        return MpmdState(stages=tuple(states))
 
     def params(self, state):
         raise HetjaxError("the natural parameters of a multi-world job are spread over its "
