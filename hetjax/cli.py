@@ -378,17 +378,24 @@ def cmd_plan(argv: list[str]) -> int:
 
 CALIBRATE_USAGE = """usage: hetjax calibrate [--out=PATH] [--plot=PATH] [--batches=1,4]
                         [--seq_lens=64,128] [--sizes=65536,1048576,4194304] [--repeats=3]
+                        [--min_sample=0.5]
                         [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
 Measure the cost model's inputs on the devices of this job: the model's decoder block,
 forward and backward, per accelerator kind at several micro-batch sizes (--batches) and
 sequence lengths (--seq_lens, default train.seq_len / 2 and train.seq_len); all-reduce,
 reduce-scatter, all-gather and point-to-point per link class at several message sizes
-(--sizes, bytes) and group sizes. Writes a calibration file (default
+(--sizes, bytes) and group sizes. Each time is the median of --repeats samples, a sample
+being as many back-to-back calls as last --min_sample seconds (averages out CPU quotas and
+clock changes; 0: one call). Writes a calibration file (default
 <workdir>/calibration.json) and a plot of measured vs modelled times (default next to it,
 .png), and prints both tables. Use it: hetjax plan --config.planner.calibration=PATH.
 Under several processes: hetjax launch --local N --command=calibrate [--config...].
 """
+
+
+# hetjax calibrate's own flags (hetjax launch --command=calibrate passes them to its workers)
+CALIBRATE_OPTIONS = ("out", "plot", "batches", "seq_lens", "sizes", "repeats", "min_sample")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -402,6 +409,16 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _seconds(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise HetjaxError(f"--{flag}={text!r}: give a number of seconds >= 0, e.g. --{flag}=0.5")
+    return value
+
+
 def cmd_calibrate(argv: list[str]) -> int:
     """Measure this job's devices and write a calibration file (see CALIBRATE_USAGE)."""
     if any(a in ("-h", "--help") for a in argv):
@@ -410,8 +427,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     from hetjax import config as hconfig
     from hetjax.distributed import WorkerSpec
 
-    opts, rest = _take_options(argv, ("out", "plot", "batches", "seq_lens", "sizes",
-                                      "repeats"))
+    opts, rest = _take_options(argv, CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
     topology = hconfig.build_topology(cfg)
     spec = WorkerSpec.from_environ()
@@ -434,7 +450,8 @@ def cmd_calibrate(argv: list[str]) -> int:
         else measure.DEFAULT_BATCHES,
         message_bytes=_ints(opts["sizes"], "sizes") if "sizes" in opts
         else measure.DEFAULT_MESSAGE_BYTES,
-        repeats=_ints(opts.get("repeats", "3"), "repeats")[0])
+        repeats=_ints(opts.get("repeats", "3"), "repeats")[0],
+        min_sample_s=_seconds(opts.get("min_sample", str(measure.MIN_SAMPLE_S)), "min_sample"))
     if spec is not None and spec.process_id != 0:
         return 0
     out = opts.get("out") or os.path.join(cfg.workdir, "calibration.json")

@@ -128,8 +128,10 @@ def read_hostfile(path: str) -> list[str]:
     return hosts
 
 
-def worker_command(python: str, config_args, command: str = "train") -> list[str]:
-    return [python, "-u", "-m", "hetjax", command, *config_args]
+def worker_command(python: str, config_args, command: str = "train",
+                   options: tuple[str, ...] = ()) -> list[str]:
+    """A worker's command line; `options` are the command's own flags (calibrate's)."""
+    return [python, "-u", "-m", "hetjax", command, *options, *config_args]
 
 
 def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list[Worker]:
@@ -164,7 +166,8 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
             env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
             # a world that never comes up is named by its bridge peers after the init timeout
             env[bridge.ENV_BRIDGE_TIMEOUT] = str(args.init_timeout)
-        cmd = worker_command(args.python, config_args, getattr(args, "command", "train"))
+        cmd = worker_command(args.python, config_args, getattr(args, "command", "train"),
+                         getattr(args, "worker_options", ()))
         local = args.local is not None
         if local:
             env.update(nic.simulated_cpu_env(slot.num_devices))
@@ -214,7 +217,8 @@ def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict
     n = len(slots)
     cmd = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
            "--kill-on-bad-exit=1", "--label",
-           *worker_command(args.python, config_args, getattr(args, "command", "train"))]
+           *worker_command(args.python, config_args, getattr(args, "command", "train"),
+                         getattr(args, "worker_options", ()))]
     return cmd, env, slots
 
 
@@ -485,6 +489,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args, config_args = parser().parse_known_args(argv)
+    if args.command == "calibrate":  # calibrate's own flags go to every worker as given
+        from hetjax.cli import CALIBRATE_OPTIONS, _take_options
+
+        opts, config_args = _take_options(config_args, CALIBRATE_OPTIONS)
+        args.worker_options = tuple(f"--{k}={v}" for k, v in opts.items())
     stray = [a for a in config_args if not a.startswith("--config")]
     if stray:
         raise HetjaxError(f"hetjax launch does not know {stray}; its own flags are listed by "

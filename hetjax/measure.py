@@ -33,21 +33,47 @@ DEFAULT_BATCHES = (1, 4)
 DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 20, 1 << 22)
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
+# Every timed sample lasts at least this long by default: under a CPU quota (the testbed's
+# emulated accelerators, cgroup periods of 100 ms) or clock boost, a call of a few ms is
+# throttled or not by chance; a sample spanning several scheduler periods averages that out.
+MIN_SAMPLE_S = 0.5
+
+
+def _calls_per_sample(fn, args, min_sample_s: float, agree: bool = False) -> int:
+    """How many back-to-back calls make a sample of `min_sample_s` (after a compile + warm-up
+    call). With `agree`, every process of the job takes the largest count (a collective must
+    run the same number of times everywhere); a process not in the collective passes fn=None."""
     import jax
 
-    jax.block_until_ready(fn(*args))  # compile and warm up
+    calls = 0
+    if fn is not None:
+        jax.block_until_ready(fn(*args))  # compile and warm up
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        calls = max(1, int(np.ceil(min_sample_s / max(time.perf_counter() - t0, 1e-6))))
+    if agree and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        calls = int(np.max(multihost_utils.process_allgather(np.int64(calls))))
+    return calls
+
+
+def _median_seconds(fn, args, repeats: int, calls: int) -> float:
+    """Median over `repeats` samples of the mean seconds per call in a sample of `calls`."""
+    import jax
+
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):  # waited for one by one: many collectives queued at once
+            jax.block_until_ready(fn(*args))  # deadlock XLA's in-process CPU rendezvous
+        times.append((time.perf_counter() - t0) / calls)
     return float(np.median(times))
 
 
 def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tflops: float,
                     batches: Sequence[int], seq_lens: Sequence[int],
-                    repeats: int = 3) -> list[ComputeRow]:
+                    repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> list[ComputeRow]:
     """Forward and backward seconds of one decoder block per micro-batch of `b` sequences of
     `s` tokens, on all of `devices` at once (the backward: forward + backward less forward)."""
     import jax
@@ -77,8 +103,10 @@ def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tfl
     for s in seq_lens:
         for b in batches:
             x = jax.device_put(jnp.ones((n, b, s, model.d_model), dtype), spread)
-            t_fwd = _median_seconds(run_fwd, (stacked, x), repeats)
-            t_grad = _median_seconds(run_grad, (stacked, x), repeats)
+            t_fwd = _median_seconds(run_fwd, (stacked, x), repeats,
+                                    _calls_per_sample(run_fwd, (stacked, x), min_sample_s))
+            t_grad = _median_seconds(run_grad, (stacked, x), repeats,
+                                     _calls_per_sample(run_grad, (stacked, x), min_sample_s))
             rows.append(ComputeRow(kind, b, s, t_fwd, max(t_grad - t_fwd, 1e-3 * t_fwd),
                                    peak_tflops))
     return rows
@@ -124,7 +152,7 @@ def split_by_class(topology: Topology, groups: np.ndarray) -> list[np.ndarray]:
 
 
 def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence[int],
-                  repeats: int = 3) -> list[LinkRow]:
+                  repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> list[LinkRow]:
     """Seconds of each operation over each group layout of `group_layouts` (split by link
     class) at each size (float32 elements; all-gather's size is the gathered result,
     reduce-scatter's its input, point-to-point's what each device sends). A process owning
@@ -154,13 +182,15 @@ def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence
                                            out_specs=P("r", "g")))
                 for nbytes in message_bytes:
                     elems = max(g, nbytes // 4 // g * g)  # divisible by the group
-                    seconds = 0.0
+                    seconds, x = 0.0, None
                     if mine:
                         local = elems // g if op == "all_gather" else elems
                         x = jax.make_array_from_callback(
                             (r, g, local), sharding,
                             lambda idx, local=local: np.ones((1, 1, local), np.float32))
-                        seconds = _median_seconds(fn, (x,), repeats)
+                    calls = _calls_per_sample(fn if mine else None, (x,), min_sample_s, agree=True)
+                    if mine:
+                        seconds = _median_seconds(fn, (x,), repeats, calls)
                     rows.append(LinkRow(op, elems * 4, tuple(map(tuple, groups.tolist())),
                                         seconds))
     return rows
@@ -169,7 +199,7 @@ def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence
 def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
               batches: Sequence[int] = DEFAULT_BATCHES,
               message_bytes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
-              repeats: int = 3) -> Calibration:
+              repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> Calibration:
     """Measure this job's devices: compute per accelerator kind, collectives per link class.
     In a multi-process job every process must call it; all get the whole Calibration."""
     import jax
@@ -184,8 +214,8 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
     for kind, ranks in sorted(by_kind.items()):
         compute += measure_compute(model, [devices[r] for r in ranks], kind,
                                    topology.accelerator_of(ranks[0]).peak_tflops, batches,
-                                   seq_lens, repeats)
-    links = measure_links(topology, devices, message_bytes, repeats)
+                                   seq_lens, repeats, min_sample_s)
+    links = measure_links(topology, devices, message_bytes, repeats, min_sample_s)
     if jax.process_count() > 1:
         compute, links = _gather(compute, links)
     return Calibration(topology, model, tuple(compute), tuple(links))
