@@ -440,6 +440,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     from hetjax import measure
     from hetjax.planner import model_from_config
     from hetjax.planner.calibrate import plot_calibration, save_calibration
+    from hetjax.train import make_optimizer
 
     seq = cfg.train.seq_len
     cal = measure.calibrate(
@@ -451,7 +452,8 @@ def cmd_calibrate(argv: list[str]) -> int:
         message_bytes=_ints(opts["sizes"], "sizes") if "sizes" in opts
         else measure.DEFAULT_MESSAGE_BYTES,
         repeats=_ints(opts.get("repeats", "3"), "repeats")[0],
-        min_sample_s=_seconds(opts.get("min_sample", str(measure.MIN_SAMPLE_S)), "min_sample"))
+        min_sample_s=_seconds(opts.get("min_sample", str(measure.MIN_SAMPLE_S)), "min_sample"),
+        optimizer=make_optimizer(cfg.train)[0])
     if spec is not None and spec.process_id != 0:
         return 0
     out = opts.get("out") or os.path.join(cfg.workdir, "calibration.json")

@@ -18,6 +18,7 @@ fits and stores them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -71,25 +72,56 @@ def _median_seconds(fn, args, repeats: int, calls: int) -> float:
     return float(np.median(times))
 
 
-def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tflops: float,
-                    batches: Sequence[int], seq_lens: Sequence[int],
-                    repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> list[ComputeRow]:
-    """Forward and backward seconds of one decoder block per micro-batch of `b` sequences of
-    `s` tokens, on all of `devices` at once (the backward: forward + backward less forward)."""
+def _stacked(params, devices):
+    """`params` copied onto each of `devices` (a leading axis, one slice per device)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    spread = NamedSharding(Mesh(np.asarray(devices), ("d",)), P("d"))
+    n = len(devices)
+    return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), params),
+                          spread), spread
+
+
+def _fwd_bwd_rows(part: str, fwd, loss, params, make_input, devices, kind: str,
+                  peak_tflops: float, batches, seq_lens, repeats, min_sample_s):
+    """ComputeRows of `part`: forward seconds of `fwd`, and the pure backward (gradient of
+    `loss` with respect to the parameters and input, less the forward), on all of `devices`
+    at once, for every (batch, seq_len)."""
+    import jax
+
+    stacked, spread = _stacked(params, devices)
+    run_fwd = jax.jit(jax.vmap(fwd))
+    run_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1), allow_int=True)))
+    rows = []
+    for s in seq_lens:
+        for b in batches:
+            x = jax.device_put(make_input(len(devices), b, s), spread)
+            t_fwd = _median_seconds(run_fwd, (stacked, x), repeats,
+                                    _calls_per_sample(run_fwd, (stacked, x), min_sample_s))
+            t_grad = _median_seconds(run_grad, (stacked, x), repeats,
+                                     _calls_per_sample(run_grad, (stacked, x), min_sample_s))
+            rows.append(ComputeRow(kind, b, s, t_fwd, max(t_grad - t_fwd, 1e-3 * t_fwd),
+                                   peak_tflops, part))
+    return rows
+
+
+def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tflops: float,
+                    batches: Sequence[int], seq_lens: Sequence[int],
+                    repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> list[ComputeRow]:
+    """Forward and backward seconds per micro-batch of `b` sequences of `s` tokens, on all of
+    `devices` at once: of one decoder block (part "block"), and of the embedding, final norm,
+    head and loss together (part "head")."""
+    import jax
+    import jax.numpy as jnp
+
     from layers.block import DecoderBlock
+    from layers.model import Transformer, cross_entropy
 
     block = DecoderBlock(model)
-    n = len(devices)
-    mesh = Mesh(np.asarray(devices), ("d",))
-    spread = NamedSharding(mesh, P("d"))
     dtype = jnp.dtype(model.dtype)
     params = block.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, model.d_model), dtype))["params"]
-    stacked = jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), params),
-                             spread)
 
     def fwd(p, x):
         return block.apply({"params": p}, x)
@@ -97,19 +129,50 @@ def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tfl
     def loss(p, x):
         return jnp.sum(fwd(p, x).astype(jnp.float32))
 
-    run_fwd = jax.jit(jax.vmap(fwd))
-    run_grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))
-    rows = []
-    for s in seq_lens:
-        for b in batches:
-            x = jax.device_put(jnp.ones((n, b, s, model.d_model), dtype), spread)
-            t_fwd = _median_seconds(run_fwd, (stacked, x), repeats,
-                                    _calls_per_sample(run_fwd, (stacked, x), min_sample_s))
-            t_grad = _median_seconds(run_grad, (stacked, x), repeats,
-                                     _calls_per_sample(run_grad, (stacked, x), min_sample_s))
-            rows.append(ComputeRow(kind, b, s, t_fwd, max(t_grad - t_fwd, 1e-3 * t_fwd),
-                                   peak_tflops))
+    rows = _fwd_bwd_rows("block", fwd, loss, params,
+                         lambda n, b, s: jnp.ones((n, b, s, model.d_model), dtype), devices,
+                         kind, peak_tflops, batches, seq_lens, repeats, min_sample_s)
+    net = Transformer(dataclasses.replace(model, n_layers=1))
+    tokens0 = jnp.zeros((1, 8), jnp.int32)
+    whole = net.init(jax.random.PRNGKey(0), tokens0)["params"]
+    outer = {k: v for k, v in whole.items() if k != "layers"}  # embedding, norm, head
+
+    def head_loss(p, tokens):
+        logits = net.apply({"params": {**p, "layers": whole["layers"]}}, tokens,
+                           method=lambda m, t: m.head(m.embed(t)))
+        return cross_entropy(logits, tokens)
+
+    rows += _fwd_bwd_rows("head", head_loss, head_loss, outer,
+                          lambda n, b, s: jnp.zeros((n, b, s), jnp.int32), devices, kind,
+                          peak_tflops, batches, seq_lens, repeats, min_sample_s)
     return rows
+
+
+def measure_update(model: "ModelConfig", devices: Sequence, kind: str, optimizer=None,
+                   repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> ComputeRow:
+    """Seconds of one optimizer update (`optimizer`, default AdamW) of the whole model's
+    parameters on each of `devices` at once, as a ComputeRow of part "update" whose
+    `params` says how many parameters one device updated (batch and seq_len 0)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from layers.model import Transformer
+
+    tx = optimizer or optax.adamw(1e-3)
+    params = Transformer(model).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    stacked, _ = _stacked(params, devices)
+    state = jax.jit(jax.vmap(tx.init))(stacked)
+
+    def update(p, s):
+        updates, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p)
+        return optax.apply_updates(p, updates), s
+
+    run = jax.jit(jax.vmap(update))
+    seconds = _median_seconds(run, (stacked, state), repeats,
+                              _calls_per_sample(run, (stacked, state), min_sample_s))
+    n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    return ComputeRow(kind, 0, 0, seconds, 0.0, 0.0, "update", n)
 
 
 def group_layouts(topology: Topology) -> list[np.ndarray]:
@@ -199,9 +262,11 @@ def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence
 def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
               batches: Sequence[int] = DEFAULT_BATCHES,
               message_bytes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
-              repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> Calibration:
-    """Measure this job's devices: compute per accelerator kind, collectives per link class.
-    In a multi-process job every process must call it; all get the whole Calibration."""
+              repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S,
+              optimizer=None) -> Calibration:
+    """Measure this job's devices: compute (block, head, optimizer update) per accelerator
+    kind, collectives per link class. In a multi-process job every process must call it; all
+    get the whole Calibration."""
     import jax
 
     devices = topology.jax_devices()
@@ -212,13 +277,19 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
     for r in local_ranks:
         by_kind.setdefault(topology.accelerator_of(r).name, []).append(r)
     for kind, ranks in sorted(by_kind.items()):
-        compute += measure_compute(model, [devices[r] for r in ranks], kind,
+        mine = [devices[r] for r in ranks]
+        compute += measure_compute(model, mine, kind,
                                    topology.accelerator_of(ranks[0]).peak_tflops, batches,
                                    seq_lens, repeats, min_sample_s)
+        compute.append(measure_update(model, mine, kind, optimizer, repeats, min_sample_s))
     links = measure_links(topology, devices, message_bytes, repeats, min_sample_s)
     if jax.process_count() > 1:
         compute, links = _gather(compute, links)
-    return Calibration(topology, model, tuple(compute), tuple(links))
+    platform = devices[0].platform
+    return Calibration(topology, model, tuple(compute), tuple(links),
+                       processes=jax.process_count(),
+                       collectives=str(jax.config.jax_cpu_collectives_implementation or "")
+                       if platform == "cpu" and jax.process_count() > 1 else platform)
 
 
 def _gather(compute: list[ComputeRow], links: list[LinkRow]):
@@ -228,7 +299,7 @@ def _gather(compute: list[ComputeRow], links: list[LinkRow]):
 
     comp = np.array([[r.fwd_s, r.bwd_s, r.peak_tflops] for r in compute])
     link = np.array([r.seconds for r in links])
-    all_comp = multihost_utils.process_allgather(comp)  # [processes, rows, 2]
+    all_comp = multihost_utils.process_allgather(comp)  # [processes, rows, 3]
     all_link = multihost_utils.process_allgather(link)  # [processes, rows]
     kinds = multihost_utils.process_allgather(
         np.frombuffer(compute[0].kind.encode().ljust(32), np.uint8))
@@ -236,15 +307,15 @@ def _gather(compute: list[ComputeRow], links: list[LinkRow]):
     for p in range(all_comp.shape[0]):
         kind = bytes(kinds[p]).decode().strip()
         for r, (f, b, peak) in zip(compute, all_comp[p]):
-            key = (kind, r.batch, r.seq_len)
+            key = (kind, r.part, r.batch, r.seq_len)
             old = merged.get(key)
             if old is None or f + b > old.fwd_s + old.bwd_s:
-                merged[key] = ComputeRow(kind, r.batch, r.seq_len, float(f), float(b),
-                                         float(peak))
+                merged[key] = dataclasses.replace(r, kind=kind, fwd_s=float(f), bwd_s=float(b),
+                                                  peak_tflops=float(peak))
     slowest = all_link.max(axis=0)
     return (list(merged.values()),
             [LinkRow(r.op, r.nbytes, r.groups, float(t)) for r, t in zip(links, slowest)])
 
 
-__all__ = ["calibrate", "measure_compute", "measure_links", "group_layouts",
+__all__ = ["calibrate", "measure_compute", "measure_update", "measure_links", "group_layouts",
            "DEFAULT_BATCHES", "DEFAULT_MESSAGE_BYTES"]

@@ -79,6 +79,34 @@ def test_calibration_file_round_trips_and_the_planner_reads_it(tmp_path):
     assert by_path.predicted["step_time_s"] != pytest.approx(default.predicted["step_time_s"])
 
 
+def test_measured_head_and_update_price_the_step_as_a_hand_computation():
+    """The head curve replaces the layer curve for the embedding + head + loss, and the
+    optimizer update adds rate x parameters after the sync of every stage."""
+    import dataclasses
+
+    from hetjax.plan import Plan
+    from hetjax.planner.cost import CostOptions
+
+    t = preset("cpu_hybrid")
+    cal = _synthetic(t)
+    peak = t.clusters[0].accelerator.peak_tflops * 1e12
+    tok = 16 * 64  # one device's micro-batch: 16 sequences of 64
+    head = ComputeRow("cpu", 16, 64, 3e-3, 5e-3, peak / 1e12, "head")
+    update = ComputeRow("cpu", 0, 0, 0.02, 0.0, 0.0, "update", 1_000_000)
+    cal = dataclasses.replace(cal, compute=cal.compute + (head, update))
+    cm = CostModel(t, MODEL, cal.options())
+    acc = t.clusters[0].accelerator
+    f, b = cm.head_seconds_per_token(acc, tok)
+    assert (f * tok, b * tok) == pytest.approx((3e-3, 5e-3))
+    assert cm.update_seconds_per_param(acc) == pytest.approx(2e-8)
+    p = Plan(pp=1, dp=8, tp=1, stage_layers=(4,), microbatches=1, global_batch=128, seq_len=64)
+    with_update = cm.predict(p).step_time
+    without = CostModel(t, MODEL, dataclasses.replace(cal.options(), update_s_per_param={})
+                        ).predict(p).step_time
+    assert with_update - without == pytest.approx(2e-8 * MODEL.num_params, rel=1e-6)
+    assert CostModel(t, MODEL, CostOptions()).update_seconds_per_param(acc) == 0.0
+
+
 def test_a_file_that_is_not_a_calibration_is_one_clear_error(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"version": 1, "compute": []}))
@@ -98,9 +126,14 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     t = preset("cpu_hybrid")
     cal = measure.calibrate(t, MODEL, seq_lens=(16,), batches=(1, 2), message_bytes=(4096,),
                             repeats=1, min_sample_s=0)
-    assert {(r.kind, r.batch, r.seq_len) for r in cal.compute} == {("cpu", 1, 16),
-                                                                   ("cpu", 2, 16)}
-    assert all(r.fwd_s > 0 and r.bwd_s > 0 for r in cal.compute)
+    assert {(r.kind, r.part, r.batch, r.seq_len) for r in cal.compute} == {
+        ("cpu", "block", 1, 16), ("cpu", "block", 2, 16), ("cpu", "head", 1, 16),
+        ("cpu", "head", 2, 16), ("cpu", "update", 0, 0)}
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 for r in cal.rows("block") + cal.rows("head"))
+    assert cal.rows("update")[0].params == MODEL.num_params
+    assert cal.update_rates()["cpu"] > 0 and set(cal.curves("head")) == {"cpu"}
+    # one process: the pipeline stays priced in lockstep with NCCL's algorithms
+    assert not cal.asynchronous_sends and cal.options().lockstep
     classes = {(row["class"], row["op"]) for row in cal.link_table()}
     for kind in ("nvlink", "infiniband", "roce", "ethernet"):
         for op in ("all_reduce", "reduce_scatter", "all_gather", "p2p"):
@@ -128,7 +161,10 @@ def test_hetjax_calibrate_under_launch_then_plan(tmp_path):
     cal = load_calibration(str(path))
     assert cal.links and (tmp_path / "calibration.png").exists()
     # calibrate's own flags reach the workers through the launcher
-    assert {r.batch for r in cal.compute} == {1, 2}
+    assert {r.batch for r in cal.rows("block")} == {1, 2}
+    # measured across gloo processes: stages priced asynchronously, collectives as rings
+    assert cal.processes == 2 and cal.collectives == "gloo" and cal.asynchronous_sends
+    assert not cal.options().lockstep and cal.options().collectives == "ring"
     out = subprocess.run([sys.executable, "-m", "hetjax", "plan", *args,
                           f"--config.planner.calibration={path}"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)

@@ -297,9 +297,11 @@ CALIBRATION_VERSION = 1
 
 @dataclass(frozen=True)
 class ComputeRow:
-    """One decoder block on one device of `kind` (peak `peak_tflops`): seconds of the forward
+    """One measurement on one device of `kind` (peak `peak_tflops`). Part "block": one decoder
+    block, "head": the embedding, final norm, head and loss together -- seconds of the forward
     and of the pure backward (forward + backward less forward) of a micro-batch of `batch`
-    sequences of `seq_len` tokens."""
+    sequences of `seq_len` tokens. Part "update": one optimizer update of `params`
+    parameters in `fwd_s` seconds."""
 
     kind: str
     batch: int
@@ -307,6 +309,8 @@ class ComputeRow:
     fwd_s: float
     bwd_s: float
     peak_tflops: float = 0.0
+    part: str = "block"
+    params: int = 0
 
 
 @dataclass(frozen=True)
@@ -335,12 +339,20 @@ class Calibration:
     model: "ModelConfig"
     compute: tuple[ComputeRow, ...]
     links: tuple[LinkRow, ...]
+    processes: int = 1  # of the job that measured
+    # "gloo" / "mpi": CPU processes joined by that library, whose sends do not wait for the
+    # receiver; else the platform ("cpu" in one process, "gpu": NCCL)
+    collectives: str = ""
 
     # --- fits --------------------------------------------------------------------------------
-    def curves(self) -> dict[str, ComputeCurve]:
+    def rows(self, part: str) -> list[ComputeRow]:
+        return [r for r in self.compute if r.part == part]
+
+    def curves(self, part: str = "block") -> dict[str, ComputeCurve]:
+        """Per accelerator kind, the efficiency curve of `part` ("block" or "head")."""
         out = {}
-        for kind in sorted({r.kind for r in self.compute}):
-            rows = [r for r in self.compute if r.kind == kind]
+        for kind in sorted({r.kind for r in self.rows(part)}):
+            rows = [r for r in self.rows(part) if r.kind == kind]
             flops = [self.kernel_flops(r) for r in rows]
             peak = [r.peak_tflops * 1e12 for r in rows]
             out[kind] = ComputeCurve(
@@ -349,8 +361,20 @@ class Calibration:
         return out
 
     def kernel_flops(self, r: ComputeRow) -> float:
-        """A layer's forward FLOPs on one device's micro-batch (the curve's size axis)."""
-        return self.model.layer_flops(r.seq_len) * r.batch * r.seq_len
+        """The part's forward FLOPs on one device's micro-batch (the curve's size axis)."""
+        per_token = (self.model.head_flops() if r.part == "head"
+                     else self.model.layer_flops(r.seq_len))
+        return per_token * r.batch * r.seq_len
+
+    def update_rates(self) -> dict[str, float]:
+        """Per accelerator kind, seconds of the optimizer update per parameter."""
+        return {r.kind: r.fwd_s / r.params for r in self.rows("update") if r.params}
+
+    @property
+    def asynchronous_sends(self) -> bool:
+        """Measured on CPU processes joined by gloo or MPI, whose point-to-point sends do not
+        wait for the receiver: a pipeline's stages drift apart (the asynchronous timeline)."""
+        return self.processes > 1 and self.collectives in ("gloo", "mpi")
 
     def link_class(self, r: LinkRow, cm: CostModel | None = None) -> str:
         cm = cm or CostModel(self.topology, self.model)
@@ -379,28 +403,38 @@ class Calibration:
         return out
 
     def options(self, base: CostOptions | None = None) -> CostOptions:
-        """`base` (default CostOptions()) with this calibration's curves and link fits."""
+        """`base` (default CostOptions()) with this calibration's curves, link fits and update
+        rates. Measured across gloo / MPI processes, the pipeline runs asynchronously and the
+        collectives are those libraries' rings, not NCCL's algorithms: the fits are of the flat
+        ring, which then prices them."""
+        extra = dict(lockstep=False, collectives="ring") if self.asynchronous_sends else {}
         return dataclasses.replace(base or CostOptions(), curves=self.curves(),
-                                   link_fits=self.link_fits())
+                                   head_curves=self.curves("head"),
+                                   update_s_per_param=self.update_rates(),
+                                   link_fits=self.link_fits(), **extra)
 
     # --- measured against modelled ------------------------------------------------------------
     def compute_table(self) -> list[dict]:
-        """Per compute row: measured seconds, the calibrated model's with that row left out
-        of the curve (so the check is not circular; with one row, the row itself), and the
-        nominal model's (peak x efficiency)."""
+        """Per block and head row: measured seconds, the calibrated model's with that row left
+        out of its curve (so the check is not circular; with one row, the row itself), and
+        the nominal model's (peak x efficiency)."""
         nominal = CostModel(self.topology, self.model)
         accs = {c.accelerator.name: c.accelerator for c in self.topology.clusters}
         out = []
         for i, r in enumerate(self.compute):
-            others = tuple(o for j, o in enumerate(self.compute) if j != i and o.kind == r.kind)
+            if r.part == "update":
+                continue
+            others = tuple(o for j, o in enumerate(self.compute)
+                           if j != i and o.kind == r.kind and o.part == r.part)
             held_out = dataclasses.replace(self, compute=others or (r,))
-            calibrated = CostModel(self.topology, self.model,
-                                   CostOptions(curves=held_out.curves()))
+            calibrated = CostModel(self.topology, self.model, CostOptions(
+                curves=held_out.curves(), head_curves=held_out.curves("head")))
             tok = r.batch * r.seq_len
-            row = {"kind": r.kind, "batch": r.batch, "seq_len": r.seq_len,
+            row = {"kind": r.kind, "part": r.part, "batch": r.batch, "seq_len": r.seq_len,
                    "fwd_s": r.fwd_s, "bwd_s": r.bwd_s}
             for name, cm in (("model", calibrated), ("nominal", nominal)):
-                f, b = cm.layer_seconds_per_token(accs[r.kind], r.seq_len, "none", tok)
+                f, b = (cm.head_seconds_per_token(accs[r.kind], tok) if r.part == "head" else
+                        cm.layer_seconds_per_token(accs[r.kind], r.seq_len, "none", tok))
                 row[f"{name}_fwd_s"], row[f"{name}_bwd_s"] = f * tok, b * tok
             out.append(row)
         return out
@@ -422,16 +456,22 @@ class Calibration:
 
     def describe(self) -> str:
         """The measurements against the calibrated model (and the nominal one), as tables."""
-        lines = [f"compute: one {self.model.d_model}-wide block per device "
-                 "(ms per micro-batch; model = the curve of the other rows, interpolated; "
-                 f"nominal = peak x {DEFAULT_EFFICIENCY})",
-                 f"  {'kind':<10}{'batch':>6}{'seq':>6}{'fwd':>9}{'model':>9}{'nominal':>9}"
-                 f"{'bwd':>9}{'model':>9}{'nominal':>9}"]
+        lines = [f"compute: one {self.model.d_model}-wide block, and the embedding + head + "
+                 "loss, per device (ms per micro-batch; model = the curve of the other rows, "
+                 f"interpolated; nominal = peak x {DEFAULT_EFFICIENCY})",
+                 f"  {'kind':<10}{'part':<6}{'batch':>6}{'seq':>6}{'fwd':>9}{'model':>9}"
+                 f"{'nominal':>9}{'bwd':>9}{'model':>9}{'nominal':>9}"]
         for r in self.compute_table():
-            lines.append(f"  {r['kind']:<10}{r['batch']:>6}{r['seq_len']:>6}"
+            lines.append(f"  {r['kind']:<10}{r['part']:<6}{r['batch']:>6}{r['seq_len']:>6}"
                          + "".join(f"{r[k] * 1e3:>9.3f}" for k in (
                              "fwd_s", "model_fwd_s", "nominal_fwd_s", "bwd_s", "model_bwd_s",
                              "nominal_bwd_s")))
+        for r in self.rows("update"):
+            lines.append(f"optimizer update on {r.kind}: {r.fwd_s * 1e3:.3f} ms for {r.params:,} "
+                         f"parameters ({r.fwd_s / r.params * 1e9:.3g} ns per parameter)")
+        if self.asynchronous_sends:
+            lines.append(f"measured across {self.processes} {self.collectives} processes: "
+                         "pipelines priced asynchronously, collectives as flat rings")
         lines.append("collectives (ms; model = fitted per link class and operation, nominal "
                      "= the topology's links)")
         lines.append(f"  {'class':<12}{'op':<16}{'group':>6}{'x':>4}{'bytes':>10}"
@@ -456,6 +496,7 @@ class Calibration:
                 "model": dataclasses.asdict(self.model),
                 "compute": [dataclasses.asdict(r) for r in self.compute],
                 "links": [dataclasses.asdict(r) for r in self.links],
+                "processes": self.processes, "collectives": self.collectives,
                 "fitted": {"curves": {k: dataclasses.asdict(c) for k, c in self.curves().items()},
                            "link_fits": {k: {op: dataclasses.asdict(f) for op, f in v.items()}
                                          for k, v in self.link_fits().items()}}}
@@ -471,7 +512,8 @@ class Calibration:
                 Topology.from_dict(d["topology"]), ModelConfig(**d["model"]),
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
-                              float(r["seconds"])) for r in d["links"]))
+                              float(r["seconds"])) for r in d["links"]),
+                int(d.get("processes", 1)), str(d.get("collectives", "")))
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None

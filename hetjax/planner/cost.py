@@ -145,7 +145,11 @@ class CostOptions:
     each collective with NCCL's cheapest algorithm (ring, tree, hierarchical; see
     hetjax/planner/collectives.py), "ring" with the flat alpha-beta ring; link_fits: measured
     bandwidth and latency per link kind and operation ("all_reduce", "reduce_scatter",
-    "all_gather", "p2p"), used instead of the topology's links."""
+    "all_gather", "p2p"), used instead of the topology's links; head_curves: measured
+    efficiency of the embedding, head and loss together (their time over the head's FLOPs)
+    against the head's kernel size, by accelerator name; update_s_per_param: measured seconds
+    of the optimizer update per parameter a device updates, by accelerator name (without it the
+    update is not priced: on accelerators it is small beside a step; on CPU it is not)."""
 
     efficiency: float = DEFAULT_EFFICIENCY
     efficiency_by_kind: dict[str, float] = field(default_factory=dict)
@@ -158,6 +162,8 @@ class CostOptions:
     lockstep: bool = True
     collectives: str = "nccl"
     link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
+    head_curves: dict[str, ComputeCurve] = field(default_factory=dict)
+    update_s_per_param: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -236,6 +242,8 @@ class StageCost:
     capacity: float  # usable bytes of the stage's smallest device
     label: str = ""  # clusters / accelerator of the stage, for display
     padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
+    update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
+    update_fixed: float = 0.0
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -249,6 +257,10 @@ class StageCost:
 
     def sync(self, layers: int) -> float:
         return self.sync_layer * layers + self.sync_fixed
+
+    def update(self, layers: int, max_layers: int) -> float:
+        """The optimizer update of the stage's parameters (every padded slot's, if padded)."""
+        return self.update_slot * (max_layers if self.padded else layers) + self.update_fixed
 
     def memory(self, layers: int, max_layers: int) -> float:
         slots = max_layers if self.padded else layers
@@ -286,6 +298,9 @@ class _Slot:
     shared_everywhere: bool  # embedding and head on every stage (hetjax executor)
     capacity: float
     label: str
+    update_layer: float = 0.0  # optimizer update of one layer slot's parameter shard
+    update_embed: float = 0.0
+    update_head: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -376,8 +391,17 @@ class CostModel:
         if prof is not None:
             return prof.head_fwd_s, prof.head_bwd_s
         flops = self.model.head_flops()
+        measured = self.options.head_curves.get(acc.name)
+        if measured is not None and tokens is not None:
+            ef, eb = measured.efficiency(flops * tokens)
+            peak = acc.peak_tflops * 1e12
+            return flops / (peak * ef), 2 * flops / (peak * eb)
         rate_f, rate_b = self._rates(acc, None if tokens is None else flops * tokens)
         return flops / rate_f, 2 * flops / rate_b
+
+    def update_seconds_per_param(self, acc: Accelerator) -> float:
+        """Seconds of the optimizer update per parameter on `acc` (0 when not calibrated)."""
+        return self.options.update_s_per_param.get(acc.name, 0.0)
 
     def _rates(self, acc: Accelerator, kernel_flops: float | None) -> tuple[float, float]:
         """Achieved (forward, backward) FLOP/s of `acc` on a kernel of `kernel_flops`."""
@@ -623,6 +647,8 @@ class CostModel:
             lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp)
                              for a in accs], axis=0)
             hf, hb = np.max([self.head_seconds_per_token(a, tok / tp) for a in accs], axis=0)
+            # each device updates its shard of the optimizer state (1 / s_os of its parameters)
+            upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
             cf, cb = tok * lf / tp, tok * lb / tp
             # Megatron TP: two all-reduces of the activations in each of forward and backward.
             tp_ar = 2 * self.collective("all_reduce", tok * m.d_model * self.act_bytes, mesh[s])
@@ -656,7 +682,8 @@ class CostModel:
                 logits=2 * tok * m.vocab_size / tp * 4,  # fp32 logits and their gradient
                 shared_everywhere=hetjax,
                 capacity=float(self._memory[ranks].min()) * o.memory_fraction,
-                label=self._label(ranks)))
+                label=self._label(ranks),
+                update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
         return slots
 
     def _shared_sync(self, layout: Layout, mesh: np.ndarray) -> float:
@@ -693,7 +720,10 @@ class CostModel:
             mem_fixed=slot.mem_base + slot.stash_out * live + (slot.embed_mem if embed else 0.0)
             + (slot.head_mem if head else 0.0) + (slot.logits if last else 0.0),
             capacity=slot.capacity, label=slot.label,
-            padded=self.options.executor != "mpmd")
+            padded=self.options.executor != "mpmd",
+            update_slot=slot.update_layer,
+            update_fixed=(slot.update_embed if embed else 0.0)
+            + (slot.update_head if head else 0.0))
 
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
@@ -745,7 +775,8 @@ class CostModel:
                        [c.fwd(n) for c, n in zip(stages, layers)],
                        [c.bwd(n) for c, n in zip(stages, layers)], send, send,
                        [c.sync(n) for c, n in zip(stages, layers)], self.options.overlap,
-                       lockstep=self.runs_in_lockstep(layout))
+                       lockstep=self.runs_in_lockstep(layout),
+                       update=[c.update(n, max(layers)) for c, n in zip(stages, layers)])
         tokens = plan.global_batch * plan.seq_len
         lmax = max(layers)
         step = float(sim.step_time)

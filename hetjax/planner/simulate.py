@@ -90,10 +90,13 @@ def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
 def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[float],
              send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
              sync: Sequence[float] = (), overlap: float = 0.0,
-             lockstep: bool = False) -> Simulation:
-    """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times."""
+             lockstep: bool = False, update: Sequence[float] = ()) -> Simulation:
+    """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times; each
+    stage's gradient sync (partly hidden behind its last backward when asynchronous) and then
+    its optimizer update (`update`, never hidden) end the step."""
     S = len(fwd)
     sync = list(sync) or [0.0] * S
+    update = list(update) or [0.0] * S
     if lockstep:
         durations = lockstep_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd)
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
@@ -107,7 +110,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
                     start = end
         # One SPMD program reduces the gradients after its loop: nothing hides them.
         hidden = list(sync)
-        step = float(durations.sum()) + max(hidden)
+        step = float(durations.sum()) + max(h + u for h, u in zip(hidden, update))
     else:
         events = timeline(schedule_table(schedule, S, microbatches), fwd, bwd, send_fwd,
                           send_bwd)
@@ -115,7 +118,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         for e in events:
             last[e.stage] = max(last[e.stage], e.end)
         hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
-        step = max(last[s] + hidden[s] for s in range(S))
+        step = max(last[s] + hidden[s] + update[s] for s in range(S))
     busy = tuple(microbatches * (fwd[s] + bwd[s]) for s in range(S))
     return Simulation(step_time=step, bubble=1.0 - sum(busy) / (S * step) if step else 0.0,
                       stage_busy=busy, stage_idle=tuple(step - b for b in busy),
