@@ -322,8 +322,8 @@ def cmd_plan(argv: list[str]) -> int:
 
     from hetjax import config as hconfig
     from hetjax.plan import comparison_table
-    from hetjax.planner import model_from_config, options_from_config, plan_from_config, predict
-    from hetjax.planner.config_plan import plan_for_config, validate_layout
+    from hetjax.planner import model_from_config, plan_from_config
+    from hetjax.planner.config_plan import plan_for_config, predict_for_config, validate_layout
 
     opts, rest = _take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
@@ -342,8 +342,8 @@ def cmd_plan(argv: list[str]) -> int:
         plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
-        plan = dataclasses.replace(plan, predicted=predict(
-            plan, topology, model, options_from_config(cfg)).as_dict())
+        plan = dataclasses.replace(plan, predicted=predict_for_config(
+            cfg, plan, topology).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
     if plan.executor == "mpmd" and plan.pp > 1:

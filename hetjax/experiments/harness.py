@@ -1,8 +1,10 @@
 """The harness the testbed experiments share (hetjax/experiments/hetnet.py, hetaccel.py;
-docs/experiments.md): what is trained (`Workload`), one configuration's run on the emulated
-cluster with its calibrated prediction (`Case`, `run_case`), per-layer profiling inside a host
-(`profile_kind`), the CPU watch that repeats runs disturbed by other processes, and the
-tables, plot and JSON record of the results. Needs root only when a Testbed is built.
+docs/testbed.md): what is trained (`Workload`), calibrating the cost model on the emulated
+cluster the way a user calibrates theirs (`calibrate_testbed`: `hetjax calibrate` under
+`hetjax launch` on every emulated host), one configuration's run with the prediction
+`hetjax plan` makes for it from that calibration file (`Case`, `run_case`), the CPU watch that
+repeats runs disturbed by other processes, and the tables, plot and JSON record of the results.
+Needs root only when a Testbed is built.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,24 +21,12 @@ from typing import Callable
 from hetjax import linkcheck
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
-from hetjax.planner import CostOptions, predict
-from hetjax.planner.calibrate import (emulated_topology, prediction_errors,
-                                      profile_from_step_times)
+from hetjax.planner.calibrate import prediction_errors
 from hetjax.testbed import Testbed
 from hetjax.topology import Topology
 
 # The checkout the benches write their plots (docs/img) and results (runs/) into.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# One worker process per emulated host: the pipeline's stages are separate processes whose gloo
-# sends do not wait for the receiver, so they are priced on the asynchronous timeline; the
-# lockstep pricing (how one process runs the tick grid) is reported next to it.
-def testbed_options(profiles: dict, lockstep: bool = False) -> CostOptions:
-    """Cost options for predicting a testbed run (hetjax's executor, measured profiles; gloo's
-    collectives priced as the flat ring they were validated with, not NCCL's choice)."""
-    return CostOptions(profiles=profiles, executor="hetjax", lockstep=lockstep,
-                       collectives="ring")
-
-
 OTHERS_LIMIT = 0.3  # CPUs other processes may use during a timed run before it is repeated
 QUIET_WAIT_S = 900  # how long to wait for a quiet machine at most
 
@@ -67,12 +58,17 @@ class Workload:
                  "eval.every": 0}  # workers without --config run the default job: no evals
         return [f"--config.{k}={v}" for k, v in flags.items()]
 
+    def config(self, extra: list[str] = ()):
+        """The config the workers load (with `extra` --config flags)."""
+        from hetjax.config import load_config
+
+        return load_config(None, [*self.config_args(), *extra])
+
     def model(self):
         """The ModelConfig the workers build (the planner's view of it)."""
-        from hetjax.config import load_config
         from hetjax.planner import model_from_config
 
-        return model_from_config(load_config(None, self.config_args()))
+        return model_from_config(self.config())
 
     def describe(self) -> str:
         m = self.model()
@@ -99,41 +95,52 @@ def host_order(tb: Testbed, plan: Plan) -> list[str]:
     return [tb.hosts[r].name for r in plan.device_order]
 
 
-# --- calibration: per-layer compute times ---------------------------------------------------------
-def profile_kind(tb: Testbed, host: str, work: Workload, dp: int, workdir: str, log,
-                 layer_counts=(1, 4)) -> tuple[object, list[float], str]:
-    """A LayerProfile of the accelerator kind of `host`, measured inside it (under its CPU
-    cap): single-device runs at each of `layer_counts` layers, full recompute (as the pipeline
-    executor does), each with one data-parallel replica's share of the batch (batch / dp
-    sequences in the same micro-batches) so a layer sees the tokens it sees in the pipeline.
-    Returns (profile, mean step times, error text or "")."""
-    whole = tb.topology.to_dict()
-    one = Topology.from_dict({**whole, "name": "profile", "cluster_links": [],
-                              "clusters": [{**whole["clusters"][tb.host(host).cluster],
-                                            "nodes": 1}]})
+# --- calibration: hetjax calibrate on the testbed ------------------------------------------------
+CALIBRATION_LAYOUT = ["--config.parallel.pp=2", "--config.parallel.dp=2",
+                      "--config.parallel.tp=1", "--config.pipeline.executor=spmd"]
+
+
+def write_topology(topology: Topology, workdir: str) -> str:
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, f"profile-{host}.json")
+    path = os.path.join(workdir, "topology.json")
     with open(path, "w") as f:
-        f.write(one.to_json())
-    means = []
-    for n in layer_counts:
-        args = [*work.config_args(n_layers=n), f"--config.topology.file={path}",
-                "--config.parallel.pp=1", "--config.parallel.dp=1", "--config.parallel.tp=1",
-                f"--config.train.batch_size={work.batch // dp}", "--config.model.remat=full"]
-        for attempt in range(3):  # repeated, like the runs, when something else was busy
-            watch = CpuWatch()
-            run = tb.train(args, os.path.join(workdir, f"profile-{host}-{n}"), host=host,
-                           timeout=600)
-            others = watch.stop()[1]
-            if not run.ok or others <= OTHERS_LIMIT or attempt == 2:
-                break
-            log(f"  other processes used {others:.2f} CPUs during the profile; repeating it")
-            wait_for_quiet(log)
-        if not run.ok:
-            return None, means, f"profile run with {n} layers failed:\n{run.error()}"
-        means.append(statistics.mean(run.step_times()))
-    tokens = work.batch // dp * work.seq_len
-    return profile_from_step_times(layer_counts, means, tokens), means, ""
+        f.write(topology.to_json())
+    return path
+
+
+def calibrate_testbed(tb: Testbed, work: Workload, workdir: str, log,
+                      timeout: float = 1800) -> str:
+    """Calibrate the cost model on the testbed as a user calibrates a cluster: `hetjax
+    calibrate` under `hetjax launch`, one process per emulated host under its CPU cap, the
+    workload's model at one device's micro-batch sizes. Returns the calibration file's path
+    (for `--config.planner.calibration`); the measured-vs-modelled tables go to the log file."""
+    out = os.path.join(workdir, "calibration.json")
+    micro = work.batch // work.microbatches
+    batches = sorted({max(1, micro // 4), max(1, micro // 2), micro})
+    args = [*work.config_args(), f"--config.topology.file={write_topology(tb.topology, workdir)}",
+            *CALIBRATION_LAYOUT, f"--config.workdir={workdir}", f"--out={out}",
+            f"--batches={','.join(map(str, batches))}", f"--seq_lens={work.seq_len}"]
+    t0 = time.monotonic()
+    p = tb.launch(args, timeout=timeout, launch_flags=["--command=calibrate"],
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text, _ = p.communicate(timeout=timeout + 30)
+    with open(os.path.join(workdir, "calibrate.log"), "w") as f:
+        f.write(text)
+    if p.returncode != 0 or not os.path.exists(out):
+        raise HetjaxError(f"hetjax calibrate on the testbed failed (exit {p.returncode}); "
+                          f"see {workdir}/calibrate.log:\n{text[-2000:]}")
+    log(f"  calibrated in {time.monotonic() - t0:.0f} s: {out}")
+    return out
+
+
+def predict_case(plan: Plan, topology: Topology, work: Workload, calibration: str,
+                 **overrides):
+    """What `hetjax plan --config.planner.calibration=FILE` predicts for this layout on this
+    topology (hetjax.planner.config_plan.predict_for_config; `overrides`: CostOptions)."""
+    from hetjax.planner.config_plan import predict_for_config
+
+    cfg = work.config([f"--config.planner.calibration={calibration}", *layout_args(plan)])
+    return predict_for_config(cfg, plan, topology, **overrides)
 
 
 # --- one configuration ----------------------------------------------------------------------------
@@ -145,7 +152,7 @@ class Case:
     topology: Topology
     plan: Plan | None
     cpus: dict[str, float] | float | None  # CPU cap per host (Testbed's `cpus`)
-    # Chooses the plan once the testbed's links are measured (given the emulated topology).
+    # Chooses the plan (given the topology) when `plan` is None.
     choose: Callable[[Topology], Plan] | None = None
     # filled in by run_case
     step_s: list[float] = field(default_factory=list)
@@ -183,14 +190,15 @@ def placement(topology: Topology, plan: Plan) -> tuple[str, str]:
     return "/".join(dp) or "-", "/".join(pp) or "-"
 
 
-def run_case(case: Case, work: Workload, workdir: str, scale: float, profiles: dict,
+def run_case(case: Case, work: Workload, workdir: str, scale: float, calibration: str,
              timeout: float, log, retries: int = 2) -> Case:
-    """Build the case's testbed, measure its links, (plan,) train, predict; errors are
+    """Build the case's testbed, measure its links, (plan,) train, predict from the
+    calibration file `calibration`; errors are
     recorded in the case, not raised. A run during which other processes used more than
     OTHERS_LIMIT CPUs is repeated (up to `retries` times) once the machine is quiet."""
     for attempt in range(retries + 1):
         case.attempts = attempt + 1
-        _attempt(case, work, workdir, scale, profiles, timeout, log)
+        _attempt(case, work, workdir, scale, calibration, timeout, log)
         others = case.cpu_use[1] if case.cpu_use else 0.0
         if others <= OTHERS_LIMIT or attempt == retries:
             break
@@ -199,19 +207,15 @@ def run_case(case: Case, work: Workload, workdir: str, scale: float, profiles: d
     return case
 
 
-def _attempt(case: Case, work: Workload, workdir: str, scale: float, profiles: dict,
+def _attempt(case: Case, work: Workload, workdir: str, scale: float, calibration: str,
              timeout: float, log) -> None:
     case.error, case.step_s, case.cpu_use = "", [], None
-    os.makedirs(workdir, exist_ok=True)
-    topo_path = os.path.join(workdir, "topology.json")
-    with open(topo_path, "w") as f:
-        f.write(case.topology.to_json())
+    topo_path = write_topology(case.topology, workdir)
     try:
+        if case.choose is not None:
+            case.plan = case.choose(case.topology)
         with Testbed(case.topology, scale=scale, cpus=case.cpus) as tb:
             case.links = tb.measure_links(seconds=0.5)
-            emulated = emulated_topology(case.topology, scale, case.links)
-            if case.choose is not None:
-                case.plan = case.choose(emulated)
             case.dp_links, case.pp_links = placement(case.topology, case.plan)
             args = [*work.config_args(), f"--config.topology.file={topo_path}",
                     *layout_args(case.plan)]
@@ -233,10 +237,10 @@ def _attempt(case: Case, work: Workload, workdir: str, scale: float, profiles: d
         case.error = case.error or str(e)
         return
     try:
-        pred = predict(case.plan, emulated, work.model(), testbed_options(profiles))
+        pred = predict_case(case.plan, case.topology, work, calibration)
         case.predicted_s, case.bubble = pred.step_time, pred.bubble
-        case.predicted_lockstep_s = predict(case.plan, emulated, work.model(),
-                                            testbed_options(profiles, lockstep=True)).step_time
+        case.predicted_lockstep_s = predict_case(case.plan, case.topology, work, calibration,
+                                                 lockstep=True).step_time
     except HetjaxError as e:
         case.error = case.error or f"prediction failed: {e}"
     log(f"  {case.name}: " + (f"{case.mean_s:.3f} s/step measured, {case.predicted_s:.3f} s "
@@ -289,11 +293,13 @@ def accuracy_table(cases: list[Case]) -> str:
 
 
 ACCURACY_NOTE = """
-"predicted" prices the pipeline's stages as separate processes that run ahead until they need
-their neighbour's data (the asynchronous timeline: CostOptions(lockstep=False)), which is how
-one worker per emulated host runs; "in lockstep" prices the tick grid as one process runs it
-(every tick as long as its slowest stage; the default, and what `hetjax train` on one machine's
-simulated devices does). Without a pipeline both are the same."""
+"predicted" is what `hetjax plan --config.planner.calibration=FILE` predicts for the layout,
+FILE being what `hetjax calibrate` measured on this testbed (one process per emulated host).
+Measured across gloo processes, whose sends do not wait for the receiver, the calibration
+prices the pipeline's stages on the asynchronous timeline, as one worker per host runs them;
+"in lockstep" prices the tick grid as one process runs it (every tick as long as its slowest
+stage; what `hetjax train` on one machine's simulated devices does). Without a pipeline both
+are the same."""
 
 
 CPUS_HEADER = "CPUs: ours / others / caps"

@@ -13,16 +13,17 @@ cluster (pp = 2), data parallelism inside each (dp = 2), 1F1B over 4 micro-batch
 - homogeneous A (all four hosts `cpu`) and homogeneous B (all `cpu_half`) give T_A and T_B,
   HetHub's throughput per device T = S G / (N T_iter); T_UB = (T_A N_A + T_B N_B) / (N_A + N_B);
 - heterogeneous (a: `cpu`, b: `cpu_half`) with the uniform split (n/2 layers per stage), with
-  Holmes' proportional split of the profiled speeds (the throughput ratio), and with the
-  planner's split: `hetjax.planner.plan` with pp, dp, micro-batches and schedule
-  fixed, on the testbed's measured links and per-layer times profiled on one host of each kind
-  under its cap (HetHub's lesson: profiles, not ratios). The planner picks layers per stage and
-  the stage order; the order is realised by which host each process runs on.
+  Holmes' proportional split of the calibrated speeds (the throughput ratio), and with the
+  planner's split: `hetjax.planner.plan` with pp, dp, micro-batches and schedule fixed and
+  the calibration file (HetHub's lesson: measurements, not ratios). The planner picks layers
+  per stage and the stage order; the order is realised by which host each process runs on.
   Efficiency = T_het / T_UB.
 
-The homogeneous runs use the planner's split too (their best layout, as HetHub's T_A and T_B
-are). Each run's step time is also predicted (as in hetnet.py); first step (compile) and
-one warm-up step are not timed. The model is compute-heavy for its size (d_model 128, 8 layers,
+The cost model is calibrated once, the way a user calibrates a cluster: `hetjax calibrate` on
+the heterogeneous testbed, every host under its cap (both kinds' block, head and optimizer
+update; every link class). The homogeneous runs use the planner's split too (their best
+layout, as HetHub's T_A and T_B are). Each run's step time is predicted by `hetjax plan` with
+that file (as in hetnet.py); first step (compile) and one warm-up step are not timed. The model is compute-heavy for its size (d_model 128, 8 layers,
 sequences of 256) so that compute, not the once-per-step gradient sync, dominates a step.
 """
 
@@ -34,13 +35,13 @@ import os
 import sys
 import tempfile
 
+from hetjax.errors import HetjaxError
 from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
-                                        Workload, accuracy_table, bar_plot, case_record,
-                                        cpus_text, failures, fmt, link_table, load_line,
-                                        profile_kind, run_case, save_json, start, table,
-                                        testbed_options)
+                                        Workload, accuracy_table, bar_plot, calibrate_testbed,
+                                        case_record, cpus_text, failures, fmt, link_table,
+                                        load_line, run_case, save_json, start, table)
 from hetjax.plan import Plan
-from hetjax.planner import plan
+from hetjax.planner import CostModel, options_from_config, plan
 from hetjax.planner.formulas import hethub_efficiency, hethub_throughput, hethub_upper_bound
 from hetjax.planner.partition import holmes_split
 from hetjax.testbed import DEFAULT_SCALE, Testbed
@@ -63,20 +64,32 @@ def rank_order(work: Workload, stage_layers: tuple[int, ...]) -> Plan:
                 schedule=work.schedule)
 
 
-def proportional(work: Workload, profiles: dict) -> Plan:
-    """Holmes' formula on the profiled speeds (layers per second of each kind): the
+def layer_seconds(work: Workload, calibration: str, topology: Topology) -> dict[str, float]:
+    """Seconds of one layer's forward + backward (with the executor's recompute) per token on
+    each accelerator kind, at one device's micro-batch, from the calibration file."""
+    cfg = work.config([f"--config.planner.calibration={calibration}"])
+    cm = CostModel(topology, work.model(), options_from_config(cfg))
+    tokens = work.batch // work.microbatches // 2 * work.seq_len  # dp = 2
+    return {c.accelerator.name: sum(cm.layer_seconds_per_token(
+        c.accelerator, work.seq_len, "full", tokens)) for c in topology.clusters}
+
+
+def proportional(work: Workload, seconds: dict[str, float]) -> Plan:
+    """Holmes' formula on the calibrated speeds (layers per second of each kind): the
     throughput-ratio split HetHub warns about, with stage 0 on the faster kind a."""
-    speeds = [1 / (profiles[k].fwd_s + profiles[k].bwd_s) for k in ("cpu", "cpu_half")]
+    speeds = [1 / seconds[k] for k in ("cpu", "cpu_half")]
     return rank_order(work, holmes_split(speeds, work.n_layers))
 
 
-def planner_choice(work: Workload, profiles: dict):
-    """The planner's layout on the emulated topology, with the layout fixed but the split
-    and stage order."""
-    def choose(emulated: Topology) -> Plan:
-        return plan(emulated, work.model(), work.batch, work.seq_len, pp=2, dp=2, tp=1,
+def planner_choice(work: Workload, calibration: str):
+    """The planner's layout with the calibration file, the layout fixed but the split and
+    stage order."""
+    cfg = work.config([f"--config.planner.calibration={calibration}"])
+
+    def choose(topology: Topology) -> Plan:
+        return plan(topology, work.model(), work.batch, work.seq_len, pp=2, dp=2, tp=1,
                     microbatches=work.microbatches, schedule=work.schedule, zero="ddp",
-                    options=testbed_options(profiles)).plan
+                    options=options_from_config(cfg)).plan
     return choose
 
 
@@ -114,47 +127,34 @@ def main(argv=None) -> int:
     hom_a = preset("testbed_hetaccel", kind_b="cpu")
     hom_b = preset("testbed_hetaccel", kind_a="cpu_half")
 
-    # Per-layer times of each kind, on one host of it under its cap.
-    profiles, prof_rows = {}, []
-    with Testbed(het, scale=args.scale, cpus=caps(het, args.cpus)) as tb:
-        for cluster in het.clusters:
-            host = next(h.name for h in tb.hosts if h.cluster == het.clusters.index(cluster))
-            kind = cluster.accelerator.name
-            log(f"profiling {kind} on {host} at {tb.cpus[het.clusters.index(cluster)]:.3g} CPUs")
-            prof, means, err = profile_kind(tb, host, dataclasses.replace(work, steps=6), dp=2,
-                                            workdir=os.path.join(args.workdir, "profile"),
-                                            log=log, layer_counts=(1, 2, 4))
-            if err:
-                print(f"FAILED: {err}")
-                return 1
-            profiles[kind] = prof
-            prof_rows.append([kind, f"{tb.cpus[het.clusters.index(cluster)]:.3g}",
-                              ", ".join(f"{m:.3f}" for m in means),
-                              f"{(prof.fwd_s + prof.bwd_s) * 1e6:.1f}",
-                              f"{(prof.head_fwd_s + prof.head_bwd_s) * 1e6:.2f}"])
-            log(f"  step s at 1, 2, 4 layers: {', '.join(f'{m:.3f}' for m in means)}")
-
-    choose = planner_choice(work, profiles)
+    log(f"hetjax calibrate on the {het.name} testbed")
+    try:
+        with Testbed(het, scale=args.scale, cpus=caps(het, args.cpus)) as tb:
+            calibration = calibrate_testbed(tb, work, os.path.join(args.workdir, "calibrate"),
+                                            log)
+    except HetjaxError as e:
+        print(f"FAILED: {e}")
+        return 1
+    seconds = layer_seconds(work, calibration, het)
+    choose = planner_choice(work, calibration)
     cases = [Case("homogeneous A (cpu)", hom_a, None, caps(hom_a, args.cpus), choose),
              Case("homogeneous B (cpu_half)", hom_b, None, caps(hom_b, args.cpus), choose),
              Case("heterogeneous, uniform split", het,
                   rank_order(work, (work.n_layers // 2, work.n_layers - work.n_layers // 2)),
                   caps(het, args.cpus)),
-             Case("heterogeneous, proportional split", het, proportional(work, profiles),
+             Case("heterogeneous, proportional split", het, proportional(work, seconds),
                   caps(het, args.cpus)),
              Case("heterogeneous, planned split", het, None, caps(het, args.cpus), choose)]
     for i, c in enumerate(cases):
-        run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, profiles,
+        run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, calibration,
                  args.timeout, log)
     end_load = load_line()
 
     print(f"\n## Link rates (measured goodput of a TCP transfer vs configured; x {args.scale:g})\n")
     print(link_table(cases))
-    print(f"\n## Per-layer compute, profiled on one host of each kind ({work.batch // 2} "
-          f"sequences of {work.seq_len} per step in {work.microbatches} micro-batches, full "
-          "recompute)\n")
-    print(table(["kind", "CPUs per host", "s/step at 1, 2, 4 layers",
-                 "us per token per layer", "us per token fixed"], prof_rows))
+    print(f"\nCalibration: {calibration} (its measured-vs-modelled tables: calibrate.log beside "
+          "it); one layer's forward + backward with recompute, per token at one device's "
+          "micro-batch: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in seconds.items()))
     rows = []
     for c in cases:
         t = per_device(c, c.mean_s)
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     print(f"\nplot: {path}")
     save_json(args.json, {"command": " ".join(sys.argv), "workload": dataclasses.asdict(work),
                           "cpus": args.cpus, "scale": args.scale, "load_end": end_load,
-                          "profiles": {k: dataclasses.asdict(v) for k, v in profiles.items()},
+                          "calibration": calibration, "layer_s_per_token": seconds,
                           "t_ub": t_ub, "t_ub_predicted": t_ub_p,
                           "cases": [case_record(c) for c in cases]})
     log(f"done; results in {args.json}")

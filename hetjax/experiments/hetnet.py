@@ -26,11 +26,12 @@ Ethernet 50 Mbit/s). The model is sized so communication dominates all-Ethernet:
 over its data-parallel pair once per step: each host sends 7.2 MiB, 1.2 s at 50 Mbit/s, against
 a whole step of about 0.6 s on all-fast.
 
-For every configuration the cost model predicts the step time (hetjax executor, its stages
-priced as the separate processes they are here, and in lockstep for comparison), calibrated on
-the testbed itself: measured goodput and round trip of every link class (`hetjax testbed
-measure`'s transfer) and per-layer compute times from single-host runs at 1, 2 and 4 layers
-under the same CPU cap. Printed: the link rates measured vs configured, throughput and ratios,
+For every configuration the step time is predicted the way a user would: `hetjax calibrate`
+runs once on the hybrid testbed (every emulated host under its CPU cap: the model's block,
+head and optimizer update, and every collective per link class -- InfiniBand, RoCE and
+Ethernet, which covers the all-fast and all-Ethernet clusters' classes too), and each
+configuration is priced by `hetjax plan` with that calibration file (its stages as the separate
+processes they are here, and in lockstep for comparison). Printed: the link rates measured vs configured, throughput and ratios,
 bytes per link class, predicted vs measured with mean absolute error and rank agreement. The
 first step (compilation) and one warm-up step are excluded from the timing.
 """
@@ -44,11 +45,12 @@ import sys
 import tempfile
 
 from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
-                                        Workload, accuracy_table, bar_plot, case_record,
-                                        cpus_text, failures, fmt, link_table, load_line,
-                                        profile_kind, run_case, save_json, start, table)
+                                        Workload, accuracy_table, bar_plot, calibrate_testbed,
+                                        case_record, cpus_text, failures, fmt, link_table,
+                                        load_line, run_case, save_json, start, table)
 from hetjax.plan import Plan, even_split
-from hetjax.testbed import DEFAULT_SCALE, Testbed, cpu_quotas
+from hetjax.errors import HetjaxError
+from hetjax.testbed import DEFAULT_SCALE, Testbed
 from hetjax.topology import preset
 
 
@@ -84,46 +86,36 @@ def main(argv=None) -> int:
     log = start("bench_hetnet")
     log(work.describe())
     cases = nic_cases(work, args.cpus)
-    # Per-layer compute, measured inside one emulated host under the same CPU cap.
-    with Testbed(cases[0].topology, scale=args.scale, cpus=args.cpus) as tb:
-        log(f"profiling {tb.hosts[0].name} at {cpu_quotas(tb.topology, args.cpus)[0]:g} CPUs")
-        profile, means, err = profile_kind(tb, tb.hosts[0].name, work, dp=2,
-                                           workdir=os.path.join(args.workdir, "profile"),
-                                           log=log, layer_counts=(1, 2, 4))
-    if err:
-        print(f"FAILED: {err}")
+    hybrid = next(c.topology for c in cases if c.topology.name == "testbed_hybrid")
+    log(f"hetjax calibrate on the {hybrid.name} testbed ({args.cpus:g} CPUs per host)")
+    try:
+        with Testbed(hybrid, scale=args.scale, cpus=args.cpus) as tb:
+            calibration = calibrate_testbed(tb, work, os.path.join(args.workdir, "calibrate"),
+                                            log)
+    except HetjaxError as e:
+        print(f"FAILED: {e}")
         return 1
-    log(f"  step s at 1, 2, 4 layers: {', '.join(f'{m:.3f}' for m in means)} -> "
-        f"{profile.fwd_s + profile.bwd_s:.3g} s per token per layer, "
-        f"{profile.head_fwd_s + profile.head_bwd_s:.3g} s per token fixed")
-    profiles = {"cpu": profile}
     for i, c in enumerate(cases):
-        run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, profiles,
+        run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, calibration,
                  args.timeout, log)
     end_load = load_line()
-    report(cases, work, args, means, profile, end_load)
+    report(cases, work, args, calibration, end_load)
     save_json(args.json, {"command": " ".join(sys.argv), "workload": dataclasses.asdict(work),
-                          "cpus": args.cpus, "scale": args.scale, "profile_step_s": means,
-                          "profile": dataclasses.asdict(profile), "load_end": end_load,
-                          "cases": [case_record(c) for c in cases]})
+                          "cpus": args.cpus, "scale": args.scale, "calibration": calibration,
+                          "load_end": end_load, "cases": [case_record(c) for c in cases]})
     log(f"done; results in {args.json}")
     return 1 if any(c.error for c in cases) else 0
 
 
-def report(cases: list[Case], work: Workload, args, means, profile, end_load: str) -> None:
+def report(cases: list[Case], work: Workload, args, calibration: str, end_load: str) -> None:
     by = {c.name: c for c in cases}
     base = by["all-fast"].tokens_per_s()
     print(f"\n## Link rates (measured goodput of a TCP transfer vs configured; x {args.scale:g})\n")
     print(link_table(cases))
-    print(f"\nPer-layer compute, profiled on one host at {args.cpus:g} CPUs (one replica's "
-          f"{work.batch // 2} sequences per step, full recompute): "
-          f"{', '.join(f'{m:.3f}' for m in means)} s/step at 1, 2, 4 layers -> "
-          f"{(profile.fwd_s + profile.bwd_s) * 1e6:.1f} us per token per layer, "
-          f"{(profile.head_fwd_s + profile.head_bwd_s) * 1e6:.2f} us per token fixed")
+    print(f"\nCalibration: {calibration} (its measured-vs-modelled tables: calibrate.log beside "
+          "it)")
     print(f"\n## Throughput ({work.steps - 2} timed steps each, CPU cap {args.cpus:g} per "
           f"host; {end_load} at the end)\n")
-    labels = sorted({k for c in cases for k in c.traffic},
-                    key=lambda k: (" <-> " in k, k))
     rows = []
     for c in cases:
         tps = c.tokens_per_s()
@@ -144,8 +136,8 @@ def report(cases: list[Case], work: Workload, args, means, profile, end_load: st
         if hj and t:
             ratios.append(f"hybrid with hetjax's plan / {other}: {hj / t:.2f}x")
     print("\n" + "\n".join(ratios))
-    print("\n## Predicted vs measured step time (cost model, hetjax executor, calibrated on "
-          "the testbed's measured links and a single-host profile)\n")
+    print("\n## Predicted vs measured step time (hetjax plan with hetjax calibrate's file from "
+          "this testbed)\n")
     print(accuracy_table(cases))
     print(ACCURACY_NOTE)
     if failures(cases):

@@ -9,16 +9,12 @@ A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predi
 (`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
 with the compute efficiency (the catalogue's defaults in hetjax.topology.LINKS).
 
-For the testbed (hetjax/testbed.py), the cost model is calibrated on the emulated cluster's
-own measurements instead: `emulated_topology` puts the measured goodput and round trip of
-every link class into the topology, `profile_from_step_times` turns single-host step times at
-two or more layer counts into a per-layer `LayerProfile`, and `rank_agreement` /
-`prediction_errors` score predicted against measured step times (scripts/bench_het*.py).
-
 `Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
-block per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
+block, head and optimizer update per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
 a `LinkFit` per link class and operation (`options()`), compares measured with modelled
 times (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names.
+The testbed's benches (scripts/bench_het*.py) calibrate with it like a user would, and
+`prediction_errors` (with `spearman`, `kendall_tau`) scores predicted against measured steps.
 """
 
 from __future__ import annotations
@@ -32,9 +28,9 @@ import numpy as np
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
 from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
-                                 LayerProfile, LinkFit)
+                                 LinkFit)
 from hetjax.planner.zero import named
-from hetjax.topology import ClusterLink, Link, Topology, preset
+from hetjax.topology import Topology, preset
 
 if TYPE_CHECKING:
     from layers.config import ModelConfig
@@ -185,61 +181,7 @@ def holmes_table1(microbatch_per_replica: int = 1, nominal: bool = False) -> lis
             for nic, rate in HOLMES_TABLE1.items()]
 
 
-# --- calibrating on the testbed ------------------------------------------------------------------
-def emulated_topology(topology: Topology, scale: float, links=()) -> Topology:
-    """The topology as the testbed emulates it: every link at its rate times `scale`, and,
-    for each measured link class (`hetjax.linkcheck.LinkMeasurement`s, labelled "ib" for a
-    cluster's NIC and "ib -> roce" between two clusters), the measured goodput and half the
-    measured round trip instead. The testbed does not emulate latency, so the measured one,
-    not the configured one, is what its runs see."""
-    names = [c.name for c in topology.clusters]
-    measured = {m.label: Link(m.link.kind, m.measured_bps / 1e9, m.rtt_s / 2 * 1e6)
-                for m in links}
-
-    def scaled(lk: Link) -> Link:
-        # tc shapes the nominal rate; the fabric's efficiency belongs to real hardware.
-        return dataclasses.replace(lk, bandwidth_gbps=lk.bandwidth_gbps * scale, efficiency=1.0)
-
-    clusters = tuple(dataclasses.replace(c, nic=measured.get(c.name, scaled(c.nic)))
-                     for c in topology.clusters)
-    pairs = []
-    for a in range(len(names)):
-        for b in range(a + 1, len(names)):
-            if topology.has_link(a, b):
-                lk = measured.get(f"{names[a]} -> {names[b]}",
-                                  scaled(topology.cluster_link(a, b)))
-                pairs.append(ClusterLink(names[a], names[b], lk))
-    inter = scaled(topology.inter_cluster) if topology.inter_cluster is not None else None
-    return dataclasses.replace(topology, name=f"{topology.name} (emulated)", clusters=clusters,
-                               inter_cluster=inter, cluster_links=tuple(pairs))
-
-
-def profile_from_step_times(layers: Sequence[int], step_s: Sequence[float],
-                            tokens_per_step: float, bwd_per_fwd: float = 3.0,
-                            head_bwd_per_fwd: float = 2.0) -> LayerProfile:
-    """A per-token LayerProfile from one device's step times at several layer counts.
-
-    The least-squares line step_s = fixed + per_layer * layers gives a layer's time (the
-    slope) and the rest (the intercept: embedding, head, loss, and the optimizer's fixed
-    part), each divided by the tokens one step processes. The measurement cannot split
-    forward from backward; the split follows the FLOPs: a recomputed layer's backward is
-    three forwards (`bwd_per_fwd`, hetjax's pipeline recomputes every layer), the head's two."""
-    x, y = np.asarray(layers, float), np.asarray(step_s, float)
-    if len(set(x)) < 2:
-        raise PlanError(f"a layer profile needs step times at two or more layer counts, got "
-                        f"layers {list(layers)}")
-    per_layer, fixed = np.polyfit(x, y, 1)
-    if per_layer <= 0:
-        raise PlanError(f"step times {list(step_s)} at layers {list(layers)} do not grow with "
-                        "the layer count; the profile runs were too noisy (a busy machine?)")
-    layer_tok = float(per_layer) / tokens_per_step
-    fixed_tok = max(float(fixed), 0.0) / tokens_per_step
-    return LayerProfile(fwd_s=layer_tok / (1 + bwd_per_fwd),
-                        bwd_s=layer_tok * bwd_per_fwd / (1 + bwd_per_fwd),
-                        head_fwd_s=fixed_tok / (1 + head_bwd_per_fwd),
-                        head_bwd_s=fixed_tok * head_bwd_per_fwd / (1 + head_bwd_per_fwd))
-
-
+# --- scoring predictions ------------------------------------------------------------------------
 def _ranks(x: Sequence[float]) -> np.ndarray:
     """Ranks from 1, ties sharing their mean rank."""
     x = np.asarray(x, float)
@@ -599,7 +541,7 @@ def plot_calibration(cal: Calibration, path: str) -> str:
 
 __all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "load_calibration",
            "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
-           "nominal_links", "emulated_topology", "profile_from_step_times", "spearman", "kendall_tau",
+           "nominal_links", "spearman", "kendall_tau",
            "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",
            "fit_nic_bandwidth", "with_nic_bandwidth",
            "predicted_samples_per_s", "holmes_model",

@@ -75,6 +75,14 @@ def options_from_config(c) -> CostOptions:
     return options
 
 
+def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
+    """The cost model's Prediction for `plan_` as the config runs it: the plan's executor,
+    the config's calibration file and memory margin (`overrides`: other CostOptions)."""
+    options = dataclasses.replace(options_from_config(c),
+                                  executor=PLAN_EXECUTORS[plan_.executor], **overrides)
+    return CostModel(topology, model_from_config(c), options).predict(plan_)
+
+
 def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                     top: int = 5) -> PlanResult:
     """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
