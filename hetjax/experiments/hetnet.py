@@ -178,7 +178,9 @@ def report(cases: list[Case], work: Workload, args, means, profile, end_load: st
         print("\nOver the bridge (MPMD rows, from the executor's messages, per step): " +
               ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in parts.items()) +
               f"; {sum(parts.values()) / 2**20:.2f} MiB in all, plus the loss, the norm parts "
-              "and TCP/IP headers. It is what the inter-cluster class (x <-> y) carries.")
+              "and TCP/IP headers: what the inter-cluster class (the 'a <-> b' entry) "
+              "carries. The MiB per step inside a cluster include each world's one-time "
+              "start-up traffic, spread over the steps.")
     print("\n## Predicted vs measured step time (cost model, each row's executor, calibrated "
           "on the testbed's measured links and a single-host profile)\n")
     print(accuracy_table(cases))
