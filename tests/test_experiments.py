@@ -285,3 +285,22 @@ def tmp_topology(topology) -> str:
     with open(path, "w") as f:
         f.write(topology.to_json())
     return path
+
+
+def test_hetaccel_mpmd_rows_plan_for_the_mpmd_executor_and_gpipe_keeps_the_split():
+    work = hetaccel.WORKLOAD
+    profiles = {}  # filled in later, as main() does after profiling
+    cases = hetaccel.hetaccel_cases(work, profiles, 0.4)
+    mpmd = {c.name: c for c in cases if c.executor == "mpmd"}
+    assert list(mpmd) == ["homogeneous A (cpu), MPMD", "homogeneous B (cpu_half), MPMD",
+                          "heterogeneous, planned split, MPMD",
+                          "heterogeneous, planned split, MPMD GPipe"]
+    profiles.update(cpu=LayerProfile(2e-5, 6e-5, 1e-6, 2e-6),
+                    cpu_half=LayerProfile(5e-5, 15e-5, 2.5e-6, 5e-6))
+    emu = emulated_topology(preset("testbed_hetaccel"), 0.002)
+    one = mpmd["heterogeneous, planned split, MPMD"].choose(emu)
+    gpipe = mpmd["heterogeneous, planned split, MPMD GPipe"].choose(emu)
+    assert one.schedule == "1f1b" and gpipe.schedule == "gpipe"
+    assert gpipe.stage_layers == one.stage_layers and one.stage_layers[0] > 4  # fast kind more
+    assert gpipe.device_order == one.device_order
+    assert hetaccel.schedule_lines(cases)[0].startswith("MPMD 1F1B vs GPipe: needs both")
