@@ -224,7 +224,9 @@ def main(argv=None) -> int:
                     [c.name.replace(", ", ",\n").replace(" (", "\n(") for c in cases],
                     [t[c.name] for c in cases], [tp[c.name] for c in cases],
                     "tokens / s per device",
-                    hline=(t_ub, "T_UB") if t_ub else None,
+                    hline=(t_ub, "T_UB" + (" (SPMD; each bar's note: vs its executor's)"
+                                           if len({c.executor for c in cases}) > 1 else ""))
+                    if t_ub else None,
                     notes=[f"{t[c.name] / t_ubs[c.executor, 'measured']:.0%} of T_UB"
                            if t[c.name] and t_ubs.get((c.executor, "measured")) and
                            c.name.startswith("heterogeneous") else "" for c in cases])
