@@ -1,6 +1,7 @@
 """The harness the testbed experiments share (hetjax/experiments/hetnet.py, hetaccel.py;
 docs/experiments.md): what is trained (`Workload`), one configuration's run on the emulated
-cluster with its calibrated prediction (`Case`, `run_case`), per-layer profiling inside a host
+cluster with its calibrated prediction (`Case`, `run_case`; SPMD, or MPMD with one JAX world
+per cluster and the bridge on the shaped inter-cluster link), per-layer profiling inside a host
 (`profile_kind`), the CPU watch that repeats runs disturbed by other processes, and the
 tables, plot and JSON record of the results. Needs root only when a Testbed is built.
 """
