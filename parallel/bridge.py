@@ -132,7 +132,10 @@ class Bridge:
             import jax
             from jax.experimental import transfer
 
-            host = self.addresses[rank].rpartition(":")[0]
+            # A numeric address: given a host name, the transfer server binds 0.0.0.0 and
+            # advertises that, which a peer on another host cannot reach (e.g. the testbed's
+            # hosts, whose names resolve only inside their own namespaces).
+            host = _numeric_host(self.addresses[rank].rpartition(":")[0])
             self._server = transfer.start_transfer_server(
                 jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
             self._transfer_address = self._server.address()
@@ -366,6 +369,18 @@ def bridge_from_environ(env=None, **kwargs) -> Bridge | None:
     timeout = float(env.get(ENV_BRIDGE_TIMEOUT, DEFAULT_TIMEOUT))
     return Bridge(rank, bridge_addresses(hosts, port), env.get(ENV_BRIDGE_TRANSPORT, "transfer"),
                   timeout_s=timeout, **kwargs)
+
+
+def _numeric_host(host: str) -> str:
+    """`host` as an IP address (resolved here, as this process's peers reach it)."""
+    bare = host.strip("[]")
+    try:
+        info = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise BridgeError(f"bridge host {host!r} does not resolve on this host ({e}); list "
+                          f"resolvable names or addresses in {ENV_BRIDGE_HOSTS}") from None
+    addr = info[0][4][0]
+    return f"[{addr}]" if ":" in addr else addr
 
 
 def bridge_addresses(hosts: Sequence[str], port: int) -> list[str]:

@@ -108,3 +108,19 @@ def test_the_environment_round_trips_and_bad_values_are_named():
     with pytest.raises(BridgeError, match="transport 'carrier-pigeon' is unknown"):
         bridge_from_environ({**bridge_environ(0, ["127.0.0.1"], free_port()),
                              "HETJAX_BRIDGE_TRANSPORT": "carrier-pigeon"})
+
+
+def test_a_host_name_becomes_the_address_the_transfer_server_advertises():
+    """Given a name, the transfer server would bind and advertise 0.0.0.0, which a peer on
+    another host cannot reach: the bridge resolves it first (the testbed's hosts are names)."""
+    from parallel.bridge import _numeric_host
+
+    assert _numeric_host("localhost") in ("127.0.0.1", "[::1]")
+    assert _numeric_host("10.77.0.1") == "10.77.0.1"
+    with pytest.raises(BridgeError, match="does not resolve.*HETJAX_BRIDGE_HOSTS"):
+        _numeric_host("no-such-host.invalid")
+    bridge = Bridge(0, [f"localhost:{free_port()}", "localhost:1"], timeout_s=1)
+    try:
+        assert bridge._transfer_address.split(":")[0] in ("127.0.0.1", "[::1]")
+    finally:
+        bridge.close()

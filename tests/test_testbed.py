@@ -362,9 +362,13 @@ def test_two_hosts_run_a_psum_across_the_shaped_link_and_leave_nothing():
 
 @pytest.mark.root
 @needs_testbed
-def test_a_two_process_training_runs_through_the_launcher_across_the_shaped_link(tmp_path):
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_a_two_process_training_runs_through_the_launcher_across_the_shaped_link(tmp_path,
+                                                                                 executor):
     """`hetjax launch` with one `hetjax train` worker per emulated host: a tiny pp = 2 job
-    whose stages sit in different clusters, so its activations cross the shaped link."""
+    whose stages sit in different clusters, so its activations cross the shaped link. With
+    the MPMD executor each cluster is a JAX world of its own and the activations cross on the
+    bridge, whose addresses are the hosts' names (resolved inside their namespaces)."""
     topo = cpu_hybrid(nodes=1, devices_per_node=1)  # ib-0 and roce-0
     config = [f"--config.{k}={v}" for k, v in {
         "topology.preset": "cpu_hybrid", "topology.nodes": 1, "topology.devices_per_node": 1,
@@ -372,11 +376,13 @@ def test_a_two_process_training_runs_through_the_launcher_across_the_shaped_link
         "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 64, "model.max_seq_len": 16,
         "train.seq_len": 16, "train.batch_size": 8, "train.microbatches": 2,
         "train.steps": 3, "train.log_every": 1, "train.progress": False,
-        "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0}.items()]
+        "data.source": "synthetic", "tensorboard": False, "checkpoint.every": 0,
+        "eval.every": 0, "pipeline.executor": executor}.items()]
     with tbm.Testbed(topo) as tb:
         run_id = tb.run_id
         run = tb.train(config, str(tmp_path / "run"), timeout=150)
         assert run.ok, run.output[-3000:]
+        assert ("worlds: 2" in run.output) == (executor == "mpmd")
         # Process i runs on the emulated host of topology node i, named in the hostfile.
         assert "0        ib-0" in run.output and "1        roce-0" in run.output
         assert "[p0] summary" in run.output and "[p1] summary" not in run.output

@@ -1,10 +1,11 @@
 """The harness the testbed experiments share (hetjax/experiments/hetnet.py, hetaccel.py;
 docs/testbed.md): what is trained (`Workload`), calibrating the cost model on the emulated
 cluster the way a user calibrates theirs (`calibrate_testbed`: `hetjax calibrate` under
-`hetjax launch` on every emulated host), one configuration's run with the prediction
-`hetjax plan` makes for it from that calibration file (`Case`, `run_case`), the CPU watch that
-repeats runs disturbed by other processes, and the tables, plot and JSON record of the results.
-Needs root only when a Testbed is built.
+`hetjax launch` on every emulated host), one configuration's run (`Case`, `run_case`; SPMD, or
+MPMD with one JAX world per cluster and the bridge on the shaped inter-cluster link) with the
+prediction `hetjax plan` makes for it from that calibration file, the CPU watch that repeats
+runs disturbed by other processes, and the tables, plot and JSON record of the results. Needs
+root only when a Testbed is built.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from hetjax import linkcheck
 from hetjax.errors import HetjaxError
@@ -81,10 +82,21 @@ class Workload:
 
 def layout_args(plan: Plan) -> list[str]:
     """`--config` flags that make the trainer build `plan`'s layout in rank order (the
-    device order is realised by which host each process runs on, see `host_order`)."""
-    return [f"--config.parallel.pp={plan.pp}", f"--config.parallel.dp={plan.dp}",
+    device order is realised by which host each process runs on, see `host_order`), with its
+    schedule and pipeline executor. The MPMD executor recomputes every layer here
+    (model.remat=full), as the SPMD executor does: the same compute, only the executor
+    differs. Put these after `Workload.config_args` (later flags
+    win)."""
+    args = [f"--config.parallel.pp={plan.pp}", f"--config.parallel.dp={plan.dp}",
             f"--config.parallel.tp={plan.tp}",
-            f"--config.pipeline.stage_layers=[{','.join(map(str, plan.stage_layers))}]"]
+            f"--config.pipeline.stage_layers=[{','.join(map(str, plan.stage_layers))}]",
+            f"--config.pipeline.schedule={plan.schedule}",
+            f"--config.train.microbatches={plan.microbatches}"]
+    if plan.executor == "mpmd" and plan.pp > 1:
+        # launch.plan_workers then starts one JAX world per cluster (hetjax.planner.worlds)
+        # when the stages sit on different fabrics or kinds, the bridge between them.
+        args += ["--config.pipeline.executor=mpmd", "--config.model.remat=full"]
+    return args
 
 
 def host_order(tb: Testbed, plan: Plan) -> list[str]:
@@ -152,11 +164,14 @@ class Case:
     topology: Topology
     plan: Plan | None
     cpus: dict[str, float] | float | None  # CPU cap per host (Testbed's `cpus`)
-    # Chooses the plan (given the topology) when `plan` is None.
-    choose: Callable[[Topology], Plan] | None = None
+    # Chooses the plan (given the topology and the calibration file) when `plan` is None.
+    choose: Callable[[Topology, str], Plan] | None = None
+    # The pipeline executor the run uses (it replaces the plan's): "spmd" or "mpmd" (one JAX
+    # world per cluster when the stages sit on different fabrics or kinds).
+    executor: str = "spmd"
     # filled in by run_case
     step_s: list[float] = field(default_factory=list)
-    predicted_s: float | None = None  # asynchronous stages (see testbed_options)
+    predicted_s: float | None = None  # as `hetjax plan` with the calibration file prices it
     predicted_lockstep_s: float | None = None
     bubble: float | None = None  # predicted share of stage time not computing
     cpu_use: tuple[float, float] | None = None  # CPUs (ours, others) on average during the run
@@ -213,7 +228,8 @@ def _attempt(case: Case, work: Workload, workdir: str, scale: float, calibration
     topo_path = write_topology(case.topology, workdir)
     try:
         if case.choose is not None:
-            case.plan = case.choose(case.topology)
+            case.plan = case.choose(case.topology, calibration)
+        case.plan = dataclasses.replace(case.plan, executor=case.executor)
         with Testbed(case.topology, scale=scale, cpus=case.cpus) as tb:
             case.links = tb.measure_links(seconds=0.5)
             case.dp_links, case.pp_links = placement(case.topology, case.plan)
@@ -283,9 +299,15 @@ def accuracy_table(cases: list[Case]) -> str:
              f"{(c.predicted_lockstep_s - c.mean_s) / c.mean_s:+.0%}"] for c in ok]
     text = table(["configuration", "measured s/step", "predicted s/step", "error",
                   "predicted in lockstep", "error"], rows)
-    for what, key in (("predicted", "predicted_s"), ("in lockstep", "predicted_lockstep_s")):
-        if len(ok) >= 2:
-            e = prediction_errors([getattr(c, key) for c in ok], [c.mean_s for c in ok])
+    groups = [("predicted", "predicted_s", ok),
+              ("in lockstep", "predicted_lockstep_s", ok)]
+    executors = sorted({c.executor for c in ok})
+    if len(executors) > 1:  # each executor's rows on their own too
+        groups += [(f"predicted, {x.upper()} rows", "predicted_s",
+                    [c for c in ok if c.executor == x]) for x in executors]
+    for what, key, rows in groups:
+        if len(rows) >= 2:
+            e = prediction_errors([getattr(c, key) for c in rows], [c.mean_s for c in rows])
             text += (f"\n{what}: mean absolute error {e.mae_s:.3f} s ({e.mean_relative:.0%} "
                      f"of the measured step on average) over {e.n} configurations; rank "
                      f"agreement: Spearman {e.spearman:.2f}, Kendall tau-b {e.kendall:.2f}")
@@ -296,10 +318,11 @@ ACCURACY_NOTE = """
 "predicted" is what `hetjax plan --config.planner.calibration=FILE` predicts for the layout,
 FILE being what `hetjax calibrate` measured on this testbed (one process per emulated host).
 Measured across gloo processes, whose sends do not wait for the receiver, the calibration
-prices the pipeline's stages on the asynchronous timeline, as one worker per host runs them;
-"in lockstep" prices the tick grid as one process runs it (every tick as long as its slowest
-stage; what `hetjax train` on one machine's simulated devices does). Without a pipeline both
-are the same."""
+prices the pipeline's stages on the asynchronous timeline, as one worker per host runs them
+and as the MPMD executor always runs (its rows' two predictions are the same); "in lockstep"
+prices the tick grid as one process runs it (every tick as long as its slowest stage; what
+`hetjax train` on one machine's simulated devices does). Without a pipeline both are the
+same."""
 
 
 CPUS_HEADER = "CPUs: ours / others / caps"
@@ -376,8 +399,21 @@ class CpuWatch:
         return ours, max(0.0, (machine_busy_s() - self.busy0) / wall - ours)
 
 
+_BUSY_OK = False
+
+
+def allow_busy() -> None:
+    """For a quick look on a busy machine (the benches' --busy-ok): never wait for a quiet
+    machine and never repeat a run; the timings then carry the load (the CPU column shows
+    it)."""
+    global OTHERS_LIMIT, _BUSY_OK
+    OTHERS_LIMIT, _BUSY_OK = float("inf"), True
+
+
 def wait_for_quiet(log, limit: float = OTHERS_LIMIT, max_wait: float = QUIET_WAIT_S) -> None:
     """Wait (up to max_wait s) until other processes use less than `limit` CPUs over 10 s."""
+    if _BUSY_OK:
+        return
     end = time.monotonic() + max_wait
     while True:
         watch = CpuWatch()
@@ -417,7 +453,7 @@ def save_json(path: str, payload: dict) -> None:
 
 
 def case_record(c: Case) -> dict:
-    return {"name": c.name, "topology": c.topology.name,
+    return {"name": c.name, "topology": c.topology.name, "executor": c.executor,
             "plan": c.plan.to_dict() if c.plan else None,
             "step_s": c.step_s, "mean_s": c.mean_s, "predicted_s": c.predicted_s,
             "predicted_lockstep_s": c.predicted_lockstep_s,
@@ -426,6 +462,32 @@ def case_record(c: Case) -> dict:
             "traffic_mib_per_step": c.traffic, "dp_links": c.dp_links, "pp_links": c.pp_links,
             "links": [dataclasses.asdict(m) for m in c.links], "wall_s": c.wall_s,
             "error": c.error}
+
+
+def select(cases: list[Case], only: Sequence[str] | None) -> list[Case]:
+    """The cases whose name contains one of the strings `only` (case insensitive; "spmd" /
+    "mpmd" also match by executor); all cases when `only` is empty."""
+    words = [w.strip().lower() for w in (only or ()) if w.strip()]
+    if not words:
+        return cases
+    chosen = [c for c in cases if any(w in c.name.lower() or w == c.executor for w in words)]
+    if not chosen:
+        raise HetjaxError(f"--only {' '.join(only)!r} matches none of the configurations "
+                          f"{[c.name for c in cases]}; give part of a name, or spmd / mpmd")
+    return chosen
+
+
+def bridge_bytes(plan: Plan, work: Workload) -> dict[str, float]:
+    """Bytes per step the MPMD executor moves over the bridge between two worlds, by kind
+    (parallel/mpmd_worlds.py), for a pp = 2, tp = 1 plan whose stages are two worlds of
+    single-device processes: every boundary activation and its gradient once; the tied
+    embedding's gradient each way, pulled whole by every process of both worlds (it is
+    replicated over dp under ddp)."""
+    m = work.model()
+    act = plan.global_batch * plan.seq_len * m.d_model * 4
+    emb = m.embed_params * 4 * plan.dp * 2 if m.tie_embeddings else 0
+    return {"activations": float(act), "activation gradients": float(act),
+            "tied embedding gradient": float(emb)}
 
 
 # --- the experiment -------------------------------------------------------------------------------

@@ -19,6 +19,12 @@ cluster (pp = 2), data parallelism inside each (dp = 2), 1F1B over 4 micro-batch
   per stage and the stage order; the order is realised by which host each process runs on.
   Efficiency = T_het / T_UB.
 
+With the MPMD executor (pipeline.executor=mpmd, rows marked "MPMD"; one JAX world per
+cluster, the bridge on the Ethernet link between them, the same recompute as the SPMD
+executor): homogeneous A and B again (T_UB on MPMD), the planner's split priced for the MPMD
+executor (1F1B), and the same split under GPipe. `--only TEXT` runs only the configurations
+whose name contains TEXT (repeatable; `--only mpmd`: the MPMD rows).
+
 The cost model is calibrated once, the way a user calibrates a cluster: `hetjax calibrate` on
 the heterogeneous testbed, every host under its cap (both kinds' block, head and optimizer
 update; every link class). The homogeneous runs use the planner's split too (their best
@@ -35,13 +41,16 @@ import os
 import sys
 import tempfile
 
-from hetjax.errors import HetjaxError
+from hetjax.experiments import harness
 from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
-                                        Workload, accuracy_table, bar_plot, calibrate_testbed,
-                                        case_record, cpus_text, failures, fmt, link_table,
-                                        load_line, run_case, save_json, start, table)
+                                        Workload, accuracy_table, bar_plot, case_record,
+                                        cpus_text, failures, fmt, link_table, load_line,
+                                        calibrate_testbed, run_case, save_json, select,
+                                        start, table)
+from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner import CostModel, options_from_config, plan
+from hetjax.planner.cost import PLAN_EXECUTORS
 from hetjax.planner.formulas import hethub_efficiency, hethub_throughput, hethub_upper_bound
 from hetjax.planner.partition import holmes_split
 from hetjax.testbed import DEFAULT_SCALE, Testbed
@@ -81,16 +90,45 @@ def proportional(work: Workload, seconds: dict[str, float]) -> Plan:
     return rank_order(work, holmes_split(speeds, work.n_layers))
 
 
-def planner_choice(work: Workload, calibration: str):
+def planner_choice(work: Workload, executor: str = "spmd", schedule: str | None = None):
     """The planner's layout with the calibration file, the layout fixed but the split and
-    stage order."""
-    cfg = work.config([f"--config.planner.calibration={calibration}"])
-
-    def choose(topology: Topology) -> Plan:
-        return plan(topology, work.model(), work.batch, work.seq_len, pp=2, dp=2, tp=1,
-                    microbatches=work.microbatches, schedule=work.schedule, zero="ddp",
-                    options=options_from_config(cfg)).plan
+    stage order, priced for `executor`; run with `schedule` if given (the split stays the one
+    planned for the workload's schedule)."""
+    def choose(topology: Topology, calibration: str) -> Plan:
+        cfg = work.config([f"--config.planner.calibration={calibration}"])
+        options = dataclasses.replace(options_from_config(cfg),
+                                      executor=PLAN_EXECUTORS[executor])
+        chosen = plan(topology, work.model(), work.batch, work.seq_len, pp=2, dp=2, tp=1,
+                      microbatches=work.microbatches, schedule=work.schedule, zero="ddp",
+                      options=options).plan
+        return dataclasses.replace(chosen, schedule=schedule) if schedule else chosen
     return choose
+
+
+def hetaccel_cases(work: Workload, cpus: float) -> list[Case]:
+    """The configurations, SPMD first, then MPMD (see the module docstring). Their plans
+    are chosen when they run, from the calibration file."""
+    het = preset("testbed_hetaccel")
+    hom_a = preset("testbed_hetaccel", kind_b="cpu")
+    hom_b = preset("testbed_hetaccel", kind_a="cpu_half")
+    choose = planner_choice(work)
+    mpmd = planner_choice(work, "mpmd")
+    gpipe = planner_choice(work, "mpmd", schedule="gpipe")
+    return [Case("homogeneous A (cpu)", hom_a, None, caps(hom_a, cpus), choose),
+            Case("homogeneous B (cpu_half)", hom_b, None, caps(hom_b, cpus), choose),
+            Case("heterogeneous, uniform split", het,
+                 rank_order(work, (work.n_layers // 2, work.n_layers - work.n_layers // 2)),
+                 caps(het, cpus)),
+            Case("heterogeneous, proportional split", het, None, caps(het, cpus),
+                 lambda t, cal: proportional(work, layer_seconds(work, cal, t))),
+            Case("heterogeneous, planned split", het, None, caps(het, cpus), choose),
+            Case("homogeneous A (cpu), MPMD", hom_a, None, caps(hom_a, cpus), mpmd, "mpmd"),
+            Case("homogeneous B (cpu_half), MPMD", hom_b, None, caps(hom_b, cpus), mpmd,
+                 "mpmd"),
+            Case("heterogeneous, planned split, MPMD", het, None, caps(het, cpus), mpmd,
+                 "mpmd"),
+            Case("heterogeneous, planned split, MPMD GPipe", het, None, caps(het, cpus), gpipe,
+                 "mpmd")]
 
 
 def split_text(c: Case) -> str:
@@ -119,14 +157,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetaccel.json"))
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetaccel"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    ap.add_argument("--only", metavar="TEXT", action="append",
+                    help="run only the configurations whose name contains TEXT (repeatable; "
+                         "case insensitive; spmd / mpmd select by executor), e.g. --only mpmd")
+    ap.add_argument("--busy-ok", action="store_true",
+                    help="do not wait for a quiet machine nor repeat disturbed runs (a quick "
+                         "functional look; timings then carry the machine's load)")
     args = ap.parse_args(argv)
+    if args.busy_ok:
+        harness.allow_busy()
     work = dataclasses.replace(WORKLOAD, steps=args.steps)
+    cases = select(hetaccel_cases(work, args.cpus), args.only)
     log = start("bench_hetaccel")
     log(work.describe())
     het = preset("testbed_hetaccel")
-    hom_a = preset("testbed_hetaccel", kind_b="cpu")
-    hom_b = preset("testbed_hetaccel", kind_a="cpu_half")
-
     log(f"hetjax calibrate on the {het.name} testbed")
     try:
         with Testbed(het, scale=args.scale, cpus=caps(het, args.cpus)) as tb:
@@ -136,15 +180,6 @@ def main(argv=None) -> int:
         print(f"FAILED: {e}")
         return 1
     seconds = layer_seconds(work, calibration, het)
-    choose = planner_choice(work, calibration)
-    cases = [Case("homogeneous A (cpu)", hom_a, None, caps(hom_a, args.cpus), choose),
-             Case("homogeneous B (cpu_half)", hom_b, None, caps(hom_b, args.cpus), choose),
-             Case("heterogeneous, uniform split", het,
-                  rank_order(work, (work.n_layers // 2, work.n_layers - work.n_layers // 2)),
-                  caps(het, args.cpus)),
-             Case("heterogeneous, proportional split", het, proportional(work, seconds),
-                  caps(het, args.cpus)),
-             Case("heterogeneous, planned split", het, None, caps(het, args.cpus), choose)]
     for i, c in enumerate(cases):
         run_case(c, work, os.path.join(args.workdir, f"case{i}"), args.scale, calibration,
                  args.timeout, log)
@@ -170,9 +205,16 @@ def main(argv=None) -> int:
     print(CPUS_NOTE)
     t = {c.name: per_device(c, c.mean_s) for c in cases}
     tp = {c.name: per_device(c, c.predicted_s) for c in cases}
-    summary, t_ub = upper_bound_lines(cases, t, "measured")
-    summary_p, t_ub_p = upper_bound_lines(cases, tp, "predicted")
-    print("\n" + "\n".join(summary + summary_p))
+    t_ubs = {}
+    for executor in sorted({c.executor for c in cases}, reverse=True):  # spmd first
+        summary, t_ubs[executor, "measured"] = upper_bound_lines(cases, t, "measured",
+                                                                 executor)
+        summary_p, t_ubs[executor, "predicted"] = upper_bound_lines(cases, tp, "predicted",
+                                                                    executor)
+        print("\n" + "\n".join(summary + summary_p))
+    print("\n" + "\n".join(schedule_lines(cases)))
+    t_ub, t_ub_p = (t_ubs.get(("spmd", w)) or t_ubs.get(("mpmd", w))
+                    for w in ("measured", "predicted"))
     print("\n## Predicted vs measured step time\n")
     print(accuracy_table(cases))
     print(ACCURACY_NOTE)
@@ -183,33 +225,57 @@ def main(argv=None) -> int:
                     [c.name.replace(", ", ",\n").replace(" (", "\n(") for c in cases],
                     [t[c.name] for c in cases], [tp[c.name] for c in cases],
                     "tokens / s per device",
-                    hline=(t_ub, "T_UB") if t_ub else None,
-                    notes=[f"{t[c.name] / t_ub:.0%} of T_UB" if t[c.name] and t_ub and
-                           c.topology is het else "" for c in cases])
+                    hline=(t_ub, "T_UB" + (" (SPMD; each bar's note: vs its executor's)"
+                                           if len({c.executor for c in cases}) > 1 else ""))
+                    if t_ub else None,
+                    notes=[f"{t[c.name] / t_ubs[c.executor, 'measured']:.0%} of T_UB"
+                           if t[c.name] and t_ubs.get((c.executor, "measured")) and
+                           c.name.startswith("heterogeneous") else "" for c in cases])
     print(f"\nplot: {path}")
     save_json(args.json, {"command": " ".join(sys.argv), "workload": dataclasses.asdict(work),
                           "cpus": args.cpus, "scale": args.scale, "load_end": end_load,
                           "calibration": calibration, "layer_s_per_token": seconds,
                           "t_ub": t_ub, "t_ub_predicted": t_ub_p,
+                          "t_ub_by_executor": {f"{x} {w}": v for (x, w), v in t_ubs.items()},
                           "cases": [case_record(c) for c in cases]})
     log(f"done; results in {args.json}")
     return 1 if any(c.error for c in cases) else 0
 
 
-def upper_bound_lines(cases: list[Case], t: dict, what: str) -> tuple[list[str], float | None]:
-    """T_A, T_B, T_UB and each heterogeneous run's efficiency, as text lines."""
-    t_a, t_b = t[cases[0].name], t[cases[1].name]
+def upper_bound_lines(cases: list[Case], t: dict, what: str,
+                      executor: str = "spmd") -> tuple[list[str], float | None]:
+    """T_A, T_B, T_UB from the homogeneous runs of `executor` and the efficiency of each
+    heterogeneous run of that executor, as text lines."""
+    mine = [c for c in cases if c.executor == executor]
+    x = executor.upper()
+    hom = [next((c for c in mine if c.name.startswith(f"homogeneous {k}")), None)
+           for k in "AB"]
+    t_a, t_b = (t.get(c.name) if c else None for c in hom)
     if not (t_a and t_b):
-        return [f"{what}: T_UB needs both homogeneous runs"], None
-    n_a, n_b = (sum(c.num_devices for c in cases[2].topology.clusters
-                    if c.accelerator.name == k) for k in ("cpu", "cpu_half"))
+        return [f"{what}, {x}: T_UB needs both homogeneous {x} runs"], None
+    het = preset("testbed_hetaccel")
+    n_a, n_b = (sum(c.num_devices for c in het.clusters if c.accelerator.name == k)
+                for k in ("cpu", "cpu_half"))
     t_ub = hethub_upper_bound(t_a, n_a, t_b, n_b)
-    lines = [f"{what}: T_A = {t_a:,.1f}, T_B = {t_b:,.1f} tokens/s per device; T_UB = "
+    lines = [f"{what}, {x}: T_A = {t_a:,.1f}, T_B = {t_b:,.1f} tokens/s per device; T_UB = "
              f"({t_a:,.1f} x {n_a} + {t_b:,.1f} x {n_b}) / {n_a + n_b} = {t_ub:,.1f}; "
              f"min(T_A, T_B) / T_UB = {min(t_a, t_b) / t_ub:.0%}"]
-    for c in cases[2:]:
-        if t[c.name]:
+    for c in mine:
+        if c.name.startswith("heterogeneous") and t.get(c.name):
             lines.append(f"  {c.name}: {t[c.name]:,.1f} tokens/s per device, efficiency "
-                         f"{hethub_efficiency(t[c.name], t_ub):.0%} of T_UB")
+                         f"{hethub_efficiency(t[c.name], t_ub):.0%} of T_UB ({x})")
     return lines, t_ub
 
+
+def schedule_lines(cases: list[Case]) -> list[str]:
+    """The MPMD planned split's step under 1F1B against GPipe (measured and predicted)."""
+    by = {c.name: c for c in cases}
+    one, gp = (by.get(f"heterogeneous, planned split, MPMD{s}") for s in ("", " GPipe"))
+    if not (one and gp and one.step_s and gp.step_s):
+        return ["MPMD 1F1B vs GPipe: needs both planned-split MPMD runs"]
+    out = [f"MPMD planned split, 1F1B / GPipe step time: measured {one.mean_s:.3f} / "
+           f"{gp.mean_s:.3f} s = {one.mean_s / gp.mean_s:.3f}"]
+    if one.predicted_s and gp.predicted_s:
+        out[0] += (f"; predicted {one.predicted_s:.3f} / {gp.predicted_s:.3f} s = "
+                   f"{one.predicted_s / gp.predicted_s:.3f}")
+    return out

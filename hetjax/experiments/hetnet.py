@@ -18,7 +18,14 @@ at --cpus CPUs, trained for --steps steps in four environments:
   straddles the Ethernet link and the pipeline runs inside the clusters. Same program, same
   config, only the placement differs, which isolates the claim;
 - hybrid, pp = 1 x dp = 4: data parallelism across both clusters, no pipeline (another
-  network-unaware layout; it runs different code: no pipeline executor, no recompute).
+  network-unaware layout; it runs different code: no pipeline executor, no recompute);
+- all-fast, all-Ethernet and hybrid (hetjax plan) again with the MPMD executor
+  (pipeline.executor=mpmd, rows marked "MPMD"): one JAX world per cluster (each its own
+  jax.distributed job, gloo on its cluster's link), the bridge (parallel/bridge.py) on the
+  shaped inter-cluster link; activations, their gradients, the tied embedding's gradient, the
+  loss and the norm cross it. Same model, same recompute (model.remat=full, as the SPMD
+  executor does). `--only mpmd` runs only these (`--only TEXT` picks the
+  configurations whose name contains TEXT; repeatable).
 
 Every link is the topology's rate times --scale (default 0.002: InfiniBand 400 Mbit/s,
 Ethernet 50 Mbit/s). The model is sized so communication dominates all-Ethernet: with d_model
@@ -30,8 +37,8 @@ For every configuration the step time is predicted the way a user would: `hetjax
 runs once on the hybrid testbed (every emulated host under its CPU cap: the model's block,
 head and optimizer update, and every collective per link class -- InfiniBand, RoCE and
 Ethernet, which covers the all-fast and all-Ethernet clusters' classes too), and each
-configuration is priced by `hetjax plan` with that calibration file (its stages as the separate
-processes they are here, and in lockstep for comparison). Printed: the link rates measured vs configured, throughput and ratios,
+configuration is priced by `hetjax plan` with that calibration file for its executor (stages
+as the separate processes they are here, and in lockstep for comparison). Printed: the link rates measured vs configured, throughput and ratios,
 bytes per link class, predicted vs measured with mean absolute error and rank agreement. The
 first step (compilation) and one warm-up step are excluded from the timing.
 """
@@ -44,10 +51,12 @@ import os
 import sys
 import tempfile
 
+from hetjax.experiments import harness
 from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
-                                        Workload, accuracy_table, bar_plot, calibrate_testbed,
+                                        Workload, accuracy_table, bar_plot, bridge_bytes,
                                         case_record, cpus_text, failures, fmt, link_table,
-                                        load_line, run_case, save_json, start, table)
+                                        calibrate_testbed, load_line, run_case, save_json, select,
+                                        start, table)
 from hetjax.plan import Plan, even_split
 from hetjax.errors import HetjaxError
 from hetjax.testbed import DEFAULT_SCALE, Testbed
@@ -69,7 +78,10 @@ def nic_cases(work: Workload, cpus: float) -> list[Case]:
     # Data parallelism only, across both clusters: what a layout without pipelining does.
     dp4 = Plan(pp=1, dp=4, tp=1, stage_layers=(work.n_layers,), microbatches=work.microbatches,
                global_batch=work.batch, seq_len=work.seq_len, schedule=work.schedule)
-    return cases + [Case("hybrid, dp=4 (no pipeline)", hybrid, dp4, cpus)]
+    cases.append(Case("hybrid, dp=4 (no pipeline)", hybrid, dp4, cpus))
+    # The MPMD executor: a JAX world per cluster, the bridge on the inter-cluster link.
+    return cases + [Case(f"{c.name}, MPMD", c.topology, plan, cpus, executor="mpmd")
+                    for c in cases[:3]]
 
 
 def main(argv=None) -> int:
@@ -81,12 +93,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetnet.json"))
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetnet"))
     ap.add_argument("--timeout", type=float, default=420, help="seconds per training run")
+    ap.add_argument("--only", metavar="TEXT", action="append",
+                    help="run only the configurations whose name contains TEXT (repeatable; "
+                         "case insensitive; spmd / mpmd select by executor), e.g. --only mpmd")
+    ap.add_argument("--busy-ok", action="store_true",
+                    help="do not wait for a quiet machine nor repeat disturbed runs (a quick "
+                         "functional look; timings then carry the machine's load)")
     args = ap.parse_args(argv)
+    if args.busy_ok:
+        harness.allow_busy()
     work = Workload(steps=args.steps)
+    cases = select(nic_cases(work, args.cpus), args.only)
     log = start("bench_hetnet")
     log(work.describe())
-    cases = nic_cases(work, args.cpus)
-    hybrid = next(c.topology for c in cases if c.topology.name == "testbed_hybrid")
+    hybrid = preset("testbed_hybrid")
     log(f"hetjax calibrate on the {hybrid.name} testbed ({args.cpus:g} CPUs per host)")
     try:
         with Testbed(hybrid, scale=args.scale, cpus=args.cpus) as tb:
@@ -107,9 +127,14 @@ def main(argv=None) -> int:
     return 1 if any(c.error for c in cases) else 0
 
 
+def all_fast(by: dict, c: Case) -> float | None:
+    """Throughput of the all-fast run with the executor of `c` (or None, not run)."""
+    ref = by.get("all-fast" + (", MPMD" if c.executor == "mpmd" else ""))
+    return ref.tokens_per_s() if ref else None
+
+
 def report(cases: list[Case], work: Workload, args, calibration: str, end_load: str) -> None:
     by = {c.name: c for c in cases}
-    base = by["all-fast"].tokens_per_s()
     print(f"\n## Link rates (measured goodput of a TCP transfer vs configured; x {args.scale:g})\n")
     print(link_table(cases))
     print(f"\nCalibration: {calibration} (its measured-vs-modelled tables: calibrate.log beside "
@@ -118,7 +143,7 @@ def report(cases: list[Case], work: Workload, args, calibration: str, end_load: 
           f"host; {end_load} at the end)\n")
     rows = []
     for c in cases:
-        tps = c.tokens_per_s()
+        tps, base = c.tokens_per_s(), all_fast(by, c)
         rows.append([c.name, f"pp={c.plan.pp} dp={c.plan.dp}", c.dp_links, c.pp_links,
                      f"{fmt(c.mean_s, '.3f')} ± {c.sd_s:.3f}" if c.step_s else "failed",
                      fmt(tps, ",.0f"), fmt(tps / base if tps and base else None, ".2f"),
@@ -126,18 +151,30 @@ def report(cases: list[Case], work: Workload, args, calibration: str, end_load: 
                          c.traffic.items(), key=lambda kv: (" <-> " in kv[0], kv[0]))),
                      cpus_text(c)])
     print(table(["configuration", "layout", "DP on", "PP on", "s/step", "tokens/s",
-                 "vs all-fast", "MiB per step by link class", CPUS_HEADER], rows))
+                 "vs all-fast (same executor)", "MiB per step by link class", CPUS_HEADER],
+                rows))
     print(CPUS_NOTE)
-    hj = by["hybrid, hetjax plan"].tokens_per_s()
     ratios = []
-    for other in ("all-fast", "all-Ethernet", "hybrid, network-unaware",
-                  "hybrid, dp=4 (no pipeline)"):
-        t = by[other].tokens_per_s() if other in by else None
-        if hj and t:
-            ratios.append(f"hybrid with hetjax's plan / {other}: {hj / t:.2f}x")
+    for mine in ("hybrid, hetjax plan", "hybrid, hetjax plan, MPMD"):
+        hj = by[mine].tokens_per_s() if mine in by else None
+        for other in ("all-fast", "all-fast, MPMD", "all-Ethernet", "all-Ethernet, MPMD",
+                      "hybrid, network-unaware", "hybrid, dp=4 (no pipeline)",
+                      "hybrid, hetjax plan"):
+            t = by[other].tokens_per_s() if other in by and other != mine else None
+            if hj and t:
+                ratios.append(f"{mine} / {other}: {hj / t:.2f}x")
     print("\n" + "\n".join(ratios))
-    print("\n## Predicted vs measured step time (hetjax plan with hetjax calibrate's file from "
-          "this testbed)\n")
+    mpmd = [c for c in cases if c.executor == "mpmd" and c.plan.pp > 1]
+    if mpmd:
+        parts = bridge_bytes(mpmd[0].plan, work)
+        print("\nOver the bridge (MPMD rows, from the executor's messages, per step): " +
+              ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in parts.items()) +
+              f"; {sum(parts.values()) / 2**20:.2f} MiB in all, plus the loss, the norm parts "
+              "and TCP/IP headers: what the inter-cluster class (the 'a <-> b' entry) "
+              "carries. The MiB per step inside a cluster include each world's one-time "
+              "start-up traffic, spread over the steps.")
+    print("\n## Predicted vs measured step time (hetjax plan for each row's executor, with "
+          "hetjax calibrate's file from this testbed)\n")
     print(accuracy_table(cases))
     print(ACCURACY_NOTE)
     if failures(cases):
@@ -148,7 +185,7 @@ def report(cases: list[Case], work: Workload, args, calibration: str, end_load: 
                     [c.tokens_per_s() for c in cases],
                     [c.plan.global_batch * c.plan.seq_len / c.predicted_s
                      if c.predicted_s else None for c in cases], "tokens / s",
-                    notes=[f"{c.tokens_per_s() / base:.2f}x" if c.step_s and base else ""
-                           for c in cases])
+                    notes=[f"{c.tokens_per_s() / all_fast(by, c):.2f}x"
+                           if c.step_s and all_fast(by, c) else "" for c in cases])
     print(f"\nplot: {path}")
 
