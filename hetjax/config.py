@@ -22,6 +22,7 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
+from hetjax.plan import PLACEMENTS
 from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.stage_layers = ()
     c.pipeline.schedule = "1f1b"
     c.pipeline.executor = "spmd"
+    c.pipeline.placement = "looped"
     c.pipeline.microbatches = 0
 
     c.zero = ml_collections.ConfigDict()
@@ -166,6 +168,9 @@ DESCRIPTIONS: dict[str, str] = {
     "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
                          "program per stage, stages run asynchronously; auto: the one the "
                          "planner predicts faster",
+    "pipeline.placement": "looped: one model chunk per stage in order | folded: two chunks per "
+                          "device in a V (down, then back up; device 0 holds embedding and "
+                          "head), each device's stage_layers split ceil/floor down/up",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
                    "zero2 | zero3 | mics | auto | custom",
@@ -503,6 +508,12 @@ def validate(c) -> None:
              "pipeline.schedule", f"the SPMD executor cannot run {c.pipeline.schedule!r} (several "
              f"chunks per stage or a split backward)",
              f"set --config.pipeline.executor=mpmd, or use one of {', '.join(spmd_schedules())}")
+    _require(c.pipeline.placement in PLACEMENTS, "pipeline.placement",
+             f"unknown placement {c.pipeline.placement!r}",
+             f"choose one of {', '.join(PLACEMENTS)}")
+    _require(c.pipeline.placement == "looped" or c.pipeline.executor == "spmd",
+             "pipeline.placement", f"the {c.pipeline.executor} executor runs only the looped "
+             f"placement", "set --config.pipeline.executor=spmd, or pipeline.placement=looped")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
              f"unknown preset {c.zero.preset!r}",
              f"choose one of {', '.join(zr.CONFIG_PRESETS)}")

@@ -98,7 +98,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                  schedule=c.pipeline.schedule, zero=zero,
                  stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                  allow_straddle=c.parallel.allow_straddle)
-        results.append(_with_executor(r, executor))
+        results.append(_with_executor(r, executor, c.pipeline.placement))
     best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
     if len(results) > 1:
         _note_executor_choice(best.plan, [r.plan for r in results])
@@ -113,10 +113,12 @@ def _executors(c) -> tuple[str, ...]:
     return tuple(e for e in PLAN_EXECUTORS if runs_schedule(e, c.pipeline.schedule))
 
 
-def _with_executor(result: PlanResult, executor: str) -> PlanResult:
-    """A planner result whose plans name the executor they were priced for."""
+def _with_executor(result: PlanResult, executor: str, placement: str = "looped") -> PlanResult:
+    """A planner result whose plans name the executor they were priced for (and the
+    configured placement of model chunks)."""
     def named(p: Plan) -> Plan:
-        return dataclasses.replace(p, executor=executor, predicted=p.predicted)
+        return dataclasses.replace(p, executor=executor, predicted=p.predicted,
+                                   placement=placement if p.pp > 1 else "looped")
 
     return dataclasses.replace(result, plan=named(result.plan),
                                runners_up=tuple(named(p) for p in result.runners_up))
@@ -175,7 +177,8 @@ def plan_from_config(c, topology: Topology) -> Plan:
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
-                 schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config")
+                 schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
+                 placement=c.pipeline.placement if pp > 1 else "looped")
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
