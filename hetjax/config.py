@@ -157,7 +157,8 @@ DESCRIPTIONS: dict[str, str] = {
     "model.param_dtype": "dtype parameters are stored (and optimized) in",
     "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
                    "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
-                   "(none, but full in the SPMD pipeline)",
+                   "(when the planner searches, the fastest of the three that fits memory; "
+                   "otherwise none, but full in the SPMD pipeline)",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -170,7 +171,8 @@ DESCRIPTIONS: dict[str, str] = {
                          "planner predicts faster",
     "pipeline.placement": "looped: one model chunk per stage in order | folded: two chunks per "
                           "device in a V (down, then back up; device 0 holds embedding and "
-                          "head), each device's stage_layers split ceil/floor down/up",
+                          "head), each device's stage_layers split ceil/floor down/up | auto: "
+                          "the planner prices both (SPMD executor)",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
                    "zero2 | zero3 | mics | auto | custom",
@@ -508,10 +510,10 @@ def validate(c) -> None:
              "pipeline.schedule", f"the SPMD executor cannot run {c.pipeline.schedule!r} (several "
              f"chunks per stage or a split backward)",
              f"set --config.pipeline.executor=mpmd, or use one of {', '.join(spmd_schedules())}")
-    _require(c.pipeline.placement in PLACEMENTS, "pipeline.placement",
+    _require(c.pipeline.placement in PLACEMENTS + ("auto",), "pipeline.placement",
              f"unknown placement {c.pipeline.placement!r}",
-             f"choose one of {', '.join(PLACEMENTS)}")
-    _require(c.pipeline.placement == "looped" or c.pipeline.executor == "spmd",
+             f"choose one of {', '.join(PLACEMENTS + ('auto',))}")
+    _require(c.pipeline.placement in ("looped", "auto") or c.pipeline.executor == "spmd",
              "pipeline.placement", f"the {c.pipeline.executor} executor runs only the looped "
              f"placement", "set --config.pipeline.executor=spmd, or pipeline.placement=looped")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",

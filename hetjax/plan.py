@@ -86,6 +86,9 @@ class Plan:
     # lockstep ticks, or "mpmd", one program per stage, stages running asynchronously.
     executor: str = "spmd"
     placement: str = "looped"  # one of PLACEMENTS
+    # Recompute policy the planner chose for model.remat = 'auto' (none | dots | full); empty:
+    # the model's own model.remat.
+    remat: str = ""
     # Topology ranks in mesh order: reshape(pp, dp, tp)[s, d, t] is the rank at stage s,
     # data-parallel replica d, tensor shard t. Rank order unless the planner reordered devices.
     device_order: tuple[int, ...] = ()
@@ -175,9 +178,14 @@ class Plan:
         for s in range(self.pp):
             ranks = self.stage_ranks(s)
             lr = self.layer_range(s)
-            row = {"stage": str(s), "layers": (f"{lr.start}-{lr.stop - 1}" if len(lr) > 1
-                                               else str(lr.start)) + f" ({len(lr)})",
-                   "ranks": _fmt_ranks(ranks)}
+            layers = (f"{lr.start}-{lr.stop - 1}" if len(lr) > 1 else str(lr.start)) + \
+                f" ({len(lr)})"
+            if self.placement == "folded":  # its down chunk's layers, then its up chunk's
+                held = self.device_layers(s)
+                down = self.chunk_layers()[s][0]
+                layers = "+".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0])
+                                  for r in (held[:down], held[down:]) if r) + f" ({len(held)})"
+            row = {"stage": str(s), "layers": layers, "ranks": _fmt_ranks(ranks)}
             if topology is not None:
                 names = sorted({topology.cluster_of(r).name for r in ranks})
                 row["clusters"] = ",".join(names) if len(names) <= 3 else \
@@ -214,6 +222,8 @@ class Plan:
     def header(self) -> str:
         z = self.zero
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
+        executor += f"  placement={self.placement}" if self.placement != "looped" else ""
+        executor += f"  remat={self.remat}" if self.remat else ""
         return (f"plan ({self.source}): pp={self.pp} dp={self.dp} tp={self.tp}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "

@@ -57,7 +57,7 @@ def test_folded_layout_round_trips_and_keeps_shared_parameters_on_device_0():
 def test_folded_placement_mistakes_name_the_field_and_fix():
     from hetjax.config import validate
 
-    for overrides, text in (({"pipeline.placement": "w"}, "choose one of looped, folded"),
+    for overrides, text in (({"pipeline.placement": "w"}, "choose one of looped, folded, auto"),
                             ({"pipeline.placement": "folded", "pipeline.executor": "mpmd"},
                              "pipeline.executor=spmd")):
         with pytest.raises(ConfigError, match="pipeline.placement") as e:

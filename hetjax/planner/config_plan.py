@@ -97,8 +97,9 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                  pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,
                  schedule=c.pipeline.schedule, zero=zero,
                  stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
-                 allow_straddle=c.parallel.allow_straddle)
-        results.append(_with_executor(r, executor, c.pipeline.placement))
+                 allow_straddle=c.parallel.allow_straddle,
+                 placement=c.pipeline.placement if executor == "spmd" else "looped")
+        results.append(_with_executor(r, executor))
     best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
     if len(results) > 1:
         _note_executor_choice(best.plan, [r.plan for r in results])
@@ -113,12 +114,10 @@ def _executors(c) -> tuple[str, ...]:
     return tuple(e for e in PLAN_EXECUTORS if runs_schedule(e, c.pipeline.schedule))
 
 
-def _with_executor(result: PlanResult, executor: str, placement: str = "looped") -> PlanResult:
-    """A planner result whose plans name the executor they were priced for (and the
-    configured placement of model chunks)."""
+def _with_executor(result: PlanResult, executor: str) -> PlanResult:
+    """A planner result whose plans name the executor they were priced for."""
     def named(p: Plan) -> Plan:
-        return dataclasses.replace(p, executor=executor, predicted=p.predicted,
-                                   placement=placement if p.pp > 1 else "looped")
+        return dataclasses.replace(p, executor=executor, predicted=p.predicted)
 
     return dataclasses.replace(result, plan=named(result.plan),
                                runners_up=tuple(named(p) for p in result.runners_up))
@@ -154,10 +153,12 @@ def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | 
 def plan_from_config(c, topology: Topology) -> Plan:
     """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0 (or
     only the ZeRO point, by AMSP's enumeration, when zero.preset is 'auto'), else the fixed
-    layout (dp may be 0 = the rest). Raises PlanError for a layout that breaks the placement
+    layout (dp may be 0 = the rest; its recompute policy is model.remat's, the planner chooses
+    one only when it searches). Raises PlanError for a layout that breaks the placement
     rules unless parallel.allow_straddle."""
     validate_layout(c, topology)
-    if not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto":
+    if (not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto"
+            or c.pipeline.placement == "auto"):
         return plan_for_config(c, topology).plan
     n = topology.num_devices
     p = c.parallel

@@ -28,7 +28,7 @@ import numpy as np
 from hetjax.errors import PlanError, TopologyError
 from hetjax.plan import Plan, ZeroFactors, effective_remat
 from hetjax.planner import collectives as coll, zero as zr
-from hetjax.planner.simulate import exposed, in_flight, simulate
+from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
 from parallel.schedules import SCHEDULES
 
@@ -199,11 +199,18 @@ class Layout:
     seq_len: int
     schedule: str = "1f1b"
     zero: ZeroFactors = ZeroFactors()
+    placement: str = "looped"  # Plan.placement
+    remat: str = ""  # Plan.remat: the recompute policy, empty for the model's model.remat
 
     @staticmethod
     def of(plan: Plan) -> "Layout":
         return Layout(plan.pp, plan.dp, plan.tp, plan.device_order, plan.microbatches,
-                      plan.global_batch, plan.seq_len, plan.schedule, plan.zero)
+                      plan.global_batch, plan.seq_len, plan.schedule, plan.zero,
+                      plan.placement, plan.remat)
+
+    @property
+    def folded(self) -> bool:
+        return self.placement == "folded" and self.pp > 1
 
     def mesh(self) -> np.ndarray:
         return np.asarray(self.device_order).reshape(self.pp, self.dp, self.tp)
@@ -216,7 +223,8 @@ class Layout:
         return Plan(pp=self.pp, dp=self.dp, tp=self.tp, stage_layers=tuple(stage_layers),
                     microbatches=self.microbatches, global_batch=self.global_batch,
                     seq_len=self.seq_len, schedule=self.schedule, zero=self.zero,
-                    device_order=tuple(int(r) for r in self.device_order), **kw)
+                    device_order=tuple(int(r) for r in self.device_order),
+                    placement=self.placement, remat=self.remat, **kw)
 
 
 @dataclass(frozen=True)
@@ -597,6 +605,11 @@ class CostModel:
         """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
         return self.options.executor == "hetjax" and layout.pp > 1
 
+    def remat_of(self, layout: Layout) -> str:
+        """The recompute policy a layout runs with: its own (the planner's choice), else the
+        model's, 'auto' resolved per executor."""
+        return effective_remat(layout.remat or self.model.remat, self.pipelined_by_hetjax(layout))
+
     def runs_in_lockstep(self, layout: Layout) -> bool:
         """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
         return self.pipelined_by_hetjax(layout) and self.options.lockstep
@@ -607,7 +620,7 @@ class CostModel:
         mesh = layout.mesh()
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
         hetjax = self.pipelined_by_hetjax(layout)
-        remat = effective_remat(m.remat, hetjax)
+        remat = self.remat_of(layout)
         zero_as = self.zero_style
         layer_p = m.layer_params / tp
         embed_p = m.embed_params / tp
@@ -654,7 +667,8 @@ class CostModel:
                 head_sync=zh.sync + zh.refresh,
                 head_mem=zr.step_state_bytes(head_p, f, sb, zero_as),
                 logits=2 * tok * m.vocab_size / tp * 4,  # fp32 logits and their gradient
-                shared_everywhere=hetjax,
+                # folded: embedding and head only on device 0 (it runs both end chunks)
+                shared_everywhere=hetjax and not layout.folded,
                 capacity=float(self._memory[ranks].min()) * o.memory_fraction,
                 label=self._label(ranks)))
         return slots
@@ -664,7 +678,7 @@ class CostModel:
         embedding's between the first and last stage; hetjax passes embedding and head
         gradients around the ring of stages (pp - 1 hops)."""
         m, tp, g = self.model, layout.tp, self.state_bytes.g
-        if layout.pp == 1:
+        if layout.pp == 1 or layout.folded:  # folded: both ends on device 0, nothing moves
             return 0.0
         if self.pipelined_by_hetjax(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
@@ -680,7 +694,11 @@ class CostModel:
 
     def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
         first, last = position == 0, position == layout.pp - 1
-        live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
+        if layout.folded:  # device 0 runs the first chunk and the last (the head)
+            last = first
+            live = in_flight_folded(layout.schedule, layout.pp, layout.microbatches)[position]
+        else:
+            live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
         embed = first or slot.shared_everywhere
         head = last or slot.shared_everywhere
         return StageCost(
@@ -694,6 +712,13 @@ class CostModel:
             + (slot.head_mem if head else 0.0) + (slot.logits if last else 0.0),
             capacity=slot.capacity, label=slot.label,
             padded=self.options.executor != "mpmd")
+
+    @staticmethod
+    def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
+        """Folded: the part of each device's forward in its down chunk (ceil(n / 2) of its n
+        layers; the head, on device 0, is in its up chunk)."""
+        return [c.fwd_layer * ((n + 1) // 2) / c.fwd(n) if c.fwd(n) else 0.5
+                for c, n in zip(stages, layers)]
 
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
@@ -745,7 +770,8 @@ class CostModel:
                        [c.fwd(n) for c, n in zip(stages, layers)],
                        [c.bwd(n) for c, n in zip(stages, layers)], send, send,
                        [c.sync(n) for c, n in zip(stages, layers)], self.options.overlap,
-                       lockstep=self.runs_in_lockstep(layout))
+                       lockstep=self.runs_in_lockstep(layout), placement=layout.placement,
+                       down_share=self.down_share(stages, layers) if layout.folded else ())
         tokens = plan.global_batch * plan.seq_len
         lmax = max(layers)
         step = float(sim.step_time)
