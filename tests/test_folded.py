@@ -119,3 +119,47 @@ def test_folded_embedding_gradient_never_crosses_the_pipeline_axis(folded_run):
     assert folded and max(folded) < shard, (folded, shard)
     looped = Trainer(pipe_config((1, 3), "gpipe", dp=2, tp=2, microbatches=4), quiet=True)
     assert max(pp_collective_bytes(looped)) >= shard
+
+
+# --- the cost model and the planner ------------------------------------------------------------
+def _holmes_plans(schedule="gpipe"):
+    from hetjax.planner import CostModel, CostOptions
+    from hetjax.planner.calibrate import holmes_model
+    from hetjax.topology import preset
+
+    cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions())
+    looped = Plan(pp=2, dp=16, tp=1, stage_layers=(15, 15), microbatches=16, global_batch=256,
+                  seq_len=2048, schedule=schedule)
+    return cm, looped, dataclasses.replace(looped, placement="folded")
+
+
+def test_cost_model_puts_embedding_and_head_on_device_0_when_folded():
+    from hetjax.planner.cost import Layout
+
+    cm, looped, folded = _holmes_plans()
+    pl_, pf = cm.predict(looped), cm.predict(folded)
+    # the head's time moves from the last device to device 0; the total stays
+    assert pf.stage_time[0] > pl_.stage_time[0] and pf.stage_time[1] < pl_.stage_time[1]
+    assert sum(pf.stage_time) == pytest.approx(sum(pl_.stage_time))
+    # no ring sum of the shared gradients: less sync per step on every device
+    sl, sf = (cm.stage_costs(Layout.of(p)) for p in (looped, folded))
+    assert all(f.sync_fixed < lo.sync_fixed for f, lo in zip(sf, sl))
+    # GPipe: the same lockstep ticks (within the head's move and the sync it saves)
+    assert pf.step_time == pytest.approx(pl_.step_time, rel=0.05)
+
+
+def test_planner_considers_the_placement_and_says_what_bound_it():
+    from hetjax.planner import CostOptions, plan
+    from hetjax.planner.calibrate import holmes_model
+    from hetjax.topology import preset
+
+    best = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,
+                microbatches=16, zero="ddp", schedule="1f1b", placement="auto",
+                options=CostOptions()).plan
+    # in lockstep a folded 1F1B tick pairs half-stage actions: cheaper than looped 1F1B's
+    assert best.placement == "folded" and "placement=folded" in best.header()
+    assert best.predicted["bound"]["placement"].startswith("time: the fastest predicted")
+    looped = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,
+                  microbatches=16, zero="ddp", schedule="1f1b").plan
+    assert looped.placement == "looped"
+    assert best.predicted["step_time_s"] < looped.predicted["step_time_s"]

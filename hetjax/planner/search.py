@@ -535,8 +535,10 @@ class _Search:
         best = self.refused_best
         if best is not None and best[0] < estimate * (1 - TIE):
             est, lay, need, cap = best
+            extra = (f" {lay.placement}" if lay.placement != "looped" else "") + \
+                (f" remat={lay.remat}" if lay.remat else "")
             return (f"memory: pp={lay.pp} dp={lay.dp} tp={lay.tp} M={lay.microbatches} "
-                    f"{lay.schedule} would be {1 - est / estimate:.1%} faster but needs "
+                    f"{lay.schedule}{extra} would be {1 - est / estimate:.1%} faster but needs "
                     f"{need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable")
         return (f"time: the fastest predicted (within {TIE:.0%}) of the {layouts} layouts that "
                 f"fit memory" + (f" ({self.refused_layouts} more do not)"
@@ -573,7 +575,7 @@ class _Search:
         if self.shortfall.ratio < math.inf:
             r = self.shortfall.ratio
             fixes = [f"about {math.ceil(r * n)} devices of this kind (x{r:.2f} the memory)"]
-            if effective_remat(self.model.remat) != "full":
+            if self.model.remat not in ("full", "auto"):  # 'auto' tried 'full' already
                 fixes.append("model.remat='full' (keeps one activation per layer)")
             fixes.append("a smaller train.batch_size or train.seq_len, or more micro-batches")
             return PlanError(
