@@ -42,7 +42,19 @@ memory: the attention probabilities too), with 'dots' the matmul outputs. Parame
 holds are not stashed (B passes them back in). The stash has the schedule's `max_in_flight`
 slots: M for GPipe, pp for 1F1B whatever M is.
 
-Shared parameters. The embedding is used by stage 0 (lookup) and, tied, by the last stage
+Folded placement (`plan.placement == 'folded'`, DHelix's W / ZB-V's V). Each device holds two
+model chunks: chunk k on device k for k < pp and on device 2 pp - 1 - k for k >= pp, so device 0
+runs the first (embedding) and the last (head). Device d's `stage_layers[d]` layers split
+ceil / floor into its down chunk (slots 0 ..) and its up chunk (the slots after), and
+`to_stages` puts those layers in its slots (`Plan.device_layers`). The executor plays the
+schedule's grid for a virtual pipeline of 2 pp stages: each tick runs the device's down-chunk
+action (virtual stage d), then its up-chunk action (2 pp - 1 - d), each with its own inboxes and
+stash; then down-chunk activations and up-chunk gradients move d -> d + 1, up-chunk activations
+and down-chunk gradients d -> d - 1 (`folded_sends`), and at the turn device pp - 1 keeps its
+own down output (and up gradient) with no send. The shared parameters are stacked over 'pp' as
+well, real on device 0 and zero (frozen) elsewhere, so their gradients never leave device 0.
+
+Shared parameters (looped). The embedding is used by stage 0 (lookup) and, tied, by the last stage
 (logits); final norm and output projection by the last stage. Their gradient contributions,
 reduced inside each stage to OS shards first, are summed over the stages by passing them
 around the ring of stages with `ppermute`, so
