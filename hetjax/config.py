@@ -172,7 +172,7 @@ DESCRIPTIONS: dict[str, str] = {
     "pipeline.placement": "looped: one model chunk per stage in order | folded: two chunks per "
                           "device in a V (down, then back up; device 0 holds embedding and "
                           "head), each device's stage_layers split ceil/floor down/up | auto: "
-                          "the planner prices both (SPMD executor)",
+                          "the planner prices both",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
                    "zero2 | zero3 | mics | auto | custom",
@@ -513,9 +513,10 @@ def validate(c) -> None:
     _require(c.pipeline.placement in PLACEMENTS + ("auto",), "pipeline.placement",
              f"unknown placement {c.pipeline.placement!r}",
              f"choose one of {', '.join(PLACEMENTS + ('auto',))}")
-    _require(c.pipeline.placement in ("looped", "auto") or c.pipeline.executor == "spmd",
-             "pipeline.placement", f"the {c.pipeline.executor} executor runs only the looped "
-             f"placement", "set --config.pipeline.executor=spmd, or pipeline.placement=looped")
+    _require(c.pipeline.placement in ("looped", "auto") or c.pipeline.schedule in spmd_schedules(),
+             "pipeline.placement", f"the folded placement takes a tick-grid schedule, not "
+             f"{c.pipeline.schedule!r}", f"use pipeline.schedule one of "
+             f"{', '.join(spmd_schedules())}, or pipeline.placement=looped")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
              f"unknown preset {c.zero.preset!r}",
              f"choose one of {', '.join(zr.CONFIG_PRESETS)}")

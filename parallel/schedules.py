@@ -295,6 +295,52 @@ class Strands(Schedule):
         return grid
 
 
+class Folded(Schedule):
+    """Any grid schedule on the folded placement (DHelix's W, ZB-V's V), for executors that
+    take per-stage orders (MPMD): v = 2 chunks per stage, model chunk k on stage k for k < p
+    and on stage 2 p - 1 - k for k >= p, so stage 0 runs the first chunk and the last.
+
+    The orders come from the base schedule's played tick grid for a virtual pipeline of 2 p
+    stages: stage d takes, tick by tick, the tasks of its down chunk (virtual stage d, chunk 0)
+    and then of its up chunk (virtual stage 2 p - 1 - d, chunk 1). Every task's inputs are
+    produced at earlier ticks, so these orders are a topological order of the dependencies and
+    cannot deadlock, and the timeline reproduces the grid's density (a naive V issue order
+    built from warm-up-then-alternate does neither). Not registered by name: `folded(name, ...)`
+    wraps a registered schedule; the SPMD executor runs the virtual grid itself."""
+
+    virtual = 2
+
+    def __init__(self, base: str, stages: int, microbatches: int):
+        self.base = make_schedule(base, 2 * stages, microbatches)
+        self.name = f"{base} (folded)"
+        super().__init__(stages, microbatches)
+
+    def build(self):
+        p, orders = self.stages, [[] for _ in range(self.stages)]
+        for row in tick_table(self.base):
+            for d in range(p):
+                for chunk, k in ((0, d), (1, 2 * p - 1 - d)):
+                    orders[d] += [Task(a.kind, a.microbatch, chunk) for a in cell_tasks(row[k])]
+        return orders
+
+    def placement(self) -> tuple[int, ...]:
+        p = self.stages
+        return tuple(range(p)) + tuple(reversed(range(p)))
+
+    def bubble_slot(self, fwd, bwd):
+        return self.base.bubble_slot(fwd, bwd)
+
+
+def folded(name: str, stages: int, microbatches: int) -> Folded:
+    """The registered schedule `name` on the folded placement (`Folded`)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if not SCHEDULES[name].spmd_compatible:
+        raise ValueError(f"the folded placement takes a tick-grid schedule (one of "
+                         f"{', '.join(spmd_schedules())}), not {name!r}")
+    return Folded(name, stages, microbatches)
+
+
 def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     """The registered schedule `name` for these sizes."""
     if name not in SCHEDULES:

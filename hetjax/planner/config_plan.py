@@ -98,7 +98,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                  schedule=c.pipeline.schedule, zero=zero,
                  stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                  allow_straddle=c.parallel.allow_straddle,
-                 placement=c.pipeline.placement if executor == "spmd" else "looped")
+                 placement=c.pipeline.placement)
         results.append(_with_executor(r, executor))
     best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
     if len(results) > 1:

@@ -169,7 +169,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         for order, orders, tag in s.layouts(p, d, t):
             for M in s.microbatch_counts(d, microbatches):
                 for name, place, remat in itertools.product(schedules, places, remats):
-                    if not fits_schedule(name, p, M, executor, schedules[0]):
+                    if not fits_schedule(name, p, M, executor, schedules[0]) or (
+                            place == "folded" and not SCHEDULES[name].spmd_compatible):
                         continue
                     try:
                         c = s.evaluate(Layout(p, d, t, order, M, global_batch, seq_len, name,
@@ -206,9 +207,11 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if len(schedules) > 1 and best.pp > 1:
         free["schedule"] = [dataclasses.replace(Layout.of(best), schedule=n)
                             for n in schedules if n != best.schedule]
-    if len(s.placements(placement, best.pp)) > 1:
+    places = [n for n in s.placements(placement, best.pp)
+              if n == "looped" or SCHEDULES[best.schedule].spmd_compatible]
+    if len(places) > 1:
         free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
-                             for n in s.placements(placement, best.pp) if n != best.placement]
+                             for n in places if n != best.placement]
     if len(remats) > 1:
         free["remat"] = [dataclasses.replace(Layout.of(best), remat=r)
                          for r in remats if r != best.remat]
@@ -247,14 +250,13 @@ class _Search:
 
     # --- the choices ---------------------------------------------------------------------------
     def placements(self, placement: str, pp: int) -> tuple[str, ...]:
-        """The placements to price: the one asked, or for "auto" looped and, where it can
-        run (pp > 1, hetjax's executor in lockstep), folded."""
+        """The placements to price: the one asked, or for "auto" looped and (pp > 1, hetjax's
+        or the MPMD executor) folded."""
         if pp == 1:
             return ("looped",)
         if placement != "auto":
             return (placement,)
-        lockstep = self.cm.options.executor == "hetjax" and self.cm.options.lockstep
-        return ("looped", "folded") if pp > 1 and lockstep else ("looped",)
+        return ("looped", "folded") if self.cm.options.executor != "megatron" else ("looped",)
 
     def degrees(self, pp: int, dp: int, tp: int, stage_layers: Sequence[int]
                 ) -> list[tuple[int, int, int]]:

@@ -26,7 +26,7 @@ import numpy as np
 from hetjax.errors import PlanError
 from parallel.schedules import (Action, Event, Schedule, cell_tasks, make_schedule,
                                 tick_codes, tick_table, timeline)
-from parallel.schedules import folded_lockstep_ticks
+from parallel.schedules import folded, folded_lockstep_ticks
 from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
 
@@ -115,13 +115,22 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
              down_share: Sequence[float] = ()) -> Simulation:
     """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times. Folded
     (`placement`), fwd / bwd are per device (both chunks) and `down_share` the part of each
-    device's work in its down chunk; only the lockstep executor runs it."""
+    device's work in its down chunk (lockstep; asynchronously each chunk takes half, as the
+    timeline of `schedules.folded` plays it)."""
     S = len(fwd)
     sync = list(sync) or [0.0] * S
-    if placement == "folded":
-        if not lockstep:
-            raise PlanError("the folded placement is priced only in lockstep (hetjax's SPMD "
-                            "executor in one process); use placement looped for others")
+    if placement == "folded" and not lockstep:  # per-stage orders from the virtual grid
+        try:
+            table = folded(schedule, S, microbatches)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        events = timeline(table, fwd, bwd, send_fwd, send_bwd)
+        last = [0.0] * S
+        for e in events:
+            last[e.stage] = max(last[e.stage], e.end)
+        hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
+        step = max(last[s] + hidden[s] for s in range(S))
+    elif placement == "folded":
         durations = folded_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd,
                                  down_share)
         share = list(down_share) or [0.5] * S
