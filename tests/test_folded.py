@@ -91,6 +91,23 @@ def test_folded_loss_and_every_gradient_equal_the_plain_model(folded_run, schedu
     assert_grads_match(jax.device_get(pipe.from_stages(grads)), ref_grads)
 
 
+def test_folded_checkpoint_layout_gives_the_natural_tree(folded_run):
+    """Checkpoints hold the natural state whatever the placement: the shared parameters and
+    their moments unstacked (device 0's), the layers in model order; and convert back."""
+    trainer = folded_run[0]
+    abstract = jax.eval_shape(lambda s: s, trainer.state)
+    layout = pl.StageLayout(trainer.plan, abstract, trainer.state_sharding)
+    natural = layout.to_natural(trainer.state)
+    emb = trainer.state.params["embedder"]["embedding"]
+    assert natural.params["embedder"]["embedding"].shape == emb.shape[1:]
+    np.testing.assert_array_equal(np.asarray(natural.params["embedder"]["embedding"]),
+                                  np.asarray(emb)[0])
+    assert natural.params["layers"]["block"]["attn"]["query"].shape[0] == 4
+    back = layout.from_natural(natural)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 back, trainer.state)
+
+
 def test_folded_ticks_hold_the_plain_pipelines_work():
     """In lockstep a folded tick lasts as long as its busiest device: two chunks (a whole
     stage's work) in the steady state, one in warm-up and cool-down. Priced in stage units
