@@ -22,6 +22,7 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
+from hetjax.plan import PLACEMENTS
 from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.stage_layers = ()
     c.pipeline.schedule = "1f1b"
     c.pipeline.executor = "spmd"
+    c.pipeline.placement = "looped"
     c.pipeline.microbatches = 0
 
     c.zero = ml_collections.ConfigDict()
@@ -155,7 +157,8 @@ DESCRIPTIONS: dict[str, str] = {
     "model.param_dtype": "dtype parameters are stored (and optimized) in",
     "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
                    "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
-                   "(none, but full in the SPMD pipeline)",
+                   "(when the planner searches, the fastest of the three that fits memory; "
+                   "otherwise none, but full in the SPMD pipeline)",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -166,6 +169,10 @@ DESCRIPTIONS: dict[str, str] = {
     "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
                          "program per stage, stages run asynchronously; auto: the one the "
                          "planner predicts faster",
+    "pipeline.placement": "looped: one model chunk per stage in order | folded: two chunks per "
+                          "device in a V (down, then back up; device 0 holds embedding and "
+                          "head), each device's stage_layers split ceil/floor down/up | auto: "
+                          "the planner prices both",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
                    "zero2 | zero3 | mics | auto | custom",
@@ -503,6 +510,13 @@ def validate(c) -> None:
              "pipeline.schedule", f"the SPMD executor cannot run {c.pipeline.schedule!r} (several "
              f"chunks per stage or a split backward)",
              f"set --config.pipeline.executor=mpmd, or use one of {', '.join(spmd_schedules())}")
+    _require(c.pipeline.placement in PLACEMENTS + ("auto",), "pipeline.placement",
+             f"unknown placement {c.pipeline.placement!r}",
+             f"choose one of {', '.join(PLACEMENTS + ('auto',))}")
+    _require(c.pipeline.placement in ("looped", "auto") or c.pipeline.schedule in spmd_schedules(),
+             "pipeline.placement", f"the folded placement takes a tick-grid schedule, not "
+             f"{c.pipeline.schedule!r}", f"use pipeline.schedule one of "
+             f"{', '.join(spmd_schedules())}, or pipeline.placement=looped")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
              f"unknown preset {c.zero.preset!r}",
              f"choose one of {', '.join(zr.CONFIG_PRESETS)}")

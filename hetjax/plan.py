@@ -31,6 +31,10 @@ DP_AXES = ("dp", "dp_os", "dp_p")
 
 
 EXECUTORS = ("spmd", "mpmd")  # pipeline executors a Plan can name (parallel/executor.py)
+# Where a pipeline's model chunks live (parallel/pipeline.py): "looped", one chunk per stage in
+# model order; "folded", two chunks per device in a V (DHelix's W, ZB-V's V): layers go down the
+# devices and back up, so device 0 holds the first chunk (embedding) and the last (head).
+PLACEMENTS = ("looped", "folded")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class Plan:
     # How a pipeline runs (pp > 1): "spmd", one shard_map program whose stages advance in
     # lockstep ticks, or "mpmd", one program per stage, stages running asynchronously.
     executor: str = "spmd"
+    placement: str = "looped"  # one of PLACEMENTS
+    # Recompute policy the planner chose for model.remat = 'auto' (none | dots | full); empty:
+    # the model's own model.remat.
+    remat: str = ""
     # Topology ranks in mesh order: reshape(pp, dp, tp)[s, d, t] is the rank at stage s,
     # data-parallel replica d, tensor shard t. Rank order unless the planner reordered devices.
     device_order: tuple[int, ...] = ()
@@ -97,6 +105,9 @@ class Plan:
             raise ValueError(f"stage_layers {self.stage_layers} does not have pp={self.pp} stages")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor {self.executor!r}: choose one of {', '.join(EXECUTORS)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r}: choose one of "
+                             f"{', '.join(PLACEMENTS)}")
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -139,6 +150,25 @@ class Plan:
         start = sum(self.stage_layers[:s])
         return range(start, start + self.stage_layers[s])
 
+    def chunk_layers(self) -> tuple[tuple[int, int], ...]:
+        """Folded placement: (down, up) layers of each device's two chunks. A device's
+        `stage_layers[d]` split with the larger half going down: ceil(n / 2) in chunk d,
+        floor(n / 2) in chunk 2 pp - 1 - d (a one-layer device has an empty up chunk)."""
+        return tuple(((n + 1) // 2, n // 2) for n in self.stage_layers)
+
+    def device_layers(self, s: int) -> tuple[int, ...]:
+        """The model's layers device `s` holds, in its slot order. Looped: `layer_range(s)`.
+        Folded: its down chunk's layers, then its up chunk's; model order is chunk 0 .. 2 pp - 1
+        with chunk k on device k (k < pp) or 2 pp - 1 - k."""
+        if self.placement == "looped":
+            return tuple(self.layer_range(s))
+        chunks = self.chunk_layers()
+        sizes = [c[0] for c in chunks] + [c[1] for c in chunks[::-1]]
+        starts = np.cumsum([0] + sizes)
+        down, up = s, 2 * self.pp - 1 - s
+        return (tuple(range(starts[down], starts[down + 1]))
+                + tuple(range(starts[up], starts[up + 1])))
+
     # --- display and serialisation --------------------------------------------------------
     def stage_rows(self, topology: Topology | None = None) -> list[dict[str, str]]:
         """One row per stage: layers, ranks, clusters and, when predicted, time per
@@ -148,9 +178,14 @@ class Plan:
         for s in range(self.pp):
             ranks = self.stage_ranks(s)
             lr = self.layer_range(s)
-            row = {"stage": str(s), "layers": (f"{lr.start}-{lr.stop - 1}" if len(lr) > 1
-                                               else str(lr.start)) + f" ({len(lr)})",
-                   "ranks": _fmt_ranks(ranks)}
+            layers = (f"{lr.start}-{lr.stop - 1}" if len(lr) > 1 else str(lr.start)) + \
+                f" ({len(lr)})"
+            if self.placement == "folded":  # its down chunk's layers, then its up chunk's
+                held = self.device_layers(s)
+                down = self.chunk_layers()[s][0]
+                layers = "+".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0])
+                                  for r in (held[:down], held[down:]) if r) + f" ({len(held)})"
+            row = {"stage": str(s), "layers": layers, "ranks": _fmt_ranks(ranks)}
             if topology is not None:
                 names = sorted({topology.cluster_of(r).name for r in ranks})
                 row["clusters"] = ",".join(names) if len(names) <= 3 else \
@@ -187,6 +222,8 @@ class Plan:
     def header(self) -> str:
         z = self.zero
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
+        executor += f"  placement={self.placement}" if self.placement != "looped" else ""
+        executor += f"  remat={self.remat}" if self.remat else ""
         return (f"plan ({self.source}): pp={self.pp} dp={self.dp} tp={self.tp}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "

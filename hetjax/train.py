@@ -24,6 +24,8 @@ a single-process `train()` saves the current step and raises `Preempted` (CLI ex
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -230,6 +232,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
+        if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
+            self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
         self.tx, self.schedule = make_optimizer(config.train)
         if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
             from hetjax.diloco import DilocoExecutor

@@ -619,9 +619,13 @@ def _timed(stage: Stage, key, times: dict, fn, *args):
 
 
 def schedule_for(plan) -> sch.Schedule:
-    """The plan's schedule from the registry; PlanError if it cannot run this plan."""
+    """The plan's schedule from the registry (on the folded placement when the plan asks:
+    `schedules.folded`); PlanError if it cannot run this plan."""
     try:
-        schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+        if getattr(plan, "placement", "looped") == "folded":
+            schedule = sch.folded(plan.schedule, plan.pp, plan.microbatches)
+        else:
+            schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
     except ValueError as e:
         raise PlanError(f"{e}. Fix: change pipeline.microbatches or pipeline.schedule") from None
     return schedule

@@ -42,7 +42,19 @@ memory: the attention probabilities too), with 'dots' the matmul outputs. Parame
 holds are not stashed (B passes them back in). The stash has the schedule's `max_in_flight`
 slots: M for GPipe, pp for 1F1B whatever M is.
 
-Shared parameters. The embedding is used by stage 0 (lookup) and, tied, by the last stage
+Folded placement (`plan.placement == 'folded'`, DHelix's W / ZB-V's V). Each device holds two
+model chunks: chunk k on device k for k < pp and on device 2 pp - 1 - k for k >= pp, so device 0
+runs the first (embedding) and the last (head). Device d's `stage_layers[d]` layers split
+ceil / floor into its down chunk (slots 0 ..) and its up chunk (the slots after), and
+`to_stages` puts those layers in its slots (`Plan.device_layers`). The executor plays the
+schedule's grid for a virtual pipeline of 2 pp stages: each tick runs the device's down-chunk
+action (virtual stage d), then its up-chunk action (2 pp - 1 - d), each with its own inboxes and
+stash; then down-chunk activations and up-chunk gradients move d -> d + 1, up-chunk activations
+and down-chunk gradients d -> d - 1 (`folded_sends`), and at the turn device pp - 1 keeps its
+own down output (and up gradient) with no send. The shared parameters are stacked over 'pp' as
+well, real on device 0 and zero (frozen) elsewhere, so their gradients never leave device 0.
+
+Shared parameters (looped). The embedding is used by stage 0 (lookup) and, tied, by the last stage
 (logits); final norm and output projection by the last stage. Their gradient contributions,
 reduced inside each stage to OS shards first, are summed over the stages by passing them
 around the ring of stages with `ppermute`, so
@@ -80,15 +92,26 @@ def _is_block_path(path) -> bool:
     return any(a == "layers" and b == "block" for a, b in zip(keys, keys[1:]))
 
 
-def _map_blocks(fn: Callable, tree, with_names: Callable | None = None):
+SHARED_KEYS = ("embedder", "final_norm", "lm_head")  # the model's unstacked parameters
+
+
+def _is_shared_path(path) -> bool:
+    return not _is_block_path(path) and any(getattr(k, "key", None) in SHARED_KEYS
+                                            for k in path)
+
+
+def _map_blocks(fn: Callable, tree, with_names: Callable | None = None,
+                shared: Callable | None = None):
     """Apply `fn` to every leaf under a `layers/block` path (nn.Partitioned boxes included:
-    `fn` gets the value, `with_names` the logical names)."""
+    `fn` gets the value, `with_names` the logical names), and `shared`, when given, to every
+    embedding / final norm / head leaf (in parameters and in optimizer moments alike)."""
     def leaf(path, x):
-        if not _is_block_path(path):
+        f = fn if _is_block_path(path) else shared if _is_shared_path(path) else None
+        if f is None:
             return x
         if isinstance(x, nn.Partitioned):
-            return x.replace(value=fn(x.value), names=with_names(x.names))
-        return fn(x)
+            return x.replace(value=f(x.value), names=with_names(x.names))
+        return f(x)
 
     return jax.tree_util.tree_map_with_path(leaf, tree,
                                             is_leaf=lambda x: isinstance(x, nn.Partitioned))
@@ -99,33 +122,57 @@ def _xp(x):
 
 
 def stack_layers(x, plan: Plan):
-    """One block leaf [n_layers, ...] -> [pp, max_layers, ...], padded slots zero."""
+    """One block leaf [n_layers, ...] -> [pp, max_layers, ...], padded slots zero. Device s
+    holds `plan.device_layers(s)` (its layer range; folded: its down then its up chunk)."""
     xp, L = _xp(x), plan.max_stage_layers
     stages = []
     for s in range(plan.pp):
-        r = plan.layer_range(s)
-        pad = [(0, L - len(r))] + [(0, 0)] * (x.ndim - 1)
-        stages.append(xp.pad(x[r.start:r.stop], pad))
+        if plan.placement == "looped":
+            r = plan.layer_range(s)
+            part = x[r.start:r.stop]
+        else:
+            part = x[np.asarray(plan.device_layers(s), np.int32)]
+        pad = [(0, L - part.shape[0])] + [(0, 0)] * (x.ndim - 1)
+        stages.append(xp.pad(part, pad))
     return xp.stack(stages)
 
 
 def unstack_layers(x, plan: Plan):
     """One block leaf [pp, max_layers, ...] -> [n_layers, ...], padded slots dropped."""
-    return _xp(x).concatenate([x[s, :n] for s, n in enumerate(plan.stage_layers)])
+    xp = _xp(x)
+    held = xp.concatenate([x[s, :n] for s, n in enumerate(plan.stage_layers)])
+    if plan.placement == "looped":
+        return held
+    order = np.concatenate([plan.device_layers(s) for s in range(plan.pp)])
+    return held[np.argsort(order)]
+
+
+def _stacks_shared(plan: Plan) -> bool:
+    """Folded: the embedding, final norm and head live on device 0 only (it runs the first
+    and the last chunk), stacked [pp, ...] over 'pp' with zero padding on the other devices,
+    so their gradients never cross the pipeline axis. Looped: replicated over 'pp'."""
+    return plan.placement == "folded"
 
 
 def to_stages(tree, plan: Plan):
-    """Natural layout -> stage-stacked layout for every `layers/block` leaf of `tree`.
+    """Natural layout -> stage-stacked layout for every `layers/block` leaf of `tree` (and,
+    folded, every shared leaf: [pp, ...], the real value on device 0, zeros elsewhere).
 
     Works on parameters, gradients and optimizer states, boxed (the logical names gain a
     leading 'stage') or plain, numpy (host) or jax arrays; other leaves are returned as is."""
+    def shared(x):
+        xp = _xp(x)
+        return xp.concatenate([x[None], xp.zeros((plan.pp - 1, *x.shape), x.dtype)])
+
     return _map_blocks(lambda x: stack_layers(x, plan), tree,
-                       lambda names: (STAGE_AXIS,) + tuple(names))
+                       lambda names: (STAGE_AXIS,) + tuple(names),
+                       shared if _stacks_shared(plan) else None)
 
 
 def from_stages(tree, plan: Plan):
     """Stage-stacked layout -> natural layout; the exact inverse of `to_stages`."""
-    return _map_blocks(lambda x: unstack_layers(x, plan), tree, lambda names: tuple(names[1:]))
+    return _map_blocks(lambda x: unstack_layers(x, plan), tree, lambda names: tuple(names[1:]),
+                       (lambda x: x[0]) if _stacks_shared(plan) else None)
 
 
 def slot_mask(plan: Plan) -> np.ndarray:
@@ -139,14 +186,18 @@ def freeze_padding(tx: optax.GradientTransformation,
 
     Their gradients are zero already, but weight decay or any other update that does not come
     from the gradient would still move them. The optimizer state is `tx`'s own (same tree as
-    without a pipeline), so checkpoints of it do not depend on the plan."""
+    without a pipeline), so checkpoints of it do not depend on the plan. Folded, the shared
+    parameters' padding (devices 1 .. pp - 1) is frozen the same way."""
     mask = slot_mask(plan)
+    first = np.arange(plan.pp) == 0
+
+    def masked(m):
+        return lambda u: u * m.reshape(m.shape + (1,) * (u.ndim - m.ndim)).astype(u.dtype)
 
     def update(grads, state, params=None):
         updates, state = tx.update(grads, state, params)
-        return _map_blocks(
-            lambda u: u * mask.reshape(mask.shape + (1,) * (u.ndim - 2)).astype(u.dtype),
-            updates), state
+        return _map_blocks(masked(mask), updates,
+                           shared=masked(first) if _stacks_shared(plan) else None), state
 
     return optax.GradientTransformation(tx.init, update)
 
@@ -163,8 +214,9 @@ class StageLayout:
     def __init__(self, plan: Plan, abstract_state, state_sharding):
         self.plan = plan
         self.sharding = state_sharding
-        self.natural_sharding = _map_blocks(
-            lambda sh: NamedSharding(sh.mesh, P(*sh.spec[1:])), state_sharding)
+        unstack = lambda sh: NamedSharding(sh.mesh, P(*sh.spec[1:]))  # noqa: E731
+        self.natural_sharding = _map_blocks(unstack, state_sharding,
+                                            shared=unstack if _stacks_shared(plan) else None)
         natural = jax.eval_shape(lambda s: from_stages(s, plan), abstract_state)
         self.target = jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), natural,
@@ -203,6 +255,27 @@ def check_plan(plan: Plan, n_layers: int) -> None:
 
 
 # --- the executor ------------------------------------------------------------------------------
+def _at(i, offset):
+    """Slot of a chunk's layer i in its device's blocks (`offset` None: the chunk starts at 0)."""
+    return i if offset is None else offset + i
+
+
+def folded_sends(schedule: sch.Schedule, pp: int) -> dict[str, np.ndarray]:
+    """Which of the folded pipeline's four point-to-point moves happen after each tick of the
+    virtual (2 pp stage) grid: 'down_x' (a down chunk's activation, device d -> d + 1),
+    'up_x' (an up chunk's activation, d -> d - 1), 'up_dy' (an up chunk's input gradient,
+    d -> d + 1), 'down_dy' (a down chunk's input gradient, d -> d - 1). The turn (virtual
+    stage pp - 1 <-> pp) stays on device pp - 1 and is no send."""
+    ticks = len(sch.tick_table(schedule))
+    out = {k: np.zeros(ticks, bool) for k in ("down_x", "up_x", "up_dy", "down_dy")}
+    for tr in sch.transfers(schedule):
+        if tr.kind == "activation" and tr.src != pp - 1:
+            out["down_x" if tr.src < pp - 1 else "up_x"][tr.tick] = True
+        elif tr.kind == "gradient" and tr.src != pp:
+            out["up_dy" if tr.src > pp else "down_dy"][tr.tick] = True
+    return out
+
+
 class Pipeline:
     """Runs one step's forward and backward of `model_cfg` under `plan` on `mesh`.
 
@@ -215,7 +288,11 @@ class Pipeline:
         self.cfg = model_cfg
         self.mesh = mesh
         self.model = Transformer(model_cfg)
-        self.schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
+        # Folded: the schedule's grid for a virtual pipeline of 2 pp stages (chunks); device d
+        # runs virtual stages d (down) and 2 pp - 1 - d (up) in every tick.
+        self.folded = plan.placement == "folded"
+        self.schedule = sch.make_schedule(plan.schedule, plan.pp * (2 if self.folded else 1),
+                                          plan.microbatches)
         if not self.schedule.spmd_compatible:
             raise PlanError(f"the SPMD pipeline executor cannot run the {plan.schedule} schedule "
                             f"(several chunks per stage or a split backward). Fix: set "
@@ -240,7 +317,9 @@ class Pipeline:
         p = self.program
         kept = {"none": "all residuals", "dots": "matmul outputs",
                 "full": "layer inputs, recomputed in B"}[self.remat]
-        return (f"pipeline: {self.schedule.name}, {self.plan.microbatches} micro-batches in "
+        fold = (f", folded (down/up layers per device {[list(c) for c in self.plan.chunk_layers()]}"
+                f", {2 * self.plan.pp} virtual stages)" if self.folded else "")
+        return (f"pipeline: {self.schedule.name}{fold}, {self.plan.microbatches} micro-batches in "
                 f"{p.ticks} ticks, layers per stage {list(self.plan.stage_layers)} in "
                 f"{self.plan.max_stage_layers} slots, stash of {p.stash_slots} micro-batches "
                 f"per device ({kept}; model.remat={self.cfg.remat})")
@@ -264,31 +343,32 @@ class Pipeline:
                                 jax.ShapeDtypeStruct(act_shape, dtype))
         return shapes, specs[0]
 
-    def layers_forward(self, blocks, x, n_layers, kept):
+    def layers_forward(self, blocks, x, n_layers, kept, offset=None):
         """Run layers 0 .. n_layers - 1 under `jax.vjp`; kept['res'][k][i] = residual k of
-        layer i's pullback (per `model.remat`), kept['out'] = the stage's output."""
+        layer i's pullback (per `model.remat`), kept['out'] = the stage's output. `offset`:
+        the chunk's first slot in `blocks` (folded up chunks); the stash is the chunk's own."""
         def layer(i, carry):
             h, res = carry
-            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, i), h)
+            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, _at(i, offset)), h)
             return y, [r.at[i].set(v) for r, v in zip(res, new)]
 
         y, res = jax.lax.fori_loop(0, n_layers, layer, (x, kept["res"]))
         return y, {"res": res, "out": y}
 
-    def layers_backward(self, blocks, kept, dy, n_layers, grads):
+    def layers_backward(self, blocks, kept, dy, n_layers, grads, offset=None):
         """Pull dy back through layers n_layers - 1 .. 0 from their stashed residuals (a layer
         stashed with remat 'full' recomputes its forward here); adds the parameter gradients
         into `grads`; returns (input gradient, grads)."""
         def layer(j, carry):
             dh, grads = carry
             i = n_layers - 1 - j
-            p = self._layer(blocks, i)
+            p = self._layer(blocks, _at(i, offset))
             dp, dh = pullback(self._residuals, p, [r[i] for r in kept["res"]])(dh)
-            return dh, jax.tree.map(lambda g, d: g.at[i].add(d), grads, dp)
+            return dh, jax.tree.map(lambda g, d: g.at[_at(i, offset)].add(d), grads, dp)
 
         return jax.lax.fori_loop(0, n_layers, layer, (dy, grads))
 
-    def layers_strands(self, blocks, x, kept_f, kept_b, dy, n_layers, grads):
+    def layers_strands(self, blocks, x, kept_f, kept_b, dy, n_layers, grads, offset=None):
         """One tick of two strands: the forward of one micro-batch (input x, stash kept_f)
         and the backward of another (stash kept_b, output gradient dy) in one loop, step j
         running forward layer j and backward layer n_layers - 1 - j. The two are independent,
@@ -296,12 +376,12 @@ class Pipeline:
         other's compute. Returns (output, new stash, input gradient, grads)."""
         def layer(j, carry):
             h, res, dh, grads = carry
-            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, j), h)
+            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, _at(j, offset)), h)
             i = n_layers - 1 - j
-            dp, dh = pullback(self._residuals, self._layer(blocks, i),
+            dp, dh = pullback(self._residuals, self._layer(blocks, _at(i, offset)),
                               [r[i] for r in kept_b["res"]])(dh)
             return (y, [r.at[j].set(v) for r, v in zip(res, new)], dh,
-                    jax.tree.map(lambda g, d: g.at[i].add(d), grads, dp))
+                    jax.tree.map(lambda g, d: g.at[_at(i, offset)].add(d), grads, dp))
 
         y, res, dx, grads = jax.lax.fori_loop(0, n_layers, layer,
                                               (x, kept_f["res"], dy, grads))
@@ -318,24 +398,40 @@ class Pipeline:
     def _stage_program(self, zs, blocks, shared, inputs, targets):
         """Body of the shard_map: one stage's whole step.
 
-        blocks: this stage's gathered [1, L, ...]; shared: gathered embedding / head; inputs,
-        targets: [M, dp, b / dp, S], data-parallel device i's rows at index i; zs: the ZeRO
-        specs of one stage (`ZeroSpecs.in_stage`). Returns the mean loss and the gradients in
-        the OS spec (blocks [1, L, ...]), reduced over the stage's data-parallel devices."""
+        blocks: this stage's gathered [1, L, ...]; shared: gathered embedding / head
+        (folded: [1, ...], real on device 0 only); inputs, targets: [M, dp, b / dp, S],
+        data-parallel device i's rows at index i; zs: the ZeRO specs of one stage
+        (`ZeroSpecs.in_stage`). Returns the mean loss and the gradients in the OS spec (blocks
+        [1, L, ...]), reduced over the stage's data-parallel devices.
+
+        Looped, the device runs one chunk (virtual stage = stage). Folded, it runs two chunks
+        per tick, one after the other: the down chunk (virtual stage d, layers from slot 0)
+        and the up chunk (virtual stage 2 pp - 1 - d, layers after the down chunk's); the
+        first embeds on device 0, the second ends in the head on device 0."""
         pp, prog, m_total = self.plan.pp, self.program, self.plan.microbatches
         stage = jax.lax.axis_index("pp")
-        first, last = stage == 0, stage == pp - 1
-        n_layers = jnp.asarray(self.plan.stage_layers, jnp.int32)[stage]
+        if self.folded:
+            shared = jax.tree.map(lambda a: a[0], shared)
+            sizes = jnp.asarray(self.plan.chunk_layers(), jnp.int32)[stage]
+            chunks = [dict(vstage=stage, first=stage == 0, last=False, n=sizes[0], offset=None),
+                      dict(vstage=2 * pp - 1 - stage, first=False, last=stage == 0, n=sizes[1],
+                           offset=sizes[0])]
+            L = max(max(c) for c in self.plan.chunk_layers())
+        else:
+            chunks = [dict(vstage=stage, first=stage == 0, last=stage == pp - 1,
+                           n=jnp.asarray(self.plan.stage_layers, jnp.int32)[stage], offset=None)]
+            L = self.plan.max_stage_layers
         blocks = jax.tree.map(lambda a: a[0], blocks)
-        columns = {k: jnp.asarray(getattr(prog, k))[:, stage] for k in
-                   ("action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
-                    "dy_recv_slot")}
         paired = prog.paired  # some tick runs two strands (an F and a B)
-        if paired:
-            columns.update({k: jnp.asarray(getattr(prog, k))[:, stage]
-                            for k in ("b_microbatch", "b_stash_slot")})
-        columns["send_x"] = jnp.asarray(prog.sends_activation)
-        columns["send_dy"] = jnp.asarray(prog.sends_gradient)
+        keys = ["action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
+                "dy_recv_slot"] + (["b_microbatch", "b_stash_slot"] if paired else [])
+        columns = [{k: jnp.asarray(getattr(prog, k))[:, ch["vstage"]] for k in keys}
+                   for ch in chunks]
+        if self.folded:
+            sends = {k: jnp.asarray(v) for k, v in folded_sends(self.schedule, pp).items()}
+        else:
+            sends = {"send_x": jnp.asarray(prog.sends_activation),
+                     "send_dy": jnp.asarray(prog.sends_gradient)}
 
         # Every value of a micro-batch is per data-parallel device: activations [dp, b / dp, S,
         # d], and parameter gradients [dp, ...] partial sums (zero.per_device), which only the
@@ -353,11 +449,6 @@ class Pipeline:
         zero_blocks = jax.tree.map(jnp.zeros_like, blocks)
 
         embed = zero.per_device(self._embed, (None, 0))
-        forward = zero.per_device(self.layers_forward, (None, 0, None, 0))
-        backward = zero.per_device(self.layers_backward,
-                                   (None, 0, 0, None, 0 if in_place else None))
-        strands = zero.per_device(self.layers_strands,
-                                  (None, 0, 0, 0, 0, None, 0 if in_place else None))
         embed_pullback = zero.per_device(
             lambda sh, tokens, dx: jax.vjp(lambda s: self._embed(s, tokens), sh)[1](dx)[0],
             (None, 0, 0))
@@ -378,17 +469,30 @@ class Pipeline:
 
         # One extra scratch slot each. A stash slot holds every layer's residuals (the layer
         # inputs alone with remat 'full') and the stage output.
-        x_inbox = self._buffer((prog.x_slots + 1, *act), dtype, (None, *act_names))
-        dy_inbox = self._buffer((prog.dy_slots + 1, *act), dtype, (None, *act_names))
         shapes, self._residuals = self.residual_shapes(blocks, act[1:], dtype)
-        slots, L = prog.stash_slots + 1, self.plan.max_stage_layers
-        stash = {"res": [jnp.zeros((slots, n_dp, L, *r.shape), r.dtype) for r in shapes],
-                 "out": self._buffer((slots, *act), dtype, (None, *act_names))}
+        slots = prog.stash_slots + 1
+
+        def new_buffers():  # (activation inbox, gradient inbox, stash) of one chunk
+            return (self._buffer((prog.x_slots + 1, *act), dtype, (None, *act_names)),
+                    self._buffer((prog.dy_slots + 1, *act), dtype, (None, *act_names)),
+                    {"res": [jnp.zeros((slots, n_dp, L, *r.shape), r.dtype) for r in shapes],
+                     "out": self._buffer((slots, *act), dtype, (None, *act_names))})
+
         forward_pairs = [(s, s + 1) for s in range(pp - 1)]
         backward_pairs = [(s + 1, s) for s in range(pp - 1)]
 
-        def tick(carry, c):
-            x_inbox, dy_inbox, stash, acc, losses = carry
+        def chunk_tick(ch, c, bufs, acc, losses):
+            """One chunk's action in this tick: (output, input gradient, buffers, acc, losses)."""
+            x_inbox, dy_inbox, stash = bufs
+            first, last, n_layers = ch["first"], ch["last"], ch["n"]
+            forward = zero.per_device(functools.partial(self.layers_forward, offset=ch["offset"]),
+                                      (None, 0, None, 0))
+            backward = zero.per_device(
+                functools.partial(self.layers_backward, offset=ch["offset"]),
+                (None, 0, 0, None, 0 if in_place else None))
+            strands = zero.per_device(
+                functools.partial(self.layers_strands, offset=ch["offset"]),
+                (None, 0, 0, 0, 0, None, 0 if in_place else None))
             tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
             # Only the stash slots in use go through the switch (the whole stash would be
             # copied): the action's, and in a two-strand tick also the backward's.
@@ -447,23 +551,53 @@ class Pipeline:
             y, dx, kept, acc, losses = jax.lax.switch(c["action"], branches)
             written = jnp.where(c["action"] == sch.BACKWARD, prog.stash_slots, c["stash_slot"])
             stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
-            # The send flags are the same on every stage, so all take the same branch.
-            x_recv = jax.lax.cond(c["send_x"], lambda: jax.lax.ppermute(y, "pp", forward_pairs),
-                                  lambda: zero_act)
-            dy_recv = jax.lax.cond(c["send_dy"],
-                                   lambda: jax.lax.ppermute(dx, "pp", backward_pairs),
-                                   lambda: zero_act)
-            x_inbox = x_inbox.at[c["x_recv_slot"]].set(x_recv)
-            dy_inbox = dy_inbox.at[c["dy_recv_slot"]].set(dy_recv)
-            return (x_inbox, dy_inbox, stash, acc, losses), None
+            return y, dx, (x_inbox, dy_inbox, stash), acc, losses
+
+        def move(flag, value, pairs):  # the flags are the same on every stage: one branch
+            return jax.lax.cond(flag, lambda: jax.lax.ppermute(value, "pp", pairs),
+                                lambda: zero_act)
+
+        def receive(bufs, c, x_recv, dy_recv):
+            x_inbox, dy_inbox, stash = bufs
+            return (x_inbox.at[c["x_recv_slot"]].set(x_recv),
+                    dy_inbox.at[c["dy_recv_slot"]].set(dy_recv), stash)
+
+        def tick(carry, xs):
+            bufs, acc, losses = carry
+            cols, f = xs
+            outs, new = [], []
+            for ch, c, b in zip(chunks, cols, bufs):
+                y, dx, b, acc, losses = chunk_tick(ch, c, b, acc, losses)
+                outs.append((y, dx))
+                new.append(b)
+            if not self.folded:  # activations s -> s + 1, gradients s -> s - 1
+                (y, dx), = outs
+                x_recv = move(f["send_x"], y, forward_pairs)
+                dy_recv = move(f["send_dy"], dx, backward_pairs)
+                return ((receive(new[0], cols[0], x_recv, dy_recv),), acc, losses), None
+            # Folded: down chunks pass activations down (+1) and gradients up (-1), up chunks
+            # the other way; at the turn device pp - 1 hands its own outputs over.
+            (y_down, dx_down), (y_up, dx_up) = outs
+            turn = stage == pp - 1
+            x_down = move(f["down_x"], y_down, forward_pairs)
+            x_up = jnp.where(turn, y_down, move(f["up_x"], y_up, backward_pairs))
+            dy_up = move(f["up_dy"], dx_up, forward_pairs)
+            dy_down = jnp.where(turn, dx_up, move(f["down_dy"], dx_down, backward_pairs))
+            return ((receive(new[0], cols[0], x_down, dy_down),
+                     receive(new[1], cols[1], x_up, dy_up)), acc, losses), None
 
         like = join_shared(shared, blocks)
         losses = nn.with_logical_constraint(jnp.zeros((n_dp,), jnp.float32), (shd.DEVICE,))
-        carry = (x_inbox, dy_inbox, stash, zero.new_accumulator(like, zs, self.mesh), losses)
-        (*_, acc, losses), _ = jax.lax.scan(tick, carry, columns)
+        carry = (tuple(new_buffers() for _ in chunks), zero.new_accumulator(like, zs, self.mesh),
+                 losses)
+        (_, acc, losses), _ = jax.lax.scan(tick, carry, (columns, sends))
         # Once per step, in the stage: reduce over its data-parallel devices to OS shards ...
         grads, loss = zero.finish_grads(acc, losses, zs, self.mesh, 1.0 / (m_total * n_dp))
         g_shared, g_blocks = split_shared(grads)
+        if self.folded:  # only device 0 has shared gradients, and keeps them
+            loss = ring_sum(loss, pp)
+            return loss, jax.tree.map(lambda g: g[None], g_blocks), jax.tree.map(
+                lambda g: g[None], g_shared)
         # ... then sum the shared parameters' OS shards and the loss around the ring of stages.
         loss, g_shared = ring_sum((loss, g_shared), pp)
         return loss, jax.tree.map(lambda g: g[None], g_blocks), g_shared
@@ -481,12 +615,13 @@ class Pipeline:
         shared, blocks = split_shared(zero.gather_params(params, zs, self.mesh))
         n = zero.dp_size(self.mesh)
         inputs, targets = (zero.split_devices(batch[k], n, axis=1) for k in ("inputs", "targets"))
+        sp = P("pp") if self.folded else P()  # folded: shared parameters live on device 0
         # check_vma=False: the body derives its gradients with explicit vjps and sums the
         # replicated ones itself (ring_sum), so no implicit psum over 'pp' may be inserted
         # and outputs declared P() are replicated by construction.
         run = jax.shard_map(functools.partial(self._stage_program, zs.in_stage()),
-                            mesh=self.mesh, in_specs=(P("pp"), P(), P(), P()),
-                            out_specs=(P(), P("pp"), P()), axis_names={"pp"}, check_vma=False)
+                            mesh=self.mesh, in_specs=(P("pp"), sp, P(), P()),
+                            out_specs=(P(), P("pp"), sp), axis_names={"pp"}, check_vma=False)
         with nn.logical_axis_rules(shd.per_device_rules(nn.get_logical_axis_rules())):
             loss, g_blocks, g_shared = run(blocks, shared, inputs, targets)
         return loss, join_shared(g_shared, g_blocks)

@@ -295,6 +295,52 @@ class Strands(Schedule):
         return grid
 
 
+class Folded(Schedule):
+    """Any grid schedule on the folded placement (DHelix's W, ZB-V's V), for executors that
+    take per-stage orders (MPMD): v = 2 chunks per stage, model chunk k on stage k for k < p
+    and on stage 2 p - 1 - k for k >= p, so stage 0 runs the first chunk and the last.
+
+    The orders come from the base schedule's played tick grid for a virtual pipeline of 2 p
+    stages: stage d takes, tick by tick, the tasks of its down chunk (virtual stage d, chunk 0)
+    and then of its up chunk (virtual stage 2 p - 1 - d, chunk 1). Every task's inputs are
+    produced at earlier ticks, so these orders are a topological order of the dependencies and
+    cannot deadlock, and the timeline reproduces the grid's density (a naive V issue order
+    built from warm-up-then-alternate does neither). Not registered by name: `folded(name, ...)`
+    wraps a registered schedule; the SPMD executor runs the virtual grid itself."""
+
+    virtual = 2
+
+    def __init__(self, base: str, stages: int, microbatches: int):
+        self.base = make_schedule(base, 2 * stages, microbatches)
+        self.name = f"{base} (folded)"
+        super().__init__(stages, microbatches)
+
+    def build(self):
+        p, orders = self.stages, [[] for _ in range(self.stages)]
+        for row in tick_table(self.base):
+            for d in range(p):
+                for chunk, k in ((0, d), (1, 2 * p - 1 - d)):
+                    orders[d] += [Task(a.kind, a.microbatch, chunk) for a in cell_tasks(row[k])]
+        return orders
+
+    def placement(self) -> tuple[int, ...]:
+        p = self.stages
+        return tuple(range(p)) + tuple(reversed(range(p)))
+
+    def bubble_slot(self, fwd, bwd):
+        return self.base.bubble_slot(fwd, bwd)
+
+
+def folded(name: str, stages: int, microbatches: int) -> Folded:
+    """The registered schedule `name` on the folded placement (`Folded`)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if not SCHEDULES[name].spmd_compatible:
+        raise ValueError(f"the folded placement takes a tick-grid schedule (one of "
+                         f"{', '.join(spmd_schedules())}), not {name!r}")
+    return Folded(name, stages, microbatches)
+
+
 def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     """The registered schedule `name` for these sizes."""
     if name not in SCHEDULES:
@@ -447,6 +493,52 @@ def lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float]
     """Step time of the schedule's tick grid run in lockstep (see `lockstep_ticks`)."""
     codes = tick_codes(tick_table(schedule))
     return float(lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd).sum())
+
+
+def folded_lockstep_ticks(codes: np.ndarray, fwd: Sequence[float], bwd: Sequence[float],
+                          send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
+                          down_share: Sequence[float] = ()) -> np.ndarray:
+    """`lockstep_ticks` for the folded placement: `codes` is the grid of a virtual pipeline of
+    2 p stages (chunks), chunk k on device k (k < p) or 2 p - 1 - k; fwd / bwd are per device
+    (its two chunks together), `down_share[d]` the part of device d's layers in its down
+    chunk (default 1/2). A device runs its two chunks' actions of a tick one after the other,
+    so a tick costs its busiest device's down plus up action; then the four moves the
+    executor makes in turn (down activations d -> d + 1, up activations d -> d - 1, up
+    gradients d -> d + 1, down gradients d -> d - 1), each as long as its slowest boundary.
+    The turn (chunk p - 1 -> p) stays on device p - 1 and costs nothing."""
+    p = codes.shape[1] // 2
+    f, b = np.asarray(fwd, float), np.asarray(bwd, float)
+    share = np.asarray(list(down_share) or [0.5] * p, float)
+    down, up = codes[:, :p], codes[:, ::-1][:, :p]  # [T, p]: device d's down / up chunk
+
+    def cost(c, scale):
+        return np.select([c == 1, c == 2, c == 3], [f * scale, b * scale, (f + b) * scale], 0.0)
+
+    compute = (cost(down, share) + cost(up, 1.0 - share)).max(axis=1)
+    fwd_link = np.zeros(p)  # boundary d (devices d, d + 1), indexed by the lower device
+    fwd_link[:p - 1] = list(send_fwd) or 0.0
+    bwd_link = np.zeros(p)
+    bwd_link[:p - 1] = list(send_bwd) or 0.0
+    sends_f, sends_b = (down == 1) | (down == 3), (down == 2) | (down == 3)
+    up_f, up_b = (up == 1) | (up == 3), (up == 2) | (up == 3)
+    below = np.roll(fwd_link, 1)  # device d's boundary to d - 1 (d >= 1)
+    below[0] = 0.0
+    below_b = np.roll(bwd_link, 1)
+    below_b[0] = 0.0
+    moves = (np.where(sends_f, fwd_link, 0.0).max(axis=1)  # down chunk: d -> d + 1
+             + np.where(up_f, below, 0.0).max(axis=1)  # up chunk: d -> d - 1
+             + np.where(up_b, bwd_link, 0.0).max(axis=1)  # up chunk's gradient: d -> d + 1
+             + np.where(sends_b, below_b, 0.0).max(axis=1))  # down chunk's gradient: d -> d - 1
+    return compute + moves
+
+
+def folded_lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
+                         send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
+                         down_share: Sequence[float] = ()) -> float:
+    """Step time of a folded pipeline in lockstep: `schedule` is the virtual schedule of
+    2 p stages (see `folded_lockstep_ticks`)."""
+    codes = tick_codes(tick_table(schedule))
+    return float(folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share).sum())
 
 
 @dataclass(frozen=True)

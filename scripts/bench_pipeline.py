@@ -8,6 +8,8 @@ compute per stage, and the schedule timeline plots.
     python scripts/bench_pipeline.py mpmd-memory  # per-stage state bytes, split [7, 1]
     python scripts/bench_pipeline.py mpmd-time  # MPMD task times -> asynchronous step time
     python scripts/bench_pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
+    python scripts/bench_pipeline.py folded     # modelled step time, looped vs folded placement
+    python scripts/bench_pipeline.py folded-memory  # compiled temp memory, looped vs folded
     python scripts/bench_pipeline.py            # all
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
@@ -286,9 +288,60 @@ def remat(schedules=("gpipe", "1f1b"), microbatches: int = 8) -> None:
     print()
 
 
+def folded(split=(4, 3), microbatches=(4, 8, 16, 32)) -> None:
+    """Step time of each grid schedule looped and folded, in units of one layer's forward for
+    the holmes_mini split (F = n, B = 3 n per device): lockstep as the SPMD executor runs it
+    (`schedules.lockstep_time` against `folded_lockstep_time` on the 2 pp stage grid, each
+    device's down chunk ceil(n / 2) of its layers) and asynchronous as the MPMD executor runs
+    it (`timeline` of the schedule against that of `schedules.folded`)."""
+    p = len(split)
+    fwd = [float(n) for n in split]
+    bwd = [3.0 * n for n in split]
+    share = [((n + 1) // 2) / n for n in split]
+    print(f"## Modelled step time, looped vs folded placement, devices of {list(split)} layers, "
+          f"F = n, B = 3n (one layer forward = 1)")
+    print()
+    print("| schedule | M | lockstep looped | lockstep folded | asynchronous looped | "
+          "asynchronous folded |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in ("gpipe", "1f1b", "strands"):
+        for m in microbatches:
+            lo = sch.lockstep_time(sch.make_schedule(name, p, m), fwd, bwd)
+            fo = sch.folded_lockstep_time(sch.make_schedule(name, 2 * p, m), fwd, bwd,
+                                          down_share=share)
+            la = max(e.end for e in sch.timeline(sch.make_schedule(name, p, m), fwd, bwd))
+            fa = max(e.end for e in sch.timeline(sch.folded(name, p, m), fwd, bwd))
+            print(f"| {name} | {m} | {lo:.0f} | {fo:.0f} | {la:.0f} | {fa:.0f} |")
+    print()
+
+
+def folded_memory(microbatches=(4, 8), per_microbatch: int = 4) -> None:
+    """Temp memory of the compiled train step on configs/holmes_mini.py, looped against folded,
+    for 1F1B and strands (the folded executor sizes each chunk's stash for the virtual grid's
+    largest stage, see docs/pipeline.md)."""
+    print("## Temp memory per device of the compiled step (MiB), looped vs folded, "
+          "configs/holmes_mini.py")
+    print()
+    print("| micro-batches M | 1F1B looped | 1F1B folded | strands looped | strands folded |")
+    print("|---:|---:|---:|---:|---:|")
+    for m in microbatches:
+        row = [str(m)]
+        for schedule in ("1f1b", "strands"):
+            for placement in ("looped", "folded"):
+                trainer = holmes_trainer(f"--config.pipeline.schedule={schedule}",
+                                         f"--config.pipeline.placement={placement}",
+                                         f"--config.pipeline.microbatches={m}",
+                                         f"--config.train.batch_size={per_microbatch * m}")
+                stats = trainer.compiled_step().memory_analysis()
+                row.append(f"{stats.temp_size_in_bytes / MIB:.2f}")
+        print("| " + " | ".join(row) + " |", flush=True)
+    print()
+
+
 if __name__ == "__main__":
     what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time",
                             "remat"]
     for w in what:
         {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
-         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat}[w]()
+         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat,
+         "folded": folded, "folded-memory": folded_memory}[w]()

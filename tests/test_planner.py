@@ -309,3 +309,34 @@ def test_layout_bound_names_the_faster_layout_memory_refused():
     assert bound(0.9)["layout"].startswith("time: the fastest predicted")
     tight = bound(0.19)["layout"]
     assert tight.startswith("memory: pp=") and "usable" in tight
+
+
+# --- the recompute policy as a choice (model.remat = 'auto') ----------------------------------
+def _remat_choice(batch, microbatches, fraction):
+    from hetjax.planner.calibrate import holmes_model
+
+    model = dataclasses.replace(holmes_model(), remat="auto")
+    return plan(preset("holmes_infiniband"), model, batch, 2048, pp=2, tp=1,
+                microbatches=microbatches, zero="ddp", schedule="1f1b",
+                options=CostOptions(memory_fraction=fraction)).plan
+
+
+def test_remat_auto_keeps_every_residual_when_memory_is_ample():
+    p = _remat_choice(256, 16, 0.9)
+    assert p.remat == "none"
+    assert p.predicted["bound"]["remat"].startswith("time: the fastest predicted")
+    assert "remat=none" in p.header()
+
+
+def test_remat_auto_recomputes_every_layer_when_memory_forces_it():
+    p = _remat_choice(768, 8, 0.5)
+    assert p.remat == "full"
+    why = p.predicted["bound"]["remat"]
+    assert why.startswith("memory: remat=none would be") and "usable" in why
+    assert max(p.predicted["stage_memory_gib"]) <= 0.5 * 80
+    # a fixed model.remat is not a choice
+    from hetjax.planner.calibrate import holmes_model
+
+    fixed = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,
+                 microbatches=16, zero="ddp", schedule="1f1b").plan
+    assert fixed.remat == "" and "remat" not in fixed.predicted["bound"]

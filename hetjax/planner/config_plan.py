@@ -105,7 +105,8 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                  pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,
                  schedule=c.pipeline.schedule, zero=zero,
                  stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
-                 allow_straddle=c.parallel.allow_straddle)
+                 allow_straddle=c.parallel.allow_straddle,
+                 placement=c.pipeline.placement)
         results.append(_with_executor(r, executor))
     best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
     if len(results) > 1:
@@ -160,10 +161,12 @@ def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | 
 def plan_from_config(c, topology: Topology) -> Plan:
     """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0 (or
     only the ZeRO point, by AMSP's enumeration, when zero.preset is 'auto'), else the fixed
-    layout (dp may be 0 = the rest). Raises PlanError for a layout that breaks the placement
+    layout (dp may be 0 = the rest; its recompute policy is model.remat's, the planner chooses
+    one only when it searches). Raises PlanError for a layout that breaks the placement
     rules unless parallel.allow_straddle."""
     validate_layout(c, topology)
-    if not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto":
+    if (not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto"
+            or c.pipeline.placement == "auto"):
         return plan_for_config(c, topology).plan
     n = topology.num_devices
     p = c.parallel
@@ -183,7 +186,8 @@ def plan_from_config(c, topology: Topology) -> Plan:
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
-                 schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config")
+                 schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
+                 placement=c.pipeline.placement if pp > 1 else "looped")
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).

@@ -28,7 +28,7 @@ import numpy as np
 from hetjax.errors import PlanError, TopologyError
 from hetjax.plan import Plan, ZeroFactors, effective_remat
 from hetjax.planner import collectives as coll, zero as zr
-from hetjax.planner.simulate import exposed, in_flight, simulate
+from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
 from parallel.schedules import SCHEDULES
 
@@ -205,11 +205,18 @@ class Layout:
     seq_len: int
     schedule: str = "1f1b"
     zero: ZeroFactors = ZeroFactors()
+    placement: str = "looped"  # Plan.placement
+    remat: str = ""  # Plan.remat: the recompute policy, empty for the model's model.remat
 
     @staticmethod
     def of(plan: Plan) -> "Layout":
         return Layout(plan.pp, plan.dp, plan.tp, plan.device_order, plan.microbatches,
-                      plan.global_batch, plan.seq_len, plan.schedule, plan.zero)
+                      plan.global_batch, plan.seq_len, plan.schedule, plan.zero,
+                      plan.placement, plan.remat)
+
+    @property
+    def folded(self) -> bool:
+        return self.placement == "folded" and self.pp > 1
 
     def mesh(self) -> np.ndarray:
         return np.asarray(self.device_order).reshape(self.pp, self.dp, self.tp)
@@ -222,7 +229,8 @@ class Layout:
         return Plan(pp=self.pp, dp=self.dp, tp=self.tp, stage_layers=tuple(stage_layers),
                     microbatches=self.microbatches, global_batch=self.global_batch,
                     seq_len=self.seq_len, schedule=self.schedule, zero=self.zero,
-                    device_order=tuple(int(r) for r in self.device_order), **kw)
+                    device_order=tuple(int(r) for r in self.device_order),
+                    placement=self.placement, remat=self.remat, **kw)
 
 
 @dataclass(frozen=True)
@@ -621,6 +629,11 @@ class CostModel:
         """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
         return self.options.executor == "hetjax" and layout.pp > 1
 
+    def remat_of(self, layout: Layout) -> str:
+        """The recompute policy a layout runs with: its own (the planner's choice), else the
+        model's, 'auto' resolved per executor."""
+        return effective_remat(layout.remat or self.model.remat, self.pipelined_by_hetjax(layout))
+
     def runs_in_lockstep(self, layout: Layout) -> bool:
         """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
         return self.pipelined_by_hetjax(layout) and self.options.lockstep
@@ -631,7 +644,7 @@ class CostModel:
         mesh = layout.mesh()
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
         hetjax = self.pipelined_by_hetjax(layout)
-        remat = effective_remat(m.remat, hetjax)
+        remat = self.remat_of(layout)
         zero_as = self.zero_style
         layer_p = m.layer_params / tp
         embed_p = m.embed_params / tp
@@ -680,7 +693,8 @@ class CostModel:
                 head_sync=zh.sync + zh.refresh,
                 head_mem=zr.step_state_bytes(head_p, f, sb, zero_as),
                 logits=2 * tok * m.vocab_size / tp * 4,  # fp32 logits and their gradient
-                shared_everywhere=hetjax,
+                # folded: embedding and head only on device 0 (it runs both end chunks)
+                shared_everywhere=hetjax and not layout.folded,
                 capacity=float(self._memory[ranks].min()) * o.memory_fraction,
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
@@ -691,7 +705,7 @@ class CostModel:
         embedding's between the first and last stage; hetjax passes embedding and head
         gradients around the ring of stages (pp - 1 hops)."""
         m, tp, g = self.model, layout.tp, self.state_bytes.g
-        if layout.pp == 1:
+        if layout.pp == 1 or layout.folded:  # folded: both ends on device 0, nothing moves
             return 0.0
         if self.pipelined_by_hetjax(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
@@ -707,7 +721,11 @@ class CostModel:
 
     def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
         first, last = position == 0, position == layout.pp - 1
-        live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
+        if layout.folded:  # device 0 runs the first chunk and the last (the head)
+            last = first
+            live = in_flight_folded(layout.schedule, layout.pp, layout.microbatches)[position]
+        else:
+            live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
         embed = first or slot.shared_everywhere
         head = last or slot.shared_everywhere
         return StageCost(
@@ -724,6 +742,13 @@ class CostModel:
             update_slot=slot.update_layer,
             update_fixed=(slot.update_embed if embed else 0.0)
             + (slot.update_head if head else 0.0))
+
+    @staticmethod
+    def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
+        """Folded: the part of each device's forward in its down chunk (ceil(n / 2) of its n
+        layers; the head, on device 0, is in its up chunk)."""
+        return [c.fwd_layer * ((n + 1) // 2) / c.fwd(n) if c.fwd(n) else 0.5
+                for c, n in zip(stages, layers)]
 
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
@@ -775,7 +800,8 @@ class CostModel:
                        [c.fwd(n) for c, n in zip(stages, layers)],
                        [c.bwd(n) for c, n in zip(stages, layers)], send, send,
                        [c.sync(n) for c, n in zip(stages, layers)], self.options.overlap,
-                       lockstep=self.runs_in_lockstep(layout),
+                       lockstep=self.runs_in_lockstep(layout), placement=layout.placement,
+                       down_share=self.down_share(stages, layers) if layout.folded else (),
                        update=[c.update(n, max(layers)) for c, n in zip(stages, layers)])
         tokens = plan.global_batch * plan.seq_len
         lmax = max(layers)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -28,12 +29,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors, effective_remat, even_split
+from hetjax.plan import Plan, ZeroFactors, even_split
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import (CostModel, CostOptions, Layout, MissingLinkError, StageCost,
                                  runs_schedule)
 from hetjax.planner.placement import placement_problems
-from hetjax.planner.simulate import (closed_form, exposed, in_flight, lockstep_ticks,
+from hetjax.planner.simulate import (closed_form, exposed, folded_ticks, in_flight, lockstep_ticks,
                                      lower_bound)
 from hetjax.topology import Topology
 from parallel.schedules import SCHEDULES, spmd_schedules
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from layers.config import ModelConfig
 
 GIB = 2.0 ** 30
+# Recompute policies priced when model.remat is 'auto' (least memory last).
+REMAT_CHOICES = ("none", "dots", "full")
 # ZeRO points priced per layout during the search (least traffic first); the winning layout
 # then has all of them priced (every point's best split costs a partition search).
 ZERO_POINTS_PRICED = 3
@@ -78,7 +81,9 @@ def bound_lines(p: Plan) -> list[str]:
 
 def _summary(p: Plan) -> str:
     pr = p.predicted
-    return (f"pp={p.pp} dp={p.dp} tp={p.tp} {p.schedule} M={p.microbatches} "
+    extra = (f" {p.placement}" if p.placement != "looped" else "") + \
+        (f" remat={p.remat}" if p.remat else "")
+    return (f"pp={p.pp} dp={p.dp} tp={p.tp} {p.schedule}{extra} M={p.microbatches} "
             f"zero={p.zero.name} layers={list(p.stage_layers)} "
             f"step {pr.get('step_time_s', float('nan')):.4g} s, "
             f"{pr.get('tokens_per_s', float('nan')):,.0f} tok/s")
@@ -120,7 +125,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          schedule: str | Sequence[str] = SCHEDULES, zero: str | ZeroFactors = "auto",
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
-         assign_seconds: float = 10.0, calibration=None) -> PlanResult:
+         assign_seconds: float = 10.0, calibration=None, placement: str = "looped"
+         ) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -128,7 +134,12 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     "auto": the planner chooses). `network_aware` adds DT-FM's device assignment as a
     candidate (default: when the topology has more than two sites). `calibration`: a
     `hetjax calibrate` file (path) or `Calibration`, whose measurements replace the
-    options' compute efficiency and link speeds."""
+    options' compute efficiency and link speeds.
+
+    `placement` (Plan.placement) fixes where model chunks live, or "auto" prices looped and
+    folded (folded only under hetjax's executor in lockstep, for pp > 1). With
+    `model.remat` = 'auto' the recompute policy is a choice too: none, dots and full are
+    priced and the fastest that fits memory wins (Plan.remat)."""
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -151,15 +162,19 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     elif not any(runs_schedule(executor, n) for n in schedules) and pp != 1:
         raise PlanError(f"the {executor} executor cannot run schedule {schedules[0]!r}; use the "
                         f"mpmd executor or one of {', '.join(spmd_schedules())}")
+    remats = REMAT_CHOICES if model.remat == "auto" else ("",)
     cands = []
     for p, d, t in s.degrees(pp, dp, tp, stage_layers):
+        places = s.placements(placement, p)
         for order, orders, tag in s.layouts(p, d, t):
             for M in s.microbatch_counts(d, microbatches):
-                for name in schedules:
-                    if not fits_schedule(name, p, M, executor, schedules[0]):
+                for name, place, remat in itertools.product(schedules, places, remats):
+                    if not fits_schedule(name, p, M, executor, schedules[0]) or (
+                            place == "folded" and not SCHEDULES[name].spmd_compatible):
                         continue
                     try:
-                        c = s.evaluate(Layout(p, d, t, order, M, global_batch, seq_len, name),
+                        c = s.evaluate(Layout(p, d, t, order, M, global_batch, seq_len, name,
+                                              placement=place, remat=remat),
                                        orders, tag, zero, tuple(stage_layers))
                     except MissingLinkError as e:
                         s.rejected.append(f"pp={p} dp={d} tp={t} ({tag}): {e}")
@@ -192,6 +207,14 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if len(schedules) > 1 and best.pp > 1:
         free["schedule"] = [dataclasses.replace(Layout.of(best), schedule=n)
                             for n in schedules if n != best.schedule]
+    places = [n for n in s.placements(placement, best.pp)
+              if n == "looped" or SCHEDULES[best.schedule].spmd_compatible]
+    if len(places) > 1:
+        free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
+                             for n in places if n != best.placement]
+    if len(remats) > 1:
+        free["remat"] = [dataclasses.replace(Layout.of(best), remat=r)
+                         for r in remats if r != best.remat]
     free_layout = not (pp and dp and tp)
     ranked[0] = dataclasses.replace(best, predicted={
         **best.predicted, "bound": s.explain(best, free, len(cands) if free_layout else 0)})
@@ -226,6 +249,15 @@ class _Search:
         self.refused_best: tuple[float, Layout, float, float] | None = None
 
     # --- the choices ---------------------------------------------------------------------------
+    def placements(self, placement: str, pp: int) -> tuple[str, ...]:
+        """The placements to price: the one asked, or for "auto" looped and (pp > 1, hetjax's
+        or the MPMD executor) folded."""
+        if pp == 1:
+            return ("looped",)
+        if placement != "auto":
+            return (placement,)
+        return ("looped", "folded") if self.cm.options.executor != "megatron" else ("looped",)
+
     def degrees(self, pp: int, dp: int, tp: int, stage_layers: Sequence[int]
                 ) -> list[tuple[int, int, int]]:
         """(pp, dp, tp) using every device: tp divides the heads, kv heads, d_ff and the devices
@@ -335,7 +367,8 @@ class _Search:
         # (states and activations), every stage at least one layer's activations.
         L = math.ceil(layers)
         live = in_flight(layout.schedule, layout.pp, layout.microbatches)
-        act = (self.cm.activation_bytes_per_token(layout.tp, layout.seq_len) *
+        act = (self.cm.activation_bytes_per_token(layout.tp, layout.seq_len,
+                                                  layout.remat or None) *
                layout.tokens_per_device())
         acts = max(act * L * min(live), act * max(live))
         need = {f: zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L + acts
@@ -420,7 +453,10 @@ class _Search:
         fwd = [c.fwd(n) for c, n in zip(stages, layers)]
         bwd = [c.bwd(n) for c, n in zip(stages, layers)]
         sync = [c.sync(n) for c, n in zip(stages, layers)]
-        if self.cm.runs_in_lockstep(layout):
+        if self.cm.runs_in_lockstep(layout) and layout.folded:
+            estimate = float(folded_ticks(layout.schedule, M, fwd, bwd, send, send,
+                                          self.cm.down_share(stages, layers)).sum())
+        elif self.cm.runs_in_lockstep(layout):
             estimate = float(lockstep_ticks(layout.schedule, M, fwd, bwd, send, send).sum())
         else:
             sync = [exposed(x, b, self.cm.options.overlap) for x, b in zip(sync, bwd)]
@@ -482,7 +518,8 @@ class _Search:
             if faster:
                 est, lay, need, cap = min(faster, key=lambda r: r[0])
                 value = {"zero": lay.zero.name, "microbatches": f"M={lay.microbatches}",
-                         "schedule": lay.schedule}[what]
+                         "schedule": lay.schedule, "placement": lay.placement,
+                         "remat": f"remat={lay.remat}"}[what]
                 reasons[what] = (
                     f"memory: {value} would be {1 - est / chosen.estimate:.1%} faster but "
                     f"needs {need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable "
@@ -500,8 +537,10 @@ class _Search:
         best = self.refused_best
         if best is not None and best[0] < estimate * (1 - TIE):
             est, lay, need, cap = best
+            extra = (f" {lay.placement}" if lay.placement != "looped" else "") + \
+                (f" remat={lay.remat}" if lay.remat else "")
             return (f"memory: pp={lay.pp} dp={lay.dp} tp={lay.tp} M={lay.microbatches} "
-                    f"{lay.schedule} would be {1 - est / estimate:.1%} faster but needs "
+                    f"{lay.schedule}{extra} would be {1 - est / estimate:.1%} faster but needs "
                     f"{need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable")
         return (f"time: the fastest predicted (within {TIE:.0%}) of the {layouts} layouts that "
                 f"fit memory" + (f" ({self.refused_layouts} more do not)"
@@ -538,7 +577,7 @@ class _Search:
         if self.shortfall.ratio < math.inf:
             r = self.shortfall.ratio
             fixes = [f"about {math.ceil(r * n)} devices of this kind (x{r:.2f} the memory)"]
-            if effective_remat(self.model.remat) != "full":
+            if self.model.remat not in ("full", "auto"):  # 'auto' tried 'full' already
                 fixes.append("model.remat='full' (keeps one activation per layer)")
             fixes.append("a smaller train.batch_size or train.seq_len, or more micro-batches")
             return PlanError(

@@ -26,6 +26,7 @@ import numpy as np
 from hetjax.errors import PlanError
 from parallel.schedules import (Action, Event, Schedule, cell_tasks, make_schedule,
                                 tick_codes, tick_table, timeline)
+from parallel.schedules import folded, folded_lockstep_ticks
 from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
 
@@ -70,6 +71,16 @@ def in_flight(name: str, stages: int, microbatches: int) -> tuple[float, ...]:
     return tuple(table.activation_share(s) for s in range(stages))
 
 
+@functools.lru_cache(maxsize=4096)
+def in_flight_folded(name: str, stages: int, microbatches: int) -> tuple[float, ...]:
+    """`in_flight` for the folded placement: device d holds the stashes of its two chunks
+    (virtual stages d and 2 pp - 1 - d of the schedule's 2 pp stage grid), each chunk half of
+    the device's layers, in units of one micro-batch's activations for the whole device."""
+    table = schedule_table(name, 2 * stages, microbatches)
+    return tuple((table.max_in_flight(d) + table.max_in_flight(2 * stages - 1 - d)) / 2
+                 for d in range(stages))
+
+
 @functools.lru_cache(maxsize=256)
 def _ticks(name: str, stages: int, microbatches: int
            ) -> tuple[list[list[Action | None]], np.ndarray]:
@@ -87,17 +98,58 @@ def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
     return schedules_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd)
 
 
+def folded_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
+                 bwd: Sequence[float], send_fwd: Sequence[float] = (),
+                 send_bwd: Sequence[float] = (), down_share: Sequence[float] = ()
+                 ) -> np.ndarray:
+    """Duration of each tick of a folded pipeline in lockstep: the named schedule's grid for
+    2 pp virtual stages, priced per device (`parallel.schedules.folded_lockstep_ticks`)."""
+    codes = _ticks(schedule, 2 * len(fwd), microbatches)[1]
+    return folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share)
+
+
 def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[float],
              send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
              sync: Sequence[float] = (), overlap: float = 0.0,
-             lockstep: bool = False, update: Sequence[float] = ()) -> Simulation:
+             lockstep: bool = False, placement: str = "looped",
+             down_share: Sequence[float] = (), update: Sequence[float] = ()) -> Simulation:
     """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times; each
     stage's gradient sync (partly hidden behind its last backward when asynchronous) and then
-    its optimizer update (`update`, never hidden) end the step."""
+    its optimizer update (`update`, never hidden) end the step. Folded (`placement`), fwd /
+    bwd are per device (both chunks) and `down_share` the part of each device's work in its
+    down chunk (lockstep; asynchronously each chunk takes half, as the timeline of
+    `schedules.folded` plays it)."""
     S = len(fwd)
     sync = list(sync) or [0.0] * S
     update = list(update) or [0.0] * S
-    if lockstep:
+    if placement == "folded" and not lockstep:  # per-stage orders from the virtual grid
+        try:
+            table = folded(schedule, S, microbatches)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        events = timeline(table, fwd, bwd, send_fwd, send_bwd)
+        last = [0.0] * S
+        for e in events:
+            last[e.stage] = max(last[e.stage], e.end)
+        hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
+        step = max(last[s] + hidden[s] + update[s] for s in range(S))
+    elif placement == "folded":
+        durations = folded_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd,
+                                 down_share)
+        share = list(down_share) or [0.5] * S
+        starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
+        events = []
+        for t, row in enumerate(_ticks(schedule, 2 * S, microbatches)[0]):
+            clock = [float(starts[t])] * S  # a device runs its down chunk, then its up chunk
+            for k, cell in enumerate(row):  # chunk k on device k or 2 S - 1 - k
+                d, part = (k, share[k]) if k < S else (2 * S - 1 - k, 1.0 - share[2 * S - 1 - k])
+                for a in cell_tasks(cell):
+                    end = clock[d] + part * (fwd[d] if a.kind == "F" else bwd[d])
+                    events.append(Event(d, a, clock[d], end))
+                    clock[d] = end
+        hidden = list(sync)
+        step = float(durations.sum()) + max(h + u for h, u in zip(hidden, update))
+    elif lockstep:
         durations = lockstep_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd)
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
         events = []
@@ -153,4 +205,4 @@ def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     return best
 
 
-__all__ = ["Simulation", "simulate", "lockstep_ticks", "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table"]
+__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded", "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table"]
