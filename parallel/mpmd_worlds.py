@@ -29,16 +29,16 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.errors import HetjaxError
 from parallel import schedules as sch
 from parallel.bridge import Bridge, message_key
 from parallel.mesh import AXES, mesh_shape
-from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, issue_order, model_chunks,
-                           schedule_for, stage_tree)
+from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, _map_param_trees, issue_order,
+                           merge_trees, model_chunks, schedule_for, stage_tree)
 from parallel.pipeline import check_plan
-from parallel.train_state import Executor
+from parallel.train_state import Executor, TrainState
 
 LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
 
@@ -94,7 +94,12 @@ class WorldsExecutor(MpmdExecutor):
         self.activation = jax.ShapeDtypeStruct(
             (plan.dp, b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
         self._calls = 0  # steps run: the message keys' step field
+        self._evals = (0, 0)  # (step field, eval batches run at it): eval messages' keys
         self._route_cache: dict[tuple, list[list[int]]] = {}
+        self._boxed = boxed
+        # World 0 writes the checkpoints (the others send it their stages' states) and tells
+        # the others which step to restore.
+        self.writes_checkpoints = self.world.index == 0
 
     def describe(self) -> str:
         return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "
@@ -117,13 +122,101 @@ class WorldsExecutor(MpmdExecutor):
         raise HetjaxError("the natural parameters of a multi-world job are spread over its "
                           "worlds; read each world's stages from MpmdState.stages")
 
-    def checkpoint_layout(self, state):
-        raise HetjaxError("checkpoints of a multi-world job are not written yet; train with "
-                          "checkpoint.every=0, or run the job as one world")
+    def checkpoint_layout(self, state) -> "WorldsLayout":
+        return WorldsLayout(self)
 
-    def eval_loss(self, state, batch):
-        raise HetjaxError("evaluation of a multi-world job is not supported yet; set "
-                          "train.eval_every=0, or evaluate a checkpoint in one world")
+    def eval_loss(self, state: MpmdState, batch: dict[str, np.ndarray]) -> float:
+        """`MpmdExecutor.eval_loss` across the worlds: each world runs its chunks' forwards in
+        model order (the activations cross over the bridge), the head's world sends every
+        micro-batch's mean loss to the others, and every world sums them in the same order,
+        so all return the one-world value."""
+        m_count, stages, chunks = self.plan.microbatches, self.stages, self.chunks
+        dev = self.put_batch(batch)
+        pieces = {s: stages[s].run(stages[s].gather, st.params)
+                  for s, st in zip(self.local, state.stages)}
+        field, n = self._evals
+        if field != self._calls:
+            n = 0
+        self._evals = (self._calls, n + 1)
+        head_s, means = chunks[-1].stage, []
+        for m in range(m_count):
+            x, mb = None, n * m_count + m  # the message keys' micro-batch field
+            for chunk in chunks:
+                s = chunk.stage
+                if s not in self.local:
+                    continue
+                st = stages[s]
+                if not chunk.first:
+                    prev = chunks[chunk.index - 1]
+                    x = (jax.device_put(x, st.activation) if prev.stage in self.local else
+                         self._recv(s, prev.stage, self.activation, st.activation, "eval",
+                                    prev.index, mb))
+                x = st.run(st.eval_forward, chunk.position, pieces[s][chunk.position], x,
+                           dev.get("inputs"), dev.get("targets"), jnp.int32(m))
+                if not chunk.last and chunks[chunk.index + 1].stage not in self.local:
+                    self._send(x, s, chunks[chunk.index + 1].stage, st.activation, "eval",
+                               chunk.index, mb)
+            if head_s in self.local:  # x is the last chunk's: the per-device losses
+                means.append(jnp.mean(x))
+        first = stages[self.local[0]]
+        shape = jax.ShapeDtypeStruct((m_count,), jnp.float32)
+        if head_s in self.local:
+            values = jax.device_put(jnp.stack(means), first.scalar)
+            self._to_other_worlds(values, "eval_loss", n)
+        else:
+            values = self._from_world(self.world_of[head_s], "eval_loss", shape, n)
+        total = 0.0
+        for v in np.asarray(values.addressable_shards[0].data):
+            total += float(v)  # as MpmdExecutor.eval_loss adds them
+        return total / m_count
+
+    # --- checkpoints: world 0 writes the natural state of every stage -------------------------
+    def _stage_layout(self, s: int) -> Stage:
+        """Stage s's shardings: this world's own stage, or (for another world's stage) its
+        specs on this world's first stage's devices -- where its state arrives (jit is lazy,
+        so nothing compiles)."""
+        if self.stages[s] is not None:
+            return self.stages[s]
+        home, chunks = self.stages[self.local[0]], self.chunks_of(s)
+        return Stage(self, s, home.mesh, chunks, jax.eval_shape(
+            lambda b: stage_tree(b, chunks, self.tied), self._boxed))
+
+    def _abstract_stage_state(self, st: Stage) -> TrainState:
+        return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=st.abstract,
+                          opt_state=jax.eval_shape(self.tx.init, st.abstract))
+
+    def gather_stage_states(self, state: MpmdState) -> list[TrainState] | None:
+        """World 0: every stage's train state, in stage order (another world's sent over the
+        bridge, one message per leaf, onto world 0's first stage's devices with its own
+        specs). Other worlds: send their stages' states to world 0; None."""
+        writer = self.worlds[0]
+        if self.world is not writer:
+            for s, st in zip(self.local, state.stages):
+                shardings = jax.tree.leaves(self.stages[s].state_sharding)
+                for i, (leaf, sh) in enumerate(zip(jax.tree.leaves(st), shardings)):
+                    self._send(leaf, s, writer.stages[0], sh, "state", s, i)
+            return None
+        home, out = self.local[0], dict(zip(self.local, state.stages))
+        for s in range(self.plan.pp):
+            if s in out:
+                continue
+            st = self._stage_layout(s)
+            leaves, treedef = jax.tree.flatten(self._abstract_stage_state(st))
+            shardings = jax.tree.leaves(st.state_sharding)
+            out[s] = jax.tree.unflatten(treedef, [
+                self._recv(home, s, leaf, sh, "state", s, i)
+                for i, (leaf, sh) in enumerate(zip(leaves, shardings))])
+        return [out[s] for s in range(self.plan.pp)]
+
+    def agree_step(self, step: int | None) -> int | None:
+        """World 0 tells every world the checkpoint step it restored (None: none); the
+        others return it."""
+        if self.world is self.worlds[0]:
+            self._to_other_worlds(np.int32(-1 if step is None else step), "control")
+            return step
+        got = int(np.asarray(self._from_world(0, "control", jax.ShapeDtypeStruct(
+            (), jnp.int32)).addressable_shards[0].data))
+        return None if got < 0 else got
 
     @property
     def data_rows(self) -> np.ndarray:
@@ -305,17 +398,20 @@ class WorldsExecutor(MpmdExecutor):
         return out
 
     # --- scalars between worlds ---------------------------------------------------------------
-    def _to_other_worlds(self, x, kind: str) -> None:
+    def _to_other_worlds(self, x, kind: str, n: int = 0) -> None:
+        """Send the replicated array `x` to every other world (message `n` of this kind at
+        this step)."""
         st = self.stages[self.local[0]]
         for w in self.worlds:
             if w is not self.world:
-                self._send(x, st.index, w.stages[0], st.scalar, kind, self.world.index, w.index)
+                self._send(x, st.index, w.stages[0], st.scalar, kind, self.world.index,
+                           n * len(self.worlds) + w.index)
 
-    def _from_world(self, w: int, kind: str):
+    def _from_world(self, w: int, kind: str, abstract=None, n: int = 0):
         st = self.stages[self.local[0]]
-        return self._recv(st.index, self.worlds[w].stages[0],
-                          jax.ShapeDtypeStruct((), jnp.float32), st.scalar, kind, w,
-                          self.world.index)
+        abstract = jax.ShapeDtypeStruct((), jnp.float32) if abstract is None else abstract
+        return self._recv(st.index, self.worlds[w].stages[0], abstract, st.scalar, kind, w,
+                          n * len(self.worlds) + self.world.index)
 
     def _all_worlds(self, x, kind: str) -> list:
         """Every world's value of the scalar `x`, in world order, on this world's first
@@ -330,4 +426,59 @@ class WorldsExecutor(MpmdExecutor):
         self.bridge.barrier(peers)
 
 
-__all__ = ["WorldsExecutor"]
+class WorldsLayout:
+    """`hetjax.checkpoint.Layout` of a multi-world job: the natural TrainState one process
+    would write (`parallel.mpmd.MpmdLayout`), assembled in world 0, which writes it; the
+    other worlds only send their stages' states (`writes` False). Every world restores the
+    step world 0 chose (`agree_step`) from the directory itself, replicated on its first
+    stage's devices, and keeps its own stages."""
+
+    def __init__(self, ex: WorldsExecutor):
+        self.ex = ex
+        self.writes = ex.writes_checkpoints
+        home = ex.stages[ex.local[0]]
+        self.sharding = NamedSharding(home.mesh, P())
+        chunks_of = [ex.chunks_of(s) for s in range(ex.plan.pp)]
+        sharding = self.sharding
+
+        def merge(states: list[TrainState]) -> TrainState:
+            opt = _map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of),
+                                   lambda *xs: xs[0], *[t.opt_state for t in states])
+            return TrainState(step=states[0].step,
+                              params=merge_trees([t.params for t in states], chunks_of),
+                              opt_state=opt)
+
+        self._merge = jax.jit(merge, out_shardings=sharding)
+        abstract = [ex._abstract_stage_state(ex._stage_layout(s)) for s in range(ex.plan.pp)]
+        self.target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(merge, abstract))
+
+    def to_natural(self, state: MpmdState) -> TrainState | None:
+        states = self.ex.gather_stage_states(state)
+        if states is None:
+            return None
+        return self._merge([jax.device_put(t, self.sharding) for t in states])
+
+    def natural_target(self):
+        return self.target
+
+    def from_natural(self, natural: TrainState) -> MpmdState:
+        ex, stages = self.ex, []
+        for s in ex.local:
+            st = ex.stages[s]
+
+            def cut(tree, chunks=st.chunks):
+                return stage_tree(tree, chunks, ex.tied)
+
+            stages.append(jax.device_put(TrainState(
+                step=natural.step, params=cut(natural.params),
+                opt_state=_map_param_trees(cut, lambda x: x, natural.opt_state)),
+                st.state_sharding))
+        return MpmdState(stages=tuple(stages))
+
+    def agree_step(self, step: int | None) -> int | None:
+        return self.ex.agree_step(step)
+
+
+__all__ = ["WorldsExecutor", "WorldsLayout"]
