@@ -4,6 +4,7 @@ the single-world executor on the same devices -- tied embedding, uneven split, d
 each world. The multi-process version (two `jax.distributed` jobs of two processes each) is
 `scripts/check_worlds.py`."""
 
+import json
 import threading
 
 import jax
@@ -69,3 +70,98 @@ def test_two_worlds_train_like_one(transport):
         theirs = jax.device_get(state.stages[s].params)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      mine, theirs)
+
+
+# --- checkpoints and evaluation of a job launched as two worlds -----------------------------------
+# cpu_hybrid, one process per cluster: stage 0 (1 layer) in world 0, stage 1 (2 layers) in
+# world 1, dp = 4 inside each world, tied embedding.
+WORLDS_JOB = {"topology.preset": "cpu_hybrid", "model.d_model": 32, "model.d_ff": 64,
+              "model.n_layers": 3, "model.n_heads": 4, "model.n_kv_heads": 2,
+              "model.max_seq_len": 64, "train.seq_len": 16, "train.batch_size": 16,
+              "parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,
+              "pipeline.executor": "mpmd", "pipeline.stage_layers": (1, 2),
+              "pipeline.microbatches": 4, "data.source": "synthetic", "train.warmup_steps": 1,
+              "train.log_every": 1, "train.progress": False, "tensorboard": False,
+              "eval.batches": 2, "eval.every": 2, "checkpoint.every": 2, "train.steps": 6}
+
+
+def _natural_state(trainer, directory, step):
+    """Checkpoint `step` of `directory` read into `trainer`'s layout, in the natural layout on
+    the host."""
+    from hetjax import checkpoint as hckpt
+
+    ck = hckpt.Checkpointer(str(directory), every=0)
+    layout = trainer.layout()
+    r = ck.restore(layout, step)
+    ck.close()
+    return r, jax.device_get(layout.to_natural(r.state))
+
+
+def test_a_two_world_job_checkpoints_evaluates_and_resumes_like_one_process(tmp_path):
+    """One launch of two worlds checks, against the same job in this process:
+    - it resumes from the one-process job's checkpoint 2 (that layout restores in the worlds)
+      and trains steps 3-6 with the same losses, and its eval loss (combined over the bridge)
+      at steps 4 and 6 equals the one-process job's;
+    - its checkpoint 4 (world 0 writes every stage's state) holds exactly what the
+      one-process job wrote at step 4 and restores in one process;
+    - killed while its save of step 6 is held open (written, not committed), it leaves no
+      step 6 that loads: the newest checkpoint a restore finds is 4."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO, tiny_config
+    from hetjax import checkpoint as hckpt
+    from test_launch import config_args, worker_env
+
+    ref_dir = tmp_path / "one"
+    ref = Trainer(tiny_config(**{**WORLDS_JOB, "workdir": str(ref_dir)}), quiet=True)
+    want = {r["step"]: r for r in ref.train().history.rows}
+    assert sorted(os.listdir(ref_dir / "checkpoints")) == ["2", "4", "6"]
+
+    run_dir = tmp_path / "worlds"
+    os.makedirs(run_dir / "checkpoints")
+    shutil.copytree(ref_dir / "checkpoints" / "2", run_dir / "checkpoints" / "2")
+    cmd = [sys.executable, "-m", "hetjax", "launch", "--local", "2", "--timeout", "200",
+           *config_args({**WORLDS_JOB, "workdir": str(run_dir)})]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, start_new_session=True,
+                            env=worker_env(**{hckpt.HOLD_ENV: "3"}))
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if "holding the save of step 6" in line:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both worlds
+                break
+        else:
+            pytest.fail(f"no save of step 6 was held; exit code {proc.wait()}:\n"
+                        + "".join(out[-60:]))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    text = "".join(out)
+    assert "resumed from checkpoint 2" in text, text[-4000:]
+    with open(run_dir / "metrics.jsonl") as f:
+        got = {r["step"]: r for r in map(json.loads, f)}
+    assert sorted(got) == [3, 4, 5, 6]
+    for step in got:
+        np.testing.assert_allclose(got[step]["loss"], want[step]["loss"], rtol=1e-6)
+    for step in (4, 6):
+        np.testing.assert_allclose(got[step]["eval_loss"], want[step]["eval_loss"], rtol=1e-6)
+
+    # the killed save of step 6 left nothing a restore takes; step 4 is the worlds' own
+    assert not (run_dir / "checkpoints" / "6").exists()
+    ck = hckpt.Checkpointer(str(run_dir / "checkpoints"), every=0)
+    assert ck.latest_step() == 4
+    ck.close()
+    r, mine = _natural_state(ref, run_dir / "checkpoints", 4)
+    assert r.data_state == {"next_index": 4}
+    _, theirs = _natural_state(ref, ref_dir / "checkpoints", 4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 mine, theirs)
