@@ -148,6 +148,7 @@ class Bridge:
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight + 1) if transport == "socket" \
             else None
         self._barriers = 0
+        self.peer_names: dict[int, str] = {}  # rank -> what errors call it (e.g. its world)
         self.bytes_sent = 0  # offered; every message is pulled exactly once
         self.bytes_received: dict[int, int] = {}  # peer -> bytes pulled from it
         self.bytes_by_kind: dict[str, int] = {}  # message kind -> bytes pulled
@@ -214,8 +215,10 @@ class Bridge:
                 break
             except (OSError, ConnectionError, struct.error):
                 if time.monotonic() > deadline:
+                    name = f" ({self.peer_names[peer]})" if peer in self.peer_names else ""
                     raise BridgeError(
-                        f"bridge peer {peer} at {self.addresses[peer]} did not come up within "
+                        f"bridge peer {peer}{name} at {self.addresses[peer]} did not come up "
+                        f"within "
                         f"{self.timeout_s:.0f} s (this is bridge process {self.rank}); check "
                         f"that its world started, or raise {ENV_BRIDGE_TIMEOUT}") from None
                 time.sleep(0.2)

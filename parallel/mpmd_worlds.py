@@ -63,6 +63,9 @@ class WorldsExecutor(MpmdExecutor):
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
         self.world_of = {s: w.index for w in self.worlds for s in w.stages}
+        for w in self.worlds:  # a peer that never comes up is named with its world
+            for i, p in enumerate(sorted({owner[r] for r in w.ranks})):
+                bridge.peer_names[p] = f"world {w.index}, its process {i}"
         self.grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
         if devices is None:  # this world's jax.distributed job: its devices in rank order
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

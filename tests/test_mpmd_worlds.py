@@ -165,3 +165,32 @@ def test_a_two_world_job_checkpoints_evaluates_and_resumes_like_one_process(tmp_
     _, theirs = _natural_state(ref, ref_dir / "checkpoints", 4)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  mine, theirs)
+
+
+def test_a_world_that_never_comes_up_is_named_after_the_init_timeout(tmp_path):
+    """Only world 0 of a two-world launch starts: its process stops after the init timeout
+    with one error naming world 1's process and its bridge address."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from conftest import REPO, tiny_config
+    from hetjax import config as hconfig
+    from hetjax.launch import plan_workers
+    from hetjax.planner import plan_from_config
+    from test_launch import config_args, worker_env
+
+    job = {**WORLDS_JOB, "checkpoint.every": 0, "eval.every": 0, "workdir": str(tmp_path)}
+    cfg = tiny_config(**job)
+    topology = hconfig.build_topology(cfg)
+    args = SimpleNamespace(local=2, hostfile=None, port=0, coordinator=None, init_timeout=3,
+                           heartbeat_timeout=20, nic_policy="cluster", python=sys.executable,
+                           chdir=REPO, command="train")
+    first, second = plan_workers(cfg, topology, plan_from_config(cfg, topology), args,
+                                 config_args(job))
+    run = subprocess.run(list(first.argv), env=worker_env(**first.env), capture_output=True,
+                         text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    address = f"127.0.0.1:{int(second.env['HETJAX_BRIDGE_PORT']) + 1}"  # rank 1: port + 1
+    assert (f"bridge peer 1 (world 1, its process 0) at {address} did not come up within 3 s"
+            in run.stderr), run.stderr[-3000:]
