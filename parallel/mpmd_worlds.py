@@ -24,6 +24,7 @@ block, so the earliest unfinished task of the whole job can always run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
@@ -41,6 +42,41 @@ from parallel.pipeline import check_plan
 from parallel.train_state import Executor, TrainState
 
 LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
+
+
+@dataclass(frozen=True)
+class Group:
+    """Stages that run on the same processes: group `index` (numbered by first stage) of
+    world `world`. A world whose stages all sit on its every process is one group; stages of
+    one world on different processes are different groups, and what crosses between them
+    goes over the bridge too (one process cannot `jax.device_put` onto another's devices
+    here)."""
+
+    index: int
+    world: int
+    stages: tuple[int, ...]
+    processes: tuple[int, ...]  # global process indices (bridge ranks)
+
+
+def stage_groups(plan, worlds: Sequence, owner: dict[int, int]) -> list[Group]:
+    """The worlds' stages grouped by the set of processes holding their devices; a stage
+    whose processes overlap another's without being the same is a HetjaxError."""
+    grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
+    found: dict[tuple, list[int]] = {}
+    for w in worlds:
+        for s in w.stages:
+            procs = tuple(sorted({owner[int(r)] for r in grid[s].flat}))
+            found.setdefault((w.index, procs), []).append(s)
+    keys = sorted(found, key=lambda k: found[k][0])
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            if set(a[1]) & set(b[1]):
+                raise HetjaxError(
+                    f"stages {found[a]} run on processes {list(a[1])} and stages {found[b]} on "
+                    f"processes {list(b[1])}: a process holds part of two stage groups; give "
+                    "each process whole stages (change pipeline.stage_layers, parallel.dp/tp, "
+                    "or the process count)")
+    return [Group(i, k[0], tuple(found[k]), k[1]) for i, k in enumerate(keys)]
 
 
 class WorldsExecutor(MpmdExecutor):
@@ -62,7 +98,9 @@ class WorldsExecutor(MpmdExecutor):
         self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
-        self.world_of = {s: w.index for w in self.worlds for s in w.stages}
+        self.groups = stage_groups(plan, self.worlds, owner)
+        self.group = next(g for g in self.groups if bridge.rank in g.processes)
+        self.group_of = {s: g.index for g in self.groups for s in g.stages}
         for w in self.worlds:  # a peer that never comes up is named with its world
             for i, p in enumerate(sorted({owner[r] for r in w.ranks})):
                 bridge.peer_names[p] = f"world {w.index}, its process {i}"
@@ -78,7 +116,7 @@ class WorldsExecutor(MpmdExecutor):
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.stages: list[Stage | None] = [None] * plan.pp
         self.position: dict[tuple[int, Any], int] = {}  # (stage, device) -> mesh position
-        for s in self.world.stages:
+        for s in self.group.stages:
             grid = np.vectorize(device_of.get, otypes=[object])(self.grid[s])
             mesh = Mesh(grid, AXES[1:], axis_types=(AxisType.Auto,) * (len(AXES) - 1))
             chunks = self.chunks_of(s)
@@ -86,7 +124,7 @@ class WorldsExecutor(MpmdExecutor):
                 lambda b, c=chunks: stage_tree(b, c, self.tied), boxed))
             for p, d in enumerate(grid.flat):
                 self.position[s, d] = p
-        self.local = list(self.world.stages)
+        self.local = list(self.group.stages)
         self.batch_sharding = {}
         if self.chunks[0].stage in self.local:
             self.batch_sharding["inputs"] = self.stages[self.chunks[0].stage].batch
@@ -100,13 +138,13 @@ class WorldsExecutor(MpmdExecutor):
         self._evals = (0, 0)  # (step field, eval batches run at it): eval messages' keys
         self._route_cache: dict[tuple, list[list[int]]] = {}
         self._boxed = boxed
-        # World 0 writes the checkpoints (the others send it their stages' states) and tells
-        # the others which step to restore.
-        self.writes_checkpoints = self.world.index == 0
+        # Group 0 (world 0) writes the checkpoints (the others send it their stages' states)
+        # and tells the others which step to restore.
+        self.writes_checkpoints = self.group.index == 0
 
     def describe(self) -> str:
         return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "
-                f"stages {list(self.local)}; the bridge carries the rest")
+                f"stages {list(self.local)} here; the bridge carries the rest")
 
     # --- state ----------------------------------------------------------------------------
     def init_state(self, seed: int) -> MpmdState:
@@ -126,6 +164,11 @@ class WorldsExecutor(MpmdExecutor):
                           "worlds; read each world's stages from MpmdState.stages")
 
     def checkpoint_layout(self, state) -> "WorldsLayout":
+        if len(self.groups) != len(self.worlds):
+            raise HetjaxError(
+                "checkpoints of a multi-world job whose world runs stages on different "
+                "processes are not written yet; set --config.checkpoint.every=0, or give each "
+                "world's processes all of its stages")
         return WorldsLayout(self)
 
     def eval_loss(self, state: MpmdState, batch: dict[str, np.ndarray]) -> float:
@@ -165,9 +208,9 @@ class WorldsExecutor(MpmdExecutor):
         shape = jax.ShapeDtypeStruct((m_count,), jnp.float32)
         if head_s in self.local:
             values = jax.device_put(jnp.stack(means), first.scalar)
-            self._to_other_worlds(values, "eval_loss", n)
+            self._to_other_groups(values, "eval_loss", n)
         else:
-            values = self._from_world(self.world_of[head_s], "eval_loss", shape, n)
+            values = self._from_group(self.group_of[head_s], "eval_loss", shape, n)
         total = 0.0
         for v in np.asarray(values.addressable_shards[0].data):
             total += float(v)  # as MpmdExecutor.eval_loss adds them
@@ -192,8 +235,8 @@ class WorldsExecutor(MpmdExecutor):
         """World 0: every stage's train state, in stage order (another world's sent over the
         bridge, one message per leaf, onto world 0's first stage's devices with its own
         specs). Other worlds: send their stages' states to world 0; None."""
-        writer = self.worlds[0]
-        if self.world is not writer:
+        writer = self.groups[0]
+        if self.group is not writer:
             for s, st in zip(self.local, state.stages):
                 shardings = jax.tree.leaves(self.stages[s].state_sharding)
                 for i, (leaf, sh) in enumerate(zip(jax.tree.leaves(st), shardings)):
@@ -214,22 +257,23 @@ class WorldsExecutor(MpmdExecutor):
     def agree_step(self, step: int | None) -> int | None:
         """World 0 tells every world the checkpoint step it restored (None: none); the
         others return it."""
-        if self.world is self.worlds[0]:
-            self._to_other_worlds(np.int32(-1 if step is None else step), "control")
+        if self.group is self.groups[0]:
+            self._to_other_groups(np.int32(-1 if step is None else step), "control")
             return step
-        got = int(np.asarray(self._from_world(0, "control", jax.ShapeDtypeStruct(
+        got = int(np.asarray(self._from_group(0, "control", jax.ShapeDtypeStruct(
             (), jnp.int32)).addressable_shards[0].data))
         return None if got < 0 else got
 
     @property
     def data_rows(self) -> np.ndarray:
         """The global batch rows this process's devices hold: of the inputs (first stage's
-        world), or of the targets (last stage's world), or none."""
+        group), or of the targets (last stage's group); a process holding neither reads row 0
+        and does not use it (its loader's position keeps pace with the others')."""
         from parallel.train_state import batch_rows
 
         if self._rows is None:
             shardings = list(self.batch_sharding.values())
-            self._rows = batch_rows(self.plan, shardings[0]) if shardings else np.zeros(0, int)
+            self._rows = batch_rows(self.plan, shardings[0]) if shardings else np.arange(1)
         return self._rows
 
     def put_batch(self, batch, rows=None):
@@ -341,13 +385,13 @@ class WorldsExecutor(MpmdExecutor):
         first = stages[local[0]]
         sq = sum(jax.device_put(stages[s].run(stages[s].squared_norm, grads[s]), first.scalar)
                  for s in local)
-        parts = self._all_worlds(sq, "norm")
+        parts = self._all_groups(sq, "norm")
         g_norm = jnp.sqrt(sum(parts))
         if head_s in mine:
             loss = jax.device_put(finished[head_s][1], first.scalar)
-            self._to_other_worlds(loss, "loss")
+            self._to_other_groups(loss, "loss")
         else:
-            loss = self._from_world(self.world_of[head_s], "loss")
+            loss = self._from_group(self.group_of[head_s], "loss")
         self._calls += 1
         return loss, [grads[s] for s in local], g_norm
 
@@ -400,32 +444,31 @@ class WorldsExecutor(MpmdExecutor):
         out[s] = {**grads[s], "embedder": st.run(st.add, a, b)}
         return out
 
-    # --- scalars between worlds ---------------------------------------------------------------
-    def _to_other_worlds(self, x, kind: str, n: int = 0) -> None:
-        """Send the replicated array `x` to every other world (message `n` of this kind at
-        this step)."""
-        st = self.stages[self.local[0]]
-        for w in self.worlds:
-            if w is not self.world:
-                self._send(x, st.index, w.stages[0], st.scalar, kind, self.world.index,
-                           n * len(self.worlds) + w.index)
+    # --- scalars between stage groups -------------------------------------------------------
+    def _to_other_groups(self, x, kind: str, n: int = 0) -> None:
+        """Send the replicated array `x` to every other stage group (message `n` of this kind
+        at this step)."""
+        st, k = self.stages[self.local[0]], len(self.groups)
+        for g in self.groups:
+            if g is not self.group:
+                self._send(x, st.index, g.stages[0], st.scalar, kind, self.group.index,
+                           n * k + g.index)
 
-    def _from_world(self, w: int, kind: str, abstract=None, n: int = 0):
+    def _from_group(self, g: int, kind: str, abstract=None, n: int = 0):
         st = self.stages[self.local[0]]
         abstract = jax.ShapeDtypeStruct((), jnp.float32) if abstract is None else abstract
-        return self._recv(st.index, self.worlds[w].stages[0], abstract, st.scalar, kind, w,
-                          n * len(self.worlds) + self.world.index)
+        return self._recv(st.index, self.groups[g].stages[0], abstract, st.scalar, kind, g,
+                          n * len(self.groups) + self.group.index)
 
-    def _all_worlds(self, x, kind: str) -> list:
-        """Every world's value of the scalar `x`, in world order, on this world's first
-        stage."""
-        self._to_other_worlds(x, kind)
-        return [x if w is self.world else self._from_world(w.index, kind) for w in self.worlds]
+    def _all_groups(self, x, kind: str) -> list:
+        """Every group's value of the scalar `x`, in group (= stage) order, on this group's
+        first stage."""
+        self._to_other_groups(x, kind)
+        return [x if g is self.group else self._from_group(g.index, kind) for g in self.groups]
 
     def finish(self) -> None:
         """Wait until every peer process has pulled this process's last messages."""
-        peers = sorted({self.owner[r] for w in self.worlds if w is not self.world
-                        for r in w.ranks})
+        peers = sorted({p for g in self.groups if g is not self.group for p in g.processes})
         self.bridge.barrier(peers)
 
 

@@ -21,27 +21,47 @@ from test_mpmd import mpmd_config
 STEPS = 3
 
 
-@pytest.mark.parametrize("transport", ["transfer"])
-def test_two_worlds_train_like_one(transport):
-    trainer = Trainer(mpmd_config((1, 3), "1f1b", dp=2, tp=2, microbatches=4), quiet=True)
+# (pipeline config, processes): one process per world (each world's stages on its every
+# process), or one per node, so each world's two stages sit on different processes and cross
+# between them over the bridge too
+CASES = [(((1, 3), "1f1b", 2, 2, 4), 0), (((1, 1, 1, 1), "1f1b", 2, 1, 4), 4)]
+
+
+@pytest.mark.parametrize("case, processes", CASES, ids=["process-per-world", "stage-per-process"])
+def test_two_worlds_train_and_evaluate_like_one(case, processes):
+    from hetjax.distributed import process_slots
+    from parallel.mpmd_worlds import stage_groups
+
+    trainer = Trainer(mpmd_config(*case), quiet=True)
     batches = [next(trainer.data) for _ in range(STEPS)]
     ref = trainer.executor
     state, want = ref.init_state(trainer.config.train.seed), []
     for b in batches:
         state, metrics = ref.step(state, ref.put_batch(b))
         want.append(float(metrics["loss"]))
+    want_eval = ref.eval_loss(state, batches[0])
 
     plan, topo = trainer.plan, trainer.topology
-    worlds = plan_worlds(plan, topo)
-    assert [w.stages for w in worlds] == [(0,), (1,)]
-    owner = {r: w.index for w in worlds for r in w.ranks}  # one bridge end per world
-    addresses = [f"127.0.0.1:{free_port()}" for _ in worlds]
+    if processes:
+        slots = process_slots(topo, processes)
+        worlds = plan_worlds(plan, topo, slots)
+        owner = {r: slot.index for slot in slots for r in slot.ranks}
+    else:
+        worlds = plan_worlds(plan, topo)
+        owner = {r: w.index for w in worlds for r in w.ranks}  # one bridge end per world
+    assert len(worlds) == 2
+    groups = stage_groups(plan, worlds, owner)
+    assert [g.stages for g in groups] == [w.stages for w in worlds] if not processes else \
+        [(s,) for s in range(plan.pp)]
+    ends = sorted(set(owner.values()))
+    addresses = [f"127.0.0.1:{free_port()}" for _ in ends]
     devices = topo.jax_devices()
-    got, states, errors = {}, {}, []
+    got, states, evals, errors = {}, {}, {}, []
 
-    def run(w):
+    def run(rank):
         try:
-            bridge = Bridge(w.index, addresses, transport, timeout_s=60)
+            bridge = Bridge(rank, addresses, "transfer", timeout_s=60)
+            w = next(w for w in worlds if any(owner[r] == rank for r in w.ranks))
             ex = WorldsExecutor(plan, topo, trainer.model_cfg, trainer.tx, trainer.schedule,
                                 trainer.config.train.grad_clip, worlds, w.index, owner, bridge,
                                 devices=[devices[r] for r in w.ranks])
@@ -49,27 +69,27 @@ def test_two_worlds_train_like_one(transport):
             for b in batches:
                 st, metrics = ex.step(st, ex.put_batch(b))
                 losses.append(float(metrics["loss"]))
+            evals[rank] = ex.eval_loss(st, batches[0])
             ex.finish()
             bridge.close()
-            got[w.index], states[w.index] = losses, st
+            got[rank], states[rank] = losses, (ex.local, st)
         except Exception as e:  # reported by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(w,)) for w in worlds]
+    threads = [threading.Thread(target=run, args=(r,)) for r in ends]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    for w in worlds:
-        np.testing.assert_allclose(got[w.index], want, rtol=1e-6)
-    # each world's stage parameters equal the single-world executor's
-    for w in worlds:
-        (s,) = w.stages
-        mine = jax.device_get(states[w.index].stages[0].params)
-        theirs = jax.device_get(state.stages[s].params)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                     mine, theirs)
+    for r in ends:
+        np.testing.assert_allclose(got[r], want, rtol=1e-6)
+        np.testing.assert_allclose(evals[r], want_eval, rtol=1e-6)
+    # each stage's parameters equal the single-world executor's
+    for local, st in states.values():
+        for s, mine in zip(local, st.stages):
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                         jax.device_get(mine.params), jax.device_get(state.stages[s].params))
 
 
 # --- checkpoints and evaluation of a job launched as two worlds -----------------------------------
