@@ -18,7 +18,18 @@ position on the sending side (message part = leaf * positions + position). Recei
 prefetched a few tasks ahead (never blocking on a prefetch: a peer may need this world's next
 send first), up to the bridge's in-flight bound.
 
-Deadlock freedom: each world issues its tasks in one global topological order and sends never
+Stages of one world may sit on different processes (`stage_groups`): a process runs the stages
+of its *group* (the stages held by exactly its set of processes), and what crosses between
+groups -- of another world or the same one -- goes over the bridge like traffic between worlds
+(`jax.device_put` onto another process's devices is not available on this CPU build). When
+every world is one group, groups and worlds coincide.
+
+Evaluation runs the chunks' forwards in model order across the groups; checkpoints are
+written by group 0 in the plan-independent layout one process writes (`WorldsLayout`: the
+other groups send their stages' states over the bridge) and restored by every world from the
+step group 0 chose (docs/worlds.md).
+
+Deadlock freedom: each group issues its tasks in one global topological order and sends never
 block, so the earliest unfinished task of the whole job can always run.
 """
 
