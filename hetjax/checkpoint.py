@@ -125,9 +125,16 @@ class Checkpointer:
     `keep_best` with the lowest eval loss)."""
 
     def __init__(self, directory: str, every: int, keep: int = 3, keep_best: int = 0,
-                 async_save: bool = True):
+                 async_save: bool = True, writer: bool = True):
         self.directory = os.path.abspath(directory)
         self.every = every
+        # A reader (a multi-world job's worlds but the first) writes nothing: its save only
+        # sends its part of the state to the writer (`Layout.to_natural`), and it restores the
+        # step the writer chose (`Layout.agree_step`).
+        self.writer = writer
+        self._manager = None
+        if not writer:
+            return
         policies = [ocp.checkpoint_managers.LatestN(keep)]
         if keep_best:
             # BestN keeps the last n after sorting; reverse=True sorts descending, so the
@@ -150,7 +157,14 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             async_options=ocp.AsyncOptions(
                 post_finalization_callback=(lambda: self._hold(hold)) if hold else None))
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:  # a reader opens the directory once the writer made it
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
+        return self._manager
 
     def _hold(self, seconds: float) -> None:
         # orbax runs this after writing and before renaming the step into place.
@@ -159,6 +173,8 @@ class Checkpointer:
         time.sleep(seconds)
 
     def should_save(self, step: int) -> bool:
+        if not self.writer:  # the writer's interval policy (a reader cannot see its saves)
+            return self.every > 0 and step % self.every == 0
         return self.every > 0 and self.manager.should_save(step)
 
     def save(self, step: int, state, layout: Layout, data_state: dict, meta: dict, *,
@@ -168,6 +184,8 @@ class Checkpointer:
         Refuses (HetjaxError) a state holding a NaN or Inf: a checkpoint is always one a run
         can resume from."""
         natural = layout.to_natural(state)
+        if not self.writer:
+            return
         bad = nonfinite_leaves(natural)
         if bad:
             raise HetjaxError(
@@ -183,9 +201,14 @@ class Checkpointer:
         self.manager.save(step, args=args, metrics=metrics, force=True)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.steps()
+        return steps[-1] if steps else None
 
     def steps(self) -> list[int]:
+        if not self.writer:
+            if not os.path.isdir(self.directory):
+                return []
+            self.manager.reload()
         return sorted(self.manager.all_steps())
 
     def restore(self, layout: Layout, step: int | None = None) -> Restored | None:
@@ -195,7 +218,27 @@ class Checkpointer:
         Without `step`, a checkpoint that fails to read (a truncated or garbled file, a junk
         step directory, NaN/Inf values) is reported in one line, renamed to `<step>.corrupt`
         and the next older one is tried. A checkpoint that reads but does not fit this model
-        is the user's to resolve: that is an error, and nothing is moved."""
+        is the user's to resolve: that is an error, and nothing is moved.
+
+        With a layout that has `agree_step` (a multi-world job), the writer restores as above
+        and tells the readers the step; a reader restores exactly that step."""
+        agree = getattr(layout, "agree_step", None)
+        if not self.writer:
+            step = agree(None) if agree is not None else step
+            if step is None:
+                return None
+            self.manager.reload()
+            try:
+                return self._restore(layout, step)
+            except _Unreadable as e:
+                raise HetjaxError(f"checkpoint {step} in {self.directory}, which the writing "
+                                  f"world restored, cannot be read here ({e})") from None
+        r = self._restore_newest(layout, step)
+        if agree is not None:
+            agree(r.step if r is not None else None)
+        return r
+
+    def _restore_newest(self, layout: Layout, step: int | None) -> Restored | None:
         if step is not None:
             return self._restore(layout, step)
         for candidate in sorted(self.manager.all_steps(), reverse=True):
@@ -247,7 +290,9 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed."""
-        self.manager.wait_until_finished()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.close()
+        if self._manager is not None:
+            self._manager.close()

@@ -175,14 +175,25 @@ def cmd_topology(argv: list[str]) -> int:
     return 0
 
 
+def _worker_spec(cfg, topology):
+    """This process's place in a multi-process job (None: not a worker). A SLURM task of a
+    multi-world job first derives its world's variables (`launch.join_slurm_worlds`)."""
+    from hetjax.distributed import ENV_CLUSTER, WorkerSpec
+
+    if os.environ.get(ENV_CLUSTER) == "slurm":
+        from hetjax.launch import join_slurm_worlds
+
+        join_slurm_worlds(cfg, topology)
+    return WorkerSpec.from_environ()
+
+
 def cmd_train(argv: list[str]) -> int:
     from hetjax import config as hconfig
-    from hetjax.distributed import WorkerSpec
 
     cfg = _parse("train", argv)
     topology = hconfig.build_topology(cfg)
     # A worker of a multi-process job (hetjax launch sets HETJAX_* variables) joins it first.
-    spec = WorkerSpec.from_environ()
+    spec = _worker_spec(cfg, topology)
     if spec is None:
         ensure_cpu_devices(topology.num_devices)
     else:
@@ -425,12 +436,11 @@ def cmd_calibrate(argv: list[str]) -> int:
         print(CALIBRATE_USAGE)
         return 0
     from hetjax import config as hconfig
-    from hetjax.distributed import WorkerSpec
 
     opts, rest = _take_options(argv, CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
     topology = hconfig.build_topology(cfg)
-    spec = WorkerSpec.from_environ()
+    spec = _worker_spec(cfg, topology)
     if spec is None:
         ensure_cpu_devices(topology.num_devices)
     else:

@@ -150,24 +150,16 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
     elif args.local is not None:
         coordinators = [f"127.0.0.1:{args.port + w.index if args.port else free_port()}"
                         for w in worlds]
-    else:  # each world's coordinator on its first host, on consecutive ports
-        coordinators = [f"{hosts[w.processes[0]]}:{(args.port or DEFAULT_PORT) + w.index}"
-                        for w in worlds]
+    else:
+        coordinators = world_coordinators(worlds, hosts, args.port)
     bridge_port = (args.port or DEFAULT_PORT) + 100 if args.local is None else free_port_block(
         len(hosts))
     workers = []
     for slot, host in zip(slots, hosts):
-        w = next(w for w in worlds if slot.index in w.processes)
-        spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
-                          args.init_timeout, args.heartbeat_timeout)
-        env = {**nic.world_environment(topology, plan, w, slot, args.nic_policy, len(worlds)),
-               **spec.environ(), ENV_NIC_POLICY: args.nic_policy}
-        if len(worlds) > 1:
-            env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
-            # a world that never comes up is named by its bridge peers after the init timeout
-            env[bridge.ENV_BRIDGE_TIMEOUT] = str(args.init_timeout)
+        env = world_worker_env(topology, plan, worlds, slot, coordinators, hosts, bridge_port,
+                               args.init_timeout, args.heartbeat_timeout, args.nic_policy)
         cmd = worker_command(args.python, config_args, getattr(args, "command", "train"),
-                         getattr(args, "worker_options", ()))
+                             getattr(args, "worker_options", ()))
         local = args.local is not None
         if local:
             env.update(nic.simulated_cpu_env(slot.num_devices))
@@ -178,6 +170,106 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
         argv = cmd if local else shlex.split(args.rsh.format(host=host)) + [shell]
         workers.append(Worker(slot, host, env, shell, tuple(argv), local))
     return workers
+
+
+def world_coordinators(worlds, hosts: list[str], port: int | None) -> list[str]:
+    """Remote launches (--hostfile, --slurm): each world's coordinator on its first host, on
+    consecutive ports from `port` (default DEFAULT_PORT)."""
+    return [f"{hosts[w.processes[0]]}:{(port or DEFAULT_PORT) + w.index}" for w in worlds]
+
+
+def world_worker_env(topology: Topology, plan: Plan, worlds, slot: ProcessSlot,
+                     coordinators: list[str], hosts: list[str], bridge_port: int,
+                     init_timeout: int, heartbeat_timeout: int, policy: str) -> dict[str, str]:
+    """What hetjax sets for the process of `slot`: its world's coordinator and process id,
+    its world's NCCL environment, and (several worlds) the bridge's addresses."""
+    w = next(w for w in worlds if slot.index in w.processes)
+    spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
+                      init_timeout, heartbeat_timeout)
+    env = {**nic.world_environment(topology, plan, w, slot, policy, len(worlds)),
+           **spec.environ(), ENV_NIC_POLICY: policy}
+    if len(worlds) > 1:
+        env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
+        # a world that never comes up is named by its bridge peers after the init timeout
+        env[bridge.ENV_BRIDGE_TIMEOUT] = str(init_timeout)
+    return env
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """A SLURM node list ('gpu[007-009,012],login1') as host names, in order."""
+    hosts, item, depth = [], "", 0
+    for ch in nodelist + ",":
+        if ch == "," and depth == 0:
+            if item:
+                hosts += _expand_host(item, nodelist)
+            item = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        item += ch
+    return hosts
+
+
+def _expand_host(item: str, nodelist: str) -> list[str]:
+    m = re.fullmatch(r"([^\[\]]*)(?:\[([0-9,\-]+)\]([^\[\]]*))?", item)
+    if not m:
+        raise HetjaxError(f"SLURM node list {nodelist!r}: cannot read {item!r} (one bracketed "
+                          "range per host name is supported)")
+    prefix, ranges, suffix = m.groups()
+    if ranges is None:
+        return [item]
+    out = []
+    for r in ranges.split(","):
+        lo, _, hi = r.partition("-")
+        width = len(lo)
+        out += [f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def slurm_worlds_environ(cfg, topology: Topology, env=None) -> dict[str, str]:
+    """Inside a SLURM task of a multi-world job: the variables `plan_workers` gives the same
+    process of a --hostfile launch on the allocation's hosts (its world's coordinator and
+    process id, its world's NCCL settings, the bridge's addresses), derived from
+    SLURM_PROCID, SLURM_NTASKS and SLURM_STEP_NODELIST -- srun gives every task one
+    environment. Empty for a single-world job (JAX's own SLURM detection serves it)."""
+    env = os.environ if env is None else env
+    if env.get(ENV_CLUSTER) != "slurm":
+        return {}
+    plan = plan_from_config(cfg, topology)
+    if plan.executor != "mpmd" or plan.pp == 1:
+        return {}
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or \
+        env.get("SLURM_NODELIST")
+    try:
+        ntasks, procid = int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"])
+    except (KeyError, ValueError):
+        raise HetjaxError(f"{ENV_CLUSTER}=slurm but SLURM_NTASKS / SLURM_PROCID are missing or "
+                          "not integers: start the workers with 'hetjax launch --slurm'") from None
+    if not nodelist:
+        raise HetjaxError("SLURM_STEP_NODELIST is not set: start the workers with "
+                          "'hetjax launch --slurm' inside an allocation")
+    hosts = expand_nodelist(nodelist)
+    if len(hosts) != ntasks:
+        raise HetjaxError(f"SLURM gives {ntasks} tasks on {len(hosts)} nodes ({nodelist}); a "
+                          "multi-world job runs one task per node (srun --ntasks-per-node=1)")
+    slots = process_slots(topology, ntasks)
+    worlds = plan_worlds(plan, topology, slots)
+    if len(worlds) == 1:
+        return {}
+    port = int(env.get("JAX_COORDINATOR_PORT") or DEFAULT_PORT)
+    return world_worker_env(
+        topology, plan, worlds, slots[procid], world_coordinators(worlds, hosts, port), hosts,
+        port + 100, int(env.get(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)),
+        int(env.get(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)),
+        env.get(ENV_NIC_POLICY, "cluster"))
+
+
+def join_slurm_worlds(cfg, topology: Topology) -> None:
+    """A SLURM task of a multi-world job takes its world's place (`slurm_worlds_environ`):
+    the variables are set here, and JAX's whole-job SLURM detection is turned off."""
+    env = slurm_worlds_environ(cfg, topology)
+    if env:
+        os.environ.update(env)
+        os.environ.pop(ENV_CLUSTER)
 
 
 def free_port_block(n: int) -> int:
@@ -218,7 +310,7 @@ def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict
     cmd = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
            "--kill-on-bad-exit=1", "--label",
            *worker_command(args.python, config_args, getattr(args, "command", "train"),
-                         getattr(args, "worker_options", ()))]
+                             getattr(args, "worker_options", ()))]
     return cmd, env, slots
 
 
@@ -521,6 +613,10 @@ def main(argv: list[str]) -> int:
         cmd, env, slots = slurm_launch(topology, args, config_args)
         print(describe(topology, plan, slots, [f"task {s.index}" for s in slots],
                        args.nic_policy))
+        if plan.executor == "mpmd" and plan.pp > 1:  # each task derives its world itself
+            for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
+                    topology, plan, w, slot, args.nic_policy), slots):
+                print(line, flush=True)
         print(f"srun tasks compute their own environment; hetjax adds for all: "
               f"{_env_prefix(env)}")
         if args.dry_run:
@@ -600,6 +696,7 @@ def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
     return plan_workers(new_cfg, topology, plan, new_args, config_args)
 
 
-__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "run", "run_with_restarts",
+__all__ = ["main", "prepare_worker", "plan_workers", "slurm_launch", "slurm_worlds_environ",
+           "join_slurm_worlds", "expand_nodelist", "run", "run_with_restarts",
            "describe",
            "read_hostfile", "fingerprint", "Worker"]

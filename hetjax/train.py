@@ -197,11 +197,6 @@ def make_worlds_executor(config, plan: Plan, topology: Topology, model_cfg, tx, 
     from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
     from parallel.mpmd_worlds import WorldsExecutor
 
-    for field in ("eval.every", "checkpoint.every"):
-        section, name = field.split(".")
-        if config[section][name]:
-            raise HetjaxError(f"config.{field}={config[section][name]}: a multi-world job does "
-                              f"not evaluate or checkpoint yet; set --config.{field}=0")
     if plan.executor != "mpmd":
         raise HetjaxError(f"{ENV_WORLDS} > 1 needs the MPMD executor; set "
                           "--config.pipeline.executor=mpmd")
@@ -363,8 +358,10 @@ class Trainer:
     def checkpointer(self) -> hckpt.Checkpointer:
         if self._checkpointer is None:
             k = self.config.checkpoint
-            self._checkpointer = hckpt.Checkpointer(self.checkpoint_dir, k.every, k.keep,
-                                                    k.keep_best, k.async_save)
+            # one writer per job (world 0 of a multi-world job; its other worlds read)
+            self._checkpointer = hckpt.Checkpointer(
+                self.checkpoint_dir, k.every, k.keep, k.keep_best, k.async_save,
+                writer=getattr(self.executor, "writes_checkpoints", True))
         return self._checkpointer
 
     def layout(self) -> hckpt.Layout:

@@ -55,6 +55,9 @@ DEFAULT_IN_FLIGHT = 4
 
 # What a message carries, as the low bits of its key.
 KINDS = {"activation": 0, "gradient": 1, "embedding_gradient": 2, "loss": 3, "norm": 4,
+         # evaluation's activations and losses; a stage's train state for a checkpoint; a
+         # control value (the checkpoint step every world restores)
+         "eval": 5, "eval_loss": 6, "state": 7, "control": 8,
          "test": 15}
 KIND_NAMES = {v: k for k, v in KINDS.items()}
 _PART_BITS, _KIND_BITS, _MB_BITS, _STAGE_BITS = 12, 4, 16, 8
@@ -148,6 +151,7 @@ class Bridge:
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight + 1) if transport == "socket" \
             else None
         self._barriers = 0
+        self.peer_names: dict[int, str] = {}  # rank -> what errors call it (e.g. its world)
         self.bytes_sent = 0  # offered; every message is pulled exactly once
         self.bytes_received: dict[int, int] = {}  # peer -> bytes pulled from it
         self.bytes_by_kind: dict[str, int] = {}  # message kind -> bytes pulled
@@ -214,8 +218,10 @@ class Bridge:
                 break
             except (OSError, ConnectionError, struct.error):
                 if time.monotonic() > deadline:
+                    name = f" ({self.peer_names[peer]})" if peer in self.peer_names else ""
                     raise BridgeError(
-                        f"bridge peer {peer} at {self.addresses[peer]} did not come up within "
+                        f"bridge peer {peer}{name} at {self.addresses[peer]} did not come up "
+                        f"within "
                         f"{self.timeout_s:.0f} s (this is bridge process {self.rank}); check "
                         f"that its world started, or raise {ENV_BRIDGE_TIMEOUT}") from None
                 time.sleep(0.2)

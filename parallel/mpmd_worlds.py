@@ -18,29 +18,76 @@ position on the sending side (message part = leaf * positions + position). Recei
 prefetched a few tasks ahead (never blocking on a prefetch: a peer may need this world's next
 send first), up to the bridge's in-flight bound.
 
-Deadlock freedom: each world issues its tasks in one global topological order and sends never
+Stages of one world may sit on different processes (`stage_groups`): a process runs the stages
+of its *group* (the stages held by exactly its set of processes), and what crosses between
+groups -- of another world or the same one -- goes over the bridge like traffic between worlds
+(`jax.device_put` onto another process's devices is not available on this CPU build). When
+every world is one group, groups and worlds coincide.
+
+Evaluation runs the chunks' forwards in model order across the groups; checkpoints are
+written by group 0 in the plan-independent layout one process writes (`WorldsLayout`: the
+other groups send their stages' states over the bridge) and restored by every world from the
+step group 0 chose (docs/worlds.md).
+
+Deadlock freedom: each group issues its tasks in one global topological order and sends never
 block, so the earliest unfinished task of the whole job can always run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.errors import HetjaxError
 from parallel import schedules as sch
 from parallel.bridge import Bridge, message_key
 from parallel.mesh import AXES, mesh_shape
-from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, issue_order, model_chunks,
-                           schedule_for, stage_tree)
+from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, _map_param_trees, issue_order,
+                           merge_trees, model_chunks, schedule_for, stage_tree)
 from parallel.pipeline import check_plan
-from parallel.train_state import Executor
+from parallel.train_state import Executor, TrainState
 
 LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
+
+
+@dataclass(frozen=True)
+class Group:
+    """Stages that run on the same processes: group `index` (numbered by first stage) of
+    world `world`. A world whose stages all sit on its every process is one group; stages of
+    one world on different processes are different groups, and what crosses between them
+    goes over the bridge too (one process cannot `jax.device_put` onto another's devices
+    here)."""
+
+    index: int
+    world: int
+    stages: tuple[int, ...]
+    processes: tuple[int, ...]  # global process indices (bridge ranks)
+
+
+def stage_groups(plan, worlds: Sequence, owner: dict[int, int]) -> list[Group]:
+    """The worlds' stages grouped by the set of processes holding their devices; a stage
+    whose processes overlap another's without being the same is a HetjaxError."""
+    grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
+    found: dict[tuple, list[int]] = {}
+    for w in worlds:
+        for s in w.stages:
+            procs = tuple(sorted({owner[int(r)] for r in grid[s].flat}))
+            found.setdefault((w.index, procs), []).append(s)
+    keys = sorted(found, key=lambda k: found[k][0])
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            if set(a[1]) & set(b[1]):
+                raise HetjaxError(
+                    f"stages {found[a]} run on processes {list(a[1])} and stages {found[b]} on "
+                    f"processes {list(b[1])}: a process holds part of two stage groups; give "
+                    "each process whole stages (change pipeline.stage_layers, parallel.dp/tp, "
+                    "or the process count)")
+    return [Group(i, k[0], tuple(found[k]), k[1]) for i, k in enumerate(keys)]
 
 
 class WorldsExecutor(MpmdExecutor):
@@ -62,7 +109,12 @@ class WorldsExecutor(MpmdExecutor):
         self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
-        self.world_of = {s: w.index for w in self.worlds for s in w.stages}
+        self.groups = stage_groups(plan, self.worlds, owner)
+        self.group = next(g for g in self.groups if bridge.rank in g.processes)
+        self.group_of = {s: g.index for g in self.groups for s in g.stages}
+        for w in self.worlds:  # a peer that never comes up is named with its world
+            for i, p in enumerate(sorted({owner[r] for r in w.ranks})):
+                bridge.peer_names[p] = f"world {w.index}, its process {i}"
         self.grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
         if devices is None:  # this world's jax.distributed job: its devices in rank order
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -75,7 +127,7 @@ class WorldsExecutor(MpmdExecutor):
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.stages: list[Stage | None] = [None] * plan.pp
         self.position: dict[tuple[int, Any], int] = {}  # (stage, device) -> mesh position
-        for s in self.world.stages:
+        for s in self.group.stages:
             grid = np.vectorize(device_of.get, otypes=[object])(self.grid[s])
             mesh = Mesh(grid, AXES[1:], axis_types=(AxisType.Auto,) * (len(AXES) - 1))
             chunks = self.chunks_of(s)
@@ -83,7 +135,7 @@ class WorldsExecutor(MpmdExecutor):
                 lambda b, c=chunks: stage_tree(b, c, self.tied), boxed))
             for p, d in enumerate(grid.flat):
                 self.position[s, d] = p
-        self.local = list(self.world.stages)
+        self.local = list(self.group.stages)
         self.batch_sharding = {}
         if self.chunks[0].stage in self.local:
             self.batch_sharding["inputs"] = self.stages[self.chunks[0].stage].batch
@@ -94,11 +146,16 @@ class WorldsExecutor(MpmdExecutor):
         self.activation = jax.ShapeDtypeStruct(
             (plan.dp, b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
         self._calls = 0  # steps run: the message keys' step field
+        self._evals = (0, 0)  # (step field, eval batches run at it): eval messages' keys
         self._route_cache: dict[tuple, list[list[int]]] = {}
+        self._boxed = boxed
+        # Group 0 (world 0) writes the checkpoints (the others send it their stages' states)
+        # and tells the others which step to restore.
+        self.writes_checkpoints = self.group.index == 0
 
     def describe(self) -> str:
         return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "
-                f"stages {list(self.local)}; the bridge carries the rest")
+                f"stages {list(self.local)} here; the bridge carries the rest")
 
     # --- state ----------------------------------------------------------------------------
     def init_state(self, seed: int) -> MpmdState:
@@ -117,23 +174,117 @@ class WorldsExecutor(MpmdExecutor):
         raise HetjaxError("the natural parameters of a multi-world job are spread over its "
                           "worlds; read each world's stages from MpmdState.stages")
 
-    def checkpoint_layout(self, state):
-        raise HetjaxError("checkpoints of a multi-world job are not written yet; train with "
-                          "checkpoint.every=0, or run the job as one world")
+    def checkpoint_layout(self, state) -> "WorldsLayout":
+        if len(self.groups) != len(self.worlds):
+            raise HetjaxError(
+                "checkpoints of a multi-world job whose world runs stages on different "
+                "processes are not written yet; set --config.checkpoint.every=0, or give each "
+                "world's processes all of its stages")
+        return WorldsLayout(self)
 
-    def eval_loss(self, state, batch):
-        raise HetjaxError("evaluation of a multi-world job is not supported yet; set "
-                          "train.eval_every=0, or evaluate a checkpoint in one world")
+    def eval_loss(self, state: MpmdState, batch: dict[str, np.ndarray]) -> float:
+        """`MpmdExecutor.eval_loss` across the worlds: each world runs its chunks' forwards in
+        model order (the activations cross over the bridge), the head's world sends every
+        micro-batch's mean loss to the others, and every world sums them in the same order,
+        so all return the one-world value."""
+        m_count, stages, chunks = self.plan.microbatches, self.stages, self.chunks
+        dev = self.put_batch(batch)
+        pieces = {s: stages[s].run(stages[s].gather, st.params)
+                  for s, st in zip(self.local, state.stages)}
+        field, n = self._evals
+        if field != self._calls:
+            n = 0
+        self._evals = (self._calls, n + 1)
+        head_s, means = chunks[-1].stage, []
+        for m in range(m_count):
+            x, mb = None, n * m_count + m  # the message keys' micro-batch field
+            for chunk in chunks:
+                s = chunk.stage
+                if s not in self.local:
+                    continue
+                st = stages[s]
+                if not chunk.first:
+                    prev = chunks[chunk.index - 1]
+                    x = (jax.device_put(x, st.activation) if prev.stage in self.local else
+                         self._recv(s, prev.stage, self.activation, st.activation, "eval",
+                                    prev.index, mb))
+                x = st.run(st.eval_forward, chunk.position, pieces[s][chunk.position], x,
+                           dev.get("inputs"), dev.get("targets"), jnp.int32(m))
+                if not chunk.last and chunks[chunk.index + 1].stage not in self.local:
+                    self._send(x, s, chunks[chunk.index + 1].stage, st.activation, "eval",
+                               chunk.index, mb)
+            if head_s in self.local:  # x is the last chunk's: the per-device losses
+                means.append(jnp.mean(x))
+        first = stages[self.local[0]]
+        shape = jax.ShapeDtypeStruct((m_count,), jnp.float32)
+        if head_s in self.local:
+            values = jax.device_put(jnp.stack(means), first.scalar)
+            self._to_other_groups(values, "eval_loss", n)
+        else:
+            values = self._from_group(self.group_of[head_s], "eval_loss", shape, n)
+        total = 0.0
+        for v in np.asarray(values.addressable_shards[0].data):
+            total += float(v)  # as MpmdExecutor.eval_loss adds them
+        return total / m_count
+
+    # --- checkpoints: world 0 writes the natural state of every stage -------------------------
+    def _stage_layout(self, s: int) -> Stage:
+        """Stage s's shardings: this world's own stage, or (for another world's stage) its
+        specs on this world's first stage's devices -- where its state arrives (jit is lazy,
+        so nothing compiles)."""
+        if self.stages[s] is not None:
+            return self.stages[s]
+        home, chunks = self.stages[self.local[0]], self.chunks_of(s)
+        return Stage(self, s, home.mesh, chunks, jax.eval_shape(
+            lambda b: stage_tree(b, chunks, self.tied), self._boxed))
+
+    def _abstract_stage_state(self, st: Stage) -> TrainState:
+        return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=st.abstract,
+                          opt_state=jax.eval_shape(self.tx.init, st.abstract))
+
+    def gather_stage_states(self, state: MpmdState) -> list[TrainState] | None:
+        """World 0: every stage's train state, in stage order (another world's sent over the
+        bridge, one message per leaf, onto world 0's first stage's devices with its own
+        specs). Other worlds: send their stages' states to world 0; None."""
+        writer = self.groups[0]
+        if self.group is not writer:
+            for s, st in zip(self.local, state.stages):
+                shardings = jax.tree.leaves(self.stages[s].state_sharding)
+                for i, (leaf, sh) in enumerate(zip(jax.tree.leaves(st), shardings)):
+                    self._send(leaf, s, writer.stages[0], sh, "state", s, i)
+            return None
+        home, out = self.local[0], dict(zip(self.local, state.stages))
+        for s in range(self.plan.pp):
+            if s in out:
+                continue
+            st = self._stage_layout(s)
+            leaves, treedef = jax.tree.flatten(self._abstract_stage_state(st))
+            shardings = jax.tree.leaves(st.state_sharding)
+            out[s] = jax.tree.unflatten(treedef, [
+                self._recv(home, s, leaf, sh, "state", s, i)
+                for i, (leaf, sh) in enumerate(zip(leaves, shardings))])
+        return [out[s] for s in range(self.plan.pp)]
+
+    def agree_step(self, step: int | None) -> int | None:
+        """World 0 tells every world the checkpoint step it restored (None: none); the
+        others return it."""
+        if self.group is self.groups[0]:
+            self._to_other_groups(np.int32(-1 if step is None else step), "control")
+            return step
+        got = int(np.asarray(self._from_group(0, "control", jax.ShapeDtypeStruct(
+            (), jnp.int32)).addressable_shards[0].data))
+        return None if got < 0 else got
 
     @property
     def data_rows(self) -> np.ndarray:
         """The global batch rows this process's devices hold: of the inputs (first stage's
-        world), or of the targets (last stage's world), or none."""
+        group), or of the targets (last stage's group); a process holding neither reads row 0
+        and does not use it (its loader's position keeps pace with the others')."""
         from parallel.train_state import batch_rows
 
         if self._rows is None:
             shardings = list(self.batch_sharding.values())
-            self._rows = batch_rows(self.plan, shardings[0]) if shardings else np.zeros(0, int)
+            self._rows = batch_rows(self.plan, shardings[0]) if shardings else np.arange(1)
         return self._rows
 
     def put_batch(self, batch, rows=None):
@@ -245,13 +396,13 @@ class WorldsExecutor(MpmdExecutor):
         first = stages[local[0]]
         sq = sum(jax.device_put(stages[s].run(stages[s].squared_norm, grads[s]), first.scalar)
                  for s in local)
-        parts = self._all_worlds(sq, "norm")
+        parts = self._all_groups(sq, "norm")
         g_norm = jnp.sqrt(sum(parts))
         if head_s in mine:
             loss = jax.device_put(finished[head_s][1], first.scalar)
-            self._to_other_worlds(loss, "loss")
+            self._to_other_groups(loss, "loss")
         else:
-            loss = self._from_world(self.world_of[head_s], "loss")
+            loss = self._from_group(self.group_of[head_s], "loss")
         self._calls += 1
         return loss, [grads[s] for s in local], g_norm
 
@@ -304,30 +455,87 @@ class WorldsExecutor(MpmdExecutor):
         out[s] = {**grads[s], "embedder": st.run(st.add, a, b)}
         return out
 
-    # --- scalars between worlds ---------------------------------------------------------------
-    def _to_other_worlds(self, x, kind: str) -> None:
-        st = self.stages[self.local[0]]
-        for w in self.worlds:
-            if w is not self.world:
-                self._send(x, st.index, w.stages[0], st.scalar, kind, self.world.index, w.index)
+    # --- scalars between stage groups -------------------------------------------------------
+    def _to_other_groups(self, x, kind: str, n: int = 0) -> None:
+        """Send the replicated array `x` to every other stage group (message `n` of this kind
+        at this step)."""
+        st, k = self.stages[self.local[0]], len(self.groups)
+        for g in self.groups:
+            if g is not self.group:
+                self._send(x, st.index, g.stages[0], st.scalar, kind, self.group.index,
+                           n * k + g.index)
 
-    def _from_world(self, w: int, kind: str):
+    def _from_group(self, g: int, kind: str, abstract=None, n: int = 0):
         st = self.stages[self.local[0]]
-        return self._recv(st.index, self.worlds[w].stages[0],
-                          jax.ShapeDtypeStruct((), jnp.float32), st.scalar, kind, w,
-                          self.world.index)
+        abstract = jax.ShapeDtypeStruct((), jnp.float32) if abstract is None else abstract
+        return self._recv(st.index, self.groups[g].stages[0], abstract, st.scalar, kind, g,
+                          n * len(self.groups) + self.group.index)
 
-    def _all_worlds(self, x, kind: str) -> list:
-        """Every world's value of the scalar `x`, in world order, on this world's first
-        stage."""
-        self._to_other_worlds(x, kind)
-        return [x if w is self.world else self._from_world(w.index, kind) for w in self.worlds]
+    def _all_groups(self, x, kind: str) -> list:
+        """Every group's value of the scalar `x`, in group (= stage) order, on this group's
+        first stage."""
+        self._to_other_groups(x, kind)
+        return [x if g is self.group else self._from_group(g.index, kind) for g in self.groups]
 
     def finish(self) -> None:
         """Wait until every peer process has pulled this process's last messages."""
-        peers = sorted({self.owner[r] for w in self.worlds if w is not self.world
-                        for r in w.ranks})
+        peers = sorted({p for g in self.groups if g is not self.group for p in g.processes})
         self.bridge.barrier(peers)
 
 
-__all__ = ["WorldsExecutor"]
+class WorldsLayout:
+    """`hetjax.checkpoint.Layout` of a multi-world job: the natural TrainState one process
+    would write (`parallel.mpmd.MpmdLayout`), assembled in world 0, which writes it; the
+    other worlds only send their stages' states (`writes` False). Every world restores the
+    step world 0 chose (`agree_step`) from the directory itself, replicated on its first
+    stage's devices, and keeps its own stages."""
+
+    def __init__(self, ex: WorldsExecutor):
+        self.ex = ex
+        self.writes = ex.writes_checkpoints
+        home = ex.stages[ex.local[0]]
+        self.sharding = NamedSharding(home.mesh, P())
+        chunks_of = [ex.chunks_of(s) for s in range(ex.plan.pp)]
+        sharding = self.sharding
+
+        def merge(states: list[TrainState]) -> TrainState:
+            opt = _map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of),
+                                   lambda *xs: xs[0], *[t.opt_state for t in states])
+            return TrainState(step=states[0].step,
+                              params=merge_trees([t.params for t in states], chunks_of),
+                              opt_state=opt)
+
+        self._merge = jax.jit(merge, out_shardings=sharding)
+        abstract = [ex._abstract_stage_state(ex._stage_layout(s)) for s in range(ex.plan.pp)]
+        self.target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(merge, abstract))
+
+    def to_natural(self, state: MpmdState) -> TrainState | None:
+        states = self.ex.gather_stage_states(state)
+        if states is None:
+            return None
+        return self._merge([jax.device_put(t, self.sharding) for t in states])
+
+    def natural_target(self):
+        return self.target
+
+    def from_natural(self, natural: TrainState) -> MpmdState:
+        ex, stages = self.ex, []
+        for s in ex.local:
+            st = ex.stages[s]
+
+            def cut(tree, chunks=st.chunks):
+                return stage_tree(tree, chunks, ex.tied)
+
+            stages.append(jax.device_put(TrainState(
+                step=natural.step, params=cut(natural.params),
+                opt_state=_map_param_trees(cut, lambda x: x, natural.opt_state)),
+                st.state_sharding))
+        return MpmdState(stages=tuple(stages))
+
+    def agree_step(self, step: int | None) -> int | None:
+        return self.ex.agree_step(step)
+
+
+__all__ = ["WorldsExecutor", "WorldsLayout"]

@@ -412,3 +412,59 @@ def test_an_mpmd_plan_on_two_fabrics_launches_one_world_per_cluster(tmp_path, ca
         assert "HETJAX_BRIDGE_HOSTS=ib-node-0,ib-node-1,roce-node-0,roce-node-1 " in cmd
         assert "NCCL_NET=IB " in cmd  # no socket fallback: only the bridge leaves a cluster
     assert "NCCL_IB_GID_INDEX=3" in commands[2] and "NCCL_IB_GID_INDEX" not in commands[0]
+
+
+def test_slurm_tasks_of_a_two_world_job_derive_what_a_hostfile_launch_gives(tmp_path,
+                                                                              monkeypatch):
+    """srun gives every task the same environment: each task derives its world, coordinator,
+    process id, NCCL settings and bridge addresses from SLURM_PROCID and SLURM_STEP_NODELIST,
+    equal to what --hostfile gives the same process on the same hosts."""
+    from types import SimpleNamespace
+
+    from hetjax import config as hconfig
+    from hetjax.distributed import ENV_CLUSTER
+    from hetjax.planner import plan_from_config
+
+    args = ["--config.topology.preset=holmes_hybrid", "--config.parallel.pp=2",
+            "--config.parallel.tp=2", "--config.train.batch_size=32",
+            "--config.pipeline.executor=mpmd"]
+    cfg = hconfig.load_config(None, args)
+    topology = hconfig.build_topology(cfg)
+    plan = plan_from_config(cfg, topology)
+    hosts = ["ib-node-0", "ib-node-1", "roce-node-0", "roce-node-1"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("\n".join(hosts) + "\n")
+    launch_args = SimpleNamespace(local=None, hostfile=str(hostfile), port=9000,
+                                  coordinator=None, init_timeout=120, heartbeat_timeout=60,
+                                  nic_policy="cluster", python="python", chdir="/srv",
+                                  rsh=launch.DEFAULT_RSH, command="train")
+    want = [w.env for w in launch.plan_workers(cfg, topology, plan, launch_args, args)]
+    # what `hetjax launch --slurm --port 9000` sets for all tasks, and what SLURM sets
+    common = {ENV_CLUSTER: "slurm", "HETJAX_INIT_TIMEOUT": "120",
+              "HETJAX_HEARTBEAT_TIMEOUT": "60", "HETJAX_NIC_POLICY": "cluster",
+              "JAX_COORDINATOR_PORT": "9000", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4",
+              "SLURM_STEP_NODELIST": "ib-node-[0-1],roce-node-[0-1]", "SLURM_LOCALID": "0"}
+    for task in range(4):
+        env = {**common, "SLURM_PROCID": str(task)}
+        got = launch.slurm_worlds_environ(cfg, topology, env)
+        assert got == want[task], task
+        assert got["HETJAX_COORDINATOR"] == ["ib-node-0:9000", "roce-node-0:9001"][task // 2]
+        assert got["HETJAX_PROCESS_ID"] == str(task % 2) and got["HETJAX_WORLD"] == str(task // 2)
+        assert got["HETJAX_BRIDGE_HOSTS"] == ",".join(hosts) and got["HETJAX_BRIDGE_PORT"] == "9100"
+    # inside the task: the derived variables replace JAX's whole-job SLURM detection
+    for k, v in {**common, "SLURM_PROCID": "3"}.items():
+        monkeypatch.setenv(k, v)
+    for k in set(want[3]) - set(common):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(ENV_CLUSTER, "slurm")
+    launch.join_slurm_worlds(cfg, topology)
+    assert ENV_CLUSTER not in os.environ
+    assert WorkerSpec.from_environ() == WorkerSpec("roce-node-0:9001", 2, 1, 120, 60)
+    # a single-world job keeps JAX's detection; a list with more nodes than tasks is refused
+    one = hconfig.load_config(None, args[:-1])
+    assert launch.slurm_worlds_environ(one, topology, {**common, "SLURM_PROCID": "0"}) == {}
+    with pytest.raises(HetjaxError, match="one task per node"):
+        launch.slurm_worlds_environ(cfg, topology, {**common, "SLURM_PROCID": "0",
+                                                    "SLURM_STEP_NODELIST": "n[1-8]"})
+    assert launch.expand_nodelist("gpu[007-008,012],login1") == [
+        "gpu007", "gpu008", "gpu012", "login1"]
