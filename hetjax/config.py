@@ -236,8 +236,14 @@ def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigD
 
     cfg = base_config() if path is None else _load_file(path)
     check_fields(cfg)  # before the overrides, so a partial file is named as the culprit
+    latest = {}
     for o in overrides:
-        _known_field(cfg, o[len("--config."):].split("=", 1)[0])
+        field = o[len("--config."):].split("=", 1)[0]
+        _known_field(cfg, field)
+        latest.pop(field, None)
+        latest[field] = o
+    # The last value given for a field wins (absl appends repeated tuple flags instead).
+    overrides = list(latest.values())
     fv = flags.FlagValues()
     # config_flags finds the --config.* override flags by scanning the argv it is given
     # (sys.argv by default), so hand it ours.

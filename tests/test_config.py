@@ -24,6 +24,14 @@ def test_default_config_file_loads_with_overrides():
     validate(c)
 
 
+def test_the_last_override_of_a_field_wins():
+    """absl appends a repeated tuple flag; a later --config flag must replace the earlier."""
+    c = load_config(DEFAULT, ["--config.pipeline.stage_layers=(1,3)",
+                              "--config.train.steps=3", "--config.train.steps=5",
+                              "--config.pipeline.stage_layers=(1,1,1,1)"])
+    assert tuple(c.pipeline.stage_layers) == (1, 1, 1, 1) and c.train.steps == 5
+
+
 def test_unknown_override_field_is_reported():
     with pytest.raises(HetjaxError) as e:
         load_config(DEFAULT, ["--config.train.stepz=7"])
