@@ -46,7 +46,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from hetjax.errors import HetjaxError
 from parallel import schedules as sch
 from parallel.bridge import Bridge, message_key
-from parallel.mesh import AXES, mesh_shape
+from parallel.mesh import AXES, DP_AXES, mesh_shape
 from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, _map_param_trees, issue_order,
                            merge_trees, model_chunks, schedule_for, stage_tree)
 from parallel.pipeline import check_plan
@@ -391,17 +391,29 @@ class WorldsExecutor(MpmdExecutor):
         head_s, embed_s = chunks[-1].stage, chunks[0].stage
         finished = self.run_tasks(mine, batch, task_times)
         grads = {s: finished[s][0] for s in local}
-        if self.tied and head_s != embed_s:
-            grads = self._sum_embedding(grads, head_s, embed_s)
         first = stages[local[0]]
+        # What other groups wait for leaves first, so that no group waits for the end of a
+        # later one's step: the loss, the head's half of the tied embedding's gradient and
+        # the head's norm part (which leaves the embedding out: the embedding's stage counts
+        # the sum). The head's stage then waits for the embedding's half while the first
+        # stage already starts the next step (the head idles then anyway, waiting for its
+        # first activation).
+        if head_s in mine:
+            loss = jax.device_put(finished[head_s][1], first.scalar)
+            self._to_other_groups(loss, "loss")
+        # this group holds one of the tied embedding's two stages, the other group the other
+        remote_tie = self.tied and (head_s in mine) != (embed_s in mine)
+        if remote_tie:
+            self._offer_embedding(grads, head_s, embed_s)
+        if self.tied and head_s != embed_s and embed_s in mine:
+            grads = self._sum_embedding(grads, head_s, embed_s)
         sq = sum(jax.device_put(stages[s].run(stages[s].squared_norm, grads[s]), first.scalar)
                  for s in local)
         parts = self._all_groups(sq, "norm")
         g_norm = jnp.sqrt(sum(parts))
-        if head_s in mine:
-            loss = jax.device_put(finished[head_s][1], first.scalar)
-            self._to_other_groups(loss, "loss")
-        else:
+        if remote_tie and head_s in mine:
+            grads = self._sum_embedding(grads, head_s, embed_s)
+        if head_s not in mine:
             loss = self._from_group(self.group_of[head_s], "loss")
         self._calls += 1
         return loss, [grads[s] for s in local], g_norm
@@ -428,9 +440,28 @@ class WorldsExecutor(MpmdExecutor):
         return self._recv(s, self.chunks[source].stage, self.activation,
                           self.stages[s].activation, kind, source, m)
 
+    def _embedding_transfer(self, s: int, like):
+        """How a tied embedding's gradient crosses between stage groups: each leaf split over
+        the stage's data-parallel devices where its rows divide (every replica pulls 1 / dp of
+        it; the receiving world gathers the rest on its own link), else as the optimizer
+        state holds it."""
+        st = self.stages[s]
+        dp = self.plan.dp
+        rows = NamedSharding(st.mesh, P(DP_AXES))
+        return jax.tree.map(lambda sh, leaf: rows if leaf.ndim and leaf.shape[0] % dp == 0
+                            else sh, st.os_sharding["embedder"], like)
+
+    def _offer_embedding(self, grads, head_s: int, embed_s: int) -> None:
+        """Send this group's half of the tied embedding's gradient to the other's stage."""
+        s = embed_s if embed_s in grads else head_s
+        other = head_s if s == embed_s else embed_s
+        g = grads[s]["embedder"]
+        self._send(g, s, other, self._embedding_transfer(s, g), "embedding_gradient", s, 0)
+
     def _sum_embedding(self, grads, head_s: int, embed_s: int):
-        """The tied embedding's two gradients summed, a + b (embed's + head's) on both stages,
-        as `MpmdExecutor` does, whichever worlds the two stages live in."""
+        """The tied embedding's two gradients summed, a + b (embed's + head's) on this
+        group's stages, as `MpmdExecutor` does, whichever worlds the two stages live in (the
+        other's half pulled over the bridge; `_offer_embedding` sent ours)."""
         stages, out = self.stages, dict(grads)
         here = [s for s in (embed_s, head_s) if s in grads]
         if len(here) == 2:  # one world: as in MpmdExecutor
@@ -447,10 +478,10 @@ class WorldsExecutor(MpmdExecutor):
         other = head_s if s == embed_s else embed_s
         st = stages[s]
         mine_g = grads[s]["embedder"]
-        self._send(mine_g, s, other, st.os_sharding["embedder"], "embedding_gradient", s, 0)
         theirs = self._recv(s, other, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mine_g),
-            st.os_sharding["embedder"], "embedding_gradient", other, 0)
+            self._embedding_transfer(s, mine_g), "embedding_gradient", other, 0)
+        theirs = jax.device_put(theirs, st.os_sharding["embedder"])  # gathered in this world
         a, b = (mine_g, theirs) if s == embed_s else (theirs, mine_g)
         out[s] = {**grads[s], "embedder": st.run(st.add, a, b)}
         return out
