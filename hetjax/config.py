@@ -22,6 +22,7 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
+from parallel.bridge import CODECS as BOUNDARY_CODECS
 from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -67,6 +68,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.schedule = "1f1b"
     c.pipeline.executor = "spmd"
     c.pipeline.microbatches = 0
+    # activations / their gradients between worlds (MPMD across clusters), parallel/bridge.py
+    c.pipeline.boundary_codec = "none"
 
     c.zero = ml_collections.ConfigDict()
     c.zero.preset = "ddp"
@@ -166,6 +169,9 @@ DESCRIPTIONS: dict[str, str] = {
     "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
                          "program per stage, stages run asynchronously; auto: the one the "
                          "planner predicts faster",
+    "pipeline.boundary_codec": "none | int8: activations and their gradients crossing worlds "
+                               "(MPMD stages on different clusters) as int8 with per-row "
+                               "scales, gradients with error feedback",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
                    "zero2 | zero3 | mics | auto | custom",
@@ -497,6 +503,9 @@ def validate(c) -> None:
     _require(c.pipeline.executor in PIPELINE_EXECUTORS, "pipeline.executor",
              f"unknown executor {c.pipeline.executor!r}",
              f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
+    _require(c.pipeline.boundary_codec in BOUNDARY_CODECS, "pipeline.boundary_codec",
+             f"unknown codec {c.pipeline.boundary_codec!r}",
+             f"choose one of {', '.join(BOUNDARY_CODECS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
     _require(c.pipeline.executor != "spmd" or c.pipeline.schedule in spmd_schedules(),

@@ -38,45 +38,13 @@ from hetjax.planner.config_plan import plan_from_config
 from hetjax.planner.diloco import (BITS, site_clusters, site_config, site_first_ranks,
                                    site_topology)
 from parallel import sharding as shd
+from parallel.codec import dequantize, pack4, quantize, quantize_rows, unpack4
+from parallel.codec import rows as _rows
 from parallel.executor import SingleProgramExecutor
 from parallel.train_state import Executor, TrainState, opt_state_specs
 
 
-# --- the codec: per-row symmetric quantization ----------------------------------------------
-def _rows(x):
-    return x.reshape(1, 1) if x.ndim == 0 else x.reshape(-1, x.shape[-1])
-
-
-def quantize_rows(r: jax.Array, bits: int):
-    """Rows [R, c] (float32) -> (int8 codes [R, c], float32 scales [R, 1]), unpacked."""
-    qmax = 2 ** (bits - 1) - 1
-    peak = jnp.max(jnp.abs(r), axis=1, keepdims=True)
-    scale = jnp.where(peak > 0, peak / qmax, 1.0)
-    return jnp.clip(jnp.round(r / scale), -qmax, qmax).astype(jnp.int8), scale
-
-
-def quantize(x: jax.Array, bits: int):
-    """`x` -> (codes, scales): each row (last axis) scaled by max|row| / (2^(bits-1) - 1) and
-    rounded; int4 codes are packed two to a byte. Error bound: |x - dequantize| <= scale / 2 =
-    max|row| / (2 (2^(bits-1) - 1)) per element."""
-    q, scale = quantize_rows(_rows(x.astype(jnp.float32)), bits)
-    if bits == 4:
-        flat = (q.reshape(-1) + 8).astype(jnp.uint8)  # 1..15
-        flat = jnp.pad(flat, (0, flat.size % 2))
-        q = flat[0::2] | (flat[1::2] << 4)
-    return q, scale
-
-
-def dequantize(codes, scale, shape, bits: int) -> jax.Array:
-    n = int(np.prod(shape)) if shape else 1
-    if bits == 4:
-        lo = (codes & 0xF).astype(jnp.int8) - 8
-        hi = (codes >> 4).astype(jnp.int8) - 8
-        codes = jnp.stack([lo, hi], axis=1).reshape(-1)[:n]
-    rows = scale.shape[0]
-    return (codes.reshape(rows, -1).astype(jnp.float32) * scale).reshape(shape)
-
-
+# --- the codec on pytrees (per-row quantization: parallel/codec.py) --------------------------
 def encode(tree, codec: str):
     """A pytree of float arrays -> its wire form under `codec` (fp32 arrays for 'none')."""
     if codec == "none":
@@ -152,19 +120,6 @@ def _local_site(sites, site_ranks, devices, config) -> int | None:
     return mine[0]
 
 
-def _pack4(q):
-    """int4 codes (int8 in -7..7) [..., c] -> two per byte along the last axis."""
-    u = (q + 8).astype(jnp.uint8)
-    u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, u.shape[-1] % 2)])
-    return u[..., 0::2] | (u[..., 1::2] << 4)
-
-
-def _unpack4(p, c: int):
-    lo = (p & 0xF).astype(jnp.int8) - 8
-    hi = (p >> 4).astype(jnp.int8) - 8
-    return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)[..., :c]
-
-
 class CrossSiteExchange:
     """The sites' collective when each site is its own process of one `jax.distributed` job:
     a mesh of one device per site (its process's first) and shard_map collectives over it.
@@ -229,17 +184,17 @@ class CrossSiteExchange:
             k = -(-R // n)
             r = jnp.pad(r, ((0, k * n - R), (0, 0)))
             q, scale = quantize_rows(r, bits)
-            q = _pack4(q) if bits == 4 else q
+            q = pack4(q) if bits == 4 else q
             # reduce-scatter: shard j of every site goes to site j
             qs = jax.lax.all_to_all(q.reshape(n, k, -1), "site", 0, 0)
             ss = jax.lax.all_to_all(scale.reshape(n, k, 1), "site", 0, 0)
-            codes = [_unpack4(qs[j], c) if bits == 4 else qs[j] for j in range(n)]
+            codes = [unpack4(qs[j], c) if bits == 4 else qs[j] for j in range(n)]
             mean = sum(codes[j].astype(jnp.float32) * ss[j] for j in range(n)) / n
             q2, s2 = quantize_rows(mean, bits)
-            q2 = _pack4(q2) if bits == 4 else q2
+            q2 = pack4(q2) if bits == 4 else q2
             q2 = jax.lax.all_gather(q2, "site").reshape(n * k, -1)
             s2 = jax.lax.all_gather(s2, "site").reshape(n * k, 1)
-            q2 = _unpack4(q2, c) if bits == 4 else q2
+            q2 = unpack4(q2, c) if bits == 4 else q2
             out = (q2.astype(jnp.float32) * s2)[:R]
             return out.reshape(x.shape)[None]
 
