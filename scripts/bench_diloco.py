@@ -120,7 +120,9 @@ def testbed(args):
                    f"--config.train.batch_size={args.batch}",
                    f"--config.train.seq_len={args.seq_len}", "--config.parallel.pp=1",
                    "--config.parallel.dp=0", "--config.parallel.tp=1",
-                   "--config.train.microbatches=1", f"--config.train.log_every={args.log_every}",
+                   "--config.train.microbatches=1",
+                   # at least 4 logged intervals, the first two dropped as warm-up
+                   f"--config.train.log_every={min(args.log_every, max(1, steps // 5))}",
                    f"--config.eval.every={steps}", "--config.eval.batches=8",
                    "--config.checkpoint.every=0", "--config.train.progress=False",
                    "--config.tensorboard=False", *(f"--config.{k}={v}" for k, v in over.items())]
