@@ -4,17 +4,20 @@ a slow link: loss after the same tokens, tokens/s, bytes per step crossing the s
     python scripts/bench_diloco.py                       # 300 steps, H = 50, 5 Mbit/s, 20 ms
     python scripts/bench_diloco.py --steps 600 --mbps 5 --codec int8 --codec none
 
-What is measured and what is modelled (one process, 3 sites of 2 simulated CPU devices):
-- loss: measured. Both runs train the same model on the same token stream of the default
-  corpus (data.source=stdlib) for the same number of steps (so the same tokens); "eval" is the
-  held-out loss of the final parameters (DiLoCo: the outer parameters after the last round).
-- compute: measured, the steady wall time per step of each run in this process (DiLoCo's three
-  sites run one after another here, so its compute is over-counted against three machines).
-- communication: modelled, not measured. The inter-site time per step comes from
-  hetjax/planner/diloco.py (ring all-reduce over the slowest inter-site link, alpha-beta) for
-  the bytes each run really produces (sync: the fp32 gradient every step; DiLoCo: the encoded
-  pseudo-gradients the executor exchanged, counted as they were sent). The emulated testbed
-  (hetjax/testbed.py) is not used: the DiLoCo executor runs in one process for now.
+--testbed (root): the emulated testbed, 3 hosts (one per site) joined at --mbps; `hetjax
+launch` runs the real trainer there, one `hetjax train` process a host: synchronous DP (the
+plan's dp=3 gradient all-reduce every step) and DiLoCo (hetjax/diloco.py's exchange across
+processes). Measured: step time (the trainer's metrics), the bytes each host sent to the other
+sites (htb counters) beside the planner's prediction, the held-out loss, the CPUs other
+processes used during each run (timings are only clean when that is near 0).
+
+    python scripts/bench_diloco.py --testbed --steps 300 --sync-steps 8 --H 50 --mbps 3 \
+        --codec int8 --outer-lr 1 --outer-momentum 0 --json out.json
+
+Without --testbed (one process, 3 sites of 2 simulated CPU devices): loss measured, compute
+measured (the sites run one after another here, so DiLoCo's compute is over-counted against
+three machines), communication modelled with hetjax/planner/diloco.py's alpha-beta ring for
+the bytes each run really produces.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def three_sites(mbps: float, ms: float):
+def three_sites(mbps: float, ms: float, devices: int = 2):
     from hetjax.topology import Link, Topology, make_cluster
 
     wan = Link("ethernet", mbps / 1000, ms * 1e3)
     return Topology(name=f"three_sites_{mbps:g}mbps",
-                    clusters=tuple(make_cluster(s, 1, 2, "cpu", "infiniband")
+                    clusters=tuple(make_cluster(s, 1, devices, "cpu", "infiniband")
                                    for s in ("ohio", "tokyo", "london")),
                     inter_cluster=wan)
 
@@ -209,6 +212,8 @@ def main():
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain outer SGD")
     ap.add_argument("--baseline", default="",
                     help="--testbed: reuse the synchronous row of this earlier --json output")
+    ap.add_argument("--devices-per-site", type=int, default=2,
+                    help="without --testbed: simulated CPU devices a site (at most 2)")
     ap.add_argument("--testbed", action="store_true",
                     help="run on the emulated testbed (root): one process per site")
     ap.add_argument("--sync-steps", type=int, default=0,
@@ -227,13 +232,16 @@ def main():
     from hetjax.planner.cost import ring_time
     from hetjax.planner.diloco import site_clusters, slowest_site_link
 
-    topology = three_sites(args.mbps, args.ms)
+    topology = three_sites(args.mbps, args.ms, args.devices_per_site)
     sites = site_clusters(topology)
     n, link = len(sites), slowest_site_link(topology, sites)
     results = [run("synchronous DP", {}, args, topology)]
     for codec in codecs:
         results.append(run(f"DiLoCo H={args.H} {codec}",
-                           {"diloco.inner_steps": args.H, "diloco.codec": codec}, args, topology))
+                           {"diloco.inner_steps": args.H, "diloco.codec": codec,
+                            "diloco.outer_optimizer": "sgd" if args.outer_momentum == 0
+                            else "nesterov", "diloco.outer_lr": args.outer_lr,
+                            "diloco.outer_momentum": args.outer_momentum}, args, topology))
     ring = 2 * (n - 1) / n  # what a ring all-reduce sends from each site, per byte reduced
     rows = []
     for r in results:
