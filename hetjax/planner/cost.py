@@ -715,7 +715,7 @@ class CostModel:
         boundary, and the link it crosses."""
         mesh = layout.mesh()
         row = self.model.d_model / layout.tp
-        nbytes = layout.tokens_per_device() * row * self.act_bytes
+        nbytes = layout.tokens_per_device() * self.model.d_model * self.act_bytes / layout.tp
         packed = layout.tokens_per_device() * (row + 4)  # int8 codes + one fp32 scale a row
         times, kinds = [], []
         for s in range(layout.pp - 1):
