@@ -13,7 +13,8 @@ each pseudo-gradient is quantized once, the mean of the dequantized ones is quan
 more (hetjax/planner/diloco.py prices exactly that).
 
 In one process the sites are groups of devices; the exchange is a device-to-device copy of
-the payloads. `DilocoState` holds every site's train state, its copy of theta and of the outer
+the payloads. Under `hetjax launch` each process runs one site (`CrossSiteExchange`: compiled
+collectives over a mesh of one device per site, the same arithmetic, so the same losses). `DilocoState` holds every site's train state, its copy of theta and of the outer
 optimizer state, so a checkpoint resumes mid-round exactly. With inner_steps = 1, no codec, an
 SGD inner optimizer and outer SGD at learning rate 1 a step is synchronous data parallelism
 (theta - mean_s(theta - theta_s) = mean_s theta_s); tests/test_diloco.py checks it against a
