@@ -29,6 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
+BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -69,6 +70,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.executor = "spmd"
     c.pipeline.placement = "looped"
     c.pipeline.microbatches = 0
+    # activations / their gradients between worlds (MPMD across clusters), parallel/bridge.py
+    c.pipeline.boundary_codec = "none"
 
     c.zero = ml_collections.ConfigDict()
     c.zero.preset = "ddp"
@@ -173,6 +176,9 @@ DESCRIPTIONS: dict[str, str] = {
                           "device in a V (down, then back up; device 0 holds embedding and "
                           "head), each device's stage_layers split ceil/floor down/up | auto: "
                           "the planner prices both",
+    "pipeline.boundary_codec": "none | int8: activations and their gradients crossing worlds "
+                               "(MPMD stages on different clusters) as int8 with per-row "
+                               "scales, gradients with error feedback",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
                    "zero2 | zero3 | mics | auto | custom",
@@ -510,6 +516,9 @@ def validate(c) -> None:
     _require(c.pipeline.executor in PIPELINE_EXECUTORS, "pipeline.executor",
              f"unknown executor {c.pipeline.executor!r}",
              f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
+    _require(c.pipeline.boundary_codec in BOUNDARY_CODECS, "pipeline.boundary_codec",
+             f"unknown codec {c.pipeline.boundary_codec!r}",
+             f"choose one of {', '.join(BOUNDARY_CODECS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
     _require(c.pipeline.executor != "spmd" or c.pipeline.schedule in spmd_schedules(),

@@ -13,7 +13,8 @@ each pseudo-gradient is quantized once, the mean of the dequantized ones is quan
 more (hetjax/planner/diloco.py prices exactly that).
 
 In one process the sites are groups of devices; the exchange is a device-to-device copy of
-the payloads. `DilocoState` holds every site's train state, its copy of theta and of the outer
+the payloads. Under `hetjax launch` each process runs one site (`CrossSiteExchange`: compiled
+collectives over a mesh of one device per site, the same arithmetic, so the same losses). `DilocoState` holds every site's train state, its copy of theta and of the outer
 optimizer state, so a checkpoint resumes mid-round exactly. With inner_steps = 1, no codec, an
 SGD inner optimizer and outer SGD at learning rate 1 a step is synchronous data parallelism
 (theta - mean_s(theta - theta_s) = mean_s theta_s); tests/test_diloco.py checks it against a
@@ -38,41 +39,13 @@ from hetjax.planner.config_plan import plan_from_config
 from hetjax.planner.diloco import (BITS, site_clusters, site_config, site_first_ranks,
                                    site_topology)
 from parallel import sharding as shd
+from parallel.codec import dequantize, pack4, quantize, quantize_rows, unpack4
+from parallel.codec import rows as _rows
 from parallel.executor import SingleProgramExecutor
 from parallel.train_state import Executor, TrainState, opt_state_specs
 
 
-# --- the codec: per-row symmetric quantization ----------------------------------------------
-def _rows(x):
-    return x.reshape(1, 1) if x.ndim == 0 else x.reshape(-1, x.shape[-1])
-
-
-def quantize(x: jax.Array, bits: int):
-    """`x` -> (codes, scales): each row (last axis) scaled by max|row| / (2^(bits-1) - 1) and
-    rounded; int4 codes are packed two to a byte. Error bound: |x - dequantize| <= scale / 2 =
-    max|row| / (2 (2^(bits-1) - 1)) per element."""
-    r = _rows(x.astype(jnp.float32))
-    qmax = 2 ** (bits - 1) - 1
-    peak = jnp.max(jnp.abs(r), axis=1, keepdims=True)
-    scale = jnp.where(peak > 0, peak / qmax, 1.0)
-    q = jnp.clip(jnp.round(r / scale), -qmax, qmax).astype(jnp.int8)
-    if bits == 4:
-        flat = (q.reshape(-1) + 8).astype(jnp.uint8)  # 1..15
-        flat = jnp.pad(flat, (0, flat.size % 2))
-        q = flat[0::2] | (flat[1::2] << 4)
-    return q, scale
-
-
-def dequantize(codes, scale, shape, bits: int) -> jax.Array:
-    n = int(np.prod(shape)) if shape else 1
-    if bits == 4:
-        lo = (codes & 0xF).astype(jnp.int8) - 8
-        hi = (codes >> 4).astype(jnp.int8) - 8
-        codes = jnp.stack([lo, hi], axis=1).reshape(-1)[:n]
-    rows = scale.shape[0]
-    return (codes.reshape(rows, -1).astype(jnp.float32) * scale).reshape(shape)
-
-
+# --- the codec on pytrees (per-row quantization: parallel/codec.py) --------------------------
 def encode(tree, codec: str):
     """A pytree of float arrays -> its wire form under `codec` (fp32 arrays for 'none')."""
     if codec == "none":
@@ -124,15 +97,116 @@ class _PlacedTopology(Topology):
         return list(self.placed)
 
 
+def _local_site(sites, site_ranks, devices, config) -> int | None:
+    """None in one process; under `hetjax launch`, the site this process runs (each site must
+    be exactly one process's devices: one world per site, the exchange between them)."""
+    if jax.process_count() == 1:
+        return None
+    me = jax.process_index()
+    owners = [{devices[r].process_index for r in ranks} for ranks in site_ranks]
+    for (name, _), procs in zip(sites, owners):
+        if len(procs) > 1:
+            raise ConfigError("diloco.sites", f"site {name!r} spans processes {sorted(procs)};"
+                              " a multi-process DiLoCo job runs one process per site",
+                              f"launch with --local {len(sites)} (or one host per site)")
+    mine = [s for s, procs in enumerate(owners) if me in procs]
+    if len(mine) != 1:
+        raise ConfigError("diloco.sites", f"process {me} runs devices of {len(mine)} sites; "
+                          "a multi-process DiLoCo job runs one process per site",
+                          f"launch with --local {len(sites)} (or one host per site)")
+    if config.checkpoint.every:
+        raise ConfigError("checkpoint.every", "a multi-process DiLoCo job does not checkpoint "
+                          "yet (each process holds only its site's state)",
+                          "set --config.checkpoint.every=0, or train in one process")
+    return mine[0]
+
+
+class CrossSiteExchange:
+    """The sites' collective when each site is its own process of one `jax.distributed` job:
+    a mesh of one device per site (its process's first) and shard_map collectives over it.
+
+    codec none: the fp32 pseudo-gradients are all-reduced (psum; a ring sends 2 (n-1)/n of
+    them a site). int8 / int4: per tensor, the rows are quantized (per-row scales), split into
+    n shards and sent with an all-to-all (the reduce-scatter: site j receives every site's
+    shard j), site j averages the dequantized shards in site order and quantizes the mean once
+    more, and an all-gather returns every shard to every site: the same two rounding steps and
+    the same arithmetic as the one-process exchange, 2 (n-1)/n of the payload a site, which is
+    what hetjax/planner/diloco.py prices."""
+
+    def __init__(self, site_devices, site: int, codec: str):
+        self.n, self.site, self.codec = len(site_devices), site, codec
+        self.device = site_devices[site]
+        self.mesh = jax.sharding.Mesh(np.array(site_devices), ("site",))
+        self.spread = NamedSharding(self.mesh, P("site"))
+        self._mean = jax.jit(jax.shard_map(self._mean_block, mesh=self.mesh,
+                                           in_specs=P("site"), out_specs=P("site")))
+        self._gather = jax.jit(jax.shard_map(
+            lambda v: jax.lax.all_gather(v[0], "site")[None], mesh=self.mesh,
+            in_specs=P("site"), out_specs=P("site")))
+
+    def _global(self, x):
+        return jax.make_array_from_single_device_arrays((self.n, *x.shape), self.spread,
+                                                        [x[None]])
+
+    def gather(self, x) -> np.ndarray:
+        """Every site's `x` (a small array on this site's devices), stacked in site order."""
+        x = jax.device_put(x, self.device)
+        return np.asarray(self._gather(self._global(x)).addressable_data(0)[0])
+
+    def mean(self, delta):
+        """The decoded mean of the sites' pseudo-gradients (`delta`: this site's, float32 on
+        `self.device`) and the bytes this site sent."""
+        out = self._mean(jax.tree.map(self._global, delta))
+        return jax.tree.map(lambda g: g.addressable_data(0)[0], out), self._sent(delta)
+
+    def _sent(self, delta) -> int:
+        n = self.n
+        total = 0
+        for x in jax.tree.leaves(delta):
+            if self.codec == "none":
+                total += 2 * (n - 1) * x.size * 4 // n
+                continue
+            R, c = _rows(x).shape
+            k = -(-R // n)
+            cb = c if self.codec == "int8" else (c + 1) // 2
+            total += 2 * (n - 1) * k * (cb + 4)  # my shards of codes + scales out, twice
+        return total
+
+    def _mean_block(self, tree):
+        n = self.n
+        if self.codec == "none":
+            return jax.tree.map(lambda v: jax.lax.psum(v, "site") / n, tree)
+        bits = BITS[self.codec]
+
+        def one(v):
+            x = v[0]
+            r = _rows(x)
+            R, c = r.shape
+            k = -(-R // n)
+            r = jnp.pad(r, ((0, k * n - R), (0, 0)))
+            q, scale = quantize_rows(r, bits)
+            q = pack4(q) if bits == 4 else q
+            # reduce-scatter: shard j of every site goes to site j
+            qs = jax.lax.all_to_all(q.reshape(n, k, -1), "site", 0, 0)
+            ss = jax.lax.all_to_all(scale.reshape(n, k, 1), "site", 0, 0)
+            codes = [unpack4(qs[j], c) if bits == 4 else qs[j] for j in range(n)]
+            mean = sum(codes[j].astype(jnp.float32) * ss[j] for j in range(n)) / n
+            q2, s2 = quantize_rows(mean, bits)
+            q2 = pack4(q2) if bits == 4 else q2
+            q2 = jax.lax.all_gather(q2, "site").reshape(n * k, -1)
+            s2 = jax.lax.all_gather(s2, "site").reshape(n * k, 1)
+            q2 = unpack4(q2, c) if bits == 4 else q2
+            out = (q2.astype(jnp.float32) * s2)[:R]
+            return out.reshape(x.shape)[None]
+
+        return jax.tree.map(one, tree)
+
+
 class DilocoExecutor(Executor):
     """Sites as device groups of one process, each a `SingleProgramExecutor` on its own plan;
     an outer step every `diloco.inner_steps` steps."""
 
     def __init__(self, config, topology: Topology, model_cfg, tx, lr_schedule):
-        if jax.process_count() > 1:
-            raise ConfigError("diloco.inner_steps", "DiLoCo runs in one process for now (sites "
-                              "as device groups)", "run without hetjax launch, or set "
-                              "diloco.inner_steps=0")
         d = config.diloco
         self.H, self.codec = d.inner_steps, d.codec
         self.sites = site_clusters(topology, tuple(d.sites))
@@ -142,9 +216,14 @@ class DilocoExecutor(Executor):
                               "use a topology with two clusters or more, or diloco.inner_steps=0")
         sc = site_config(config, n)
         devices = topology.jax_devices()
+        site_ranks = site_first_ranks(topology, self.sites)
+        # Multi-process (hetjax launch): this process runs one site; the others are peers.
+        self.local = _local_site(self.sites, site_ranks, devices, config)
         self.site_plans, self.site_execs = [], []
         inner = inner_optimizer(config, tx, lr_schedule)
-        for (name, clusters), ranks in zip(self.sites, site_first_ranks(topology, self.sites)):
+        for s, ((name, clusters), ranks) in enumerate(zip(self.sites, site_ranks)):
+            if self.local is not None and s != self.local:
+                continue
             sub = site_topology(topology, clusters)
             plan = plan_from_config(sc, sub)
             if plan.pp != 1:
@@ -158,28 +237,42 @@ class DilocoExecutor(Executor):
                                                          lr_schedule))
         super().__init__(self.site_plans[0], topology, model_cfg, inner, lr_schedule)
         self.rows_per_site = sc.train.batch_size
+        self.n_sites = n
         self.outer_tx = outer_optimizer(d)
         self.outer_name = d.outer_optimizer
         self.exchanges = 0  # outer steps taken by this executor (not restored ones)
         self.bytes_sent = 0  # wire bytes of the site pseudo-gradients it exchanged
         self._build()
+        if self.local is not None:
+            # the sites' mean loss is logged on the steps the trainer logs (one tiny
+            # all-gather); on the others a process reports its own site's loss
+            self.log_every, self.last_step = config.train.log_every, config.train.steps
+            self._first = True
+            self.cross = CrossSiteExchange([devices[r[0]] for r in site_ranks], self.local,
+                                           self.codec)
 
     def _build(self):
         self.outer_opt_shardings = []
-        self._encode, self._apply = [], []
+        self._encode, self._apply, self._apply_mean = [], [], []
         for ex in self.site_execs:
             params_sh = ex.state_sharding.params
             self.outer_opt_shardings.append(None)  # set by init_state
             self._encode.append(jax.jit(
                 lambda theta, params: encode(jax.tree.map(jnp.subtract, theta, params),
                                              self.codec)))
-            self._apply.append(jax.jit(self._outer_step, out_shardings=(params_sh, None)))
+            self._apply.append(jax.jit(
+                lambda theta, opt, wire: self._outer_step(theta, opt,
+                                                          decode(wire, theta, self.codec)),
+                out_shardings=(params_sh, None)))
+            # multi-process: the exchange hands over the decoded mean
+            self._apply_mean.append(jax.jit(self._outer_step, out_shardings=(params_sh, None)))
+        self._delta = jax.jit(lambda theta, params: jax.tree.map(
+            lambda a, b: (a - b).astype(jnp.float32), theta, params))
         first = self.site_execs[0].mesh.devices.flat[0]
         self.hub = SingleDeviceSharding(first)  # where the shard owners' mean is formed
         self._reduce = jax.jit(self._mean_of)
 
-    def _outer_step(self, theta, opt, wire):
-        delta = decode(wire, theta, self.codec)
+    def _outer_step(self, theta, opt, delta):
         updates, opt = self.outer_tx.update(delta, opt, theta)
         return optax.apply_updates(theta, updates), opt
 
@@ -217,11 +310,19 @@ class DilocoExecutor(Executor):
     # --- batches --------------------------------------------------------------------------------
     @property
     def data_rows(self) -> np.ndarray:
-        return np.arange(self.rows_per_site * len(self.site_execs))
+        b = self.rows_per_site
+        if self.local is not None:
+            return np.arange(self.local * b, (self.local + 1) * b)
+        return np.arange(b * len(self.site_execs))
 
     def put_batch(self, batch, rows=None):
         """The global batch -> one device batch per site (site s: its block of rows)."""
         b = self.rows_per_site
+        if self.local is not None:  # this process's site: its block of rows, already cut
+            if rows is None:
+                batch = {k: np.asarray(v)[self.local * b:(self.local + 1) * b]
+                         for k, v in batch.items()}
+            return [self.site_execs[0].put_batch(batch)]
         if rows is not None and len(rows) != b * len(self.site_execs):
             raise ValueError(f"DiLoCo needs every row of the global batch, got {len(rows)}")
         return [ex.put_batch({k: np.asarray(v)[s * b:(s + 1) * b] for k, v in batch.items()})
@@ -238,15 +339,30 @@ class DilocoExecutor(Executor):
         state = state.replace(step=step, sites=tuple(sites))
         if int(step) % self.H == 0:
             state = self.exchange(state)
+        if self.local is not None:
+            return state, self._site_metrics(int(step), metrics[0])
         hub = self.hub
         out = {k: sum(jax.device_put(m[k], hub) for m in metrics) / len(metrics)
                for k in ("loss", "grad_norm")}
         out["lr"] = metrics[0]["lr"]
         return state, out
 
+    def _site_metrics(self, step: int, m):
+        """Multi-process: the mean over the sites (as in one process) on the steps the trainer
+        logs, else this site's own values."""
+        if not (self._first or step % self.log_every == 0 or step == self.last_step):
+            return m
+        self._first = False
+        both = self.cross.gather(jnp.stack([m["loss"], m["grad_norm"]]).astype(jnp.float32))
+        loss = sum(both[s, 0] for s in range(self.n_sites)) / self.n_sites
+        norm = sum(both[s, 1] for s in range(self.n_sites)) / self.n_sites
+        return {"loss": loss, "grad_norm": norm, "lr": m["lr"]}
+
     def exchange(self, state: DilocoState) -> DilocoState:
         """The outer step: pseudo-gradients encoded on each site, their mean formed (and
         re-encoded) at the hub, the mean sent to every site, which updates its theta."""
+        if self.local is not None:
+            return self._exchange_across_processes(state)
         wires = [enc(theta, st.params)
                  for enc, theta, st in zip(self._encode, state.outer, state.sites)]
         self.bytes_sent += sum(wire_bytes(w) for w in wires)
@@ -265,6 +381,21 @@ class DilocoExecutor(Executor):
         self.exchanges += 1
         return state.replace(sites=tuple(sites), outer=tuple(outer), outer_opt=tuple(opts))
 
+    def _exchange_across_processes(self, state: DilocoState) -> DilocoState:
+        """This process's site: its pseudo-gradient to the exchange device, the collective
+        (`CrossSiteExchange.mean`), the decoded mean back onto the site's devices."""
+        ex, theta, st = self.site_execs[0], state.outer[0], state.sites[0]
+        delta = self._delta(theta, st.params)
+        mean, sent = self.cross.mean(jax.device_put(delta, self.cross.device))
+        self.bytes_sent += sent
+        mean = jax.device_put(mean, NamedSharding(ex.mesh, P()))
+        theta, opt = self._apply_mean[0](theta, state.outer_opt[0], mean)
+        opt = jax.device_put(opt, self.outer_opt_shardings[0])
+        params = jax.tree.map(lambda x: x.copy(), theta)
+        self.exchanges += 1
+        return state.replace(sites=(st.replace(params=params),), outer=(theta,),
+                             outer_opt=(opt,))
+
     def eval_loss(self, state: DilocoState, batch) -> float:
         ex = self.site_execs[0]
         return ex.eval_loss(TrainState(step=state.step, params=state.outer[0], opt_state=None),
@@ -279,5 +410,6 @@ class DilocoExecutor(Executor):
         return "\n".join(lines)
 
 
-__all__ = ["DilocoExecutor", "DilocoState", "quantize", "dequantize", "encode", "decode",
+__all__ = ["DilocoExecutor", "DilocoState", "CrossSiteExchange", "quantize",
+           "quantize_rows", "dequantize", "encode", "decode",
            "wire_bytes", "outer_optimizer", "inner_optimizer"]

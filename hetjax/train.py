@@ -204,7 +204,8 @@ def make_worlds_executor(config, plan: Plan, topology: Topology, model_cfg, tx, 
     worlds = plan_worlds(plan, topology, slots)
     owner = {r: slot.index for slot in slots for r in slot.ranks}
     return WorldsExecutor(plan, topology, model_cfg, tx, schedule, config.train.grad_clip,
-                          worlds, int(os.environ[ENV_WORLD]), owner, bridge_from_environ())
+                          worlds, int(os.environ[ENV_WORLD]), owner,
+                          bridge_from_environ(codec=config.pipeline.boundary_codec))
 
 
 class Trainer:

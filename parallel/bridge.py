@@ -18,6 +18,16 @@ under an integer key (`message_key(step, stage, microbatch, kind, part)`):
 - `recv(peer, key, specs)`: the prefetched (or a freshly pulled) message, waited for up to
   `timeout_s`, after which a `BridgeError` names the peer and the message.
 
+Compressed boundaries (`codec="int8"`, the config's `pipeline.boundary_codec`): activations
+and activation gradients travel as int8 codes with one float32 scale per row of their last
+axis (parallel/codec.py; error <= max|row| / 254 per element), 1 + 4 / d bytes a value instead
+of 4 (fp32) or 2 (bf16). Gradients get error feedback: the sender keeps, per message stream
+(the key without its step: stage, micro-batch, kind, part), what quantization dropped last
+time and adds it to the next gradient of that stream before quantizing, so the error does not
+accumulate in the weights. Other kinds (the loss, norms, the embedding gradient) are sent
+whole. Sender and receiver must use the same codec (the launcher gives every world the same
+config).
+
 A peer that never comes up fails `connect` after `timeout_s` with its rank and address. The
 socket transport (HETJAX_BRIDGE_TRANSPORT=socket) carries the same messages as host bytes over
 the control connection, for platforms where the transfer server is unavailable; it is slower
@@ -50,6 +60,8 @@ ENV_BRIDGE_PORT = "HETJAX_BRIDGE_PORT"
 ENV_BRIDGE_TRANSPORT = "HETJAX_BRIDGE_TRANSPORT"
 ENV_BRIDGE_TIMEOUT = "HETJAX_BRIDGE_TIMEOUT"
 TRANSPORTS = ("transfer", "socket")
+CODECS = ("none", "int8")  # pipeline.boundary_codec
+_COMPRESSED = ("activation", "gradient")  # the kinds a codec applies to
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_IN_FLIGHT = 4
 
@@ -87,6 +99,10 @@ def message_key(step: int, stage: int, microbatch: int, kind: str, part: int = 0
     return key
 
 
+def _kind_of(key: int) -> str:
+    return KIND_NAMES[(key >> _PART_BITS) & ((1 << _KIND_BITS) - 1)]
+
+
 # --- framing on the control connection ---------------------------------------------------------
 def _send_msg(conn: socket.socket, header: dict, payload: bytes = b"") -> None:
     head = json.dumps(header).encode()
@@ -116,7 +132,11 @@ class Bridge:
     `rank` and listens on `addresses[rank]`."""
 
     def __init__(self, rank: int, addresses: Sequence[str], transport: str = "transfer",
-                 timeout_s: float = DEFAULT_TIMEOUT, max_in_flight: int = DEFAULT_IN_FLIGHT):
+                 timeout_s: float = DEFAULT_TIMEOUT, max_in_flight: int = DEFAULT_IN_FLIGHT,
+                 codec: str = "none"):
+        if codec not in CODECS:
+            raise BridgeError(f"bridge codec {codec!r} is unknown; set pipeline.boundary_codec "
+                              f"to one of {', '.join(CODECS)}")
         if transport not in TRANSPORTS:
             raise BridgeError(f"bridge transport {transport!r} is unknown; set "
                               f"{ENV_BRIDGE_TRANSPORT} to one of {', '.join(TRANSPORTS)}")
@@ -129,6 +149,10 @@ class Bridge:
         self.transport = transport
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
+        self.codec = codec
+        self._residual: dict[tuple[int, int], object] = {}  # (stream, part) -> gradient error
+        self._encode_fns: dict[bool, object] = {}
+        self._decode_fn = None
         self._server = None
         self._transfer_address = ""
         if transport == "transfer":
@@ -237,9 +261,64 @@ class Bridge:
         """Prefetches started and not yet waited for."""
         return len(self._pending)
 
+    # --- the boundary codec ----------------------------------------------------------------------
+    def _compressed(self, key: int) -> bool:
+        return self.codec != "none" and _kind_of(key) in _COMPRESSED
+
+    def _encode(self, key: int, arrays: Sequence) -> list:
+        """arrays -> [codes, scales] per array; a gradient with its stream's carried error."""
+        import jax
+
+        from parallel.codec import dequantize, quantize
+
+        feedback = _kind_of(key) == "gradient"
+        if feedback not in self._encode_fns:
+            def enc(x, carried):
+                e = x.astype("float32") + carried
+                q, scale = quantize(e, 8)
+                return q, scale, e - dequantize(q, scale, e.shape, 8)
+
+            self._encode_fns[feedback] = jax.jit(enc)
+        stream = key & ((1 << (_STAGE_BITS + _MB_BITS + _KIND_BITS + _PART_BITS)) - 1)
+        out = []
+        for i, x in enumerate(arrays):
+            carried = self._residual.get((stream, i), 0.0) if feedback else 0.0
+            q, scale, err = self._encode_fns[feedback](x, carried)
+            if feedback:
+                self._residual[stream, i] = err
+            out += [q, scale]
+        return out
+
+    @staticmethod
+    def _wire_specs(specs: Sequence) -> list:
+        """The ShapeDtypeStructs of the (codes, scales) pairs that encode `specs`."""
+        import jax
+
+        out = []
+        for s in specs:
+            r = int(np.prod(s.shape[:-1])) if len(s.shape) else 1
+            c = s.shape[-1] if len(s.shape) else 1
+            out += [jax.ShapeDtypeStruct((r, c), np.int8, sharding=s.sharding),
+                    jax.ShapeDtypeStruct((r, 1), np.float32, sharding=s.sharding)]
+        return out
+
+    def _decode(self, wire: list, specs: Sequence) -> list:
+        import jax
+
+        from parallel.codec import dequantize
+
+        if self._decode_fn is None:
+            self._decode_fn = jax.jit(
+                lambda q, scale, shape, dtype: dequantize(q, scale, shape, 8).astype(dtype),
+                static_argnums=(2, 3))
+        return [self._decode_fn(wire[2 * i], wire[2 * i + 1], tuple(s.shape), np.dtype(s.dtype))
+                for i, s in enumerate(specs)]
+
     # --- messages ------------------------------------------------------------------------------
     def send(self, key: int, arrays: Sequence) -> None:
         """Offer single-device arrays under `key` to the one peer that will pull them."""
+        if self._compressed(key):
+            arrays = self._encode(key, arrays)
         self.bytes_sent += sum(a.nbytes for a in arrays)
         if self.transport == "transfer":
             self._server.await_pull(key, list(arrays))
@@ -257,13 +336,13 @@ class Bridge:
         while len(self._pending) >= self.max_in_flight:
             oldest = next(iter(self._pending))
             self._arrived[oldest] = self._wait(*oldest)
-        self._start(peer, key, specs)
+        self._start(peer, key, self._wire_specs(specs) if self._compressed(key) else specs)
 
     def _start(self, peer: int, key: int, specs: Sequence) -> None:
         conn = self.connect(peer)
         n = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in specs)
         self.bytes_received[peer] = self.bytes_received.get(peer, 0) + n
-        kind = KIND_NAMES[(key >> _PART_BITS) & ((1 << _KIND_BITS) - 1)]
+        kind = _kind_of(key)
         self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + n
         if self.transport == "transfer":
             self._pending[peer, key] = conn.pull(key, list(specs))
@@ -318,10 +397,13 @@ class Bridge:
         prefetched is pulled at once, beyond the in-flight bound: waiting for an older
         prefetch first could wait for a message the peer sends only after this one."""
         if (peer, key) in self._arrived:
-            return self._arrived.pop((peer, key))
-        if (peer, key) not in self._pending:
-            self._start(peer, key, specs)
-        return self._wait(peer, key)
+            arrays = self._arrived.pop((peer, key))
+        else:
+            if (peer, key) not in self._pending:
+                self._start(peer, key,
+                            self._wire_specs(specs) if self._compressed(key) else specs)
+            arrays = self._wait(peer, key)
+        return self._decode(arrays, specs) if self._compressed(key) else arrays
 
     def barrier(self, peers: Sequence[int]) -> None:
         """Wait until every one of `peers` has reached its matching barrier: e.g. before
@@ -402,4 +484,4 @@ def bridge_environ(rank: int, hosts: Sequence[str], port: int,
 
 
 __all__ = ["Bridge", "BridgeError", "message_key", "bridge_from_environ", "bridge_environ",
-           "bridge_addresses", "KINDS", "TRANSPORTS"]
+           "bridge_addresses", "KINDS", "TRANSPORTS", "CODECS"]

@@ -501,3 +501,21 @@ def test_compute_curve_interpolates_efficiency_in_log_kernel_flops():
     flat = CostModel(t, m, CostOptions(efficiency=0.5, curves={"a100": curve}))
     assert flat.stage_costs(_layout(1, 8, M=1, B=8))[0].fwd_layer == pytest.approx(
         tok * m.layer_flops(128) / (peak * 0.5))
+
+
+def test_int8_boundaries_shrink_only_the_stage_boundaries_between_clusters():
+    """pipeline.boundary_codec = int8: a boundary between two clusters carries 1 byte a value
+    plus a 4-byte scale per row of d_model / tp values (fp32: 4 bytes a value); a boundary
+    inside a cluster is unchanged. Priced with the transfer the cost model uses anyway."""
+    t = preset("cpu_hybrid")  # two clusters of 4 devices
+    m = tiny_model(n_layers=4)
+    layout = _layout(4, 2, M=4, B=32)  # stages 0-1 on the first cluster, 2-3 on the second
+    plain, packed = (CostModel(t, m, CostOptions(boundary_codec=c)) for c in ("none", "int8"))
+    (t32, k32), (t8, k8) = plain.boundary_times(layout), packed.boundary_times(layout)
+    assert k32 == k8 and t32[0] == t8[0] and t32[2] == t8[2]  # inside a cluster
+    mesh = layout.mesh()
+    pairs = np.stack([mesh[1].ravel(), mesh[2].ravel()], axis=1)
+    tok, row = layout.tokens_per_device(), m.d_model
+    assert t32[1] == pytest.approx(plain.transfer(tok * row * 4, pairs)[0])
+    assert t8[1] == pytest.approx(plain.transfer(tok * (row + 4), pairs)[0])
+    assert t8[1] < t32[1]

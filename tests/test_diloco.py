@@ -155,3 +155,26 @@ def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
     for row in ("synchronous, planner's layout", "synchronous DP across sites",
                 "DiLoCo H=10 int4 streamed"):
         assert row in out
+
+
+@pytest.mark.heavy
+def test_launched_sites_match_the_one_process_executor(tmp_path):
+    """`hetjax launch --local 2`: each site its own process, the int8 exchange a reduce-scatter
+    (all-to-all) + all-gather across processes; the logged losses (the sites' mean) equal the
+    one-process DilocoExecutor's over two rounds."""
+    from test_launch import TINY, config_args, hetjax, losses
+
+    from hetjax.train import Trainer
+
+    over = {**TINY, "train.batch_size": 8, "train.steps": 4, "checkpoint.every": 0,
+            "topology.preset": "cpu_hybrid", "topology.nodes": 1,
+            "topology.devices_per_node": 2, "diloco.inner_steps": 2, "diloco.codec": "int8"}
+    ref = losses(Trainer(tiny_config(**over, workdir=str(tmp_path / "one")),
+                         quiet=True).train()["metrics"])
+    run = hetjax("launch", "--local", "2", "--timeout", "200",
+                 *config_args({**over, "workdir": str(tmp_path / "multi")}))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "DiLoCo: 2 sites" in run.stdout
+    got = losses(tmp_path / "multi" / "metrics.jsonl")
+    assert len(got) == 4 and got[0] != got[3]
+    np.testing.assert_allclose(got, ref, rtol=1e-5)

@@ -67,7 +67,8 @@ def validate_layout(c, topology: Topology) -> None:
 def options_from_config(c) -> CostOptions:
     """The cost options a config asks for: usable memory 1 - planner.memory_margin, and the
     measurements of planner.calibration (a `hetjax calibrate` file) when set."""
-    options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin)
+    options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin,
+                          boundary_codec=c.pipeline.get("boundary_codec", "none"))
     if c.planner.calibration:
         from hetjax.planner.calibrate import load_calibration
 

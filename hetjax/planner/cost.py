@@ -164,6 +164,9 @@ class CostOptions:
     link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
     head_curves: dict[str, ComputeCurve] = field(default_factory=dict)
     update_s_per_param: dict[str, float] = field(default_factory=dict)
+    # pipeline.boundary_codec: "int8" sends boundaries between clusters as int8 + a float32
+    # scale per row (parallel/bridge.py), 1 + 4 / row bytes a value
+    boundary_codec: str = "none"
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -766,11 +769,15 @@ class CostModel:
         """Seconds to move one micro-batch's activation (or its gradient) across each stage
         boundary, and the link it crosses."""
         mesh = layout.mesh()
+        row = self.model.d_model / layout.tp
         nbytes = layout.tokens_per_device() * self.model.d_model * self.act_bytes / layout.tp
+        packed = layout.tokens_per_device() * (row + 4)  # int8 codes + one fp32 scale a row
         times, kinds = [], []
         for s in range(layout.pp - 1):
             pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
-            t, lk = self.transfer(nbytes, pairs)
+            crosses = (self.options.boundary_codec == "int8" and
+                       bool((self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
+            t, lk = self.transfer(packed if crosses else nbytes, pairs)
             times.append(t)
             kinds.append(lk.kind)
         return times, kinds
