@@ -481,11 +481,12 @@ def bridge_bytes(plan: Plan, work: Workload) -> dict[str, float]:
     """Bytes per step the MPMD executor moves over the bridge between two worlds, by kind
     (parallel/mpmd_worlds.py), for a pp = 2, tp = 1 plan whose stages are two worlds of
     single-device processes: every boundary activation and its gradient once; the tied
-    embedding's gradient each way, pulled whole by every process of both worlds (it is
-    replicated over dp under ddp)."""
+    embedding's gradient once each way, each replica pulling 1 / dp of its rows (when they
+    divide; the receiving world gathers the rest on its own link)."""
     m = work.model()
     act = plan.global_batch * plan.seq_len * m.d_model * 4
-    emb = m.embed_params * 4 * plan.dp * 2 if m.tie_embeddings else 0
+    split = 1 if m.vocab_size % plan.dp == 0 else plan.dp
+    emb = m.embed_params * 4 * split * 2 if m.tie_embeddings else 0
     return {"activations": float(act), "activation gradients": float(act),
             "tied embedding gradient": float(emb)}
 
