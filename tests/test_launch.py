@@ -454,8 +454,9 @@ def test_slurm_tasks_of_a_two_world_job_derive_what_a_hostfile_launch_gives(tmp_
     # inside the task: the derived variables replace JAX's whole-job SLURM detection
     for k, v in {**common, "SLURM_PROCID": "3"}.items():
         monkeypatch.setenv(k, v)
-    for k in set(want[3]) - set(common):
-        monkeypatch.delenv(k, raising=False)
+    for k in set(want[3]) - set(common):  # set, then removed: undone at teardown, so what
+        monkeypatch.setenv(k, "")        # join_slurm_worlds sets cannot leak into later tests
+        monkeypatch.delenv(k)
     monkeypatch.setenv(ENV_CLUSTER, "slurm")
     launch.join_slurm_worlds(cfg, topology)
     assert ENV_CLUSTER not in os.environ
