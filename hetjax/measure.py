@@ -282,6 +282,12 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
                                    topology.accelerator_of(ranks[0]).peak_tflops, batches,
                                    seq_lens, repeats, min_sample_s)
         compute.append(measure_update(model, mine, kind, optimizer, repeats, min_sample_s))
+    if jax.process_count() > 1:
+        # Slower kinds finish their compute later; wait for them here, without a deadline, as
+        # the first collective below would give its gloo context only 30 s to assemble.
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes("hetjax_calibrate_compute_done", timeout=24 * 3600)
     links = measure_links(topology, devices, message_bytes, repeats, min_sample_s)
     if jax.process_count() > 1:
         compute, links = _gather(compute, links)
