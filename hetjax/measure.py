@@ -283,11 +283,13 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
                                    seq_lens, repeats, min_sample_s)
         compute.append(measure_update(model, mine, kind, optimizer, repeats, min_sample_s))
     if jax.process_count() > 1:
-        # Slower kinds finish their compute later; wait for them here, without a deadline, as
-        # the first collective below would give its gloo context only 30 s to assemble.
-        from orbax.checkpoint import multihost
+        # Slower kinds finish their compute later; wait for them at the coordination
+        # service's barrier (as orbax does), since the first collective below would give its
+        # gloo context only 30 s to assemble (a collective barrier would too).
+        from jax._src import distributed
 
-        multihost.sync_global_processes("hetjax_calibrate_compute_done", timeout=24 * 3600)
+        distributed.global_state.client.wait_at_barrier("hetjax_calibrate_compute_done",
+                                                        timeout_in_ms=24 * 3600 * 1000)
     links = measure_links(topology, devices, message_bytes, repeats, min_sample_s)
     if jax.process_count() > 1:
         compute, links = _gather(compute, links)
