@@ -25,7 +25,6 @@ does so without the failed process's host, re-planned on the topology left.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import os
 import queue
@@ -341,13 +340,23 @@ def _env_prefix(env: dict[str, str]) -> str:
 
 
 # --- running and supervising -------------------------------------------------------------------
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+# Children start through this small exec wrapper rather than a `preexec_fn`: a `preexec_fn`
+# forces a real fork() of the launcher, which fails with ENOMEM when the launcher is a large
+# JAX process (a notebook, a pytest worker) on a machine without much free memory; without it
+# Python uses vfork(). The wrapper asks for SIGKILL when its parent dies (kept across exec),
+# then checks the parent is still the launcher (it may have died before prctl ran).
+_ORPHAN_GUARD = ("import ctypes, os, sys\n"
+                 "ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+                 "if os.getppid() != int(sys.argv[1]): sys.exit(137)\n"
+                 "try: os.execvp(sys.argv[2], sys.argv[2:])\n"
+                 "except OSError as e: sys.exit(f'could not start {sys.argv[2]!r}: {e.strerror}')\n")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if the launcher dies, so nothing is orphaned."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _guarded(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """`argv` run so that it gets SIGKILL if the launcher dies, so nothing is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return (sys.executable, "-S", "-c", _ORPHAN_GUARD, str(os.getpid()), *argv)
 
 
 def _exit_code(rc: int) -> int:
@@ -389,8 +398,8 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     try:
         for name, argv, env in children:
             procs.append(subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent))
+                _guarded(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True))
             say(f"hetjax launch: started {name} (pid {procs[-1].pid})")
     except OSError as e:
         _stop(procs, grace)

@@ -378,6 +378,23 @@ def test_children_die_with_a_killed_launcher(tmp_path):
             os.kill(child, 9)
 
 
+def test_children_start_without_a_preexec_fn(monkeypatch):
+    """A preexec_fn forces a full fork() of the launcher, which failed with ENOMEM in CI when the
+    launcher was a large JAX process (a pytest worker); without one Python uses vfork()."""
+    from hetjax import launch
+
+    seen = []
+    popen = subprocess.Popen
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("preexec_fn"))
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    assert launch.run([("p0", (sys.executable, "-c", "pass"), None)], grace=1) == 0
+    assert seen == [None]
+
+
 def test_put_batch_places_rows_by_their_global_index():
     from hetjax.train import Trainer
 
