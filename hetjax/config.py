@@ -100,6 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.max_bad_steps = 3
     c.train.progress = True
+    c.train.profile_steps = 0
+    c.train.profile_from = 3
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
@@ -204,6 +206,9 @@ DESCRIPTIONS: dict[str, str] = {
     "train.max_bad_steps": "a step whose loss or gradient norm is NaN/Inf is skipped (no "
                            "update); this many in a row stop the run with an error",
     "train.progress": "progress bar on the terminal / notebook",
+    "train.profile_steps": "trace this many steps with jax.profiler (<workdir>/profile/, "
+                           "summarised at the end); 0: off",
+    "train.profile_from": "the first traced step (after compilation and warm-up)",
     "data.source": "stdlib (Python's own sources) | files | synthetic",
     "data.path": "directory or glob of text files for source=files",
     "data.tokenizer": "byte, or a SentencePiece .model from `hetjax tokenizer train`",
@@ -484,6 +489,10 @@ def validate(c) -> None:
         _require(0 <= _get(c, f) < 1, f, f"must be in [0, 1), got {_get(c, f)}",
                  "use 0.9 for b1 and 0.95 for b2")
     _require(tr.eps > 0, "train.eps", f"must be > 0, got {tr.eps}", "use 1e-8")
+    _require(tr.profile_steps >= 0, "train.profile_steps",
+             f"must be >= 0, got {tr.profile_steps}", "use 2, or 0 to disable profiling")
+    _require(tr.profile_from >= 1, "train.profile_from", f"must be >= 1, got {tr.profile_from}",
+             "use 3: steps 1-2 compile and warm up")
     _require(tr.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {tr.grad_clip}",
              "use 1.0, or 0 to disable clipping")
 

@@ -47,6 +47,7 @@ from hetjax.history import LOSS_PNG, History, RunSummary
 from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
+from hetjax.profile import StepProfiler, summarise
 from hetjax.tokenizer import load_tokenizer
 from hetjax.topology import Topology
 from layers import ModelConfig
@@ -443,17 +444,22 @@ class Trainer:
         self.hooks.append(hook)
         return hook
 
-    def iter_steps(self, steps: int | None = None,
-                   hooks: list[Hook] | None = None) -> Iterator[StepInfo]:
+    def iter_steps(self, steps: int | None = None, hooks: list[Hook] | None = None,
+                   profiler: StepProfiler | None = None) -> Iterator[StepInfo]:
         """Train until step `steps` (default train.steps), yielding a `StepInfo` after each step
-        once its due hooks (`hooks`, default the user's) have run."""
+        once its due hooks (`hooks`, default the user's) have run; `profiler` traces its
+        steps."""
         total = steps if steps is not None else self.config.train.steps
         hooks = self.hooks if hooks is None else hooks
         start = int(self.state.step)
         aside = 0.0
         previous, bad = None, 0
         for done in range(start + 1, total + 1):
+            if profiler is not None:
+                profiler.before(done)
             metrics = self.step()
+            if profiler is not None:
+                profiler.after(done, (metrics, self.state))
             if previous is not None:
                 # The step before this one is read only now, so the device is never idle
                 # waiting for the host check.
@@ -570,14 +576,18 @@ class Trainer:
             standard.append(Hook(plot, 0, last=True, aside=True))
         aside = 0.0
         preempted = _SigtermFlag()
+        profiler = (StepProfiler(self.workdir, max(cfg.profile_from, int(self.state.step) + 1),
+                                 cfg.profile_steps) if cfg.profile_steps else None)
         try:
-            for info in self.iter_steps(total, standard + self.hooks):
+            for info in self.iter_steps(total, standard + self.hooks, profiler):
                 aside = info.aside_s
                 if preempted.is_set() and not info.last:
                     self._stop_preempted(info.step)
             if hasattr(self.executor, "finish"):  # worlds: peers pull our last messages first
                 self.executor.finish()
         finally:
+            if profiler is not None:
+                profiler.stop()  # a run that ends inside the traced steps still writes it
             preempted.restore()
             progress.close()
             writer.close()
@@ -598,6 +608,11 @@ class Trainer:
             summary["checkpoints"] = f"{self.checkpoint_dir} (steps {', '.join(map(str, saved))})"
             if resumed is not None:
                 summary["checkpoints"] += f", resumed from {resumed}"
+        if profiler is not None and profiler.path:
+            summary["profile"] = profiler.path
+            if not self.quiet:  # every process: each traced its own programs
+                traced = min(profiler.last, total) - profiler.first + 1
+                print("\n".join(summarise(profiler.path).lines(traced)), flush=True)
         summary = RunSummary(summary, history)
         if primary and not self.quiet:
             print(format_summary(summary), flush=True)
@@ -717,6 +732,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("checkpoints", s["checkpoints"]))
     if s.get("plot"):
         rows.append(("loss curve", s["plot"]))
+    if s.get("profile"):
+        rows.append(("profile", f"{s['profile']} (open at ui.perfetto.dev)"))
     return rows
 
 
