@@ -198,6 +198,22 @@ class Stage:
         # (chunk position, piece) -> how to rebuild its pullback, found while tracing F
         self._residuals: dict[tuple[int, int], Residuals] = {}
         self._jit()
+        self._constants = None
+
+    @property
+    def constants(self) -> tuple:
+        """(zeros [dp], ones [dp], the micro-batch indices): built once, on the stage's devices
+        by a program. A `jax.device_put` of host values onto a mesh spanning processes would
+        first check them equal across the processes (a blocking all-gather between them, which
+        waits for their queued work) every time it is called."""
+        if self._constants is None:
+            dp, m = self.n_dp, self.ex.plan.microbatches
+            with self.context():
+                self._constants = jax.jit(
+                    lambda: (jnp.zeros((dp,), jnp.float32), jnp.ones((dp,), jnp.float32),
+                             tuple(jnp.int32(i) for i in range(m))),
+                    out_shardings=(self.activation, self.activation, self.scalar))()
+        return self._constants
 
     def context(self):
         stack = contextlib.ExitStack()
@@ -478,7 +494,7 @@ class MpmdExecutor(Executor):
 
     # --- the step ------------------------------------------------------------------------------
     def step(self, state: MpmdState, batch):
-        lr = self.lr_schedule(state.step)  # before the update donates the state
+        lr = self.lr_at(state.step)  # before the update donates the state
         loss, grads, g_norm = self.stage_loss_and_grads(state, batch)
         # The non-finite guard: a non-finite loss marks the step so every stage skips it.
         first = self.stages[self.local[0]]
@@ -527,8 +543,7 @@ class MpmdExecutor(Executor):
         inputs, targets = batch.get("inputs"), batch.get("targets")
         pieces = {s: stages[s].run(stages[s].gather, mine[s].params) for s in mine}
         acc = {s: stages[s].run(stages[s].new_accumulator, mine[s].params) for s in mine}
-        zeros = {s: jax.device_put(jnp.zeros((plan.dp,), jnp.float32),
-                                   NamedSharding(stages[s].mesh, P(DP_AXES))) for s in mine}
+        zeros = {s: stages[s].constants[0] for s in mine}
         head_s = chunks[-1].stage
         losses = zeros.get(head_s)
         # ("activation" | "gradient", model chunk, micro-batch) -> what that chunk's task reads
@@ -549,7 +564,7 @@ class MpmdExecutor(Executor):
             if a.kind == "F":
                 x = None if chunk.first else self.take(inbox, "activation", s, k, m)
                 out, stash[k, m] = run(st.forward, c, pieces[s][c], x, inputs, targets,
-                                       jnp.int32(m))
+                                       st.constants[2][m])
                 if chunk.last:
                     losses = losses + out
                 else:
@@ -557,7 +572,7 @@ class MpmdExecutor(Executor):
                 continue
             dy = None  # W reads the output gradients its I kept
             if a.kind in sch.BACKWARD_KINDS:
-                dy = (jnp.ones((plan.dp,), jnp.float32, device=st.activation) if chunk.last
+                dy = (st.constants[1] if chunk.last
                       else self.take(inbox, "gradient", s, k, m))
             if a.kind in sch.RELEASE_KINDS:
                 remaining[s] -= 1
@@ -606,7 +621,7 @@ class MpmdExecutor(Executor):
                 st = self.stages[chunk.stage]
                 x = None if x is None else jax.device_put(x, st.activation)
                 x = st.run(st.eval_forward, chunk.position, pieces[st.index][chunk.position], x,
-                           dev["inputs"], dev["targets"], jnp.int32(m))
+                           dev["inputs"], dev["targets"], st.constants[2][m])
             total += float(jnp.mean(x))
         return total / self.plan.microbatches
 

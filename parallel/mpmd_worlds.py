@@ -209,7 +209,7 @@ class WorldsExecutor(MpmdExecutor):
                          self._recv(s, prev.stage, self.activation, st.activation, "eval",
                                     prev.index, mb))
                 x = st.run(st.eval_forward, chunk.position, pieces[s][chunk.position], x,
-                           dev.get("inputs"), dev.get("targets"), jnp.int32(m))
+                           dev.get("inputs"), dev.get("targets"), st.constants[2][m])
                 if not chunk.last and chunks[chunk.index + 1].stage not in self.local:
                     self._send(x, s, chunks[chunk.index + 1].stage, st.activation, "eval",
                                chunk.index, mb)

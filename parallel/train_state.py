@@ -74,6 +74,7 @@ class Executor(abc.ABC):
         self.model = Transformer(model_cfg)
         self.tx = tx
         self.lr_schedule = lr_schedule
+        self.lr_at = jax.jit(lr_schedule)  # one program, not the schedule's ops one by one
         self._rows = None
 
     @abc.abstractmethod
