@@ -539,7 +539,7 @@ class MpmdExecutor(Executor):
         order; activations and gradients for other stages go through `deliver` and arrive
         through `take`. Returns, per stage, what its last backward gave: (its gradients
         reduced across its replicas, the mean loss on the head's stage)."""
-        plan, stages, chunks = self.plan, self.stages, self.chunks
+        stages, chunks = self.stages, self.chunks
         inputs, targets = batch.get("inputs"), batch.get("targets")
         pieces = {s: stages[s].run(stages[s].gather, mine[s].params) for s in mine}
         acc = {s: stages[s].run(stages[s].new_accumulator, mine[s].params) for s in mine}
