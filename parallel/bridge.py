@@ -174,6 +174,11 @@ class Bridge:
         self._arrived: dict[tuple[int, int], list] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight + 1) if transport == "socket" \
             else None
+        # A transfer pull is waited for by a thread blocked in block_until_ready, not by
+        # polling: polling burns CPU the host's own compute needs (a capped host lost a tenth
+        # of its CPU to it while waiting for its peer).
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-wait") \
+            if transport == "transfer" else None
         self._barriers = 0
         self.peer_names: dict[int, str] = {}  # rank -> what errors call it (e.g. its world)
         self.bytes_sent = 0  # offered; every message is pulled exactly once
@@ -370,22 +375,20 @@ class Bridge:
     def _wait(self, peer: int, key: int) -> list:
         """The arrays of pending message `key`, once ready (at most `timeout_s`)."""
         handle = self._pending.pop((peer, key))
-        deadline = time.monotonic() + self.timeout_s
-        if isinstance(handle, Future):
-            try:
-                arrays = handle.result(timeout=self.timeout_s)
-            except TimeoutError:
-                arrays = None
-            except (ConnectionError, OSError) as e:
-                raise BridgeError(f"bridge peer {peer} failed while sending message {key}: "
-                                  f"{e}") from None
-        else:
+        if not isinstance(handle, Future):  # a transfer pull: its arrays fill in place
+            import jax
+
             arrays = handle
-            while not all(a.is_ready() for a in arrays):
-                if time.monotonic() > deadline:
-                    arrays = None
-                    break
-                time.sleep(0.0005)
+            handle = (self._waiter.submit(jax.block_until_ready, arrays)
+                      if not all(a.is_ready() for a in arrays) else None)
+        try:
+            if handle is not None:
+                arrays = handle.result(timeout=self.timeout_s)
+        except TimeoutError:
+            arrays = None
+        except (ConnectionError, OSError) as e:
+            raise BridgeError(f"bridge peer {peer} failed while sending message {key}: "
+                              f"{e}") from None
         if arrays is None:
             raise BridgeError(f"message {key} from bridge peer {peer} did not arrive within "
                               f"{self.timeout_s:.0f} s (this is bridge process {self.rank}); "
@@ -436,8 +439,9 @@ class Bridge:
             if isinstance(conn, socket.socket):
                 conn.close()
         self._listener.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._waiter):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 def bridge_from_environ(env=None, **kwargs) -> Bridge | None:
