@@ -16,12 +16,7 @@ under an integer key (`message_key(step, stage, microbatch, kind, part)`):
   with compute; at most `max_in_flight` prefetches are outstanding (the oldest is waited for
   before a new one starts), which bounds the receive buffers.
 - `recv(peer, key, specs)`: the prefetched (or a freshly pulled) message, waited for up to
-  `timeout_s`, after which a `BridgeError` names the peer and the message. With
-  `wait=False` (transfer transport) the arrays are returned still arriving: the caller's
-  next program waits for them on the device, so its Python thread does not sit between the
-  arrival and the dispatch of the work that reads them. Their arrival is still checked:
-  every later `recv` and `settle()` raise the same `BridgeError` once the oldest message
-  not yet arrived is older than `timeout_s`.
+  `timeout_s`, after which a `BridgeError` names the peer and the message.
 
 Compressed boundaries (`codec="int8"`, the config's `pipeline.boundary_codec`): activations
 and activation gradients travel as int8 codes with one float32 scale per row of their last
@@ -177,8 +172,6 @@ class Bridge:
         # (peer, key) -> a pull under way, oldest first; and pulls waited for, not yet taken
         self._pending: collections.OrderedDict = collections.OrderedDict()
         self._arrived: dict[tuple[int, int], list] = {}
-        # messages handed out before they arrived: (deadline, peer, key, arrays), oldest first
-        self._unsettled: collections.deque = collections.deque()
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight + 1) if transport == "socket" \
             else None
         # A transfer pull is waited for by a thread blocked in block_until_ready, not by
@@ -383,8 +376,10 @@ class Bridge:
         """The arrays of pending message `key`, once ready (at most `timeout_s`)."""
         handle = self._pending.pop((peer, key))
         if not isinstance(handle, Future):  # a transfer pull: its arrays fill in place
+            import jax
+
             arrays = handle
-            handle = (self._waiter.submit(_block, arrays)
+            handle = (self._waiter.submit(jax.block_until_ready, arrays)
                       if not all(a.is_ready() for a in arrays) else None)
         try:
             if handle is not None:
@@ -395,54 +390,23 @@ class Bridge:
             raise BridgeError(f"bridge peer {peer} failed while sending message {key}: "
                               f"{e}") from None
         if arrays is None:
-            raise self._late(peer, key)
+            raise BridgeError(f"message {key} from bridge peer {peer} did not arrive within "
+                              f"{self.timeout_s:.0f} s (this is bridge process {self.rank}); "
+                              "the peer may have stopped")
         return list(arrays)
 
-    def recv(self, peer: int, key: int, specs: Sequence, wait: bool = True) -> list:
-        """Message `key` from `peer` (prefetched or pulled now), waited for unless `wait` is
-        False (see the module docstring). A message not prefetched is pulled at once, beyond
-        the in-flight bound: waiting for an older prefetch first could wait for a message the
-        peer sends only after this one."""
-        self._check_unsettled()
+    def recv(self, peer: int, key: int, specs: Sequence) -> list:
+        """Message `key` from `peer` (prefetched or pulled now), waited for. A message not
+        prefetched is pulled at once, beyond the in-flight bound: waiting for an older
+        prefetch first could wait for a message the peer sends only after this one."""
         if (peer, key) in self._arrived:
             arrays = self._arrived.pop((peer, key))
         else:
             if (peer, key) not in self._pending:
                 self._start(peer, key,
                             self._wire_specs(specs) if self._compressed(key) else specs)
-            if wait or self.transport != "transfer":
-                arrays = self._wait(peer, key)
-            else:
-                arrays = list(self._pending.pop((peer, key)))
-                self._unsettled.append((time.monotonic() + self.timeout_s, peer, key, arrays))
+            arrays = self._wait(peer, key)
         return self._decode(arrays, specs) if self._compressed(key) else arrays
-
-    def _check_unsettled(self) -> None:
-        """Forget the messages handed out that have arrived; raise if the oldest one still
-        arriving is past its deadline."""
-        while self._unsettled:
-            deadline, peer, key, arrays = self._unsettled[0]
-            if all(a.is_ready() for a in arrays):
-                self._unsettled.popleft()
-            elif time.monotonic() > deadline:
-                raise self._late(peer, key)
-            else:
-                return
-
-    def settle(self) -> None:
-        """Wait (up to each one's deadline) for every message handed out before it arrived."""
-        while self._unsettled:
-            deadline, peer, key, arrays = self._unsettled.popleft()
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                self._waiter.submit(_block, arrays).result(timeout=left)
-            except TimeoutError:
-                raise self._late(peer, key) from None
-
-    def _late(self, peer: int, key: int) -> BridgeError:
-        return BridgeError(f"message {key} from bridge peer {peer} did not arrive within "
-                           f"{self.timeout_s:.0f} s (this is bridge process {self.rank}); "
-                           "the peer may have stopped")
 
     def barrier(self, peers: Sequence[int]) -> None:
         """Wait until every one of `peers` has reached its matching barrier: e.g. before
@@ -478,12 +442,6 @@ class Bridge:
         for pool in (self._pool, self._waiter):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _block(arrays):
-    import jax
-
-    return jax.block_until_ready(arrays)
 
 
 def bridge_from_environ(env=None, **kwargs) -> Bridge | None:

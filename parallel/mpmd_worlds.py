@@ -350,14 +350,12 @@ class WorldsExecutor(MpmdExecutor):
             self.bridge.prefetch(peer, key, [spec])
 
     def _recv(self, s_to: int, s_from: int, abstract, shardings, kind: str, field: int,
-              mb: int, wait: bool = True):
-        """`abstract`'s shards pulled from stage s_from's processes, assembled on stage s_to;
-        unless `wait`, returned still arriving (`Bridge.recv`)."""
+              mb: int):
         devices = self.stages[s_to].mesh.devices.flat
         arrays: dict[int, list] = {}
         for peer, key, spec, i, ps in self._pulls(s_to, s_from, abstract, shardings, kind,
                                                   field, mb):
-            (x,) = self.bridge.recv(peer, key, [spec], wait=wait)
+            (x,) = self.bridge.recv(peer, key, [spec])
             arrays.setdefault(i, []).append(x)
             arrays[i] += [jax.device_put(x, devices[q]) for q in ps[1:]]
         leaves, treedef = jax.tree.flatten(abstract)
@@ -439,10 +437,8 @@ class WorldsExecutor(MpmdExecutor):
         if (kind, chunk, m) in inbox:
             return inbox.pop((kind, chunk, m))
         source = chunk - 1 if kind == "activation" else chunk + 1
-        # Not waited for here: the task reading it waits on the device, and this thread goes
-        # on dispatching (it would otherwise add its dispatch time after every arrival).
         return self._recv(s, self.chunks[source].stage, self.activation,
-                          self.stages[s].activation, kind, source, m, wait=False)
+                          self.stages[s].activation, kind, source, m)
 
     def _embedding_transfer(self, s: int, like):
         """How a tied embedding's gradient crosses between stage groups: each leaf split over
@@ -515,7 +511,6 @@ class WorldsExecutor(MpmdExecutor):
     def finish(self) -> None:
         """Wait until every peer process has pulled this process's last messages."""
         peers = sorted({p for g in self.groups if g is not self.group for p in g.processes})
-        self.bridge.settle()
         self.bridge.barrier(peers)
 
 

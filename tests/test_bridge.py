@@ -53,20 +53,11 @@ WORKER = textwrap.dedent("""
                          [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding)])
     assert (np.asarray(ya) == peer).all() and (np.asarray(yb) == peer).all()
-    # not waited for: a program reads it as it arrives
-    bridge.send(message_key(2, me, 0, "gradient"),
-                [jax.device_put(np.full(4, me + 1.0, np.float32), devs[0])])
-    (z,) = bridge.recv(peer, message_key(2, peer, 0, "gradient"), [jax.ShapeDtypeStruct(
-        (4,), np.float32, sharding=SingleDeviceSharding(devs[0]))], wait=False)
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: v * 2)(z)),
-                                  np.full(4, 2.0 * (peer + 1)))
-    bridge.settle()
     bridge.barrier([peer])
-    total = sum(int(np.prod(c[0])) * np.dtype(c[1]).itemsize for c in cases) + 12 + 16 + 16
+    total = sum(int(np.prod(c[0])) * np.dtype(c[1]).itemsize for c in cases) + 12 + 16
     assert bridge.bytes_sent == total and bridge.bytes_received == {peer: total}, (
         bridge.bytes_sent, bridge.bytes_received, total)
-    assert bridge.bytes_by_kind == {"test": total - 44, "activation": 28, "gradient": 16}, \
-        bridge.bytes_by_kind
+    assert bridge.bytes_by_kind == {"test": total - 28, "activation": 28}, bridge.bytes_by_kind
     print("ok", me, flush=True)
 """)
 
@@ -97,25 +88,6 @@ def test_a_peer_that_never_comes_up_is_named():
             bridge.recv(1, message_key(0, 1, 0, "activation"), [])
     finally:
         bridge.close()
-
-
-def test_a_message_handed_out_before_it_arrived_is_named_when_it_never_does():
-    import jax
-
-    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    bridges = [Bridge(r, addresses, transport="transfer", timeout_s=1.0) for r in range(2)]
-    try:
-        spec = jax.ShapeDtypeStruct((3,), np.float32,
-                                    sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        key = message_key(0, 1, 0, "activation")  # peer 1 never sends it
-        (x,) = bridges[0].recv(1, key, [spec], wait=False)
-        assert not x.is_ready()
-        with pytest.raises(BridgeError, match=rf"message {key} from bridge peer 1 did not "
-                                              "arrive within 1 s"):
-            bridges[0].settle()
-    finally:
-        for b in bridges:
-            b.close()
 
 
 def test_message_keys_are_unique_and_checked():
