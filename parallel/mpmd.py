@@ -406,6 +406,7 @@ class Stage:
         self.last_weight_grads = jax.jit(last_weight_grads, donate_argnums=4, **chunked)
         self.eval_forward = jax.jit(eval_forward, **chunked)
         self.new_accumulator = jax.jit(new_accumulator)
+        self.finish = jax.jit(finish, donate_argnums=0)
         self.squared_norm = jax.jit(squared_norm)
         self.update = jax.jit(update, out_shardings=self.state_sharding, donate_argnums=0)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
@@ -576,13 +577,17 @@ class MpmdExecutor(Executor):
                       else self.take(inbox, "gradient", s, k, m))
             if a.kind in sch.RELEASE_KINDS:
                 remaining[s] -= 1
-            # The stage's last backward also reduces its gradients, while others still work.
+            # The stage's last backward is followed by its gradients' reduction across
+            # replicas, while other stages still work. In the same program only when that
+            # backward sends nothing on (the first model chunk's, or a W): a program's outputs
+            # are ready only when all of it is done, so a fused reduction would hold back the
+            # input gradient the previous stage waits for.
             last = a.kind in sch.RELEASE_KINDS and not remaining[s]
             stage_losses = losses if s == head_s else zeros[s]
             dx = None
-            if a.kind == "B" and last:
-                dx, finished[s] = run(st.last_backward, c, pieces[s][c], stash.pop((k, m)), dy,
-                                      acc[s], stage_losses)
+            if a.kind == "B" and last and chunk.first:
+                _, finished[s] = run(st.last_backward, c, pieces[s][c], stash.pop((k, m)), dy,
+                                     acc[s], stage_losses)
             elif a.kind == "B":
                 dx, acc[s] = run(st.backward, c, pieces[s][c], stash.pop((k, m)), dy, acc[s])
             elif a.kind == "I":
@@ -595,6 +600,10 @@ class MpmdExecutor(Executor):
                              douts.pop((k, m)), acc[s])
             if dx is not None:
                 self.deliver(inbox, "gradient", dx, s, k - 1, m)
+            if a.kind == "B" and last and not chunk.first:  # after dx has left
+                reduce = st.run if task_times is None else functools.partial(
+                    _timed, st, (s, "reduce"), task_times)
+                finished[s] = reduce(st.finish, acc[s], stage_losses)
         return finished
 
     def before_task(self, tasks: list, t: int) -> None:
