@@ -346,10 +346,14 @@ class Calibration:
 
     def options(self, base: CostOptions | None = None) -> CostOptions:
         """`base` (default CostOptions()) with this calibration's curves, link fits and update
-        rates. Measured across gloo / MPI processes, the pipeline runs asynchronously and the
-        collectives are those libraries' rings, not NCCL's algorithms: the fits are of the flat
-        ring, which then prices them."""
-        extra = dict(lockstep=False, collectives="ring") if self.asynchronous_sends else {}
+        rates. Measured across gloo / MPI processes, the pipeline runs asynchronously, the
+        collectives are those libraries' rings, not NCCL's algorithms (the fits are of the flat
+        ring, which then prices them), and they hide behind no compute."""
+        # ... and a collective inside a program does not overlap its compute there: on the
+        # emulated cluster the MPMD stage program that ran a last backward (~25 ms) and the
+        # gradient all-reduce (~200 ms) took their sum (train.profile_steps' trace).
+        extra = (dict(lockstep=False, collectives="ring", overlap=0.0)
+                 if self.asynchronous_sends else {})
         return dataclasses.replace(base or CostOptions(), curves=self.curves(),
                                    head_curves=self.curves("head"),
                                    update_s_per_param=self.update_rates(),

@@ -115,7 +115,9 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
              down_share: Sequence[float] = (), update: Sequence[float] = ()) -> Simulation:
     """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times; each
     stage's gradient sync (partly hidden behind its last backward when asynchronous) and then
-    its optimizer update (`update`, never hidden) end the step. Folded (`placement`), fwd /
+    the optimizer updates (`update`, never hidden) end the step. Every stage's update waits
+    for every stage's sync: it needs the global gradient norm (clipping, and the non-finite
+    guard that skips the step on every stage). Folded (`placement`), fwd /
     bwd are per device (both chunks) and `down_share` the part of each device's work in its
     down chunk (lockstep; asynchronously each chunk takes half, as the timeline of
     `schedules.folded` plays it)."""
@@ -132,7 +134,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         for e in events:
             last[e.stage] = max(last[e.stage], e.end)
         hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
-        step = max(last[s] + hidden[s] + update[s] for s in range(S))
+        step = max(last[s] + hidden[s] for s in range(S)) + max(update)
     elif placement == "folded":
         durations = folded_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd,
                                  down_share)
@@ -170,7 +172,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         for e in events:
             last[e.stage] = max(last[e.stage], e.end)
         hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
-        step = max(last[s] + hidden[s] + update[s] for s in range(S))
+        step = max(last[s] + hidden[s] for s in range(S)) + max(update)
     busy = tuple(microbatches * (fwd[s] + bwd[s]) for s in range(S))
     return Simulation(step_time=step, bubble=1.0 - sum(busy) / (S * step) if step else 0.0,
                       stage_busy=busy, stage_idle=tuple(step - b for b in busy),
