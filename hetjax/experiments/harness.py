@@ -362,8 +362,9 @@ def bar_plot(path: str, title: str, labels: list[str], measured: list[float | No
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    ax.set_ylim(0, max(m or 0 for m in [*measured, *predicted]) * 1.15)
-    ax.legend(fontsize=8, loc="upper right")
+    # headroom above the tallest bar and its label for the legend
+    ax.set_ylim(0, max(m or 0 for m in [*measured, *predicted]) * 1.35)
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
