@@ -43,6 +43,14 @@ CASES = [
 def test_loss_and_every_gradient_equal_the_plain_model(schedule, split, dp, tp, mb, extra):
     trainer = check_against_reference(mpmd_config(split, schedule, dp, tp, mb, **extra))
     assert len(trainer.executor.stages) == len(split)
+    if schedule in ("gpipe", "1f1b", "strands"):
+        # Every stage but the first reduces its gradients in a program of its own after its
+        # last backward (whose input gradient must not wait for the reduction); the first
+        # stage's last backward sends nothing on and keeps the reduction in its program.
+        times: dict = {}
+        trainer.executor.stage_loss_and_grads(trainer.state, trainer.put_batch(
+            next(trainer.data)), times)
+        assert {s for s, kind in times if kind == "reduce"} == set(range(1, len(split)))
 
 
 def three_steps(config):
