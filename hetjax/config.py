@@ -133,6 +133,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.diloco.outer_lr = 0.7
     c.diloco.outer_momentum = 0.9
     c.diloco.inner_optimizer = "adamw"
+    c.diloco.inner_lr_scale = 1.0
 
     c.workdir = "runs/default"
     c.tensorboard = True
@@ -230,6 +231,8 @@ DESCRIPTIONS: dict[str, str] = {
     "diloco.outer_lr": "outer optimizer learning rate",
     "diloco.outer_momentum": "outer Nesterov momentum",
     "diloco.inner_optimizer": "adamw (the train.* optimizer) | sgd (train.lr)",
+    "diloco.inner_lr_scale": "the sites' learning rate is train.lr's schedule times this "
+                             "(each site sees 1/n of the global batch)",
     "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
     "tensorboard": "also write TensorBoard event files",
 }
@@ -643,6 +646,9 @@ def _validate_diloco(c) -> None:
     _require(d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}", "use 0.7")
     _require(0 <= d.outer_momentum < 1, "diloco.outer_momentum",
              f"must be in [0, 1), got {d.outer_momentum}", "use 0.9")
+    _require(isinstance(d.inner_lr_scale, (int, float)) and d.inner_lr_scale > 0,
+             "diloco.inner_lr_scale", f"must be a number > 0, got {d.inner_lr_scale!r}",
+             "use 1.0 (the sites train at train.lr's schedule)")
 
 
 def _common_divisors(*xs: int) -> list[int]:

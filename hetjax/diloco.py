@@ -82,9 +82,17 @@ def outer_optimizer(d) -> optax.GradientTransformation:
     return optax.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=True)
 
 
-def inner_optimizer(c, tx, schedule) -> optax.GradientTransformation:
-    """The sites' optimizer: the trainer's (AdamW) or plain SGD at train.lr's schedule."""
-    return tx if c.diloco.inner_optimizer == "adamw" else optax.sgd(schedule)
+def inner_optimizer(c, tx, schedule) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The sites' optimizer and learning rate schedule: the trainer's (AdamW) or plain SGD at
+    train.lr's schedule, times `diloco.inner_lr_scale` (a site sees 1/n of the global batch,
+    so its best rate need not be the synchronous run's)."""
+    k = float(c.diloco.inner_lr_scale)
+    if k != 1.0:
+        base = schedule
+        schedule = lambda step: k * base(step)  # noqa: E731
+        # AdamW's update is -lr (adam + wd p): scaling the update scales lr (decay included)
+        tx = optax.chain(tx, optax.scale(k))
+    return (tx if c.diloco.inner_optimizer == "adamw" else optax.sgd(schedule)), schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +122,6 @@ def _local_site(sites, site_ranks, devices, config) -> int | None:
         raise ConfigError("diloco.sites", f"process {me} runs devices of {len(mine)} sites; "
                           "a multi-process DiLoCo job runs one process per site",
                           f"launch with --local {len(sites)} (or one host per site)")
-    if config.checkpoint.every:
-        raise ConfigError("checkpoint.every", "a multi-process DiLoCo job does not checkpoint "
-                          "yet (each process holds only its site's state)",
-                          "set --config.checkpoint.every=0, or train in one process")
     return mine[0]
 
 
@@ -138,6 +142,7 @@ class CrossSiteExchange:
         self.device = site_devices[site]
         self.mesh = jax.sharding.Mesh(np.array(site_devices), ("site",))
         self.spread = NamedSharding(self.mesh, P("site"))
+        self.everywhere = NamedSharding(self.mesh, P())
         self._mean = jax.jit(jax.shard_map(self._mean_block, mesh=self.mesh,
                                            in_specs=P("site"), out_specs=P("site")))
         self._gather = jax.jit(jax.shard_map(
@@ -147,6 +152,16 @@ class CrossSiteExchange:
     def _global(self, x):
         return jax.make_array_from_single_device_arrays((self.n, *x.shape), self.spread,
                                                         [x[None]])
+
+    def replicated(self, x):
+        """This site's copy of `x` (the same on every site: theta, the outer optimizer state,
+        the step) as one global array replicated over the sites' mesh."""
+        x = jax.device_put(x, self.device)
+        return jax.make_array_from_single_device_arrays(x.shape, self.everywhere, [x])
+
+    def stacked(self, x):
+        """This site's own `x` as its row of a global [n_sites, ...] array over the mesh."""
+        return self._global(jax.device_put(x, self.device))
 
     def gather(self, x) -> np.ndarray:
         """Every site's `x` (a small array on this site's devices), stacked in site order."""
@@ -202,6 +217,63 @@ class CrossSiteExchange:
         return jax.tree.map(one, tree)
 
 
+class SitesLayout:
+    """The checkpoint of a multi-process DiLoCo job (one process per site): one orbax step
+    written by all the sites together, as global arrays over the sites' mesh
+    (`CrossSiteExchange`), so orbax's multi-process save does the coordination (each process
+    writes the shards it owns, process 0 commits the step, every process lists the same
+    steps and so restores the same one):
+
+    - `step`, `theta`, `outer_opt`: the same on every site; stored once (replicated arrays,
+      written by site 0), read back by every site;
+    - `sites`: each site's own TrainState (parameters and inner optimizer state) as row s of
+      [n_sites, ...] arrays; site s writes and reads only its row.
+
+    A one-process job's checkpoint (a `DilocoState` of every site) is a different tree: a
+    job resumes from checkpoints written with the same number of processes."""
+
+    def __init__(self, cross: CrossSiteExchange, state: DilocoState, shardings):
+        self.cross, self.shardings = cross, shardings
+        shape = lambda x, lead=(): jax.ShapeDtypeStruct(lead + x.shape, x.dtype)  # noqa: E731
+        self.abstract = {"step": shape(state.step),
+                         "theta": jax.tree.map(shape, state.outer[0]),
+                         "outer_opt": jax.tree.map(shape, state.outer_opt[0]),
+                         "sites": jax.tree.map(lambda x: shape(x, (cross.n,)), state.sites[0])}
+
+    def to_natural(self, state: DilocoState) -> dict:
+        c = self.cross
+        return {"step": c.replicated(state.step),
+                "theta": jax.tree.map(c.replicated, state.outer[0]),
+                "outer_opt": jax.tree.map(c.replicated, state.outer_opt[0]),
+                "sites": jax.tree.map(c.stacked, state.sites[0])}
+
+    def natural_target(self):
+        c = self.cross
+
+        def target(x, sharding):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        a = self.abstract
+        return {"step": target(a["step"], c.everywhere),
+                "theta": jax.tree.map(lambda x: target(x, c.everywhere), a["theta"]),
+                "outer_opt": jax.tree.map(lambda x: target(x, c.everywhere), a["outer_opt"]),
+                "sites": jax.tree.map(lambda x: target(x, c.spread), a["sites"])}
+
+    def from_natural(self, natural) -> DilocoState:
+        def mine(x, sharding, row: bool):
+            local = x.addressable_data(0)  # on this site's exchange device
+            return jax.device_put(local[0] if row else local, sharding)
+
+        sh = self.shardings
+        return DilocoState(
+            step=mine(natural["step"], sh.step, False),
+            sites=(jax.tree.map(lambda x, s: mine(x, s, True), natural["sites"], sh.sites[0]),),
+            outer=(jax.tree.map(lambda x, s: mine(x, s, False), natural["theta"],
+                                sh.outer[0]),),
+            outer_opt=(jax.tree.map(lambda x, s: mine(x, s, False), natural["outer_opt"],
+                                    sh.outer_opt[0]),))
+
+
 class DilocoExecutor(Executor):
     """Sites as device groups of one process, each a `SingleProgramExecutor` on its own plan;
     an outer step every `diloco.inner_steps` steps."""
@@ -220,7 +292,7 @@ class DilocoExecutor(Executor):
         # Multi-process (hetjax launch): this process runs one site; the others are peers.
         self.local = _local_site(self.sites, site_ranks, devices, config)
         self.site_plans, self.site_execs = [], []
-        inner = inner_optimizer(config, tx, lr_schedule)
+        inner, lr_schedule = inner_optimizer(config, tx, lr_schedule)
         for s, ((name, clusters), ranks) in enumerate(zip(self.sites, site_ranks)):
             if self.local is not None and s != self.local:
                 continue
@@ -305,6 +377,8 @@ class DilocoExecutor(Executor):
 
     def checkpoint_layout(self, state) -> hckpt.Layout:
         shardings = jax.tree.map(lambda x: x.sharding, state)
+        if self.local is not None:
+            return SitesLayout(self.cross, state, shardings)
         return hckpt.NaturalLayout(hckpt.abstract_with_shardings(state, shardings))
 
     # --- batches --------------------------------------------------------------------------------
