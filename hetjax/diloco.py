@@ -281,6 +281,9 @@ class DilocoExecutor(Executor):
     def __init__(self, config, topology: Topology, model_cfg, tx, lr_schedule):
         d = config.diloco
         self.H, self.codec = d.inner_steps, d.codec
+        self.F = d.fragments  # streaming: fragment f is exchanged at step f H / F of a round
+        self.offsets = [f * self.H // self.F for f in range(self.F)]
+        self.fragments = None  # leaf indices of each fragment (set by init_state)
         self.sites = site_clusters(topology, tuple(d.sites))
         n = len(self.sites)
         if n < 2:
@@ -312,7 +315,8 @@ class DilocoExecutor(Executor):
         self.n_sites = n
         self.outer_tx = outer_optimizer(d)
         self.outer_name = d.outer_optimizer
-        self.exchanges = 0  # outer steps taken by this executor (not restored ones)
+        self.exchanges = 0  # outer steps taken by this executor (of one fragment each when
+        # streamed; restored ones not counted)
         self.bytes_sent = 0  # wire bytes of the site pseudo-gradients it exchanged
         self._build()
         if self.local is not None:
@@ -324,6 +328,7 @@ class DilocoExecutor(Executor):
                                            self.codec)
 
     def _build(self):
+        self._frag_fns = {}  # (site, fragment) -> its jitted outer step
         self.outer_opt_shardings = []
         self._encode, self._apply, self._apply_mean = [], [], []
         for ex in self.site_execs:
@@ -353,6 +358,33 @@ class DilocoExecutor(Executor):
         mean = jax.tree.map(lambda *xs: sum(xs) / len(xs), *deltas)
         return encode(mean, self.codec)
 
+    # --- fragments (streaming) -------------------------------------------------------------------
+    def _split(self, theta) -> list[list[int]]:
+        """The parameter leaves (in tree order) in F contiguous fragments of about equal size:
+        a leaf goes to the fragment its middle element falls in."""
+        sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(theta)]
+        total, start, frags = sum(sizes), 0, [[] for _ in range(self.F)]
+        for j, n in enumerate(sizes):
+            frags[min(self.F - 1, int((start + n / 2) * self.F // total))].append(j)
+            start += n
+        if not all(frags):
+            raise ConfigError("diloco.fragments", f"{self.F} fragments of {len(sizes)} "
+                              "parameter tensors leave a fragment empty",
+                              "use fewer fragments, e.g. --config.diloco.fragments=2")
+        return frags
+
+    @staticmethod
+    def _pick(tree, idx):
+        leaves = jax.tree.leaves(tree)
+        return [leaves[j] for j in idx]
+
+    @staticmethod
+    def _put(tree, idx, new):
+        leaves, treedef = jax.tree.flatten(tree)
+        for j, x in zip(idx, new):
+            leaves[j] = x
+        return jax.tree.unflatten(treedef, leaves)
+
     # --- state --------------------------------------------------------------------------------
     def init_state(self, seed: int) -> DilocoState:
         sites, outer, opts = [], [], []
@@ -361,6 +393,20 @@ class DilocoExecutor(Executor):
             sites.append(st)
             theta = jax.tree.map(lambda x: x.copy(), st.params)
             outer.append(theta)
+            if self.F > 1:  # one outer optimizer state per fragment
+                self.fragments = self._split(theta)
+                spec_leaves = jax.tree.leaves(ex.param_specs, is_leaf=lambda x: isinstance(x, P))
+                shards, states = [], []
+                for idx in self.fragments:
+                    part = self._pick(theta, idx)
+                    specs = opt_state_specs(self.outer_tx,
+                                            jax.eval_shape(self.outer_tx.init, part),
+                                            [spec_leaves[j] for j in idx])
+                    shards.append(shd.named(ex.mesh, specs))
+                    states.append(jax.jit(self.outer_tx.init, out_shardings=shards[-1])(part))
+                self.outer_opt_shardings[i] = tuple(shards)
+                opts.append(tuple(states))
+                continue
             specs = opt_state_specs(self.outer_tx, jax.eval_shape(self.outer_tx.init, theta),
                                     ex.param_specs)
             self.outer_opt_shardings[i] = shd.named(ex.mesh, specs)
@@ -411,8 +457,13 @@ class DilocoExecutor(Executor):
             metrics.append(m)
         step = state.step + 1
         state = state.replace(step=step, sites=tuple(sites))
-        if int(step) % self.H == 0:
-            state = self.exchange(state)
+        if self.F == 1:
+            if int(step) % self.H == 0:
+                state = self.exchange(state)
+        else:
+            for f, offset in enumerate(self.offsets):
+                if int(step) % self.H == offset:
+                    state = self.exchange_fragment(state, f)
         if self.local is not None:
             return state, self._site_metrics(int(step), metrics[0])
         hub = self.hub
@@ -470,6 +521,56 @@ class DilocoExecutor(Executor):
         return state.replace(sites=(st.replace(params=params),), outer=(theta,),
                              outer_opt=(opt,))
 
+    def _fragment_step(self, i: int, f: int, decoded: bool):
+        """Site i's jitted outer step on fragment f (its wire decoded first unless
+        `decoded`), its result on the site's parameter shardings."""
+        key = (i, f, decoded)
+        if key not in self._frag_fns:
+            sh = self._pick(self.site_execs[i].state_sharding.params, self.fragments[f])
+            if decoded:
+                fn = self._outer_step
+            else:
+                def fn(theta, opt, wire):
+                    return self._outer_step(theta, opt, decode(wire, theta, self.codec))
+            self._frag_fns[key] = jax.jit(fn, out_shardings=(sh, None))
+        return self._frag_fns[key]
+
+    def exchange_fragment(self, state: DilocoState, f: int) -> DilocoState:
+        """Streaming: the outer step of fragment f alone (its pseudo-gradients encoded, their
+        mean formed as in `exchange`, fragment f's outer optimizer state updated); the other
+        fragments' parameters train on."""
+        idx = self.fragments[f]
+        pick, put = self._pick, self._put
+        if self.local is not None:
+            ex, theta, st = self.site_execs[0], pick(state.outer[0], idx), state.sites[0]
+            delta = self._delta(theta, pick(st.params, idx))
+            mean, sent = self.cross.mean(jax.device_put(delta, self.cross.device))
+            self.bytes_sent += sent
+            mean = jax.device_put(mean, NamedSharding(ex.mesh, P()))
+            new, opt = self._fragment_step(0, f, True)(theta, state.outer_opt[0][f], mean)
+            results = [(new, opt)]
+        else:
+            wires = [enc(pick(theta, idx), pick(st.params, idx))
+                     for enc, theta, st in zip(self._encode, state.outer, state.sites)]
+            self.bytes_sent += sum(wire_bytes(w) for w in wires)
+            like = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                    for x in pick(state.outer[0], idx)]
+            mean = self._reduce([jax.device_put(w, self.hub) for w in wires], like)
+            results = []
+            for i, ex in enumerate(self.site_execs):
+                wire = jax.device_put(mean, NamedSharding(ex.mesh, P()))
+                results.append(self._fragment_step(i, f, False)(
+                    pick(state.outer[i], idx), state.outer_opt[i][f], wire))
+        sites, outer, opts = [], [], []
+        for i, (new, opt) in enumerate(results):
+            opt = jax.device_put(opt, self.outer_opt_shardings[i][f])
+            outer.append(put(state.outer[i], idx, new))
+            opts.append(tuple(opt if g == f else o for g, o in enumerate(state.outer_opt[i])))
+            params = put(state.sites[i].params, idx, [x.copy() for x in new])
+            sites.append(state.sites[i].replace(params=params))
+        self.exchanges += 1
+        return state.replace(sites=tuple(sites), outer=tuple(outer), outer_opt=tuple(opts))
+
     def eval_loss(self, state: DilocoState, batch) -> float:
         ex = self.site_execs[0]
         return ex.eval_loss(TrainState(step=state.step, params=state.outer[0], opt_state=None),
@@ -477,7 +578,8 @@ class DilocoExecutor(Executor):
 
     def describe(self) -> str:
         lines = [f"DiLoCo: {len(self.sites)} sites, an outer {self.outer_name} step every "
-                 f"{self.H} steps, pseudo-gradients as {self.codec}"]
+                 f"{self.H} steps, pseudo-gradients as {self.codec}"
+                 + (f", streamed in {self.F} fragments" if self.F > 1 else "")]
         for (name, _), plan in zip(self.sites, self.site_plans):
             lines.append(f"  site {name}: pp {plan.pp} dp {plan.dp} tp {plan.tp}, "
                          f"{plan.global_batch} sequences a step")
