@@ -14,8 +14,12 @@ more (hetjax/planner/diloco.py prices exactly that).
 
 In one process the sites are groups of devices; the exchange is a device-to-device copy of
 the payloads. Under `hetjax launch` each process runs one site (`CrossSiteExchange`: compiled
-collectives over a mesh of one device per site, the same arithmetic, so the same losses). `DilocoState` holds every site's train state, its copy of theta and of the outer
-optimizer state, so a checkpoint resumes mid-round exactly. With inner_steps = 1, no codec, an
+collectives over a mesh of one device per site, the same arithmetic, so the same losses).
+`DilocoState` holds every site's train state (of this process's site only, under `hetjax
+launch`), its copy of theta and of the outer optimizer state, so a checkpoint resumes
+mid-round exactly (across processes: `SitesLayout`, one orbax step written by all the
+sites). Streaming (`diloco.fragments` F > 1): the parameters in F fragments, fragment f
+exchanged at step f H / F of each round with its own outer optimizer state. With inner_steps = 1, no codec, an
 SGD inner optimizer and outer SGD at learning rate 1 a step is synchronous data parallelism
 (theta - mean_s(theta - theta_s) = mean_s theta_s); tests/test_diloco.py checks it against a
 single-device reference.
