@@ -133,6 +133,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.diloco.outer_lr = 0.7
     c.diloco.outer_momentum = 0.9
     c.diloco.inner_optimizer = "adamw"
+    c.diloco.inner_lr_scale = 1.0
+    c.diloco.fragments = 1
 
     c.workdir = "runs/default"
     c.tensorboard = True
@@ -230,6 +232,10 @@ DESCRIPTIONS: dict[str, str] = {
     "diloco.outer_lr": "outer optimizer learning rate",
     "diloco.outer_momentum": "outer Nesterov momentum",
     "diloco.inner_optimizer": "adamw (the train.* optimizer) | sgd (train.lr)",
+    "diloco.fragments": "streaming: the parameters in F fragments, fragment f exchanged at "
+                         "step f H / F of each round (1: all at the round's end)",
+    "diloco.inner_lr_scale": "the sites' learning rate is train.lr's schedule times this "
+                             "(each site sees 1/n of the global batch)",
     "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
     "tensorboard": "also write TensorBoard event files",
 }
@@ -643,6 +649,14 @@ def _validate_diloco(c) -> None:
     _require(d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}", "use 0.7")
     _require(0 <= d.outer_momentum < 1, "diloco.outer_momentum",
              f"must be in [0, 1), got {d.outer_momentum}", "use 0.9")
+    _require(isinstance(d.fragments, int) and d.fragments >= 1, "diloco.fragments",
+             f"must be an integer >= 1, got {d.fragments!r}", "use 1 (no streaming)")
+    _require(not d.inner_steps or d.inner_steps % d.fragments == 0, "diloco.fragments",
+             f"{d.fragments} fragments do not divide diloco.inner_steps = {d.inner_steps}",
+             "choose fragments dividing inner_steps, e.g. --config.diloco.fragments=1")
+    _require(isinstance(d.inner_lr_scale, (int, float)) and d.inner_lr_scale > 0,
+             "diloco.inner_lr_scale", f"must be a number > 0, got {d.inner_lr_scale!r}",
+             "use 1.0 (the sites train at train.lr's schedule)")
 
 
 def _common_divisors(*xs: int) -> list[int]:

@@ -14,8 +14,12 @@ more (hetjax/planner/diloco.py prices exactly that).
 
 In one process the sites are groups of devices; the exchange is a device-to-device copy of
 the payloads. Under `hetjax launch` each process runs one site (`CrossSiteExchange`: compiled
-collectives over a mesh of one device per site, the same arithmetic, so the same losses). `DilocoState` holds every site's train state, its copy of theta and of the outer
-optimizer state, so a checkpoint resumes mid-round exactly. With inner_steps = 1, no codec, an
+collectives over a mesh of one device per site, the same arithmetic, so the same losses).
+`DilocoState` holds every site's train state (of this process's site only, under `hetjax
+launch`), its copy of theta and of the outer optimizer state, so a checkpoint resumes
+mid-round exactly (across processes: `SitesLayout`, one orbax step written by all the
+sites). Streaming (`diloco.fragments` F > 1): the parameters in F fragments, fragment f
+exchanged at step f H / F of each round with its own outer optimizer state. With inner_steps = 1, no codec, an
 SGD inner optimizer and outer SGD at learning rate 1 a step is synchronous data parallelism
 (theta - mean_s(theta - theta_s) = mean_s theta_s); tests/test_diloco.py checks it against a
 single-device reference.
@@ -82,9 +86,17 @@ def outer_optimizer(d) -> optax.GradientTransformation:
     return optax.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=True)
 
 
-def inner_optimizer(c, tx, schedule) -> optax.GradientTransformation:
-    """The sites' optimizer: the trainer's (AdamW) or plain SGD at train.lr's schedule."""
-    return tx if c.diloco.inner_optimizer == "adamw" else optax.sgd(schedule)
+def inner_optimizer(c, tx, schedule) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The sites' optimizer and learning rate schedule: the trainer's (AdamW) or plain SGD at
+    train.lr's schedule, times `diloco.inner_lr_scale` (a site sees 1/n of the global batch,
+    so its best rate need not be the synchronous run's)."""
+    k = float(c.diloco.inner_lr_scale)
+    if k != 1.0:
+        base = schedule
+        schedule = lambda step: k * base(step)  # noqa: E731
+        # AdamW's update is -lr (adam + wd p): scaling the update scales lr (decay included)
+        tx = optax.chain(tx, optax.scale(k))
+    return (tx if c.diloco.inner_optimizer == "adamw" else optax.sgd(schedule)), schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +126,6 @@ def _local_site(sites, site_ranks, devices, config) -> int | None:
         raise ConfigError("diloco.sites", f"process {me} runs devices of {len(mine)} sites; "
                           "a multi-process DiLoCo job runs one process per site",
                           f"launch with --local {len(sites)} (or one host per site)")
-    if config.checkpoint.every:
-        raise ConfigError("checkpoint.every", "a multi-process DiLoCo job does not checkpoint "
-                          "yet (each process holds only its site's state)",
-                          "set --config.checkpoint.every=0, or train in one process")
     return mine[0]
 
 
@@ -138,6 +146,7 @@ class CrossSiteExchange:
         self.device = site_devices[site]
         self.mesh = jax.sharding.Mesh(np.array(site_devices), ("site",))
         self.spread = NamedSharding(self.mesh, P("site"))
+        self.everywhere = NamedSharding(self.mesh, P())
         self._mean = jax.jit(jax.shard_map(self._mean_block, mesh=self.mesh,
                                            in_specs=P("site"), out_specs=P("site")))
         self._gather = jax.jit(jax.shard_map(
@@ -147,6 +156,16 @@ class CrossSiteExchange:
     def _global(self, x):
         return jax.make_array_from_single_device_arrays((self.n, *x.shape), self.spread,
                                                         [x[None]])
+
+    def replicated(self, x):
+        """This site's copy of `x` (the same on every site: theta, the outer optimizer state,
+        the step) as one global array replicated over the sites' mesh."""
+        x = jax.device_put(x, self.device)
+        return jax.make_array_from_single_device_arrays(x.shape, self.everywhere, [x])
+
+    def stacked(self, x):
+        """This site's own `x` as its row of a global [n_sites, ...] array over the mesh."""
+        return self._global(jax.device_put(x, self.device))
 
     def gather(self, x) -> np.ndarray:
         """Every site's `x` (a small array on this site's devices), stacked in site order."""
@@ -202,6 +221,63 @@ class CrossSiteExchange:
         return jax.tree.map(one, tree)
 
 
+class SitesLayout:
+    """The checkpoint of a multi-process DiLoCo job (one process per site): one orbax step
+    written by all the sites together, as global arrays over the sites' mesh
+    (`CrossSiteExchange`), so orbax's multi-process save does the coordination (each process
+    writes the shards it owns, process 0 commits the step, every process lists the same
+    steps and so restores the same one):
+
+    - `step`, `theta`, `outer_opt`: the same on every site; stored once (replicated arrays,
+      written by site 0), read back by every site;
+    - `sites`: each site's own TrainState (parameters and inner optimizer state) as row s of
+      [n_sites, ...] arrays; site s writes and reads only its row.
+
+    A one-process job's checkpoint (a `DilocoState` of every site) is a different tree: a
+    job resumes from checkpoints written with the same number of processes."""
+
+    def __init__(self, cross: CrossSiteExchange, state: DilocoState, shardings):
+        self.cross, self.shardings = cross, shardings
+        shape = lambda x, lead=(): jax.ShapeDtypeStruct(lead + x.shape, x.dtype)  # noqa: E731
+        self.abstract = {"step": shape(state.step),
+                         "theta": jax.tree.map(shape, state.outer[0]),
+                         "outer_opt": jax.tree.map(shape, state.outer_opt[0]),
+                         "sites": jax.tree.map(lambda x: shape(x, (cross.n,)), state.sites[0])}
+
+    def to_natural(self, state: DilocoState) -> dict:
+        c = self.cross
+        return {"step": c.replicated(state.step),
+                "theta": jax.tree.map(c.replicated, state.outer[0]),
+                "outer_opt": jax.tree.map(c.replicated, state.outer_opt[0]),
+                "sites": jax.tree.map(c.stacked, state.sites[0])}
+
+    def natural_target(self):
+        c = self.cross
+
+        def target(x, sharding):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        a = self.abstract
+        return {"step": target(a["step"], c.everywhere),
+                "theta": jax.tree.map(lambda x: target(x, c.everywhere), a["theta"]),
+                "outer_opt": jax.tree.map(lambda x: target(x, c.everywhere), a["outer_opt"]),
+                "sites": jax.tree.map(lambda x: target(x, c.spread), a["sites"])}
+
+    def from_natural(self, natural) -> DilocoState:
+        def mine(x, sharding, row: bool):
+            local = x.addressable_data(0)  # on this site's exchange device
+            return jax.device_put(local[0] if row else local, sharding)
+
+        sh = self.shardings
+        return DilocoState(
+            step=mine(natural["step"], sh.step, False),
+            sites=(jax.tree.map(lambda x, s: mine(x, s, True), natural["sites"], sh.sites[0]),),
+            outer=(jax.tree.map(lambda x, s: mine(x, s, False), natural["theta"],
+                                sh.outer[0]),),
+            outer_opt=(jax.tree.map(lambda x, s: mine(x, s, False), natural["outer_opt"],
+                                    sh.outer_opt[0]),))
+
+
 class DilocoExecutor(Executor):
     """Sites as device groups of one process, each a `SingleProgramExecutor` on its own plan;
     an outer step every `diloco.inner_steps` steps."""
@@ -209,6 +285,9 @@ class DilocoExecutor(Executor):
     def __init__(self, config, topology: Topology, model_cfg, tx, lr_schedule):
         d = config.diloco
         self.H, self.codec = d.inner_steps, d.codec
+        self.F = d.fragments  # streaming: fragment f is exchanged at step f H / F of a round
+        self.offsets = [f * self.H // self.F for f in range(self.F)]
+        self.fragments = None  # leaf indices of each fragment (set by init_state)
         self.sites = site_clusters(topology, tuple(d.sites))
         n = len(self.sites)
         if n < 2:
@@ -220,7 +299,7 @@ class DilocoExecutor(Executor):
         # Multi-process (hetjax launch): this process runs one site; the others are peers.
         self.local = _local_site(self.sites, site_ranks, devices, config)
         self.site_plans, self.site_execs = [], []
-        inner = inner_optimizer(config, tx, lr_schedule)
+        inner, lr_schedule = inner_optimizer(config, tx, lr_schedule)
         for s, ((name, clusters), ranks) in enumerate(zip(self.sites, site_ranks)):
             if self.local is not None and s != self.local:
                 continue
@@ -240,7 +319,8 @@ class DilocoExecutor(Executor):
         self.n_sites = n
         self.outer_tx = outer_optimizer(d)
         self.outer_name = d.outer_optimizer
-        self.exchanges = 0  # outer steps taken by this executor (not restored ones)
+        self.exchanges = 0  # outer steps taken by this executor (of one fragment each when
+        # streamed; restored ones not counted)
         self.bytes_sent = 0  # wire bytes of the site pseudo-gradients it exchanged
         self._build()
         if self.local is not None:
@@ -252,6 +332,7 @@ class DilocoExecutor(Executor):
                                            self.codec)
 
     def _build(self):
+        self._frag_fns = {}  # (site, fragment) -> its jitted outer step
         self.outer_opt_shardings = []
         self._encode, self._apply, self._apply_mean = [], [], []
         for ex in self.site_execs:
@@ -281,6 +362,33 @@ class DilocoExecutor(Executor):
         mean = jax.tree.map(lambda *xs: sum(xs) / len(xs), *deltas)
         return encode(mean, self.codec)
 
+    # --- fragments (streaming) -------------------------------------------------------------------
+    def _split(self, theta) -> list[list[int]]:
+        """The parameter leaves (in tree order) in F contiguous fragments of about equal size:
+        a leaf goes to the fragment its middle element falls in."""
+        sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(theta)]
+        total, start, frags = sum(sizes), 0, [[] for _ in range(self.F)]
+        for j, n in enumerate(sizes):
+            frags[min(self.F - 1, int((start + n / 2) * self.F // total))].append(j)
+            start += n
+        if not all(frags):
+            raise ConfigError("diloco.fragments", f"{self.F} fragments of {len(sizes)} "
+                              "parameter tensors leave a fragment empty",
+                              "use fewer fragments, e.g. --config.diloco.fragments=2")
+        return frags
+
+    @staticmethod
+    def _pick(tree, idx):
+        leaves = jax.tree.leaves(tree)
+        return [leaves[j] for j in idx]
+
+    @staticmethod
+    def _put(tree, idx, new):
+        leaves, treedef = jax.tree.flatten(tree)
+        for j, x in zip(idx, new):
+            leaves[j] = x
+        return jax.tree.unflatten(treedef, leaves)
+
     # --- state --------------------------------------------------------------------------------
     def init_state(self, seed: int) -> DilocoState:
         sites, outer, opts = [], [], []
@@ -289,6 +397,20 @@ class DilocoExecutor(Executor):
             sites.append(st)
             theta = jax.tree.map(lambda x: x.copy(), st.params)
             outer.append(theta)
+            if self.F > 1:  # one outer optimizer state per fragment
+                self.fragments = self._split(theta)
+                spec_leaves = jax.tree.leaves(ex.param_specs, is_leaf=lambda x: isinstance(x, P))
+                shards, states = [], []
+                for idx in self.fragments:
+                    part = self._pick(theta, idx)
+                    specs = opt_state_specs(self.outer_tx,
+                                            jax.eval_shape(self.outer_tx.init, part),
+                                            [spec_leaves[j] for j in idx])
+                    shards.append(shd.named(ex.mesh, specs))
+                    states.append(jax.jit(self.outer_tx.init, out_shardings=shards[-1])(part))
+                self.outer_opt_shardings[i] = tuple(shards)
+                opts.append(tuple(states))
+                continue
             specs = opt_state_specs(self.outer_tx, jax.eval_shape(self.outer_tx.init, theta),
                                     ex.param_specs)
             self.outer_opt_shardings[i] = shd.named(ex.mesh, specs)
@@ -305,6 +427,8 @@ class DilocoExecutor(Executor):
 
     def checkpoint_layout(self, state) -> hckpt.Layout:
         shardings = jax.tree.map(lambda x: x.sharding, state)
+        if self.local is not None:
+            return SitesLayout(self.cross, state, shardings)
         return hckpt.NaturalLayout(hckpt.abstract_with_shardings(state, shardings))
 
     # --- batches --------------------------------------------------------------------------------
@@ -337,8 +461,13 @@ class DilocoExecutor(Executor):
             metrics.append(m)
         step = state.step + 1
         state = state.replace(step=step, sites=tuple(sites))
-        if int(step) % self.H == 0:
-            state = self.exchange(state)
+        if self.F == 1:
+            if int(step) % self.H == 0:
+                state = self.exchange(state)
+        else:
+            for f, offset in enumerate(self.offsets):
+                if int(step) % self.H == offset:
+                    state = self.exchange_fragment(state, f)
         if self.local is not None:
             return state, self._site_metrics(int(step), metrics[0])
         hub = self.hub
@@ -396,6 +525,56 @@ class DilocoExecutor(Executor):
         return state.replace(sites=(st.replace(params=params),), outer=(theta,),
                              outer_opt=(opt,))
 
+    def _fragment_step(self, i: int, f: int, decoded: bool):
+        """Site i's jitted outer step on fragment f (its wire decoded first unless
+        `decoded`), its result on the site's parameter shardings."""
+        key = (i, f, decoded)
+        if key not in self._frag_fns:
+            sh = self._pick(self.site_execs[i].state_sharding.params, self.fragments[f])
+            if decoded:
+                fn = self._outer_step
+            else:
+                def fn(theta, opt, wire):
+                    return self._outer_step(theta, opt, decode(wire, theta, self.codec))
+            self._frag_fns[key] = jax.jit(fn, out_shardings=(sh, None))
+        return self._frag_fns[key]
+
+    def exchange_fragment(self, state: DilocoState, f: int) -> DilocoState:
+        """Streaming: the outer step of fragment f alone (its pseudo-gradients encoded, their
+        mean formed as in `exchange`, fragment f's outer optimizer state updated); the other
+        fragments' parameters train on."""
+        idx = self.fragments[f]
+        pick, put = self._pick, self._put
+        if self.local is not None:
+            ex, theta, st = self.site_execs[0], pick(state.outer[0], idx), state.sites[0]
+            delta = self._delta(theta, pick(st.params, idx))
+            mean, sent = self.cross.mean(jax.device_put(delta, self.cross.device))
+            self.bytes_sent += sent
+            mean = jax.device_put(mean, NamedSharding(ex.mesh, P()))
+            new, opt = self._fragment_step(0, f, True)(theta, state.outer_opt[0][f], mean)
+            results = [(new, opt)]
+        else:
+            wires = [enc(pick(theta, idx), pick(st.params, idx))
+                     for enc, theta, st in zip(self._encode, state.outer, state.sites)]
+            self.bytes_sent += sum(wire_bytes(w) for w in wires)
+            like = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                    for x in pick(state.outer[0], idx)]
+            mean = self._reduce([jax.device_put(w, self.hub) for w in wires], like)
+            results = []
+            for i, ex in enumerate(self.site_execs):
+                wire = jax.device_put(mean, NamedSharding(ex.mesh, P()))
+                results.append(self._fragment_step(i, f, False)(
+                    pick(state.outer[i], idx), state.outer_opt[i][f], wire))
+        sites, outer, opts = [], [], []
+        for i, (new, opt) in enumerate(results):
+            opt = jax.device_put(opt, self.outer_opt_shardings[i][f])
+            outer.append(put(state.outer[i], idx, new))
+            opts.append(tuple(opt if g == f else o for g, o in enumerate(state.outer_opt[i])))
+            params = put(state.sites[i].params, idx, [x.copy() for x in new])
+            sites.append(state.sites[i].replace(params=params))
+        self.exchanges += 1
+        return state.replace(sites=tuple(sites), outer=tuple(outer), outer_opt=tuple(opts))
+
     def eval_loss(self, state: DilocoState, batch) -> float:
         ex = self.site_execs[0]
         return ex.eval_loss(TrainState(step=state.step, params=state.outer[0], opt_state=None),
@@ -403,7 +582,8 @@ class DilocoExecutor(Executor):
 
     def describe(self) -> str:
         lines = [f"DiLoCo: {len(self.sites)} sites, an outer {self.outer_name} step every "
-                 f"{self.H} steps, pseudo-gradients as {self.codec}"]
+                 f"{self.H} steps, pseudo-gradients as {self.codec}"
+                 + (f", streamed in {self.F} fragments" if self.F > 1 else "")]
         for (name, _), plan in zip(self.sites, self.site_plans):
             lines.append(f"  site {name}: pp {plan.pp} dp {plan.dp} tp {plan.tp}, "
                          f"{plan.global_batch} sequences a step")

@@ -107,10 +107,10 @@ def testbed(args):
     topo_file = os.path.abspath(os.path.join(args.workdir, "three_sites.json"))
     with open(topo_file, "w") as f:
         f.write(topo.to_json(indent=1))
-    outer = {"diloco.outer_optimizer": "sgd" if args.outer_momentum == 0 else "nesterov",
-             "diloco.outer_lr": args.outer_lr, "diloco.outer_momentum": args.outer_momentum}
+    outer = _outer(args)
     modes = [("synchronous DP", {}, args.sync_steps or args.steps)] + [
-        (f"DiLoCo H={args.H} {c}", {"diloco.inner_steps": args.H, "diloco.codec": c, **outer},
+        (f"DiLoCo H={args.H}{f' F={args.fragments}' if args.fragments > 1 else ''} {c}",
+         {"diloco.inner_steps": args.H, "diloco.codec": c, **outer},
          args.steps) for c in (args.codec or ["int8"])]
     results = []
     if args.baseline:  # the synchronous row of an earlier --json run with the same settings
@@ -167,6 +167,13 @@ def testbed(args):
             json.dump({"args": vars(args), "testbed": results}, f, indent=1)
 
 
+def _outer(args) -> dict:
+    """The DiLoCo settings of the command line as config overrides."""
+    return {"diloco.outer_optimizer": "sgd" if args.outer_momentum == 0 else "nesterov",
+            "diloco.outer_lr": args.outer_lr, "diloco.outer_momentum": args.outer_momentum,
+            "diloco.inner_lr_scale": args.inner_lr_scale, "diloco.fragments": args.fragments}
+
+
 def _num_params(args) -> int:
     from hetjax.config import base_config
     from hetjax.planner import model_from_config
@@ -210,6 +217,13 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain outer SGD")
+    ap.add_argument("--inner-lr-scale", type=float, default=1.0,
+                    help="diloco.inner_lr_scale: the sites' learning rate is train.lr's times this")
+    ap.add_argument("--fragments", type=int, default=1,
+                    help="diloco.fragments: streamed, fragment f exchanged at step f H / F")
+    ap.add_argument("--sync-eval-loss", type=float, default=0.0,
+                    help="without --testbed: skip the synchronous run and compare the held-out "
+                         "loss with this one (an earlier run's, same --steps; no speed columns)")
     ap.add_argument("--baseline", default="",
                     help="--testbed: reuse the synchronous row of this earlier --json output")
     ap.add_argument("--devices-per-site", type=int, default=2,
@@ -235,20 +249,31 @@ def main():
     topology = three_sites(args.mbps, args.ms, args.devices_per_site)
     sites = site_clusters(topology)
     n, link = len(sites), slowest_site_link(topology, sites)
-    results = [run("synchronous DP", {}, args, topology)]
+    results = [] if args.sync_eval_loss else [run("synchronous DP", {}, args, topology)]
     for codec in codecs:
-        results.append(run(f"DiLoCo H={args.H} {codec}",
-                           {"diloco.inner_steps": args.H, "diloco.codec": codec,
-                            "diloco.outer_optimizer": "sgd" if args.outer_momentum == 0
-                            else "nesterov", "diloco.outer_lr": args.outer_lr,
-                            "diloco.outer_momentum": args.outer_momentum}, args, topology))
+        streamed = f" F={args.fragments}" if args.fragments > 1 else ""
+        results.append(run(f"DiLoCo H={args.H}{streamed} {codec}",
+                           {"diloco.inner_steps": args.H, "diloco.codec": codec, **_outer(args)},
+                           args, topology))
+    if args.sync_eval_loss:  # losses only: the synchronous run was an earlier one
+        print(f"{args.steps} steps, vs the synchronous held-out loss {args.sync_eval_loss:.4f}")
+        for r in results:
+            print(f"{r['label']} | loss (last 10) {r['final_loss']:.4f} | eval loss "
+                  f"{r['eval_loss']:.4f} | vs sync "
+                  f"{(r['eval_loss'] / args.sync_eval_loss - 1) * 100:+.1f}%", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": results}, f, indent=1)
+        return
     ring = 2 * (n - 1) / n  # what a ring all-reduce sends from each site, per byte reduced
     rows = []
     for r in results:
         if r["exchanges"] is None:  # synchronous: the fp32 gradient every step
             per_exchange, every = 4.0 * r["num_params"], 1
         else:
-            per_exchange, every = r["wire_bytes"] / (n * r["exchanges"]), args.H
+            # an exchange moves one fragment; F of them a round
+            per_exchange = r["wire_bytes"] / (n * r["exchanges"])
+            every = args.H / args.fragments
         comm = ring_time("all_reduce", per_exchange, n, link) / every
         compute = r["step_s_mean"]
         r.update(bytes_per_step_site=ring * per_exchange / every, comm_s=comm,

@@ -25,13 +25,17 @@ def _batches(n, cfg):
     return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in toks]
 
 
-def test_one_inner_step_with_outer_sgd_at_lr_1_is_synchronous_data_parallelism(tmp_path):
+@pytest.mark.parametrize("lr,scale", [(0.5, 1.0), (1.0, 0.5)])
+def test_one_inner_step_with_outer_sgd_at_lr_1_is_synchronous_data_parallelism(tmp_path, lr,
+                                                                              scale):
     """H = 1, no codec, inner SGD, outer SGD lr 1: theta - mean(theta - theta_s) is the SGD
-    step on the global batch; compared with a plain single-device SGD loop."""
+    step on the global batch; compared with a plain single-device SGD loop (at train.lr's
+    schedule times diloco.inner_lr_scale)."""
     from hetjax.train import Trainer
 
     cfg = _config(tmp_path, **{"diloco.inner_optimizer": "sgd", "diloco.outer_optimizer": "sgd",
-                               "diloco.outer_lr": 1.0, "train.lr": 0.5})
+                               "diloco.outer_lr": 1.0, "train.lr": lr,
+                               "diloco.inner_lr_scale": scale})
     tr = Trainer(cfg, quiet=True)
     assert len(tr.executor.site_execs) == 2
     params = jax.device_get(tr.params)
@@ -40,7 +44,7 @@ def test_one_inner_step_with_outer_sgd_at_lr_1_is_synchronous_data_parallelism(t
     @jax.jit
     def sgd(p, inputs, targets, step):
         g = jax.grad(lambda q: tr.executor.loss_fn(q, inputs, targets))(p)
-        return jax.tree.map(lambda a, b: a - sched(step) * b, p, g)
+        return jax.tree.map(lambda a, b: a - scale * sched(step) * b, p, g)
 
     dev = jax.devices()[0]
     ref = jax.device_put(params, dev)
@@ -136,11 +140,36 @@ def test_pricing_follows_the_ring_formulas():
     assert "DiLoCo H=50 int8" in pr.table()
 
 
-def test_config_rejects_a_bad_codec():
+def test_config_rejects_a_bad_codec_and_inner_lr_scale():
     from hetjax.config import validate
 
     with pytest.raises(ConfigError, match="diloco.codec"):
         validate(tiny_config(**{"diloco.codec": "fp8"}))
+    with pytest.raises(ConfigError, match="diloco.inner_lr_scale"):
+        validate(tiny_config(**{"diloco.inner_lr_scale": 0.0}))
+
+
+def test_inner_lr_scale_scales_adamw_like_its_learning_rate():
+    """diloco.inner_lr_scale k on the AdamW inner optimizer: the same updates as AdamW built
+    at k train.lr (weight decay included), and the logged schedule is k times train.lr's."""
+    from hetjax.diloco import inner_optimizer
+    from hetjax.train import make_optimizer
+
+    cfg = tiny_config(**{"diloco.inner_lr_scale": 0.25, "train.weight_decay": 0.1})
+    tx, sched = make_optimizer(cfg.train)
+    scaled, scaled_sched = inner_optimizer(cfg, tx, sched)
+    ref_cfg = tiny_config(**{"train.lr": 0.25 * cfg.train.lr, "train.weight_decay": 0.1})
+    ref, ref_sched = make_optimizer(ref_cfg.train)
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)}
+    sa, sb = scaled.init(p), ref.init(p)
+    for step in range(3):
+        g = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)}
+        ua, sa = scaled.update(g, sa, p)
+        ub, sb = ref.update(g, sb, p)
+        np.testing.assert_allclose(ua["w"], ub["w"], rtol=1e-6, atol=1e-9)
+        assert float(scaled_sched(step + 1)) == pytest.approx(float(ref_sched(step + 1)))
+    assert np.abs(np.asarray(ua["w"])).max() > 0
 
 
 def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
@@ -178,3 +207,101 @@ def test_launched_sites_match_the_one_process_executor(tmp_path):
     got = losses(tmp_path / "multi" / "metrics.jsonl")
     assert len(got) == 4 and got[0] != got[3]
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.heavy
+def test_launched_sites_resume_mid_round_as_if_uninterrupted(tmp_path):
+    """`hetjax launch --local 2`, H = 2, int8, outer Nesterov: 5 steps straight, checkpointing
+    at step 3 (mid-round) and 5; then a second launch resumes from a copy of the checkpoints
+    holding only step 3. Each site wrote its own inner state, site 0 theta and the outer
+    momentum; the resumed job logs the same losses for steps 4 and 5 (step 5 starts from the
+    exchange at 4: theta, momentum and each site's inner state) as the uninterrupted one."""
+    import json
+    import shutil
+
+    from test_launch import TINY, config_args, hetjax
+
+    over = {**TINY, "train.batch_size": 8, "train.steps": 5, "checkpoint.every": 3,
+            "checkpoint.async_save": False, "topology.preset": "cpu_hybrid",
+            "topology.nodes": 1, "topology.devices_per_node": 2, "diloco.inner_steps": 2,
+            "diloco.codec": "int8", "diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
+
+    def launch(name, ckpt):
+        run = hetjax("launch", "--local", "2", "--timeout", "200",
+                     *config_args({**over, "workdir": str(tmp_path / name),
+                                   "checkpoint.dir": str(ckpt)}))
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            return run.stdout, {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+    _, straight = launch("straight", tmp_path / "ckpt")
+    assert sorted(straight) == [1, 2, 3, 4, 5]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt3")
+    shutil.rmtree(tmp_path / "ckpt3" / "5")  # as if the job had stopped after step 3
+    out, resumed = launch("resumed", tmp_path / "ckpt3")
+    assert "resumed from checkpoint 3" in out
+    assert sorted(resumed) == [4, 5]
+    np.testing.assert_allclose([resumed[4], resumed[5]], [straight[4], straight[5]], rtol=1e-6)
+    assert straight[4] != straight[5]
+
+
+def test_streamed_fragments_follow_a_plain_reference_and_the_planners_bytes(tmp_path):
+    """Streaming DiLoCo: H = 2, 2 sites, inner SGD, outer Nesterov, no codec; with F = 2
+    fragment 1 is exchanged at steps 1, 3 and fragment 0 at 2, 4, each with its own outer
+    momentum (F = 1: today's DiLoCo, all at 2, 4). The theta and the sites' parameters equal
+    a plain single-device loop of the same algorithm (with F = 1 the same loop is today's
+    DiLoCo, which the other tests cover); the bytes a site sends per step equal
+    the planner's streamed row (2 sites: the ring sends the payload once)."""
+    import optax
+
+    from hetjax.planner.diloco import price, site_clusters
+    from hetjax.train import Trainer
+
+    H, steps, fragments = 2, 4, 2
+    cfg = _config(tmp_path, **{"diloco.inner_optimizer": "sgd", "diloco.outer_optimizer":
+                               "nesterov", "diloco.outer_lr": 0.8, "diloco.outer_momentum": 0.5,
+                               "diloco.inner_steps": H, "diloco.fragments": fragments,
+                               "train.lr": 0.5, "topology.devices_per_node": 1})
+    tr = Trainer(cfg, quiet=True)
+    ex = tr.executor
+    params = jax.device_get(tr.params)
+    leaves, treedef = jax.tree.flatten(params)
+    frags = ex.fragments or [list(range(len(leaves)))]
+    assert sorted(j for f in frags for j in f) == list(range(len(leaves)))
+    assert len(frags) == fragments and all(frags)
+    sched, n, b = tr.schedule, 2, cfg.train.batch_size // 2
+    grad = jax.jit(jax.grad(ex.loss_fn))
+    outer = optax.sgd(0.8, momentum=0.5, nesterov=True)
+    dev = jax.devices()[0]
+    theta = [jax.device_put(x, dev) for x in leaves]
+    sites = [list(theta) for _ in range(n)]
+    opts = [outer.init([theta[j] for j in f]) for f in frags]
+    for t, batch in enumerate(_batches(steps, cfg), 1):
+        tr.step(batch)
+        for s in range(n):
+            g = grad(treedef.unflatten(sites[s]), jnp.asarray(batch["inputs"][s * b:(s + 1) * b]),
+                     jnp.asarray(batch["targets"][s * b:(s + 1) * b]))
+            sites[s] = [p - sched(t - 1) * q for p, q in zip(sites[s], jax.tree.leaves(g))]
+        for f, idx in enumerate(frags):
+            if t % H == f * H // fragments:
+                th = [theta[j] for j in idx]
+                delta = [a - sum(sites[s][j] for s in range(n)) / n for a, j in zip(th, idx)]
+                upd, opts[f] = outer.update(delta, opts[f], th)
+                for j, x in zip(idx, optax.apply_updates(th, upd)):
+                    theta[j] = x
+                    for s in range(n):
+                        sites[s][j] = x
+    assert ex.exchanges == 2 * fragments
+    got = jax.device_get(tr.state)
+    np.testing.assert_array_less(1e-3, max(np.abs(a - np.asarray(c)).max()
+                                           for a, c in zip(leaves, theta)))  # theta moved
+    for s in range(n):
+        for a, c in zip(jax.tree.leaves(got.outer[s]), theta):
+            np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-6)
+        for d, c in zip(jax.tree.leaves(got.sites[s].params), sites[s]):
+            np.testing.assert_allclose(d, c, rtol=2e-5, atol=2e-6)
+    P_ = sum(x.size for x in leaves)
+    pr = price(tr.topology, site_clusters(tr.topology), [0.1, 0.1], P_, 1,
+               tr.tokens_per_step, H, "none")
+    row = {r.name: r for r in pr.rows}[f"DiLoCo H={H} streamed"]
+    assert ex.bytes_sent / n / steps == pytest.approx(row.bytes_per_step)
