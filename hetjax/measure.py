@@ -4,7 +4,8 @@ Two kinds of measurement, each timed as the median of a few runs after a warm-up
 - compute: the model's own decoder block, forward and forward + backward, on every local
   device of one accelerator kind at once (each device its own micro-batch, no communication:
   on simulated CPU devices they share the cores, as in training), at several micro-batch
-  sizes and sequence lengths;
+  sizes and sequence lengths; and the block as the pipelines run it (forward and backward
+  in separate programs, per recompute policy: part "staged:<policy>");
 - collectives: all-reduce, reduce-scatter, all-gather and point-to-point (a ring shift) over
   groups that cover every device -- the devices of a node, one device per node of a cluster,
   a whole cluster, one device per cluster, everything -- at several message sizes. Every
@@ -145,6 +146,55 @@ def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tfl
     rows += _fwd_bwd_rows("head", head_loss, head_loss, outer,
                           lambda n, b, s: jnp.zeros((n, b, s), jnp.int32), devices, kind,
                           peak_tflops, batches, seq_lens, repeats, min_sample_s)
+    for policy in staged_policies(model):
+        rows += _staged_rows(model, params, policy, devices, kind, peak_tflops, batches,
+                             seq_lens, repeats, min_sample_s)
+    return rows
+
+
+def staged_policies(model: "ModelConfig") -> tuple[str, ...]:
+    """The recompute policies `hetjax calibrate` measures the block under as the pipelines
+    run it: none and full always (the executors' defaults), dots when the model asks for it."""
+    return ("none", "full") + (("dots",) if model.remat == "dots" else ())
+
+
+def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,
+                 peak_tflops: float, batches, seq_lens, repeats, min_sample_s):
+    """ComputeRows of part "staged:<policy>": one block as both pipeline executors run it
+    (`parallel.residuals`): F is the block under `jax.vjp` keeping the policy's residuals, in
+    one program; B is the pullback from those residuals, in another program -- so the
+    recompute is real (in one program XLA merges it with the forward) and B's time includes
+    it. Measured because it costs more than its FLOPs say: on CPU a layer's B under 'full'
+    took 1.3x a plain forward + backward."""
+    import jax
+    import jax.numpy as jnp
+
+    from parallel.residuals import layer_fn, pullback, vjp_stash
+
+    fn = layer_fn(model, policy)
+    spec = {}
+
+    def forward(p, x):
+        out, kept, spec["r"] = vjp_stash(fn, p, x)
+        return out, kept
+
+    def backward(p, kept, dy):
+        return pullback(spec["r"], p, kept)(dy)
+
+    stacked, spread = _stacked(params, devices)
+    run_f, run_b = jax.jit(jax.vmap(forward)), jax.jit(jax.vmap(backward))
+    dtype = jnp.dtype(model.dtype)
+    rows = []
+    for s in seq_lens:
+        for b in batches:
+            x = jax.device_put(jnp.ones((len(devices), b, s, model.d_model), dtype), spread)
+            out, kept = run_f(stacked, x)
+            t_f = _median_seconds(run_f, (stacked, x), repeats,
+                                  _calls_per_sample(run_f, (stacked, x), min_sample_s))
+            args = (stacked, kept, out)
+            t_b = _median_seconds(run_b, args, repeats,
+                                  _calls_per_sample(run_b, args, min_sample_s))
+            rows.append(ComputeRow(kind, b, s, t_f, t_b, peak_tflops, f"staged:{policy}"))
     return rows
 
 
@@ -325,5 +375,5 @@ def _gather(compute: list[ComputeRow], links: list[LinkRow]):
             [LinkRow(r.op, r.nbytes, r.groups, float(t)) for r, t in zip(links, slowest)])
 
 
-__all__ = ["calibrate", "measure_compute", "measure_update", "measure_links", "group_layouts",
+__all__ = ["calibrate", "measure_compute", "staged_policies", "measure_update", "measure_links", "group_layouts",
            "DEFAULT_BATCHES", "DEFAULT_MESSAGE_BYTES"]

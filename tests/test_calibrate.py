@@ -107,6 +107,48 @@ def test_measured_head_and_update_price_the_step_as_a_hand_computation():
     assert CostModel(t, MODEL, CostOptions()).update_seconds_per_param(acc) == 0.0
 
 
+def test_staged_block_prices_pipelined_layers_and_only_those():
+    """A "staged:full" row (the block as the pipelines run it, recompute in its backward)
+    prices each layer of a pipelined layout -- as a hand computation, no recompute FLOPs
+    added -- while pp = 1 keeps the plain block's curve plus the recompute."""
+    import dataclasses
+
+    from hetjax.plan import Plan
+
+    t = preset("cpu_hybrid")
+    model = dataclasses.replace(MODEL, remat="full")
+    cal = dataclasses.replace(_synthetic(t), model=model)
+    peak = t.clusters[0].accelerator.peak_tflops
+    staged = ComputeRow("cpu", 2, 64, 4e-3, 11e-3, peak, "staged:full")
+    cal = dataclasses.replace(cal, compute=cal.compute + (staged,))
+    assert set(cal.staged_curves()) == {"full"}
+    cm = CostModel(t, model, cal.options())
+    acc = t.clusters[0].accelerator
+    tok = 2 * 64
+    f, b = cm.layer_seconds_per_token(acc, 64, "full", tok, staged=True)
+    assert (f * tok, b * tok) == pytest.approx((4e-3, 11e-3))
+    plain = cm.layer_seconds_per_token(acc, 64, "full", tok)
+    ef, eb = cal.curves()["cpu"].efficiency(model.layer_flops(64) * tok)
+    flops = model.layer_flops(64)
+    assert plain == pytest.approx((flops / (ef * peak * 1e12), 2 * flops / (eb * peak * 1e12)
+                                   + flops / (ef * peak * 1e12)))
+    # A 2-stage pipeline of the hetjax executors reads the staged row; its stage's forward
+    # per micro-batch is layers x 4 ms (dp = 4: 2 sequences of 64 per device).
+    p = Plan(pp=2, dp=4, tp=1, stage_layers=(2, 2), microbatches=2, global_batch=16,
+             seq_len=64)
+    for executor in ("hetjax", "mpmd"):
+        cm = CostModel(t, model, dataclasses.replace(cal.options(), executor=executor))
+        assert cm.stage_costs(cm_layout(p))[0].fwd_layer == pytest.approx(4e-3)
+    megatron = CostModel(t, model, dataclasses.replace(cal.options(), executor="megatron"))
+    assert megatron.stage_costs(cm_layout(p))[0].fwd_layer != pytest.approx(4e-3)
+
+
+def cm_layout(plan_):
+    from hetjax.planner.cost import Layout
+
+    return Layout.of(plan_)
+
+
 def test_a_file_that_is_not_a_calibration_is_one_clear_error(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"version": 1, "compute": []}))
@@ -127,9 +169,11 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     cal = measure.calibrate(t, MODEL, seq_lens=(16,), batches=(1, 2), message_bytes=(4096,),
                             repeats=1, min_sample_s=0)
     assert {(r.kind, r.part, r.batch, r.seq_len) for r in cal.compute} == {
-        ("cpu", "block", 1, 16), ("cpu", "block", 2, 16), ("cpu", "head", 1, 16),
-        ("cpu", "head", 2, 16), ("cpu", "update", 0, 0)}
-    assert all(r.fwd_s > 0 and r.bwd_s > 0 for r in cal.rows("block") + cal.rows("head"))
+        ("cpu", part, b, 16) for part in ("block", "head", "staged:none", "staged:full")
+        for b in (1, 2)} | {("cpu", "update", 0, 0)}
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 for part in ("block", "head", "staged:full")
+               for r in cal.rows(part))
+    assert set(cal.staged_curves()) == {"none", "full"}
     assert cal.rows("update")[0].params == MODEL.num_params
     assert cal.update_rates()["cpu"] > 0 and set(cal.curves("head")) == {"cpu"}
     # one process: the pipeline stays priced in lockstep with NCCL's algorithms

@@ -75,12 +75,13 @@ def rank_order(work: Workload, stage_layers: tuple[int, ...]) -> Plan:
 
 def layer_seconds(work: Workload, calibration: str, topology: Topology) -> dict[str, float]:
     """Seconds of one layer's forward + backward (with the executor's recompute) per token on
-    each accelerator kind, at one device's micro-batch, from the calibration file."""
+    each accelerator kind, at one device's micro-batch, from the calibration file (the block
+    as the pipeline runs it)."""
     cfg = work.config([f"--config.planner.calibration={calibration}"])
     cm = CostModel(topology, work.model(), options_from_config(cfg))
     tokens = work.batch // work.microbatches // 2 * work.seq_len  # dp = 2
     return {c.accelerator.name: sum(cm.layer_seconds_per_token(
-        c.accelerator, work.seq_len, "full", tokens)) for c in topology.clusters}
+        c.accelerator, work.seq_len, "full", tokens, staged=True)) for c in topology.clusters}
 
 
 def proportional(work: Workload, seconds: dict[str, float]) -> Plan:

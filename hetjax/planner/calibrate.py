@@ -234,6 +234,7 @@ def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> 
 
 # --- a calibration file: what `hetjax calibrate` measured on a job's devices --------------------
 OPS_MEASURED = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+STAGED = "staged:"  # prefix of the compute parts measured as the pipelines run a block
 CALIBRATION_VERSION = 1
 
 
@@ -242,7 +243,9 @@ class ComputeRow:
     """One measurement on one device of `kind` (peak `peak_tflops`). Part "block": one decoder
     block, "head": the embedding, final norm, head and loss together -- seconds of the forward
     and of the pure backward (forward + backward less forward) of a micro-batch of `batch`
-    sequences of `seq_len` tokens. Part "update": one optimizer update of `params`
+    sequences of `seq_len` tokens; "staged:<policy>": one block as the pipelines run it under
+    that recompute policy, forward and backward each its own program (the backward's seconds
+    include its recompute). Part "update": one optimizer update of `params`
     parameters in `fwd_s` seconds."""
 
     kind: str
@@ -308,6 +311,13 @@ class Calibration:
                      else self.model.layer_flops(r.seq_len))
         return per_token * r.batch * r.seq_len
 
+    def staged_curves(self) -> dict[str, dict[str, ComputeCurve]]:
+        """Per recompute policy, per accelerator kind, the curve of the block as the pipelines
+        run it (rows of part "staged:<policy>"; its backward's efficiency counts the
+        recompute as time, not FLOPs)."""
+        parts = sorted({r.part for r in self.compute if r.part.startswith(STAGED)})
+        return {part[len(STAGED):]: self.curves(part) for part in parts}
+
     def update_rates(self) -> dict[str, float]:
         """Per accelerator kind, seconds of the optimizer update per parameter."""
         return {r.kind: r.fwd_s / r.params for r in self.rows("update") if r.params}
@@ -356,6 +366,7 @@ class Calibration:
                  if self.asynchronous_sends else {})
         return dataclasses.replace(base or CostOptions(), curves=self.curves(),
                                    head_curves=self.curves("head"),
+                                   staged_curves=self.staged_curves(),
                                    update_s_per_param=self.update_rates(),
                                    link_fits=self.link_fits(), **extra)
 
@@ -374,13 +385,17 @@ class Calibration:
                            if j != i and o.kind == r.kind and o.part == r.part)
             held_out = dataclasses.replace(self, compute=others or (r,))
             calibrated = CostModel(self.topology, self.model, CostOptions(
-                curves=held_out.curves(), head_curves=held_out.curves("head")))
+                curves=held_out.curves(), head_curves=held_out.curves("head"),
+                staged_curves=held_out.staged_curves()))
             tok = r.batch * r.seq_len
             row = {"kind": r.kind, "part": r.part, "batch": r.batch, "seq_len": r.seq_len,
                    "fwd_s": r.fwd_s, "bwd_s": r.bwd_s}
+            staged = r.part.startswith(STAGED)
+            policy = r.part[len(STAGED):] if staged else "none"
             for name, cm in (("model", calibrated), ("nominal", nominal)):
                 f, b = (cm.head_seconds_per_token(accs[r.kind], tok) if r.part == "head" else
-                        cm.layer_seconds_per_token(accs[r.kind], r.seq_len, "none", tok))
+                        cm.layer_seconds_per_token(accs[r.kind], r.seq_len, policy, tok,
+                                                   staged=staged))
                 row[f"{name}_fwd_s"], row[f"{name}_bwd_s"] = f * tok, b * tok
             out.append(row)
         return out
@@ -402,13 +417,14 @@ class Calibration:
 
     def describe(self) -> str:
         """The measurements against the calibrated model (and the nominal one), as tables."""
-        lines = [f"compute: one {self.model.d_model}-wide block, and the embedding + head + "
-                 "loss, per device (ms per micro-batch; model = the curve of the other rows, "
+        lines = [f"compute: one {self.model.d_model}-wide block, the embedding + head + "
+                 "loss, and the block as the pipelines run it (staged, per recompute policy), "
+                 "per device (ms per micro-batch; model = the curve of the other rows, "
                  f"interpolated; nominal = peak x {DEFAULT_EFFICIENCY})",
-                 f"  {'kind':<10}{'part':<6}{'batch':>6}{'seq':>6}{'fwd':>9}{'model':>9}"
+                 f"  {'kind':<10}{'part':<14}{'batch':>6}{'seq':>6}{'fwd':>9}{'model':>9}"
                  f"{'nominal':>9}{'bwd':>9}{'model':>9}{'nominal':>9}"]
         for r in self.compute_table():
-            lines.append(f"  {r['kind']:<10}{r['part']:<6}{r['batch']:>6}{r['seq_len']:>6}"
+            lines.append(f"  {r['kind']:<10}{r['part']:<14}{r['batch']:>6}{r['seq_len']:>6}"
                          + "".join(f"{r[k] * 1e3:>9.3f}" for k in (
                              "fwd_s", "model_fwd_s", "nominal_fwd_s", "bwd_s", "model_bwd_s",
                              "nominal_bwd_s")))
@@ -543,7 +559,7 @@ def plot_calibration(cal: Calibration, path: str) -> str:
     return path
 
 
-__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "load_calibration",
+__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
            "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
            "nominal_links", "spearman", "kendall_tau",
            "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",

@@ -164,6 +164,11 @@ class CostOptions:
     link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
     head_curves: dict[str, ComputeCurve] = field(default_factory=dict)
     update_s_per_param: dict[str, float] = field(default_factory=dict)
+    # Per recompute policy, by accelerator name: the block measured as the pipeline executors
+    # run it (forward and backward in separate programs, the backward's recompute included in
+    # its efficiency; `hetjax calibrate`'s "staged:<policy>" rows). Used for layers hetjax's
+    # executors pipeline, before `curves` + the recompute's FLOPs.
+    staged_curves: dict[str, dict[str, ComputeCurve]] = field(default_factory=dict)
     # pipeline.boundary_codec: "int8" sends boundaries between clusters as int8 + a float32
     # scale per row (parallel/bridge.py), 1 + 4 / row bytes a value
     boundary_codec: str = "none"
@@ -382,16 +387,24 @@ class CostModel:
         return acc.peak_tflops * 1e12 * eff
 
     def layer_seconds_per_token(self, acc: Accelerator, seq_len: int,
-                                remat: str | None = None, tokens: float | None = None
-                                ) -> tuple[float, float]:
+                                remat: str | None = None, tokens: float | None = None,
+                                staged: bool = False) -> tuple[float, float]:
         """(forward, backward) seconds per token of one layer at tp = 1 on `acc`; the backward
         includes the recompute of `remat` (default: the model's). `tokens`: tokens one kernel
         call processes (a device's micro-batch / tp), which sets the efficiency read from a
-        measured `ComputeCurve`; without a curve (or tokens) peak x efficiency."""
+        measured `ComputeCurve`; without a curve (or tokens) peak x efficiency. `staged`: the
+        layer runs in hetjax's pipeline (forward and backward in separate programs), priced
+        from the measured curve of that policy when there is one (`staged_curves`)."""
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.fwd_s, prof.bwd_s
         flops = self.model.layer_flops(seq_len)
+        policy = remat or effective_remat(self.model.remat)
+        measured = self.options.staged_curves.get(policy, {}).get(acc.name)
+        if staged and measured is not None and tokens is not None:
+            ef, eb = measured.efficiency(flops * tokens)
+            peak = acc.peak_tflops * 1e12
+            return flops / (peak * ef), 2 * flops / (peak * eb)
         rate_f, rate_b = self._rates(acc, None if tokens is None else flops * tokens)
         fwd = flops / rate_f
         return fwd, 2 * flops / rate_b + self._recompute_flops(seq_len, remat) / rate_f
@@ -632,6 +645,11 @@ class CostModel:
         """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
         return self.options.executor == "hetjax" and layout.pp > 1
 
+    def runs_staged(self, layout: Layout) -> bool:
+        """Whether one of hetjax's pipeline executors (SPMD or MPMD) runs this layout, each
+        layer's forward and backward in separate programs (`parallel.residuals`)."""
+        return self.options.executor in ("hetjax", "mpmd") and layout.pp > 1
+
     def remat_of(self, layout: Layout) -> str:
         """The recompute policy a layout runs with: its own (the planner's choice), else the
         model's, 'auto' resolved per executor."""
@@ -647,6 +665,7 @@ class CostModel:
         mesh = layout.mesh()
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
         hetjax = self.pipelined_by_hetjax(layout)
+        staged = self.runs_staged(layout)
         remat = self.remat_of(layout)
         zero_as = self.zero_style
         layer_p = m.layer_params / tp
@@ -660,8 +679,8 @@ class CostModel:
             ranks = mesh[s].ravel()
             accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
             # A stage is as slow as its slowest device.
-            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp)
-                             for a in accs], axis=0)
+            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
+                                                          staged=staged) for a in accs], axis=0)
             hf, hb = np.max([self.head_seconds_per_token(a, tok / tp) for a in accs], axis=0)
             # each device updates its shard of the optimizer state (1 / s_os of its parameters)
             upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
