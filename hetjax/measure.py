@@ -154,8 +154,9 @@ def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tfl
 
 def staged_policies(model: "ModelConfig") -> tuple[str, ...]:
     """The recompute policies `hetjax calibrate` measures the block under as the pipelines
-    run it: none and full always (the executors' defaults), dots when the model asks for it."""
-    return ("none", "full") + (("dots",) if model.remat == "dots" else ())
+    run it: none and full always (the executors' defaults), dots when the model asks for it or
+    leaves the choice to the planner (model.remat=auto)."""
+    return ("none", "full") + (("dots",) if model.remat in ("dots", "auto") else ())
 
 
 def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,

@@ -277,6 +277,11 @@ def test_mpmd_rows_run_one_world_per_cluster_with_the_bridge_on_the_hosts():
     plan = dataclasses.replace(hybrid.plan, executor="mpmd")  # as run_case does
     args = harness.layout_args(plan)
     assert args[-2:] == ["--config.pipeline.executor=mpmd", "--config.model.remat=full"]
+    # A plan whose recompute the planner chose runs with it (the prediction priced it).
+    for executor in ("spmd", "mpmd"):
+        chosen = load_config(None, [*w.config_args(), *harness.layout_args(
+            dataclasses.replace(plan, executor=executor, remat="dots"))])
+        assert chosen.model.remat == "dots", executor
 
     topo_file = tmp_topology(hybrid.topology)
     config_args = [*w.config_args(), f"--config.topology.file={topo_file}", *args]

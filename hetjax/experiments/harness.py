@@ -83,10 +83,10 @@ class Workload:
 def layout_args(plan: Plan) -> list[str]:
     """`--config` flags that make the trainer build `plan`'s layout in rank order (the
     device order is realised by which host each process runs on, see `host_order`), with its
-    schedule and pipeline executor. The MPMD executor recomputes every layer here
-    (model.remat=full), as the SPMD executor does: the same compute, only the executor
-    differs. Put these after `Workload.config_args` (later flags
-    win)."""
+    schedule, pipeline executor and recompute policy: the planner's choice when it made one
+    (Plan.remat), else, on the MPMD executor, every layer recomputed (model.remat=full) as the
+    SPMD executor does -- the same compute, only the executor differs. Put these after
+    `Workload.config_args` (later flags win)."""
     args = [f"--config.parallel.pp={plan.pp}", f"--config.parallel.dp={plan.dp}",
             f"--config.parallel.tp={plan.tp}",
             f"--config.pipeline.stage_layers=[{','.join(map(str, plan.stage_layers))}]",
@@ -96,6 +96,8 @@ def layout_args(plan: Plan) -> list[str]:
         # launch.plan_workers then starts one JAX world per cluster (hetjax.planner.worlds)
         # when the stages sit on different fabrics or kinds, the bridge between them.
         args += ["--config.pipeline.executor=mpmd", "--config.model.remat=full"]
+    if plan.remat:  # what the plan was priced with is what runs
+        args.append(f"--config.model.remat={plan.remat}")
     return args
 
 
