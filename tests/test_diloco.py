@@ -307,7 +307,8 @@ def test_streamed_fragments_follow_a_plain_reference_and_the_planners_bytes(tmp_
     assert ex.bytes_sent / n / steps == pytest.approx(row.bytes_per_step)
 
 
-@pytest.mark.parametrize("H,fragments,tau,mix,steps", [(4, 2, 1, 0.5, 8), (3, 1, 2, 0.0, 6)])
+@pytest.mark.parametrize("H,fragments,tau,mix,steps",
+                         [(4, 2, 1, 0.5, 8), (3, 1, 2, 0.0, 9)])
 def test_overlapped_exchanges_land_tau_steps_later_as_a_plain_reference(tmp_path, H, fragments,
                                                                          tau, mix, steps):
     """Streaming DiLoCo with overlap (diloco.overlap_steps tau): the pseudo-gradients of a
