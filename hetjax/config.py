@@ -135,6 +135,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.diloco.inner_optimizer = "adamw"
     c.diloco.inner_lr_scale = 1.0
     c.diloco.fragments = 1
+    c.diloco.overlap_steps = 0
+    c.diloco.mix = 0.0
 
     c.workdir = "runs/default"
     c.tensorboard = True
@@ -234,6 +236,10 @@ DESCRIPTIONS: dict[str, str] = {
     "diloco.inner_optimizer": "adamw (the train.* optimizer) | sgd (train.lr)",
     "diloco.fragments": "streaming: the parameters in F fragments, fragment f exchanged at "
                          "step f H / F of each round (1: all at the round's end)",
+    "diloco.overlap_steps": "streaming: a fragment's exchange travels while the sites train "
+                            "this many more steps (tau < inner_steps / fragments; 0: none)",
+    "diloco.mix": "with overlap_steps: a site keeps mix x its fragment + (1 - mix) x the "
+                  "new outer fragment (0: replace; the paper's alpha)",
     "diloco.inner_lr_scale": "the sites' learning rate is train.lr's schedule times this "
                              "(each site sees 1/n of the global batch)",
     "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
@@ -654,6 +660,20 @@ def _validate_diloco(c) -> None:
     _require(not d.inner_steps or d.inner_steps % d.fragments == 0, "diloco.fragments",
              f"{d.fragments} fragments do not divide diloco.inner_steps = {d.inner_steps}",
              "choose fragments dividing inner_steps, e.g. --config.diloco.fragments=1")
+    every = d.inner_steps // d.fragments if d.inner_steps else 0
+    _require(isinstance(d.overlap_steps, int) and d.overlap_steps >= 0, "diloco.overlap_steps",
+             f"must be an integer >= 0, got {d.overlap_steps!r}", "use 0 (no overlap)")
+    # one fragment in flight at a time: it lands before the next fragment's exchange starts
+    _require(not d.inner_steps or d.overlap_steps < every, "diloco.overlap_steps",
+             f"{d.overlap_steps} overlap steps do not fit between two fragment exchanges "
+             f"(every inner_steps / fragments = {every} steps)",
+             f"use overlap_steps < {every}, e.g. --config.diloco.overlap_steps={every - 1}")
+    _require(isinstance(d.mix, (int, float)) and 0 <= d.mix < 1, "diloco.mix",
+             f"must be in [0, 1), got {d.mix!r}", "use 0 (replace) or 0.5")
+    _require(not d.mix or d.overlap_steps > 0, "diloco.mix",
+             f"mixes a fragment that trained on while its exchange travelled; with "
+             f"overlap_steps = 0 there is none (mix = {d.mix})",
+             "set --config.diloco.overlap_steps too, or leave diloco.mix=0")
     _require(isinstance(d.inner_lr_scale, (int, float)) and d.inner_lr_scale > 0,
              "diloco.inner_lr_scale", f"must be a number > 0, got {d.inner_lr_scale!r}",
              "use 1.0 (the sites train at train.lr's schedule)")

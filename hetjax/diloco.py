@@ -19,7 +19,13 @@ collectives over a mesh of one device per site, the same arithmetic, so the same
 launch`), its copy of theta and of the outer optimizer state, so a checkpoint resumes
 mid-round exactly (across processes: `SitesLayout`, one orbax step written by all the
 sites). Streaming (`diloco.fragments` F > 1): the parameters in F fragments, fragment f
-exchanged at step f H / F of each round with its own outer optimizer state. With inner_steps = 1, no codec, an
+exchanged at step f H / F of each round with its own outer optimizer state; with
+`diloco.overlap_steps` tau > 0 (Streaming DiLoCo's overlap) the exchange started at step t
+travels while the sites train tau more steps and lands at t + tau: the outer step on the
+fragment, and each site keeps mix x its own fragment + (1 - mix) x the new theta
+(`diloco.mix`). Across processes that exchange runs on a background thread over the MPMD
+bridge's socket transport (`OverlapTransport`), not as a collective, so it does not wait
+behind the inner steps' programs. With inner_steps = 1, no codec, an
 SGD inner optimizer and outer SGD at learning rate 1 a step is synchronous data parallelism
 (theta - mean_s(theta - theta_s) = mean_s theta_s); tests/test_diloco.py checks it against a
 single-device reference.
@@ -28,6 +34,9 @@ single-device reference.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import flax.struct
 import jax
@@ -42,6 +51,7 @@ from hetjax.hardware import Topology
 from hetjax.planner.config_plan import plan_from_config
 from hetjax.planner.diloco import (BITS, site_clusters, site_config, site_first_ranks,
                                    site_topology)
+from parallel import bridge as hbridge
 from parallel import sharding as shd
 from parallel.codec import dequantize, pack4, quantize, quantize_rows, unpack4
 from parallel.codec import rows as _rows
@@ -78,6 +88,9 @@ class DilocoState:
     sites: tuple  # each site's TrainState (its parameters, inner optimizer state)
     outer: tuple  # each site's copy of the outer parameters theta (the round's start)
     outer_opt: tuple  # each site's copy of the outer optimizer state
+    # overlap_steps > 0: each site's pseudo-gradients as last sent (float32, the parameters'
+    # tree; the fragment in flight is read), so a resume mid-flight sends them again
+    pending: tuple | None = None
 
 
 def outer_optimizer(d) -> optax.GradientTransformation:
@@ -221,6 +234,79 @@ class CrossSiteExchange:
         return jax.tree.map(one, tree)
 
 
+def _own_host(coordinator: str) -> str:
+    """This process's address as the coordinator's host reaches it (the source address of a
+    route to the coordinator; on the testbed each site's namespace has its own)."""
+    host = coordinator.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+        return s.getsockname()[0]
+
+
+def _bridge_addresses(site: int, n: int, timeout_s: float) -> list[str]:
+    """Every site's bridge control address, agreed through the job's key-value store (the
+    sites of one `jax.distributed` job have no bridge variables from the launcher)."""
+    from jax._src import distributed
+
+    from hetjax.launch import free_port
+
+    g = distributed.global_state
+    me = f"{_own_host(g.coordinator_address)}:{free_port()}"
+    g.client.key_value_set(f"hetjax/diloco_bridge/{site}", me)
+    return [g.client.blocking_key_value_get(f"hetjax/diloco_bridge/{s}", int(timeout_s * 1e3))
+            for s in range(n)]
+
+
+class OverlapTransport:
+    """The overlapped exchange across processes (`diloco.overlap_steps` > 0): each site's
+    encoded pseudo-gradient of one fragment goes to every other site over the MPMD bridge
+    (parallel/bridge.py, its socket transport: host bytes over TCP) from a background thread,
+    while the main thread dispatches the next inner steps. A compiled collective would not
+    do: on CPU (gloo) it runs on the site's devices in program order, behind the queued inner
+    steps and in front of the next ones. Every site gets all n wires (an all-gather: n - 1
+    payloads a site, what the planner's overlapped row prices) and forms their mean itself
+    with the one-process executor's function, so the result is the one-process one."""
+
+    def __init__(self, site: int, n: int, device, timeout_s: float):
+        self.site, self.n = site, n
+        self.sharding = SingleDeviceSharding(device)
+        self.bridge = hbridge.Bridge(site, _bridge_addresses(site, n, timeout_s), "socket",
+                                     timeout_s=timeout_s, max_in_flight=max(1, n - 1))
+        self.bridge.peer_names = {s: f"DiLoCo site {s}" for s in range(n)}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-exchange")
+        self._futures: list[Future] = []
+
+    def start(self, step: int, fragment: int, wire) -> Future:
+        """Send this site's `wire` (exchange `step`, `fragment`) and receive the others';
+        the future holds every site's wire, in site order, on this site's exchange device."""
+        leaves, treedef = jax.tree.flatten(wire)
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding) for x in leaves]
+        key = lambda to: hbridge.message_key(step, to, fragment, "diloco")  # noqa: E731
+
+        def run():
+            host = jax.device_get(leaves)  # waits here, not on the main thread, for the encode
+            for s in range(self.n):
+                if s != self.site:
+                    self.bridge.send(key(s), host)
+            return [jax.tree.unflatten(treedef, leaves if s == self.site else
+                                       self.bridge.recv(s, key(self.site), specs))
+                    for s in range(self.n)]
+
+        fut = self._pool.submit(run)
+        self._futures = [f for f in self._futures if not f.done()] + [fut]
+        return fut
+
+    def finish(self) -> None:
+        """Wait for the exchanges under way, then for every peer (which may still be pulling
+        this site's last wire) before the process may exit."""
+        for f in self._futures:
+            f.result()
+        self.bridge.barrier([s for s in range(self.n) if s != self.site])
+        self._pool.shutdown()
+        self.bridge.close()
+
+
 class SitesLayout:
     """The checkpoint of a multi-process DiLoCo job (one process per site): one orbax step
     written by all the sites together, as global arrays over the sites' mesh
@@ -243,13 +329,18 @@ class SitesLayout:
                          "theta": jax.tree.map(shape, state.outer[0]),
                          "outer_opt": jax.tree.map(shape, state.outer_opt[0]),
                          "sites": jax.tree.map(lambda x: shape(x, (cross.n,)), state.sites[0])}
+        if state.pending is not None:  # each site's own row, as its train state
+            self.abstract["pending"] = jax.tree.map(lambda x: shape(x, (cross.n,)),
+                                                    state.pending[0])
 
     def to_natural(self, state: DilocoState) -> dict:
         c = self.cross
         return {"step": c.replicated(state.step),
                 "theta": jax.tree.map(c.replicated, state.outer[0]),
                 "outer_opt": jax.tree.map(c.replicated, state.outer_opt[0]),
-                "sites": jax.tree.map(c.stacked, state.sites[0])}
+                "sites": jax.tree.map(c.stacked, state.sites[0]),
+                **({} if state.pending is None else
+                   {"pending": jax.tree.map(c.stacked, state.pending[0])})}
 
     def natural_target(self):
         c = self.cross
@@ -258,10 +349,13 @@ class SitesLayout:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
         a = self.abstract
-        return {"step": target(a["step"], c.everywhere),
-                "theta": jax.tree.map(lambda x: target(x, c.everywhere), a["theta"]),
-                "outer_opt": jax.tree.map(lambda x: target(x, c.everywhere), a["outer_opt"]),
-                "sites": jax.tree.map(lambda x: target(x, c.spread), a["sites"])}
+        out = {"step": target(a["step"], c.everywhere),
+               "theta": jax.tree.map(lambda x: target(x, c.everywhere), a["theta"]),
+               "outer_opt": jax.tree.map(lambda x: target(x, c.everywhere), a["outer_opt"]),
+               "sites": jax.tree.map(lambda x: target(x, c.spread), a["sites"])}
+        if "pending" in a:
+            out["pending"] = jax.tree.map(lambda x: target(x, c.spread), a["pending"])
+        return out
 
     def from_natural(self, natural) -> DilocoState:
         def mine(x, sharding, row: bool):
@@ -275,7 +369,9 @@ class SitesLayout:
             outer=(jax.tree.map(lambda x, s: mine(x, s, False), natural["theta"],
                                 sh.outer[0]),),
             outer_opt=(jax.tree.map(lambda x, s: mine(x, s, False), natural["outer_opt"],
-                                    sh.outer_opt[0]),))
+                                    sh.outer_opt[0]),),
+            pending=None if "pending" not in natural else
+            (jax.tree.map(lambda x, s: mine(x, s, True), natural["pending"], sh.pending[0]),))
 
 
 class DilocoExecutor(Executor):
@@ -288,6 +384,11 @@ class DilocoExecutor(Executor):
         self.F = d.fragments  # streaming: fragment f is exchanged at step f H / F of a round
         self.offsets = [f * self.H // self.F for f in range(self.F)]
         self.fragments = None  # leaf indices of each fragment (set by init_state)
+        # overlap: fragment f's exchange started at step t lands at t + tau (config checks
+        # tau < H / F: one fragment in flight at a time)
+        self.tau, self.mix = d.overlap_steps, float(d.mix)
+        self._inflight = {}  # fragment -> its exchange under way (wires, or a Future of them)
+        self.transport = None
         self.sites = site_clusters(topology, tuple(d.sites))
         n = len(self.sites)
         if n < 2:
@@ -330,6 +431,10 @@ class DilocoExecutor(Executor):
             self._first = True
             self.cross = CrossSiteExchange([devices[r[0]] for r in site_ranks], self.local,
                                            self.codec)
+            if self.tau:
+                timeout = float(os.environ.get("HETJAX_INIT_TIMEOUT", hbridge.DEFAULT_TIMEOUT))
+                self.transport = OverlapTransport(self.local, n, self.cross.device,
+                                                  max(timeout, hbridge.DEFAULT_TIMEOUT))
 
     def _build(self):
         self._frag_fns = {}  # (site, fragment) -> its jitted outer step
@@ -349,6 +454,7 @@ class DilocoExecutor(Executor):
             self._apply_mean.append(jax.jit(self._outer_step, out_shardings=(params_sh, None)))
         self._delta = jax.jit(lambda theta, params: jax.tree.map(
             lambda a, b: (a - b).astype(jnp.float32), theta, params))
+        self._encode_delta = jax.jit(lambda delta: encode(delta, self.codec))
         first = self.site_execs[0].mesh.devices.flat[0]
         self.hub = SingleDeviceSharding(first)  # where the shard owners' mean is formed
         self._reduce = jax.jit(self._mean_of)
@@ -397,7 +503,7 @@ class DilocoExecutor(Executor):
             sites.append(st)
             theta = jax.tree.map(lambda x: x.copy(), st.params)
             outer.append(theta)
-            if self.F > 1:  # one outer optimizer state per fragment
+            if self.F > 1 or self.tau:  # one outer optimizer state per fragment
                 self.fragments = self._split(theta)
                 spec_leaves = jax.tree.leaves(ex.param_specs, is_leaf=lambda x: isinstance(x, P))
                 shards, states = [], []
@@ -418,8 +524,14 @@ class DilocoExecutor(Executor):
                                 out_shardings=self.outer_opt_shardings[i])(theta))
         step = jax.device_put(jnp.zeros((), jnp.int32),
                               NamedSharding(self.site_execs[0].mesh, P()))
+        pending = None
+        if self.tau:
+            pending = tuple(jax.jit(lambda p: jax.tree.map(
+                lambda x: jnp.zeros(x.shape, jnp.float32), p),
+                out_shardings=ex.state_sharding.params)(st.params)
+                for ex, st in zip(self.site_execs, sites))
         return DilocoState(step=step, sites=tuple(sites), outer=tuple(outer),
-                           outer_opt=tuple(opts))
+                           outer_opt=tuple(opts), pending=pending)
 
     def params(self, state: DilocoState):
         """The outer parameters theta (the model as of the last exchange)."""
@@ -461,7 +573,9 @@ class DilocoExecutor(Executor):
             metrics.append(m)
         step = state.step + 1
         state = state.replace(step=step, sites=tuple(sites))
-        if self.F == 1:
+        if self.tau:
+            state = self._overlapped(state, int(step))
+        elif self.F == 1:
             if int(step) % self.H == 0:
                 state = self.exchange(state)
         else:
@@ -575,6 +689,82 @@ class DilocoExecutor(Executor):
         self.exchanges += 1
         return state.replace(sites=tuple(sites), outer=tuple(outer), outer_opt=tuple(opts))
 
+    # --- overlapped streaming (overlap_steps tau > 0) ------------------------------------------
+    def _overlapped(self, state: DilocoState, t: int) -> DilocoState:
+        """After inner step t: the fragment whose exchange started at t - tau lands; the
+        fragment due at t starts its exchange (never both: tau < H / F)."""
+        for f, offset in enumerate(self.offsets):
+            if t - self.tau >= 1 and (t - self.tau) % self.H == offset:
+                state = self._land(state, f, t - self.tau)
+            if t % self.H == offset:
+                state = self._launch(state, f, t)
+        return state
+
+    def _launch(self, state: DilocoState, f: int, t: int) -> DilocoState:
+        """Fragment f's pseudo-gradients (theta - theta_s) kept in the state and sent."""
+        idx, pick = self.fragments[f], self._pick
+        deltas = [self._delta(pick(theta, idx), pick(st.params, idx))
+                  for theta, st in zip(state.outer, state.sites)]
+        self._inflight[f] = self._send(f, t, deltas)
+        return state.replace(pending=tuple(self._put(p, idx, d)
+                                           for p, d in zip(state.pending, deltas)))
+
+    def _send(self, f: int, t: int, deltas):
+        """Encode each site's pseudo-gradient and start the exchange: in one process the
+        wires themselves (the copy to the hub is the exchange), across processes a Future."""
+        wires = [self._encode_delta(d) for d in deltas]
+        if self.transport is None:
+            self.bytes_sent += sum(wire_bytes(w) for w in wires)
+            return wires
+        self.bytes_sent += (self.n_sites - 1) * wire_bytes(wires[0])
+        return self.transport.start(t, f, wires[0])
+
+    def _land(self, state: DilocoState, f: int, t0: int) -> DilocoState:
+        """The exchange started at step t0 lands: the mean of the sites' wires (formed and
+        re-encoded as in `exchange_fragment`), fragment f's outer step, and each site's
+        fragment mixed with the new theta."""
+        idx, pick, put = self.fragments[f], self._pick, self._put
+        flight = self._inflight.pop(f, None)
+        if flight is None:  # restored mid-flight: send the saved pseudo-gradients again
+            flight = self._send(f, t0, [pick(p, idx) for p in state.pending])
+        wires = flight.result() if isinstance(flight, Future) else flight
+        like = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in pick(state.outer[0], idx)]
+        mean = self._reduce([jax.device_put(w, self.hub) for w in wires], like)
+        sites, outer, opts = [], [], []
+        for i, ex in enumerate(self.site_execs):
+            wire = jax.device_put(mean, NamedSharding(ex.mesh, P()))
+            new, opt = self._fragment_step(i, f, False)(pick(state.outer[i], idx),
+                                                        state.outer_opt[i][f], wire)
+            opt = jax.device_put(opt, self.outer_opt_shardings[i][f])
+            outer.append(put(state.outer[i], idx, new))
+            opts.append(tuple(opt if g == f else o for g, o in enumerate(state.outer_opt[i])))
+            params = put(state.sites[i].params, idx,
+                         self._merge(i, f)(pick(state.sites[i].params, idx), new))
+            sites.append(state.sites[i].replace(params=params))
+        self.exchanges += 1
+        return state.replace(sites=tuple(sites), outer=tuple(outer), outer_opt=tuple(opts))
+
+    def _merge(self, i: int, f: int):
+        """Site i's fragment f after a landing: mix x its own + (1 - mix) x the new theta
+        (Streaming DiLoCo's alpha; mix 0 restarts from theta, as without overlap)."""
+        key = (i, f, "merge")
+        if key not in self._frag_fns:
+            sh = self._pick(self.site_execs[i].state_sharding.params, self.fragments[f])
+            a = self.mix
+            if a == 0:
+                fn = lambda local, new: [x.copy() for x in new]  # noqa: E731
+            else:
+                fn = lambda local, new: [(a * x + (1 - a) * y).astype(x.dtype)  # noqa: E731
+                                         for x, y in zip(local, new)]
+            self._frag_fns[key] = jax.jit(fn, out_shardings=sh)
+        return self._frag_fns[key]
+
+    def finish(self) -> None:
+        """Multi-process with overlap: the last exchanges under way complete, and every site
+        waits for the others before exiting (a peer may still pull this site's wire)."""
+        if self.transport is not None:
+            self.transport.finish()
+
     def eval_loss(self, state: DilocoState, batch) -> float:
         ex = self.site_execs[0]
         return ex.eval_loss(TrainState(step=state.step, params=state.outer[0], opt_state=None),
@@ -583,13 +773,15 @@ class DilocoExecutor(Executor):
     def describe(self) -> str:
         lines = [f"DiLoCo: {len(self.sites)} sites, an outer {self.outer_name} step every "
                  f"{self.H} steps, pseudo-gradients as {self.codec}"
-                 + (f", streamed in {self.F} fragments" if self.F > 1 else "")]
+                 + (f", streamed in {self.F} fragments" if self.F > 1 else "")
+                 + (f", each exchange overlapped with {self.tau} inner steps (mix {self.mix:g})"
+                    if self.tau else "")]
         for (name, _), plan in zip(self.sites, self.site_plans):
             lines.append(f"  site {name}: pp {plan.pp} dp {plan.dp} tp {plan.tp}, "
                          f"{plan.global_batch} sequences a step")
         return "\n".join(lines)
 
 
-__all__ = ["DilocoExecutor", "DilocoState", "CrossSiteExchange", "quantize",
+__all__ = ["DilocoExecutor", "DilocoState", "CrossSiteExchange", "OverlapTransport", "quantize",
            "quantize_rows", "dequantize", "encode", "decode",
            "wire_bytes", "outer_optimizer", "inner_optimizer"]

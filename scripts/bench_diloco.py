@@ -13,6 +13,9 @@ processes used during each run (timings are only clean when that is near 0).
 
     python scripts/bench_diloco.py --testbed --steps 300 --sync-steps 8 --H 50 --mbps 3 \
         --codec int8 --outer-lr 1 --outer-momentum 0 --json out.json
+    # streamed in 2 fragments, exchanges blocking (tau 0) vs overlapped with 4 inner steps
+    python scripts/bench_diloco.py --testbed --steps 100 --sync-steps 8 --H 10 --fragments 2 \
+        --overlap-steps 0 --overlap-steps 4 --mix 0.5 --mbps 3 --codec int8
 
 Without --testbed (one process, 3 sites of 2 simulated CPU devices): loss measured, compute
 measured (the sites run one after another here, so DiLoCo's compute is over-counted against
@@ -109,9 +112,9 @@ def testbed(args):
         f.write(topo.to_json(indent=1))
     outer = _outer(args)
     modes = [("synchronous DP", {}, args.sync_steps or args.steps)] + [
-        (f"DiLoCo H={args.H}{f' F={args.fragments}' if args.fragments > 1 else ''} {c}",
-         {"diloco.inner_steps": args.H, "diloco.codec": c, **outer},
-         args.steps) for c in (args.codec or ["int8"])]
+        (_label(args, tau, c), {"diloco.inner_steps": args.H, "diloco.codec": c,
+                                **outer, **_overlap(args, tau)}, args.steps)
+        for tau in args.overlap_steps or [0] for c in (args.codec or ["int8"])]
     results = []
     if args.baseline:  # the synchronous row of an earlier --json run with the same settings
         with open(args.baseline) as f:
@@ -174,6 +177,17 @@ def _outer(args) -> dict:
             "diloco.inner_lr_scale": args.inner_lr_scale, "diloco.fragments": args.fragments}
 
 
+def _overlap(args, tau: int) -> dict:
+    """diloco.overlap_steps tau (and diloco.mix, which only applies with tau > 0)."""
+    return {"diloco.overlap_steps": tau, "diloco.mix": args.mix if tau else 0.0}
+
+
+def _label(args, tau: int, codec: str) -> str:
+    """A row's name; the codec last (`_testbed_row` reads it)."""
+    return (f"DiLoCo H={args.H}{f' F={args.fragments}' if args.fragments > 1 else ''}"
+            f"{f' tau={tau}' if tau else ''} {codec}")
+
+
 def _num_params(args) -> int:
     from hetjax.config import base_config
     from hetjax.planner import model_from_config
@@ -189,6 +203,8 @@ def _testbed_row(r, sync, args) -> str:
     n, P_, row = 3, r["num_params"], base_config().model.d_model
     if r["label"].startswith("synchronous"):
         pred = 2 * (n - 1) / n * 4 * P_  # ring all-reduce of the fp32 gradient
+    elif " tau=" in r["label"]:  # overlapped: the bridge's all-gather, n - 1 wires a site
+        pred = (n - 1) * payload_bytes(P_, r["label"].split()[-1], row) / args.H
     else:
         pred = 2 * (n - 1) / n * payload_bytes(P_, r["label"].split()[-1], row) / args.H
     tokens = args.batch * args.seq_len
@@ -221,6 +237,10 @@ def main():
                     help="diloco.inner_lr_scale: the sites' learning rate is train.lr's times this")
     ap.add_argument("--fragments", type=int, default=1,
                     help="diloco.fragments: streamed, fragment f exchanged at step f H / F")
+    ap.add_argument("--overlap-steps", type=int, action="append", default=None,
+                    help="diloco.overlap_steps tau (repeat for several runs; default 0)")
+    ap.add_argument("--mix", type=float, default=0.5,
+                    help="diloco.mix for the runs with --overlap-steps > 0")
     ap.add_argument("--sync-eval-loss", type=float, default=0.0,
                     help="without --testbed: skip the synchronous run and compare the held-out "
                          "loss with this one (an earlier run's, same --steps; no speed columns)")
@@ -250,11 +270,11 @@ def main():
     sites = site_clusters(topology)
     n, link = len(sites), slowest_site_link(topology, sites)
     results = [] if args.sync_eval_loss else [run("synchronous DP", {}, args, topology)]
-    for codec in codecs:
-        streamed = f" F={args.fragments}" if args.fragments > 1 else ""
-        results.append(run(f"DiLoCo H={args.H}{streamed} {codec}",
-                           {"diloco.inner_steps": args.H, "diloco.codec": codec, **_outer(args)},
-                           args, topology))
+    for tau in args.overlap_steps or [0]:
+        for codec in codecs:
+            results.append(run(_label(args, tau, codec),
+                               {"diloco.inner_steps": args.H, "diloco.codec": codec,
+                                **_outer(args), **_overlap(args, tau)}, args, topology))
     if args.sync_eval_loss:  # losses only: the synchronous run was an earlier one
         print(f"{args.steps} steps, vs the synchronous held-out loss {args.sync_eval_loss:.4f}")
         for r in results:

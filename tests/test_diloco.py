@@ -305,3 +305,153 @@ def test_streamed_fragments_follow_a_plain_reference_and_the_planners_bytes(tmp_
                tr.tokens_per_step, H, "none")
     row = {r.name: r for r in pr.rows}[f"DiLoCo H={H} streamed"]
     assert ex.bytes_sent / n / steps == pytest.approx(row.bytes_per_step)
+
+
+@pytest.mark.parametrize("H,fragments,tau,mix,steps",
+                         [(4, 2, 1, 0.5, 8), (3, 1, 2, 0.0, 9)])
+def test_overlapped_exchanges_land_tau_steps_later_as_a_plain_reference(tmp_path, H, fragments,
+                                                                         tau, mix, steps):
+    """Streaming DiLoCo with overlap (diloco.overlap_steps tau): the pseudo-gradients of a
+    fragment are taken at its step t, the outer step lands at t + tau, and each site then
+    keeps mix x its fragment (trained tau more steps) + (1 - mix) x the new theta. 2 sites,
+    inner SGD, outer Nesterov, no codec; the last exchange is still in flight at the end.
+    Theta and both sites' parameters equal a plain single-device loop of that arithmetic."""
+    import optax
+
+    from hetjax.train import Trainer
+
+    cfg = _config(tmp_path, **{"diloco.inner_optimizer": "sgd", "diloco.outer_optimizer":
+                               "nesterov", "diloco.outer_lr": 0.8, "diloco.outer_momentum": 0.5,
+                               "diloco.inner_steps": H, "diloco.fragments": fragments,
+                               "diloco.overlap_steps": tau, "diloco.mix": mix,
+                               "train.lr": 0.5, "topology.devices_per_node": 1})
+    tr = Trainer(cfg, quiet=True)
+    ex = tr.executor
+    params = jax.device_get(tr.params)
+    leaves, treedef = jax.tree.flatten(params)
+    frags = ex.fragments
+    assert len(frags) == fragments and sorted(j for f in frags for j in f) == \
+        list(range(len(leaves)))
+    sched, n, b = tr.schedule, 2, cfg.train.batch_size // 2
+    grad = jax.jit(jax.grad(ex.loss_fn))
+    outer = optax.sgd(0.8, momentum=0.5, nesterov=True)
+    dev = jax.devices()[0]
+    theta = [jax.device_put(x, dev) for x in leaves]
+    sites = [list(theta) for _ in range(n)]
+    opts = [outer.init([theta[j] for j in f]) for f in frags]
+    sent, landed = {}, 0
+    for t, batch in enumerate(_batches(steps, cfg), 1):
+        tr.step(batch)
+        for s in range(n):
+            g = grad(treedef.unflatten(sites[s]), jnp.asarray(batch["inputs"][s * b:(s + 1) * b]),
+                     jnp.asarray(batch["targets"][s * b:(s + 1) * b]))
+            sites[s] = [p - sched(t - 1) * q for p, q in zip(sites[s], jax.tree.leaves(g))]
+        for f, idx in enumerate(frags):
+            if t - tau >= 1 and (t - tau) % H == f * H // fragments:  # lands
+                th = [theta[j] for j in idx]
+                upd, opts[f] = outer.update(sent.pop(f), opts[f], th)
+                for j, x in zip(idx, optax.apply_updates(th, upd)):
+                    theta[j] = x
+                    for s in range(n):
+                        sites[s][j] = mix * sites[s][j] + (1 - mix) * x
+                landed += 1
+            if t % H == f * H // fragments:  # sent
+                sent[f] = [theta[j] - sum(sites[s][j] for s in range(n)) / n for j in idx]
+    assert sent and ex.exchanges == landed >= 2  # one still in flight at the end
+    got = jax.device_get(tr.state)
+    np.testing.assert_array_less(1e-3, max(np.abs(a - np.asarray(c)).max()
+                                           for a, c in zip(leaves, theta)))  # theta moved
+    for s in range(n):
+        for a, c in zip(jax.tree.leaves(got.outer[s]), theta):
+            np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-6)
+        for d, c in zip(jax.tree.leaves(got.sites[s].params), sites[s]):
+            np.testing.assert_allclose(d, c, rtol=2e-5, atol=2e-6)
+
+
+def test_checkpoint_resumes_with_an_exchange_in_flight_exactly(tmp_path):
+    """H = 4, F = 2, tau = 1, int8: saved at step 4, when fragment 0's exchange (started at 4)
+    is in flight; a fresh trainer restores step 4, sends the saved pseudo-gradients again at
+    its landing (step 5) and ends equal to the uninterrupted run."""
+    from hetjax.train import Trainer
+
+    over = {"diloco.inner_steps": 4, "diloco.fragments": 2, "diloco.overlap_steps": 1,
+            "diloco.mix": 0.5, "diloco.codec": "int8", "train.steps": 6,
+            "data.source": "synthetic", "checkpoint.async_save": False,
+            "checkpoint.dir": str(tmp_path / "ckpt"), "topology.devices_per_node": 1}
+    straight = Trainer(_config(tmp_path / "a", **over, **{"checkpoint.every": 4}), quiet=True)
+    straight.train()
+    assert 4 in straight.checkpointer.steps()
+    resumed = Trainer(_config(tmp_path / "b", **over), quiet=True)
+    assert resumed.restore(4) == 4
+    resumed.train()
+    assert resumed.executor.exchanges == 1  # fragment 0's, landing at 5 from the checkpoint
+    a, b = jax.device_get(straight.state), jax.device_get(resumed.state)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_config_rejects_bad_overlap_and_mix():
+    from hetjax.config import validate
+
+    with pytest.raises(ConfigError, match="diloco.overlap_steps.*do not fit.*every inner_steps"
+                                          " / fragments = 5"):
+        validate(tiny_config(**{"diloco.inner_steps": 10, "diloco.fragments": 2,
+                                "diloco.overlap_steps": 5}))
+    with pytest.raises(ConfigError, match="diloco.overlap_steps.*integer >= 0"):
+        validate(tiny_config(**{"diloco.inner_steps": 10, "diloco.overlap_steps": -1}))
+    with pytest.raises(ConfigError, match="diloco.mix.*\\[0, 1\\)"):
+        validate(tiny_config(**{"diloco.inner_steps": 10, "diloco.overlap_steps": 2,
+                                "diloco.mix": 1.0}))
+    with pytest.raises(ConfigError, match="diloco.mix.*overlap_steps = 0"):
+        validate(tiny_config(**{"diloco.inner_steps": 10, "diloco.mix": 0.5}))
+    validate(tiny_config(**{"diloco.inner_steps": 10, "diloco.fragments": 2,
+                            "diloco.overlap_steps": 4, "diloco.mix": 0.5}))
+
+
+def test_pricing_hides_a_fragments_exchange_behind_tau_inner_steps():
+    """The planner's overlapped row against a hand computation: 2 sites of 1 node, 10 Mbit/s,
+    no latency, P = 1e6 in int8 with rows of 1000 (q = 1.004 MB), F = 2: one fragment's
+    all-gather sends q / 2 = 0.502 MB a site, 0.4016 s; t_inner 0.1 s."""
+    from hetjax.planner.diloco import price, site_clusters
+    from hetjax.topology import Link, Topology, make_cluster
+
+    wan = Link("ethernet", 0.01, 0.0)
+    t = Topology(name="two", clusters=tuple(make_cluster(s, 1, 1, "cpu", "infiniband")
+                                            for s in ("a", "b")), inter_cluster=wan)
+    sites, P, H = site_clusters(t), 1_000_000, 10
+    one = 0.502e6 * 8 / 1e7  # seconds of wire for one fragment
+    for tau, exposed in ((0, one), (2, one - 0.2), (5, 0.0)):
+        rows = {r.name: r for r in price(t, sites, [0.1, 0.08], P, 1000, 4096, H, "int8",
+                                         fragments=2, overlap_steps=tau).rows}
+        r = rows[f"DiLoCo H={H} int8 F=2 overlap {tau}"]
+        assert r.step_time_s == pytest.approx(0.1 + 2 * exposed / H)
+        assert r.sync_time_s == pytest.approx(one)
+        assert r.bytes_per_step == pytest.approx(1.004e6 / H)  # (n - 1) q / H = q / H
+    plain = {r.name for r in price(t, sites, [0.1, 0.08], P, 1000, 4096, H, "int8").rows}
+    assert not any("overlap" in name for name in plain)
+
+
+@pytest.mark.heavy
+def test_launched_sites_with_overlap_match_the_one_process_executor(tmp_path):
+    """`hetjax launch --local 2` with diloco.overlap_steps 1 (H = 4, F = 2, int8, mix 0.5):
+    each fragment's wires cross between the processes over the bridge on a background thread
+    while the next step runs; the logged losses equal the one-process executor's (the same
+    mean, formed on each site by the same function)."""
+    from test_launch import TINY, config_args, hetjax, losses
+
+    from hetjax.train import Trainer
+
+    over = {**TINY, "train.batch_size": 8, "train.steps": 7, "checkpoint.every": 0,
+            "train.log_every": 1, "topology.preset": "cpu_hybrid", "topology.nodes": 1,
+            "topology.devices_per_node": 2, "diloco.inner_steps": 4, "diloco.fragments": 2,
+            "diloco.overlap_steps": 1, "diloco.mix": 0.5, "diloco.codec": "int8"}
+    one = Trainer(tiny_config(**over, workdir=str(tmp_path / "one")), quiet=True)
+    ref = losses(one.train()["metrics"])
+    assert one.executor.exchanges == 3  # landed at 3, 5, 7 (fragment 1, 0, 1)
+    run = hetjax("launch", "--local", "2", "--timeout", "200",
+                 *config_args({**over, "workdir": str(tmp_path / "multi")}))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "overlapped with 1 inner steps" in run.stdout
+    got = losses(tmp_path / "multi" / "metrics.jsonl")
+    assert len(got) == 7 and got[0] != got[6]
+    np.testing.assert_allclose(got, ref, rtol=1e-6)

@@ -13,7 +13,13 @@ sub-topology with the global batch split evenly over the sites). Between sites:
   quantized once, each shard's owner averages the dequantized shards and quantizes the mean
   once more for the all-gather (two rounding steps; the runner does the same). Blocking,
   the exchange adds t_sync / H to a step; streamed (fragments synced while the next inner
-  steps run) a step costs max(t_inner, t_sync / H).
+  steps run) a step costs at best max(t_inner, t_sync / H) (the "streamed" row, a bound).
+- what the runner does with F fragments (`diloco.fragments`) and tau overlap steps
+  (`diloco.overlap_steps`), the "F= overlap" row: F exchanges a round of 1/F of the payload
+  each; with tau = 0 each is a blocking all-reduce as above; with tau > 0 each is the
+  runner's all-gather of the encoded fragments over the bridge (every site sends its wire to
+  the n - 1 others) hidden behind tau inner steps, so a step costs
+  t_inner + F max(0, t_fragment - tau t_inner) / H.
 
 Both exchanges use the slowest link between two sites (a ring pays its slowest hop) with
 `ring_time`; a site with k nodes splits the exchange over its k nodes' flows (the cost model's
@@ -152,10 +158,13 @@ def _size(n: float) -> str:
 
 def price(topology: Topology, sites, site_step_s, num_params: int, row: int,
           tokens_per_step: int, inner_steps: int, codec: str,
-          whole_plan_step_s: float | None = None) -> DilocoPricing:
+          whole_plan_step_s: float | None = None, fragments: int = 1,
+          overlap_steps: int = 0) -> DilocoPricing:
     """Price synchronous DP across `sites` against DiLoCo (H = inner_steps, `codec`), given
     each site's predicted inner step time. `whole_plan_step_s`: the planner's synchronous plan
-    over the whole topology, shown for reference (its bytes depend on its layout)."""
+    over the whole topology, shown for reference (its bytes depend on its layout).
+    `fragments` F > 1 or `overlap_steps` tau > 0 add the row of what the runner does with
+    them (see the module docstring)."""
     if inner_steps < 1:
         raise ConfigError("diloco.inner_steps", f"must be >= 1 to price DiLoCo, got "
                           f"{inner_steps}", "set --config.diloco.inner_steps=50")
@@ -186,7 +195,26 @@ def price(topology: Topology, sites, site_step_s, num_params: int, row: int,
         streamed = max(t_inner, t / h)
         rows.append(Exchange(label + " streamed", streamed, sent / h, tokens_per_step / streamed,
                              t))
+        if fragments > 1 or overlap_steps:
+            rows.append(_fragmented(label, q, n, flows, link, t_inner, h, fragments,
+                                    overlap_steps, tokens_per_step))
     return DilocoPricing(tuple(s for s, _ in sites), tuple(site_step_s), link, tuple(rows))
+
+
+def _fragmented(label: str, q: float, n: int, flows: int, link: Link, t_inner: float, h: int,
+                fragments: int, tau: int, tokens_per_step: int) -> Exchange:
+    """F exchanges a round of q / F each; tau > 0: an all-gather over the bridge (each site
+    sends its wire to the n - 1 others) of which only what outlasts tau inner steps shows."""
+    part = q / fragments
+    if tau:
+        one = ring_time("all_gather", n * part / flows, n, link)  # (n - 1) wires a site
+        exposed, sent = max(0.0, one - tau * t_inner), (n - 1) * q
+    else:
+        one = ring_time("all_reduce", part / flows, n, link)
+        exposed, sent = one, 2 * (n - 1) / n * q
+    step = t_inner + fragments * exposed / h
+    return Exchange(f"{label} F={fragments} overlap {tau}", step, sent / h,
+                    tokens_per_step / step, one)
 
 
 def site_config(c, n_sites: int):
@@ -221,7 +249,7 @@ def price_config(c, topology: Topology, whole_plan=None) -> DilocoPricing:
     whole = whole_plan.predicted.get("step_time_s") if whole_plan is not None else None
     return price(topology, sites, steps, model.num_params, c.model.d_model,
                  c.train.batch_size * c.train.seq_len, c.diloco.inner_steps or 50,
-                 c.diloco.codec, whole)
+                 c.diloco.codec, whole, c.diloco.fragments, c.diloco.overlap_steps)
 
 
 def sites_are_slow(topology: Topology) -> bool:
