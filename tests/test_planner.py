@@ -11,8 +11,8 @@ import pytest
 from hetjax.config import base_config, build_topology
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
-from hetjax.planner import (CostOptions, model_from_config, placement_problems, plan,
-                            plan_from_config, predict)
+from hetjax.planner import (CostModel, CostOptions, model_from_config, placement_problems,
+                            plan, plan_from_config, predict)
 from hetjax.topology import ClusterLink, Link, Topology, make_cluster, preset
 from layers.config import ModelConfig
 from parallel.mesh import mesh_shape
@@ -312,13 +312,13 @@ def test_layout_bound_names_the_faster_layout_memory_refused():
 
 
 # --- the recompute policy as a choice (model.remat = 'auto') ----------------------------------
-def _remat_choice(batch, microbatches, fraction):
+def _remat_choice(batch, microbatches, fraction, executor="mpmd"):
     from hetjax.planner.calibrate import holmes_model
 
     model = dataclasses.replace(holmes_model(), remat="auto")
     return plan(preset("holmes_infiniband"), model, batch, 2048, pp=2, tp=1,
                 microbatches=microbatches, zero="ddp", schedule="1f1b",
-                options=CostOptions(memory_fraction=fraction)).plan
+                options=CostOptions(memory_fraction=fraction, executor=executor)).plan
 
 
 def test_remat_auto_keeps_every_residual_when_memory_is_ample():
@@ -326,6 +326,19 @@ def test_remat_auto_keeps_every_residual_when_memory_is_ample():
     assert p.remat == "none"
     assert p.predicted["bound"]["remat"].startswith("time: the fastest predicted")
     assert "remat=none" in p.header()
+
+
+def test_remat_auto_offers_the_spmd_pipeline_full_recompute_alone():
+    # Where MPMD keeps every residual (above), the SPMD pipeline, whose stash copies under
+    # none / dots the model does not price, recomputes every layer, and says why.
+    p = _remat_choice(256, 16, 0.9, executor="hetjax")
+    assert p.remat == "full"
+    assert p.predicted["bound"]["remat"].startswith("executor: the SPMD pipeline")
+    from hetjax.planner.calibrate import holmes_model
+
+    cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions(executor="hetjax"))
+    assert cm.remat_choices(2) == ("full",)
+    assert cm.remat_choices(1) == ("none", "dots", "full")  # no pipeline: nothing stashed
 
 
 def test_remat_auto_recomputes_every_layer_when_memory_forces_it():

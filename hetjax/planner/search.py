@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from layers.config import ModelConfig
 
 GIB = 2.0 ** 30
-# Recompute policies priced when model.remat is 'auto' (least memory last).
-REMAT_CHOICES = ("none", "dots", "full")
 # ZeRO points priced per layout during the search (least traffic first); the winning layout
 # then has all of them priced (every point's best split costs a partition search).
 ZERO_POINTS_PRICED = 3
@@ -139,7 +137,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     `placement` (Plan.placement) fixes where model chunks live, or "auto" prices looped and
     folded (folded only under hetjax's executor in lockstep, for pp > 1). With
     `model.remat` = 'auto' the recompute policy is a choice too: none, dots and full are
-    priced and the fastest that fits memory wins (Plan.remat)."""
+    priced and the fastest that fits memory wins (Plan.remat); hetjax's SPMD pipeline is
+    offered full alone (`CostModel.remat_choices`)."""
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -162,13 +161,15 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     elif not any(runs_schedule(executor, n) for n in schedules) and pp != 1:
         raise PlanError(f"the {executor} executor cannot run schedule {schedules[0]!r}; use the "
                         f"mpmd executor or one of {', '.join(spmd_schedules())}")
-    remats = REMAT_CHOICES if model.remat == "auto" else ("",)
+    def remats(pp):  # model.remat 'auto': a choice among what the cost model can price
+        return s.cm.remat_choices(pp) if model.remat == "auto" else ("",)
+
     cands = []
     for p, d, t in s.degrees(pp, dp, tp, stage_layers):
         places = s.placements(placement, p)
         for order, orders, tag in s.layouts(p, d, t):
             for M in s.microbatch_counts(d, microbatches):
-                for name, place, remat in itertools.product(schedules, places, remats):
+                for name, place, remat in itertools.product(schedules, places, remats(p)):
                     if not fits_schedule(name, p, M, executor, schedules[0]) or (
                             place == "folded" and not SCHEDULES[name].spmd_compatible):
                         continue
@@ -212,12 +213,16 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if len(places) > 1:
         free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
                              for n in places if n != best.placement]
-    if len(remats) > 1:
+    if len(remats(best.pp)) > 1:
         free["remat"] = [dataclasses.replace(Layout.of(best), remat=r)
-                         for r in remats if r != best.remat]
+                         for r in remats(best.pp) if r != best.remat]
     free_layout = not (pp and dp and tp)
-    ranked[0] = dataclasses.replace(best, predicted={
-        **best.predicted, "bound": s.explain(best, free, len(cands) if free_layout else 0)})
+    bound = s.explain(best, free, len(cands) if free_layout else 0)
+    if model.remat == "auto" and len(remats(best.pp)) == 1:
+        bound["remat"] = ("executor: the SPMD pipeline recomputes every layer (the model does "
+                          "not price its stash copies under none or dots); "
+                          "--config.pipeline.executor=mpmd weighs all three")
+    ranked[0] = dataclasses.replace(best, predicted={**best.predicted, "bound": bound})
     plans = [dataclasses.replace(p, source="planner") for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
                       time.perf_counter() - t0)
