@@ -31,8 +31,8 @@ import numpy as np
 from hetjax.errors import PlanError
 from hetjax.plan import Plan, ZeroFactors, even_split
 from hetjax.planner import assign, partition, zero as zr
-from hetjax.planner.cost import (CostModel, CostOptions, Layout, MissingLinkError, StageCost,
-                                 runs_schedule)
+from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, Layout,
+                                 MissingLinkError, StageCost, runs_schedule)
 from hetjax.planner.placement import placement_problems
 from hetjax.planner.simulate import (closed_form, exposed, folded_ticks, in_flight, lockstep_ticks,
                                      lower_bound)
@@ -223,7 +223,10 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                           "not price its stash copies under none or dots); "
                           "--config.pipeline.executor=mpmd weighs all three")
     ranked[0] = dataclasses.replace(best, predicted={**best.predicted, "bound": bound})
-    plans = [dataclasses.replace(p, source="planner") for p in ranked]
+    # the Plan names the executor it was priced for (Megatron's plans keep the default)
+    named = {v: k for k, v in PLAN_EXECUTORS.items()}.get(executor)
+    plans = [dataclasses.replace(p, source="planner", **({"executor": named} if named else {}))
+             for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
                       time.perf_counter() - t0)
 
