@@ -101,6 +101,13 @@ def test_a_case_is_predicted_as_hetjax_plan_predicts_it(tmp_path, monkeypatch):
     assert pred.step_time == pytest.approx(by_cli, rel=1e-12)
     lockstep = harness.predict_case(plan, topo, work, path, lockstep=True).step_time
     assert lockstep > pred.step_time  # the tick grid pays every tick's slowest stage
+    # A case's extra flags reach its prediction: int8 boundaries on the MPMD executor send
+    # a quarter of the bytes over the slow inter-cluster link, so the step is shorter.
+    (int8,) = [c for c in hetnet.nic_cases(work, 0.4) if c.extra]
+    assert int8.extra == ("--config.pipeline.boundary_codec=int8",)
+    mpmd = dataclasses.replace(plan, executor="mpmd")
+    plain = harness.predict_case(mpmd, topo, work, path).step_time
+    assert harness.predict_case(mpmd, topo, work, path, int8.extra).step_time < plain
 
 
 def test_hetaccel_speeds_and_planned_split_come_from_the_calibration(tmp_path):
@@ -195,7 +202,8 @@ def test_nic_layouts_put_each_parallelism_on_the_intended_links():
         "hybrid, dp=4 (no pipeline)": ("ethernet", "-"),
         "all-fast, MPMD": ("infiniband", "infiniband"),
         "all-Ethernet, MPMD": ("ethernet", "ethernet"),
-        "hybrid, hetjax plan, MPMD": ("infiniband/roce", "ethernet")}
+        "hybrid, hetjax plan, MPMD": ("infiniband/roce", "ethernet"),
+        "hybrid, hetjax plan, MPMD, int8 boundaries": ("infiniband/roce", "ethernet")}
     hetjax_plan = cases["hybrid, hetjax plan"].plan
     unaware = cases["hybrid, network-unaware"].plan
     assert unaware.stage_layers == hetjax_plan.stage_layers == (2, 2)
@@ -266,14 +274,16 @@ def test_mpmd_rows_run_one_world_per_cluster_with_the_bridge_on_the_hosts():
     cases = hetnet.nic_cases(w, 0.4)
     mpmd = [c for c in cases if c.executor == "mpmd"]
     assert [c.name for c in mpmd] == ["all-fast, MPMD", "all-Ethernet, MPMD",
-                                      "hybrid, hetjax plan, MPMD"]
+                                      "hybrid, hetjax plan, MPMD",
+                                      "hybrid, hetjax plan, MPMD, int8 boundaries"]
     assert [c.name for c in harness.select(cases, ["mpmd"])] == [c.name for c in mpmd]
     assert [c.name for c in harness.select(cases, ["HYBRID, hetjax plan"])] == [
-        "hybrid, hetjax plan", "hybrid, hetjax plan, MPMD"]
+        "hybrid, hetjax plan", "hybrid, hetjax plan, MPMD",
+        "hybrid, hetjax plan, MPMD, int8 boundaries"]
     assert harness.select(cases, None) == cases
     with pytest.raises(HetjaxError, match="--only 'nope' matches none"):
         harness.select(cases, ["nope"])
-    hybrid = mpmd[-1]
+    hybrid = mpmd[2]
     plan = dataclasses.replace(hybrid.plan, executor="mpmd")  # as run_case does
     args = harness.layout_args(plan)
     assert args[-2:] == ["--config.pipeline.executor=mpmd", "--config.model.remat=full"]

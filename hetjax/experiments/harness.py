@@ -148,12 +148,14 @@ def calibrate_testbed(tb: Testbed, work: Workload, workdir: str, log,
 
 
 def predict_case(plan: Plan, topology: Topology, work: Workload, calibration: str,
-                 **overrides):
+                 extra: tuple[str, ...] = (), **overrides):
     """What `hetjax plan --config.planner.calibration=FILE` predicts for this layout on this
-    topology (hetjax.planner.config_plan.predict_for_config; `overrides`: CostOptions)."""
+    topology (hetjax.planner.config_plan.predict_for_config; `extra`: more --config flags,
+    `overrides`: CostOptions)."""
     from hetjax.planner.config_plan import predict_for_config
 
-    cfg = work.config([f"--config.planner.calibration={calibration}", *layout_args(plan)])
+    cfg = work.config([f"--config.planner.calibration={calibration}", *layout_args(plan),
+                       *extra])
     return predict_for_config(cfg, plan, topology, **overrides)
 
 
@@ -171,6 +173,8 @@ class Case:
     # The pipeline executor the run uses (it replaces the plan's): "spmd" or "mpmd" (one JAX
     # world per cluster when the stages sit on different fabrics or kinds).
     executor: str = "spmd"
+    # --config flags the run and its prediction add (e.g. pipeline.boundary_codec=int8)
+    extra: tuple[str, ...] = ()
     # filled in by run_case
     step_s: list[float] = field(default_factory=list)
     predicted_s: float | None = None  # as `hetjax plan` with the calibration file prices it
@@ -236,7 +240,7 @@ def _attempt(case: Case, work: Workload, workdir: str, scale: float, calibration
             case.links = tb.measure_links(seconds=0.5)
             case.dp_links, case.pp_links = placement(case.topology, case.plan)
             args = [*work.config_args(), f"--config.topology.file={topo_path}",
-                    *layout_args(case.plan)]
+                    *layout_args(case.plan), *case.extra]
             case.caps_cpus = sum(tb.cpus.get(h.cluster, 0.0) for h in tb.hosts)
             watch = CpuWatch()
             run = tb.train(args, os.path.join(workdir, "run"), host_order(tb, case.plan),
@@ -255,10 +259,10 @@ def _attempt(case: Case, work: Workload, workdir: str, scale: float, calibration
         case.error = case.error or str(e)
         return
     try:
-        pred = predict_case(case.plan, case.topology, work, calibration)
+        pred = predict_case(case.plan, case.topology, work, calibration, case.extra)
         case.predicted_s, case.bubble = pred.step_time, pred.bubble
         case.predicted_lockstep_s = predict_case(case.plan, case.topology, work, calibration,
-                                                 lockstep=True).step_time
+                                                 case.extra, lockstep=True).step_time
     except HetjaxError as e:
         case.error = case.error or f"prediction failed: {e}"
     log(f"  {case.name}: " + (f"{case.mean_s:.3f} s/step measured, {case.predicted_s:.3f} s "

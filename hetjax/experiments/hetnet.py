@@ -80,8 +80,12 @@ def nic_cases(work: Workload, cpus: float) -> list[Case]:
                global_batch=work.batch, seq_len=work.seq_len, schedule=work.schedule)
     cases.append(Case("hybrid, dp=4 (no pipeline)", hybrid, dp4, cpus))
     # The MPMD executor: a JAX world per cluster, the bridge on the inter-cluster link.
-    return cases + [Case(f"{c.name}, MPMD", c.topology, plan, cpus, executor="mpmd")
-                    for c in cases[:3]]
+    cases += [Case(f"{c.name}, MPMD", c.topology, plan, cpus, executor="mpmd")
+              for c in cases[:3]]
+    # Issue 19's compressed boundaries where they cross the slow link: int8 activations and
+    # gradients (their loss effect: scripts/bench_boundary_codec.py).
+    return cases + [Case("hybrid, hetjax plan, MPMD, int8 boundaries", hybrid, plan, cpus,
+                         executor="mpmd", extra=("--config.pipeline.boundary_codec=int8",))]
 
 
 def main(argv=None) -> int:
@@ -155,7 +159,8 @@ def report(cases: list[Case], work: Workload, args, calibration: str, end_load: 
                 rows))
     print(CPUS_NOTE)
     ratios = []
-    for mine in ("hybrid, hetjax plan", "hybrid, hetjax plan, MPMD"):
+    for mine in ("hybrid, hetjax plan", "hybrid, hetjax plan, MPMD",
+                 "hybrid, hetjax plan, MPMD, int8 boundaries"):
         hj = by[mine].tokens_per_s() if mine in by else None
         for other in ("all-fast", "all-fast, MPMD", "all-Ethernet", "all-Ethernet, MPMD",
                       "hybrid, network-unaware", "hybrid, dp=4 (no pipeline)",
