@@ -187,39 +187,21 @@ def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
 
 
 @pytest.mark.heavy
-def test_launched_sites_match_the_one_process_executor(tmp_path):
-    """`hetjax launch --local 2`: each site its own process, the int8 exchange a reduce-scatter
-    (all-to-all) + all-gather across processes; the logged losses (the sites' mean) equal the
-    one-process DilocoExecutor's over two rounds."""
-    from test_launch import TINY, config_args, hetjax, losses
-
-    from hetjax.train import Trainer
-
-    over = {**TINY, "train.batch_size": 8, "train.steps": 4, "checkpoint.every": 0,
-            "topology.preset": "cpu_hybrid", "topology.nodes": 1,
-            "topology.devices_per_node": 2, "diloco.inner_steps": 2, "diloco.codec": "int8"}
-    ref = losses(Trainer(tiny_config(**over, workdir=str(tmp_path / "one")),
-                         quiet=True).train()["metrics"])
-    run = hetjax("launch", "--local", "2", "--timeout", "200",
-                 *config_args({**over, "workdir": str(tmp_path / "multi")}))
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "DiLoCo: 2 sites" in run.stdout
-    got = losses(tmp_path / "multi" / "metrics.jsonl")
-    assert len(got) == 4 and got[0] != got[3]
-    np.testing.assert_allclose(got, ref, rtol=1e-5)
-
-
-@pytest.mark.heavy
-def test_launched_sites_resume_mid_round_as_if_uninterrupted(tmp_path):
-    """`hetjax launch --local 2`, H = 2, int8, outer Nesterov: 5 steps straight, checkpointing
-    at step 3 (mid-round) and 5; then a second launch resumes from a copy of the checkpoints
-    holding only step 3. Each site wrote its own inner state, site 0 theta and the outer
-    momentum; the resumed job logs the same losses for steps 4 and 5 (step 5 starts from the
-    exchange at 4: theta, momentum and each site's inner state) as the uninterrupted one."""
+def test_launched_sites_match_one_process_and_resume_mid_round(tmp_path):
+    """`hetjax launch --local 2`, H = 2, int8, outer Nesterov: each site its own process, the
+    int8 exchange a reduce-scatter (all-to-all) + all-gather across processes. 5 steps
+    straight, checkpointing at step 3 (mid-round) and 5: the logged losses (the sites' mean)
+    equal the one-process DilocoExecutor's. Then a second launch resumes from a copy of the
+    checkpoints holding only step 3. Each site wrote its own inner state, site 0 theta and the
+    outer momentum; the resumed job logs the same losses for steps 4 and 5 (step 5 starts
+    from the exchange at 4: theta, momentum and each site's inner state) as the uninterrupted
+    one. (One test: each launch costs two process start-ups and compiles.)"""
     import json
     import shutil
 
-    from test_launch import TINY, config_args, hetjax
+    from test_launch import TINY, config_args, hetjax, losses
+
+    from hetjax.train import Trainer
 
     over = {**TINY, "train.batch_size": 8, "train.steps": 5, "checkpoint.every": 3,
             "checkpoint.async_save": False, "topology.preset": "cpu_hybrid",
@@ -234,8 +216,12 @@ def test_launched_sites_resume_mid_round_as_if_uninterrupted(tmp_path):
         with open(tmp_path / name / "metrics.jsonl") as f:
             return run.stdout, {r["step"]: r["loss"] for r in map(json.loads, f)}
 
-    _, straight = launch("straight", tmp_path / "ckpt")
-    assert sorted(straight) == [1, 2, 3, 4, 5]
+    out, straight = launch("straight", tmp_path / "ckpt")
+    assert "DiLoCo: 2 sites" in out and sorted(straight) == [1, 2, 3, 4, 5]
+    ref = losses(Trainer(tiny_config(**over, workdir=str(tmp_path / "one"),
+                                     **{"checkpoint.dir": str(tmp_path / "ckpt_one")}),
+                         quiet=True).train()["metrics"])
+    np.testing.assert_allclose([straight[k] for k in range(1, 6)], ref, rtol=1e-5)
     shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt3")
     shutil.rmtree(tmp_path / "ckpt3" / "5")  # as if the job had stopped after step 3
     out, resumed = launch("resumed", tmp_path / "ckpt3")

@@ -25,7 +25,9 @@ at --cpus CPUs, trained for --steps steps in four environments:
   shaped inter-cluster link; activations, their gradients, the tied embedding's gradient, the
   loss and the norm cross it. Same model, same recompute (model.remat=full, as the SPMD
   executor does). `--only mpmd` runs only these (`--only TEXT` picks the
-  configurations whose name contains TEXT; repeatable).
+  configurations whose name contains TEXT; repeatable);
+- hybrid (hetjax plan) on MPMD with int8 pipeline boundaries (pipeline.boundary_codec=int8,
+  issue 19): the activations and their gradients cross Ethernet as int8 with per-row scales.
 
 Every link is the topology's rate times --scale (default 0.002: InfiniBand 400 Mbit/s,
 Ethernet 50 Mbit/s). The model is sized so communication dominates all-Ethernet: with d_model
