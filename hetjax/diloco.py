@@ -295,6 +295,11 @@ class OverlapTransport:
             peers = [s for s in range(self.n) if s != self.site]
             for s in peers:
                 self.bridge.send(key(s), host)
+            # Pull from every peer at once: pulled one after another, a site's n - 1 wires
+            # would cross their links in turn ((n - 1) x one wire's time when each pair of
+            # sites has its own path, as the testbed's per-destination htb classes do).
+            for s in peers:
+                self.bridge.prefetch(s, key(self.site), specs)
             out = [jax.tree.unflatten(treedef, leaves if s == self.site else
                                       self.bridge.recv(s, key(self.site), specs))
                    for s in range(self.n)]
