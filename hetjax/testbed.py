@@ -738,6 +738,24 @@ class Testbed:
                 rows = tuple(json.loads(line) for line in f if line.strip())
         return TrainingRun(p.returncode, seconds, rows, traffic, out)
 
+    def threads(self, key: Host | str | int) -> list[int]:
+        """Thread ids of the processes running in a host's CPU cgroup (the cgroup v1 `tasks`
+        file; empty when the host has no CPU quota): per-thread CPU accounting reads them."""
+        h = self.host(key)
+        if h.cluster not in self.cpus:
+            return []
+        with open(os.path.join(self._cgroup(h), "tasks")) as f:
+            return [int(t) for t in f.read().split()]
+
+    def throttled(self, key: Host | str | int) -> dict[str, int]:
+        """A capped host's CFS counters (cpu.stat: nr_periods, nr_throttled, throttled_time
+        in ns): how often its quota ran out, i.e. whether it was CPU-bound."""
+        h = self.host(key)
+        if h.cluster not in self.cpus:
+            return {}
+        with open(os.path.join(self._cgroup(h), "cpu.stat")) as f:
+            return {k: int(v) for k, v in (line.split() for line in f if line.strip())}
+
     def class_bytes(self, key: Host | str | int) -> dict[int, int]:
         """Bytes a host has sent so far to each destination cluster (its htb class counters)."""
         h = self.host(key)

@@ -16,6 +16,13 @@ processes used during each run (timings are only clean when that is near 0).
     # streamed in 2 fragments, exchanges blocking (tau 0) vs overlapped with 4 inner steps
     python scripts/bench_diloco.py --testbed --steps 100 --sync-steps 8 --H 10 --fragments 2 \
         --overlap-steps 0 --overlap-steps 4 --mix 0.5 --mbps 3 --codec int8
+    # link-bound: each site capped at 0.4 CPUs (cgroup), 1 Mbit/s; no synchronous row, a run
+    # without exchanges first (its step is t_inner, which the planner's predictions use)
+    python scripts/bench_diloco.py --testbed --no-sync --inner-only --cpus 0.4 --steps 100 \
+        --H 20 --fragments 2 --overlap-steps 0 --overlap-steps 9 --mbps 1 --codec int8
+
+With --cpus each site's process runs in a cgroup capped at that many CPUs; the table then also
+shows each site's CPU by thread (main, XLA's, the bridge's) and how often its quota ran out.
 
 Without --testbed (one process, 3 sites of 2 simulated CPU devices): loss measured, compute
 measured (the sites run one after another here, so DiLoCo's compute is over-counted against
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -92,7 +100,7 @@ def testbed(args):
     Step time from the trainer's metrics, bytes from the hosts' htb counters, the machine's
     load recorded per run (hetjax.experiments.harness)."""
     from hetjax.experiments.harness import CpuWatch, load_line, wait_for_quiet
-    from hetjax.testbed import Testbed
+    from hetjax.testbed import Testbed, parse_cpus
     from hetjax.topology import Link, Topology, make_cluster
 
     t0 = time.monotonic()
@@ -115,12 +123,18 @@ def testbed(args):
         (_label(args, tau, c), {"diloco.inner_steps": args.H, "diloco.codec": c,
                                 **outer, **_overlap(args, tau)}, args.steps)
         for tau in args.overlap_steps or [0] for c in (args.codec or ["int8"])]
+    if args.inner_only:  # H beyond the run: no exchange, the step is the sites' inner step
+        modes.insert(1, (INNER_ONLY, {"diloco.inner_steps": args.steps + 1, **outer,
+                                      "diloco.fragments": 1}, args.steps))
     results = []
-    if args.baseline:  # the synchronous row of an earlier --json run with the same settings
+    if args.no_sync:
+        modes = modes[1:]
+    elif args.baseline:  # the synchronous row of an earlier --json run with the same settings
         with open(args.baseline) as f:
             results.append(json.load(f)["testbed"][0])
         modes = modes[1:]
-    with Testbed(topo, scale=1.0) as tb:
+    cpus = parse_cpus(args.cpus) if args.cpus else None
+    with Testbed(topo, scale=1.0, cpus=cpus) as tb:
         for label, over, steps in modes:
             cfg = [f"--config.topology.file={topo_file}", f"--config.train.steps={steps}",
                    f"--config.train.batch_size={args.batch}",
@@ -136,9 +150,11 @@ def testbed(args):
                 wait_for_quiet(log, max_wait=args.quiet_wait)
             log(f"{label}: {steps} steps ({load_line()})")
             watch = CpuWatch()
+            threads = ThreadCpu(tb) if cpus is not None else None
             run = tb.train(cfg, os.path.join(args.workdir, label.replace(" ", "_")),
                            timeout=args.timeout)
             ours, others = watch.stop()
+            per_thread = threads.stop() if threads else None
             if not run.ok:
                 raise SystemExit(f"{label} failed:\n{run.error()}")
             rows = [m for m in run.metrics if "step_s" in m]
@@ -150,21 +166,37 @@ def testbed(args):
             cross = [sum(v for c, v in run.traffic[h.name].items() if c != h.cluster)
                      for h in tb.hosts]
             last = run.metrics[-1]
+            # the overlapped runs' workers say how long their main thread waited for exchanges
+            waits = [(float(a), float(b)) for a, b in re.findall(
+                r"took ([\d.]+) s on the exchange thread, the main thread waited ([\d.]+) s",
+                run.output)]
             results.append({"label": label, "steps": steps, "wall_s": run.seconds,
                             "step_s": step_s, "final_loss": last["loss"],
                             "eval_loss": last.get("eval_loss"),
                             "cross_bytes_per_step_site": sum(cross) / len(cross) / steps,
                             "cpus_ours": ours, "cpus_others": others,
-                            "num_params": _num_params(args), "rows": len(rows)})
+                            "num_params": _num_params(args), "rows": len(rows),
+                            "threads": per_thread, "exchange_waits": waits})
             log(f"{label}: {step_s * 1e3:.0f} ms a step, eval loss {last.get('eval_loss')}, "
                 f"CPUs: ours {ours:.2f}, others {others:.2f}")
+            if per_thread:
+                log(f"{label}: {_thread_line(per_thread, steps)}")
+            for i, (took, waited) in enumerate(waits):
+                log(f"{label}: a site's exchanges took {took:.1f} s on the exchange thread, "
+                    f"its main thread waited {waited:.1f} s for them "
+                    f"({waited / steps * 1e3:.0f} ms a step)")
     print(f"testbed: 3 hosts (one per site), {args.mbps:g} Mbit/s between sites (htb; latency "
           f"not emulated), {results[0]['num_params'] / 1e6:.2f}M parameters, "
-          f"{args.batch * args.seq_len} tokens a step")
-    print("run | steps | eval loss | vs sync | step (measured) | tokens/s | speed-up | "
-          "bytes/step/site (counters) | predicted (planner) | CPUs others | wall")
+          f"{args.batch * args.seq_len} tokens a step"
+          + (f", each site capped at {args.cpus} CPUs" if args.cpus else ""))
+    inner = next((r["step_s"] for r in results if r["label"] == INNER_ONLY), None)
+    if inner:
+        print(f"predicted step: the planner's pricing (hetjax/planner/diloco.py) with t_inner = "
+              f"the measured step without exchanges, {inner * 1e3:.0f} ms")
+    print("run | steps | eval loss | vs first | step (measured) | predicted step | tokens/s | "
+          "speed-up | bytes/step/site (counters) | predicted (planner) | CPUs others | wall")
     for r in results:
-        print(_testbed_row(r, results[0], args), flush=True)
+        print(_testbed_row(r, results[0], args, inner), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "testbed": results}, f, indent=1)
@@ -195,29 +227,132 @@ def _num_params(args) -> int:
     return model_from_config(base_config()).num_params
 
 
-def _testbed_row(r, sync, args) -> str:
-    """One table row; "predicted" is hetjax/planner/diloco.py's bytes per step and site."""
+INNER_ONLY = "no exchange (inner steps only)"
+
+
+def _testbed_row(r, first, args, inner=None) -> str:
+    """One table row; "predicted" is hetjax/planner/diloco.py's bytes per step and site, and
+    its step time with t_inner = `inner` (the measured step of the run without exchanges)."""
     from hetjax.config import base_config
     from hetjax.planner.diloco import payload_bytes
 
     n, P_, row = 3, r["num_params"], base_config().model.d_model
-    if r["label"].startswith("synchronous"):
+    tau = int(r["label"].split(" tau=")[1].split()[0]) if " tau=" in r["label"] else 0
+    if r["label"] == INNER_ONLY:
+        pred = 0.0
+    elif r["label"].startswith("synchronous"):
         pred = 2 * (n - 1) / n * 4 * P_  # ring all-reduce of the fp32 gradient
-    elif " tau=" in r["label"]:  # overlapped: the bridge's all-gather, n - 1 wires a site
+    elif tau:  # overlapped: the bridge's all-gather, n - 1 wires a site
         pred = (n - 1) * payload_bytes(P_, r["label"].split()[-1], row) / args.H
     else:
         pred = 2 * (n - 1) / n * payload_bytes(P_, r["label"].split()[-1], row) / args.H
+    step = "-"
+    if inner and r["label"] == INNER_ONLY:
+        step = f"{inner * 1e3:.0f} ms"
+    elif inner and r["label"].startswith("DiLoCo"):
+        step = f"{_predicted_step(args, r, inner, tau) * 1e3:.0f} ms"
     tokens = args.batch * args.seq_len
     tps = tokens / r["step_s"]
-    vs = (f"{(r['eval_loss'] / sync['eval_loss'] - 1) * 100:+.1f}%"
-          if r["eval_loss"] and sync["eval_loss"] and r["steps"] == sync["steps"] else "-")
+    vs = (f"{(r['eval_loss'] / first['eval_loss'] - 1) * 100:+.1f}%"
+          if r["eval_loss"] and first["eval_loss"] and r["steps"] == first["steps"] else "-")
     return " | ".join([r["label"], str(r["steps"]),
                        f"{r['eval_loss']:.4f}" if r["eval_loss"] else "-", vs,
-                       f"{r['step_s'] * 1e3:.0f} ms", f"{tps:,.0f}",
-                       f"{tps / (tokens / sync['step_s']):.1f}x",
+                       f"{r['step_s'] * 1e3:.0f} ms", step, f"{tps:,.0f}",
+                       f"{tps / (tokens / first['step_s']):.2f}x",
                        f"{r['cross_bytes_per_step_site'] / 1e3:,.1f} kB",
                        f"{pred / 1e3:,.1f} kB", f"{r['cpus_others']:.2f}",
                        f"{r['wall_s']:.0f} s"])
+
+
+def _predicted_step(args, r, inner: float, tau: int) -> float:
+    """The planner's step time for a testbed DiLoCo row, given the measured inner step: the
+    testbed's topology with its latency left out (the testbed does not emulate it)."""
+    from hetjax.config import base_config
+    from hetjax.planner.diloco import price, site_clusters
+    from hetjax.topology import Link, Topology, make_cluster
+
+    lan = Link("ethernet", 1.0, 0.0)
+    topo = Topology(name="three_sites_testbed",
+                    clusters=tuple(make_cluster(s, 1, 1, "cpu", lan, intra=lan)
+                                   for s in ("ohio", "tokyo", "london")),
+                    inter_cluster=Link("ethernet", args.mbps / 1000, 0.0))
+    sites, codec = site_clusters(topo), r["label"].split()[-1]
+    rows = price(topo, sites, [inner] * len(sites), r["num_params"], base_config().model.d_model,
+                 args.batch * args.seq_len, args.H, codec, fragments=args.fragments,
+                 overlap_steps=tau).rows
+    name = f"DiLoCo H={args.H}" + ("" if codec == "none" else f" {codec}")
+    if args.fragments > 1 or tau:
+        name += f" F={args.fragments} overlap {tau}"
+    return next(x.step_time_s for x in rows if x.name == name)
+
+
+class ThreadCpu:
+    """CPU seconds of every thread in the testbed's capped hosts, by kind (the process's main
+    thread, XLA's `tf_*` pools, the bridge's and DiLoCo's named threads, other Python
+    threads), sampled every second from /proc (a thread's last sample is kept, so a thread
+    that exits loses at most a second), and each host's CFS throttling counters."""
+
+    def __init__(self, tb):
+        import threading
+
+        self.tb, self.seen, self._stop = tb, {}, threading.Event()
+        self.throttled0 = {h.name: tb.throttled(h) for h in tb.hosts}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        tick = os.sysconf("SC_CLK_TCK")
+        for h in self.tb.hosts:
+            try:
+                tids = self.tb.threads(h)
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{tid}/status") as f:
+                        tgid = int(next(x for x in f if x.startswith("Tgid:")).split()[1])
+                    # /proc/<tid>/stat is the whole process's; the thread's own is under task/
+                    with open(f"/proc/{tgid}/task/{tid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    with open(f"/proc/{tgid}/task/{tid}/comm") as f:
+                        comm = f.read().strip()
+                except (OSError, StopIteration):
+                    continue
+                kind = ("main" if tid == tgid and comm.startswith("python") else
+                        "python (other)" if comm.startswith("python") else
+                        "XLA (tf_*)" if comm.startswith("tf_") else comm)
+                # utime, stime: fields 14 and 15 of stat (11, 12 after the comm)
+                self.seen[(h.name, tid)] = (kind, (int(fields[11]) + int(fields[12])) / tick)
+
+    def _run(self):
+        while not self._stop.wait(1.0):
+            self._sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        out = {"threads": {}, "throttled": {}}
+        for (host, _), (kind, cpu) in self.seen.items():
+            d = out["threads"].setdefault(host, {})
+            d[kind] = d.get(kind, 0.0) + cpu
+        for h in self.tb.hosts:
+            a, b = self.throttled0[h.name], self.tb.throttled(h)
+            out["throttled"][h.name] = {k: b.get(k, 0) - a.get(k, 0) for k in b}
+        return out
+
+
+def _thread_line(t: dict, steps: int) -> str:
+    """CPU ms a step by thread kind, the mean over the sites, and the share of CFS periods
+    in which the sites' quota ran out."""
+    hosts = list(t["threads"])
+    kinds = sorted({k for d in t["threads"].values() for k in d},
+                   key=lambda k: -sum(d.get(k, 0) for d in t["threads"].values()))
+    parts = [f"{k} {sum(t['threads'][h].get(k, 0) for h in hosts) / len(hosts) / steps * 1e3:.0f}"
+             for k in kinds]
+    periods = sum(v.get("nr_periods", 0) for v in t["throttled"].values())
+    thr = sum(v.get("nr_throttled", 0) for v in t["throttled"].values())
+    return (f"CPU ms a step and site by thread: {', '.join(parts)}; quota ran out in "
+            f"{thr / max(periods, 1) * 100:.0f}% of the CFS periods")
 
 
 def main():
@@ -257,6 +392,15 @@ def main():
                     help="--testbed: wait up to this many seconds for a quiet machine before "
                          "each run (0: do not wait)")
     ap.add_argument("--log-every", type=int, default=10, help="--testbed: train.log_every")
+    ap.add_argument("--cpus", default="",
+                    help="--testbed: cap each site's process at this many CPUs (a cgroup "
+                         "quota, hetjax.testbed's cpus=), e.g. 0.4")
+    ap.add_argument("--no-sync", action="store_true",
+                    help="--testbed: skip the synchronous run (speed-ups then compare with the "
+                         "first row)")
+    ap.add_argument("--inner-only", action="store_true",
+                    help="--testbed: first a DiLoCo run without exchanges (H beyond --steps): "
+                         "its step is t_inner, with which the planner's step times are shown")
     ap.add_argument("--timeout", type=float, default=3600, help="--testbed: seconds per run")
     args = ap.parse_args()
     if args.testbed:

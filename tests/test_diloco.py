@@ -415,6 +415,17 @@ def test_pricing_hides_a_fragments_exchange_behind_tau_inner_steps():
         assert r.bytes_per_step == pytest.approx(1.004e6 / H)  # (n - 1) q / H = q / H
     plain = {r.name for r in price(t, sites, [0.1, 0.08], P, 1000, 4096, H, "int8").rows}
     assert not any("overlap" in name for name in plain)
+    # 3 sites, 5 ms a hop: the overlapped all-gather sends a site's wire to both others at
+    # once (one flow each), 0.005 + 0.4016 s; the blocking ring all-reduce of the fragment
+    # takes 2 (n - 1) = 4 hops of 0.005 + 0.502e6 / 3 bytes, 0.02 + 4 x 0.13387 s
+    t3 = Topology(name="three", clusters=tuple(make_cluster(s, 1, 1, "cpu", "infiniband")
+                                               for s in ("a", "b", "c")),
+                  inter_cluster=Link("ethernet", 0.01, 5000.0))
+    for tau, step in ((0, 0.1 + 2 * (0.02 + 4 * 0.502e6 / 3 * 8 / 1e7) / H),
+                      (3, 0.1 + 2 * (0.005 + one - 0.3) / H)):
+        rows = {r.name: r for r in price(t3, site_clusters(t3), [0.1] * 3, P, 1000, 4096, H,
+                                         "int8", fragments=2, overlap_steps=tau).rows}
+        assert rows[f"DiLoCo H={H} int8 F=2 overlap {tau}"].step_time_s == pytest.approx(step)
 
 
 @pytest.mark.heavy

@@ -18,7 +18,8 @@ sub-topology with the global batch split evenly over the sites). Between sites:
   (`diloco.overlap_steps`), the "F= overlap" row: F exchanges a round of 1/F of the payload
   each; with tau = 0 each is a blocking all-reduce as above; with tau > 0 each is the
   runner's all-gather of the encoded fragments over the bridge (every site sends its wire to
-  the n - 1 others) hidden behind tau inner steps, so a step costs
+  the n - 1 others at once, one flow to each: one wire's time on the slowest pair link, not
+  a ring's n - 1 hops) hidden behind tau inner steps, so a step costs
   t_inner + F max(0, t_fragment - tau t_inner) / H.
 
 Both exchanges use the slowest link between two sites (a ring pays its slowest hop) with
@@ -207,7 +208,9 @@ def _fragmented(label: str, q: float, n: int, flows: int, link: Link, t_inner: f
     sends its wire to the n - 1 others) of which only what outlasts tau inner steps shows."""
     part = q / fragments
     if tau:
-        one = ring_time("all_gather", n * part / flows, n, link)  # (n - 1) wires a site
+        # (n - 1) wires a site, sent and pulled concurrently (OverlapTransport), each on its
+        # own pair link (links are per flow): the slowest pair's one wire
+        one = link.latency_s + part / flows / link.bytes_per_s
         exposed, sent = max(0.0, one - tau * t_inner), (n - 1) * q
     else:
         one = ring_time("all_reduce", part / flows, n, link)
