@@ -587,7 +587,7 @@ class DilocoExecutor(Executor):
         step = state.step + 1
         state = state.replace(step=step, sites=tuple(sites))
         if self.tau:
-            state = self._overlapped(state, int(step))
+            state = self._overlapped(state, int(step), launch=False)
         elif self.F == 1:
             if int(step) % self.H == 0:
                 state = self.exchange(state)
@@ -596,7 +596,14 @@ class DilocoExecutor(Executor):
                 if int(step) % self.H == offset:
                     state = self.exchange_fragment(state, f)
         if self.local is not None:
-            return state, self._site_metrics(int(step), metrics[0])
+            # the logged steps' loss gather before a launch: sent after it, its few bytes
+            # would queue on the slow link behind the fragment's wire (seconds at 1 Mbit/s)
+            out = self._site_metrics(int(step), metrics[0])
+            if self.tau:
+                state = self._overlapped(state, int(step), land=False)
+            return state, out
+        if self.tau:
+            state = self._overlapped(state, int(step), land=False)
         hub = self.hub
         out = {k: sum(jax.device_put(m[k], hub) for m in metrics) / len(metrics)
                for k in ("loss", "grad_norm")}
@@ -703,13 +710,15 @@ class DilocoExecutor(Executor):
         return state.replace(sites=tuple(sites), outer=tuple(outer), outer_opt=tuple(opts))
 
     # --- overlapped streaming (overlap_steps tau > 0) ------------------------------------------
-    def _overlapped(self, state: DilocoState, t: int) -> DilocoState:
-        """After inner step t: the fragment whose exchange started at t - tau lands; the
-        fragment due at t starts its exchange (never both: tau < H / F)."""
+    def _overlapped(self, state: DilocoState, t: int, land: bool = True,
+                    launch: bool = True) -> DilocoState:
+        """After inner step t: the fragment whose exchange started at t - tau lands (`land`);
+        the fragment due at t starts its exchange (`launch`; never both at one step:
+        tau < H / F)."""
         for f, offset in enumerate(self.offsets):
-            if t - self.tau >= 1 and (t - self.tau) % self.H == offset:
+            if land and t - self.tau >= 1 and (t - self.tau) % self.H == offset:
                 state = self._land(state, f, t - self.tau)
-            if t % self.H == offset:
+            if launch and t % self.H == offset:
                 state = self._launch(state, f, t)
         return state
 
