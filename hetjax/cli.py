@@ -372,6 +372,10 @@ def cmd_plan(argv: list[str]) -> int:
 
     for line in plan_lines(cfg, topology, plan):  # sites on slow links: DiLoCo vs synchronous
         print(line)
+    from hetjax.planner.config_plan import boundary_codec_lines
+
+    for line in boundary_codec_lines(cfg, plan, topology):  # MPMD stages on slow links
+        print(line)
     if runners_up:
         print("the chosen plan (#0) and the runners-up:")
         print("\n".join("  " + line for line in

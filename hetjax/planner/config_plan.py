@@ -84,6 +84,29 @@ def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
     return CostModel(topology, model_from_config(c), options).predict(plan_)
 
 
+# Below this predicted gain `hetjax plan` does not propose int8 pipeline boundaries.
+CODEC_PROPOSAL_GAIN = 0.02
+
+
+def boundary_codec_lines(c, plan_: Plan, topology: Topology) -> list[str]:
+    """What `hetjax plan` adds for an MPMD pipeline whose stage boundaries cross clusters with
+    uncompressed activations (issue 19): the step priced with int8 boundaries
+    (`pipeline.boundary_codec=int8`, which compresses only boundaries between clusters), when
+    that is at least CODEC_PROPOSAL_GAIN faster -- slow inter-cluster links."""
+    if plan_.executor != "mpmd" or plan_.pp < 2 or c.pipeline.boundary_codec != "none":
+        return []
+    plain = predict_for_config(c, plan_, topology).step_time
+    packed = predict_for_config(c, plan_, topology, boundary_codec="int8").step_time
+    if packed > plain * (1 - CODEC_PROPOSAL_GAIN):
+        return []
+    from hetjax.units import seconds
+
+    return [f"int8 pipeline boundaries (--config.pipeline.boundary_codec=int8): predicted step "
+            f"{seconds(packed)} instead of {seconds(plain)} ({1 - packed / plain:.0%} faster); "
+            f"activations and their gradients cross clusters as int8 with a scale per row "
+            f"(loss over 300 steps: docs/diloco.md)"]
+
+
 def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                     top: int = 5) -> PlanResult:
     """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
