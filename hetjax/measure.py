@@ -36,8 +36,8 @@ DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 20, 1 << 22)
 
 
 # Every timed sample lasts at least this long by default: under a CPU quota (the testbed's
-# emulated accelerators, cgroup periods of 100 ms) or clock boost, a call of a few ms is
-# throttled or not by chance; a sample spanning several scheduler periods averages that out.
+# emulated accelerators, CFS periods of 10 ms; a container's, often 100 ms) or clock boost, a
+# call of a few ms is throttled or not by chance; a sample spanning many periods averages that.
 MIN_SAMPLE_S = 0.5
 
 
@@ -352,8 +352,8 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
 
 
 def _gather(compute: list[ComputeRow], links: list[LinkRow]):
-    """Every process's compute rows (one accelerator kind per process: kept once per kind, the
-    slowest), and the slowest process's time of each collective."""
+    """Every process's compute rows merged per accelerator kind (`merge_compute`), and the
+    slowest process's time of each collective (it ends when its last member is done)."""
     from jax.experimental import multihost_utils
 
     comp = np.array([[r.fwd_s, r.bwd_s, r.peak_tflops] for r in compute])
@@ -362,19 +362,29 @@ def _gather(compute: list[ComputeRow], links: list[LinkRow]):
     all_link = multihost_utils.process_allgather(link)  # [processes, rows]
     kinds = multihost_utils.process_allgather(
         np.frombuffer(compute[0].kind.encode().ljust(32), np.uint8))
-    merged: dict[tuple, ComputeRow] = {}
-    for p in range(all_comp.shape[0]):
-        kind = bytes(kinds[p]).decode().strip()
-        for r, (f, b, peak) in zip(compute, all_comp[p]):
-            key = (kind, r.part, r.batch, r.seq_len)
-            old = merged.get(key)
-            if old is None or f + b > old.fwd_s + old.bwd_s:
-                merged[key] = dataclasses.replace(r, kind=kind, fwd_s=float(f), bwd_s=float(b),
-                                                  peak_tflops=float(peak))
+    kinds = [bytes(k).decode().strip() for k in kinds]
     slowest = all_link.max(axis=0)
-    return (list(merged.values()),
+    return (merge_compute(compute, all_comp, kinds),
             [LinkRow(r.op, r.nbytes, r.groups, float(t)) for r, t in zip(links, slowest)])
 
 
-__all__ = ["calibrate", "measure_compute", "staged_policies", "measure_update", "measure_links", "group_layouts",
-           "DEFAULT_BATCHES", "DEFAULT_MESSAGE_BYTES"]
+def merge_compute(rows: list[ComputeRow], per_process: np.ndarray,
+                  kinds: Sequence[str]) -> list[ComputeRow]:
+    """One row per accelerator kind and measured point: the median over that kind's
+    processes. `per_process[p, i]` is process p's (fwd_s, bwd_s, peak_tflops) of the point of
+    `rows[i]`; `kinds[p]` is process p's kind.
+
+    The median, not the slowest: processes of one kind run the same device, and what sets
+    their times apart is when their samples were throttled or shared a core, so the slowest of
+    several is biased up."""
+    merged = []
+    for kind in dict.fromkeys(kinds):
+        mine = np.median(per_process[[p for p, k in enumerate(kinds) if k == kind]], axis=0)
+        merged += [dataclasses.replace(r, kind=kind, fwd_s=float(f), bwd_s=float(b),
+                                       peak_tflops=float(peak))
+                   for r, (f, b, peak) in zip(rows, mine)]
+    return merged
+
+
+__all__ = ["calibrate", "measure_compute", "merge_compute", "staged_policies", "measure_update",
+           "measure_links", "group_layouts", "DEFAULT_BATCHES", "DEFAULT_MESSAGE_BYTES"]

@@ -158,6 +158,22 @@ def test_a_file_that_is_not_a_calibration_is_one_clear_error(tmp_path):
         load_calibration(str(tmp_path / "missing.json"))
 
 
+def test_processes_of_one_kind_merge_to_their_median_not_their_slowest():
+    from hetjax.measure import merge_compute
+
+    rows = [ComputeRow("cpu", 2, 64, 0.0, 0.0, 1.0, "block"),
+            ComputeRow("cpu", 4, 64, 0.0, 0.0, 1.0, "block")]
+    # processes 0, 1, 3 are kind a (process 3 sampled while throttled), process 2 kind b
+    per_process = np.array([[[1.0, 3.0, 10.0], [2.0, 6.0, 10.0]],
+                            [[1.2, 3.2, 10.0], [2.2, 6.2, 10.0]],
+                            [[5.0, 9.0, 20.0], [7.0, 9.5, 20.0]],
+                            [[1.9, 4.5, 10.0], [2.9, 8.0, 10.0]]])
+    merged = merge_compute(rows, per_process, ["a", "a", "b", "a"])
+    got = {(r.kind, r.batch): (r.fwd_s, r.bwd_s, r.peak_tflops, r.part) for r in merged}
+    assert got == {("a", 2): (1.2, 3.2, 10.0, "block"), ("a", 4): (2.2, 6.2, 10.0, "block"),
+                   ("b", 2): (5.0, 9.0, 20.0, "block"), ("b", 4): (7.0, 9.5, 20.0, "block")}
+
+
 @pytest.mark.heavy
 def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     """On the 8 simulated CPU devices (cpu_hybrid: 2 clusters x 2 nodes x 2): every link
