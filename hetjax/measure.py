@@ -1,6 +1,7 @@
 """Measuring the cost model's inputs on the devices of the current job (`hetjax calibrate`).
 
-Two kinds of measurement, each timed as the median of a few runs after a warm-up:
+Two kinds of measurement, each timed over a few samples after a warm-up (the mean sample for
+compute, the median for collectives):
 - compute: the model's own decoder block, forward and forward + backward, on every local
   device of one accelerator kind at once (each device its own micro-batch, no communication:
   on simulated CPU devices they share the cores, as in training), at several micro-batch
@@ -60,8 +61,8 @@ def _calls_per_sample(fn, args, min_sample_s: float, agree: bool = False) -> int
     return calls
 
 
-def _median_seconds(fn, args, repeats: int, calls: int) -> float:
-    """Median over `repeats` samples of the mean seconds per call in a sample of `calls`."""
+def _sample_seconds(fn, args, repeats: int, calls: int) -> list[float]:
+    """`repeats` samples of the mean seconds per call over `calls` back-to-back calls."""
     import jax
 
     times = []
@@ -70,7 +71,21 @@ def _median_seconds(fn, args, repeats: int, calls: int) -> float:
         for _ in range(calls):  # waited for one by one: many collectives queued at once
             jax.block_until_ready(fn(*args))  # deadlock XLA's in-process CPU rendezvous
         times.append((time.perf_counter() - t0) / calls)
-    return float(np.median(times))
+    return times
+
+
+def _median_seconds(fn, args, repeats: int, calls: int) -> float:
+    """A collective's time: the median sample (a sample that met a retransmit or a late peer
+    is an outlier, not part of the link's rate)."""
+    return float(np.median(_sample_seconds(fn, args, repeats, calls)))
+
+
+def _mean_seconds(fn, args, repeats: int, calls: int) -> float:
+    """A computation's time: the mean sample. Under a CPU quota a sample gets its periods'
+    quotas give or take one, so samples come out in two clusters (a capped block's backward:
+    26.5 or 36 ms in alternate 0.5 s samples under 100 ms periods); the median picks one
+    cluster, the mean converges to the long-run rate."""
+    return float(np.mean(_sample_seconds(fn, args, repeats, calls)))
 
 
 def _stacked(params, devices):
@@ -99,9 +114,9 @@ def _fwd_bwd_rows(part: str, fwd, loss, params, make_input, devices, kind: str,
     for s in seq_lens:
         for b in batches:
             x = jax.device_put(make_input(len(devices), b, s), spread)
-            t_fwd = _median_seconds(run_fwd, (stacked, x), repeats,
+            t_fwd = _mean_seconds(run_fwd, (stacked, x), repeats,
                                     _calls_per_sample(run_fwd, (stacked, x), min_sample_s))
-            t_grad = _median_seconds(run_grad, (stacked, x), repeats,
+            t_grad = _mean_seconds(run_grad, (stacked, x), repeats,
                                      _calls_per_sample(run_grad, (stacked, x), min_sample_s))
             rows.append(ComputeRow(kind, b, s, t_fwd, max(t_grad - t_fwd, 1e-3 * t_fwd),
                                    peak_tflops, part))
@@ -190,10 +205,10 @@ def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,
         for b in batches:
             x = jax.device_put(jnp.ones((len(devices), b, s, model.d_model), dtype), spread)
             out, kept = run_f(stacked, x)
-            t_f = _median_seconds(run_f, (stacked, x), repeats,
+            t_f = _mean_seconds(run_f, (stacked, x), repeats,
                                   _calls_per_sample(run_f, (stacked, x), min_sample_s))
             args = (stacked, kept, out)
-            t_b = _median_seconds(run_b, args, repeats,
+            t_b = _mean_seconds(run_b, args, repeats,
                                   _calls_per_sample(run_b, args, min_sample_s))
             rows.append(ComputeRow(kind, b, s, t_f, t_b, peak_tflops, f"staged:{policy}"))
     return rows
@@ -220,7 +235,7 @@ def measure_update(model: "ModelConfig", devices: Sequence, kind: str, optimizer
         return optax.apply_updates(p, updates), s
 
     run = jax.jit(jax.vmap(update))
-    seconds = _median_seconds(run, (stacked, state), repeats,
+    seconds = _mean_seconds(run, (stacked, state), repeats,
                               _calls_per_sample(run, (stacked, state), min_sample_s))
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     return ComputeRow(kind, 0, 0, seconds, 0.0, 0.0, "update", n)
@@ -370,16 +385,16 @@ def _gather(compute: list[ComputeRow], links: list[LinkRow]):
 
 def merge_compute(rows: list[ComputeRow], per_process: np.ndarray,
                   kinds: Sequence[str]) -> list[ComputeRow]:
-    """One row per accelerator kind and measured point: the median over that kind's
+    """One row per accelerator kind and measured point: the mean over that kind's
     processes. `per_process[p, i]` is process p's (fwd_s, bwd_s, peak_tflops) of the point of
     `rows[i]`; `kinds[p]` is process p's kind.
 
-    The median, not the slowest: processes of one kind run the same device, and what sets
-    their times apart is when their samples were throttled or shared a core, so the slowest of
+    The mean, not the slowest: processes of one kind run the same device, and what sets their
+    times apart is when their samples were throttled or shared a core, so the slowest of
     several is biased up."""
     merged = []
     for kind in dict.fromkeys(kinds):
-        mine = np.median(per_process[[p for p, k in enumerate(kinds) if k == kind]], axis=0)
+        mine = np.mean(per_process[[p for p, k in enumerate(kinds) if k == kind]], axis=0)
         merged += [dataclasses.replace(r, kind=kind, fwd_s=float(f), bwd_s=float(b),
                                        peak_tflops=float(peak))
                    for r, (f, b, peak) in zip(rows, mine)]

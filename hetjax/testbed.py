@@ -28,7 +28,6 @@ Everything created is named hjtb-<id>-... and removed on exit, on error and on S
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import secrets
@@ -54,14 +53,11 @@ MAX_HOSTS = 64  # each host is a namespace plus at least one process on a small 
 # pace and the ratios between link classes would be lost. Below 1 Mbit/s every run crawls.
 MAX_RATE_BPS = 4e9
 MIN_RATE_BPS = 1e6
-# CPU caps hand out cpus x period of CPU time per period. A sample of a few hundred ms sees a
-# whole number of periods give or take one quota, so a long period makes every timed sample
-# (calibration or step) land +-15% by chance: measured, 100 ms periods gave a block's backward
-# of 26.5 or 36 ms in alternate 0.5 s samples, 10 ms periods 30-37 ms. The kernel's smallest
-# quota is 1 ms, so small caps get a longer period (`cfs_period_us`).
-CFS_PERIOD_US = 10_000
-CFS_MIN_QUOTA_US = 1_000
-CFS_MAX_PERIOD_US = 1_000_000
+# CPU caps hand out cpus x period of CPU time per period, so a timed sample of a few hundred
+# ms sees its periods' quotas give or take one. 10 ms periods would make samples steadier, but
+# cost the machine 0.1-0.2 CPUs of kernel work and made training steps 5-15% slower than
+# 100 ms periods (all-fast, side by side); calibration averages samples instead (measure.py).
+CFS_PERIOD_US = 100_000
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
 STATE_ROOT = tempfile.gettempdir()
 IFACE = "eth0"
@@ -234,17 +230,11 @@ def cpu_quotas(topology: Topology, cpus: float | Mapping[str, float] | None) -> 
         quotas = {ci: float(cpus) * c.accelerator.peak_tflops / fastest
                   for ci, c in enumerate(topology.clusters)}
     for ci, q in quotas.items():
-        if q < 0.01:  # keeps the period (`cfs_period_us`) at most 100 ms
+        if q < 0.01:  # the kernel's smallest quota is 1 ms per 100 ms period
             raise HetjaxError(
                 f"cluster {topology.clusters[ci].name!r} would get {q:g} CPUs per host; a CPU "
                 "quota must be at least 0.01 CPUs; give more CPUs (e.g. --cpus=1)")
     return quotas
-
-
-def cfs_period_us(cpus: float) -> int:
-    """The CFS period for a cap of `cpus` CPUs: CFS_PERIOD_US, or as long as the kernel's 1 ms
-    minimum quota needs."""
-    return min(CFS_MAX_PERIOD_US, max(CFS_PERIOD_US, math.ceil(CFS_MIN_QUOTA_US / cpus)))
 
 
 def hosts_file(hosts: Sequence[Host]) -> str:
@@ -573,9 +563,9 @@ class Testbed:
                 _run(cmd)
             if h.cluster in self.cpus:
                 os.makedirs(self._cgroup(h))
-                period = cfs_period_us(self.cpus[h.cluster])
-                for name, value in (("cpu.cfs_period_us", period),
-                                    ("cpu.cfs_quota_us", round(self.cpus[h.cluster] * period))):
+                for name, value in (("cpu.cfs_period_us", CFS_PERIOD_US),
+                                    ("cpu.cfs_quota_us",
+                                     round(self.cpus[h.cluster] * CFS_PERIOD_US))):
                     with open(os.path.join(self._cgroup(h), name), "w") as f:
                         f.write(str(value))
 

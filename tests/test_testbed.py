@@ -119,14 +119,6 @@ def test_cpu_quotas_follow_peak_tflops_or_are_given_per_cluster():
     assert tbm.cpu_quotas(hethub_mixed(), 2.0)[0] == pytest.approx(2.0 * 312 / 320)
 
 
-def test_cpu_caps_use_short_periods_unless_the_quota_would_drop_under_a_millisecond():
-    assert tbm.cfs_period_us(0.4) == 10_000  # 4 ms of CPU every 10 ms
-    assert tbm.cfs_period_us(2.0) == 10_000
-    assert tbm.cfs_period_us(0.05) == 20_000  # the kernel's smallest quota: 1 ms
-    assert tbm.cfs_period_us(0.01) == 100_000
-    assert tbm.cfs_period_us(1e-4) == 1_000_000  # the kernel's longest period
-
-
 def test_cpu_quota_errors_say_what_to_change():
     with pytest.raises(HetjaxError, match=r"\['gpu'\].*clusters are \['ib', 'roce', 'eth'\]"):
         tbm.cpu_quotas(three_clusters(), {"gpu": 1.0})
