@@ -400,9 +400,9 @@ Measure the cost model's inputs on the devices of this job: the model's decoder 
 forward and backward, per accelerator kind at several micro-batch sizes (--batches) and
 sequence lengths (--seq_lens, default train.seq_len / 2 and train.seq_len); all-reduce,
 reduce-scatter, all-gather and point-to-point per link class at several message sizes
-(--sizes, bytes) and group sizes. Each time is the median of --repeats samples, a sample
-being as many back-to-back calls as last --min_sample seconds (averages out CPU quotas and
-clock changes; 0: one call). Writes a calibration file (default
+(--sizes, bytes) and group sizes. Each time comes from --repeats samples (compute: their mean;
+collectives: their median), a sample being as many back-to-back calls as last --min_sample
+seconds (averages out CPU quotas and clock changes; 0: one call). Writes a calibration file (default
 <workdir>/calibration.json) and a plot of measured vs modelled times (default next to it,
 .png), and prints both tables. Use it: hetjax plan --config.planner.calibration=PATH.
 Under several processes: hetjax launch --local N --command=calibrate [--config...].
