@@ -177,7 +177,9 @@ def test_the_int8_codec_round_trips_within_its_bound_and_feeds_back_gradient_err
 def test_two_worlds_with_int8_boundaries_train_close_to_uncompressed():
     """Two worlds (threads of this process, a real bridge each) train 3 steps with int8
     activations and gradients on the boundary: losses within 0.5% of the single-world
-    executor's, not equal to them, and about a quarter of the boundary bytes."""
+    executor's, not equal to them, and a quarter of the float32 boundary bytes (plus a
+    float32 scale a row). (Uncompressed worlds equal the single-world executor exactly:
+    test_mpmd_worlds.)"""
     import threading
 
     from hetjax.planner.worlds import plan_worlds
@@ -227,11 +229,12 @@ def test_two_worlds_with_int8_boundaries_train_close_to_uncompressed():
         result[codec] = got, sent
 
     train("int8")
-    train("none")
-    (got8, bytes8), (got32, bytes32) = result["int8"], result["none"]
-    np.testing.assert_allclose(got32[0], want, rtol=1e-6)
+    got8, bytes8 = result["int8"]
     np.testing.assert_allclose(got8[0], want, rtol=5e-3)
     assert got8[0] != want
+    # float32 across the boundary: every step, each token's d-vector once each way
+    t = trainer.config.train
     d = trainer.model_cfg.d_model
+    float32 = len(batches) * t.batch_size * t.seq_len * d * 4
     for kind, receiver in (("activation", 1), ("gradient", 0)):
-        assert bytes8[receiver][kind] == bytes32[receiver][kind] // 4 * (1 + 4 / d)
+        assert bytes8[receiver][kind] == float32 // 4 * (1 + 4 / d)

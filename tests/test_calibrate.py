@@ -212,26 +212,33 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
 
 
 @pytest.mark.heavy
-def test_hetjax_calibrate_under_launch_then_plan(tmp_path):
+def test_hetjax_calibrate_under_launch_then_plan(tmp_path, capsys):
     """Two processes (gloo): process 0 writes the file, which `hetjax plan` then reads."""
+    from hetjax.cli import main
+
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     args = ["--config.model.d_model=64", "--config.model.d_ff=128", "--config.train.seq_len=16",
             f"--config.workdir={tmp_path}"]
+    # small: one micro-batch size, one sequence length (each another compile of every part)
+    # and one message size -- the suite's time
     run = subprocess.run([sys.executable, "-m", "hetjax", "launch", "--local", "2",
-                          "--command=calibrate", "--batches=2", "--min_sample=0",
-                          "--sizes=4096,65536", "--repeats=1",  # small: the suite's time
+                          "--command=calibrate", "--batches=2", "--seq_lens=16",
+                          "--min_sample=0", "--sizes=4096", "--repeats=1",
                           *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     path = tmp_path / "calibration.json"
     cal = load_calibration(str(path))
     assert cal.links and (tmp_path / "calibration.png").exists()
-    # calibrate's own flags reach the workers through the launcher
-    assert {r.batch for r in cal.rows("block")} == {2}
+    # calibrate's own flags reach the workers through the launcher (without --seq_lens they
+    # would measure train.seq_len / 2 and train.seq_len: 8 and 16)
+    assert {(r.batch, r.seq_len) for r in cal.rows("block")} == {(2, 16)}
+    assert {r.nbytes for r in cal.links} == {4096}
     # measured across gloo processes: stages priced asynchronously, collectives as rings
     assert cal.processes == 2 and cal.collectives == "gloo" and cal.asynchronous_sends
     assert not cal.options().lockstep and cal.options().collectives == "ring"
-    out = subprocess.run([sys.executable, "-m", "hetjax", "plan", *args,
-                          f"--config.planner.calibration={path}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "predicted" in out.stdout, out.stderr
+    # `hetjax plan` reads it (in this process: planning needs no devices, and a process
+    # start-up is the suite's time)
+    capsys.readouterr()
+    assert main(["hetjax", "plan", *args, f"--config.planner.calibration={path}"]) == 0
+    assert "predicted" in capsys.readouterr().out

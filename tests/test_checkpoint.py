@@ -107,28 +107,40 @@ PP_SAVE = {"parallel.pp": 2, "pipeline.stage_layers": (3, 1), "parallel.dp": 2,
            "parallel.tp": 2, "zero.preset": "zero1"}
 
 
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    """One 20-step run under PP_SAVE, its checkpoints and state at step 10 kept aside on the
+    way (one run and one compile for both splits below: the suite's time)."""
+    root = tmp_path_factory.mktemp("pp_runs")
+    trainer = Trainer(pp_config(root / "straight", root, PP_SAVE), quiet=True)
+    trainer.train(steps=10)
+    saved = host(trainer.layout().to_natural(trainer.state))
+    shutil.copytree(root / "straight" / "checkpoints", root / "half" / "checkpoints")
+    trainer.train()  # steps 11-20, as one uninterrupted run
+    return {"root": root, "saved": saved, "losses": losses(root / "straight")}
+
+
+def pp_config(workdir, root, plan):
+    return config(workdir, root / "tfds", plan=plan, **{"model.n_layers": 4})
+
+
 @pytest.mark.skipif(_pipeline_missing(), reason="needs the pipeline executor "
                     "(parallel.pipeline, stage-stacked parameters), which has not landed yet")
 @pytest.mark.parametrize("plan", [
     {"parallel.pp": 1, "parallel.dp": 8, "parallel.tp": 1},
     {"parallel.pp": 4, "pipeline.stage_layers": (1, 1, 1, 1), "parallel.dp": 2,
      "parallel.tp": 1}], ids=["pp1-dp8", "pp4-even"])
-def test_pipeline_checkpoint_restores_under_another_split(tmp_path, plan):
-    def cfg(workdir, p):
-        return config(tmp_path / workdir, tmp_path / "tfds", plan=p, **{"model.n_layers": 4})
-
-    straight = Trainer(cfg("straight", PP_SAVE), quiet=True)
-    straight.train()
-    half = Trainer(cfg("half", PP_SAVE), quiet=True)
-    half.train(steps=10)
-    saved = host(half.layout().to_natural(half.state))
-    shutil.copytree(tmp_path / "half", tmp_path / "other")
-    trainer = Trainer(cfg("other", plan), quiet=True)
+def test_pipeline_checkpoint_restores_under_another_split(pp_runs, plan):
+    root = pp_runs["root"]
+    other = root / ("other-" + "-".join(map(str, plan.values())))
+    shutil.copytree(root / "half", other)
+    trainer = Trainer(pp_config(other, root, plan), quiet=True)
     assert trainer.restore() == 10
     jax.tree.map(np.testing.assert_array_equal,
-                 host(trainer.layout().to_natural(trainer.state)), saved)
+                 host(trainer.layout().to_natural(trainer.state)), pp_runs["saved"])
     trainer.train()
-    got, ref = losses(tmp_path / "other"), losses(tmp_path / "straight")
+    got, ref = losses(other), pp_runs["losses"]
+    assert sorted(ref) == list(range(1, 21))
     np.testing.assert_allclose([got[s] for s in range(11, 21)], [ref[s] for s in range(11, 21)],
                                rtol=1e-5)
 
@@ -201,14 +213,16 @@ def test_sigkill_during_an_async_save_loses_nothing_but_that_save(tmp_path):
         f"import sys\nsys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n"
         f"from conftest import tiny_config\n\n\ndef get_config():\n"
         f"    return tiny_config(**{overrides!r})\n")
-    env = dict(os.environ, PYTHONPATH=REPO, **{hckpt.HOLD_ENV: "15"})
+    # every save is held open 5 s: the test needs only the moment to read one line and kill
+    # (the hold of step 5 delays step 10's save, the suite's time)
+    env = dict(os.environ, PYTHONPATH=REPO, **{hckpt.HOLD_ENV: "5"})
     cmd = [sys.executable, "-m", "hetjax", "train", f"--config={cfg_file}"]
     with open(tmp_path / "first.out", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env,
                                 cwd=REPO)
         try:
-            # Every save is held open (written, not yet committed) for 15 s: kill the
-            # process while the save of step 10 is held, after step 5's was committed.
+            # Every save is held open (written, not yet committed): kill the process while
+            # the save of step 10 is held, after step 5's was committed.
             for line in proc.stderr:
                 if "holding the save of step 10" in line:
                     proc.send_signal(signal.SIGKILL)

@@ -94,21 +94,25 @@ def test_a_short_stage_holds_only_its_own_parameters_and_optimizer_state():
 
 
 def test_checkpoints_resume_across_executors(tmp_path):
-    """SPMD -> MPMD -> SPMD through the plan-independent checkpoint, with another split."""
-    def run(split, executor, steps):  # the same train.steps, so the same lr schedule
-        c = pipe_config(split, **{"pipeline.executor": executor, "train.steps": 6,
-                                  "checkpoint.every": 2, "workdir": str(tmp_path)})
-        return Trainer(c, quiet=True).train(steps)
+    """SPMD -> MPMD -> SPMD through the plan-independent checkpoint, with another split: the
+    straight SPMD run's checkpoint 2 resumes in the MPMD executor, whose checkpoint 4 resumes
+    in the SPMD executor again; their losses at 4 and 6 are the straight run's."""
+    import shutil
 
-    straight = Trainer(pipe_config((2, 2), **{"train.steps": 6, "checkpoint.every": 0,
-                                              "workdir": str(tmp_path / "straight")}),
-                       quiet=True)
-    losses = [float(straight.step()["loss"]) for _ in range(6)]
-    run((2, 2), "spmd", 2)
-    mid = run((1, 3), "mpmd", 4)
-    end = run((3, 1), "spmd", 6)
+    def trainer(split, executor, workdir):  # the same train.steps, so the same lr schedule
+        return Trainer(pipe_config(split, **{"pipeline.executor": executor, "train.steps": 6,
+                                             "checkpoint.every": 2, "train.log_every": 1,
+                                             "workdir": str(workdir)}), quiet=True)
+
+    straight = trainer((2, 2), "spmd", tmp_path / "straight").train()
+    losses = {r["step"]: r["loss"] for r in straight.history.rows}
+    assert straight["resumed_from"] is None and sorted(losses) == list(range(1, 7))
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "2",
+                    tmp_path / "chain" / "checkpoints" / "2")
+    mid = trainer((1, 3), "mpmd", tmp_path / "chain").train(4)
+    end = trainer((3, 1), "spmd", tmp_path / "chain").train(6)
     assert mid["resumed_from"] == 2 and end["resumed_from"] == 4
-    np.testing.assert_allclose([mid["final_loss"], end["final_loss"]], [losses[3], losses[5]],
+    np.testing.assert_allclose([mid["final_loss"], end["final_loss"]], [losses[4], losses[6]],
                                rtol=1e-5)
 
 
