@@ -37,7 +37,7 @@ DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 20, 1 << 22)
 
 
 # Every timed sample lasts at least this long by default: under a CPU quota (the testbed's
-# emulated accelerators, CFS periods of 10 ms; a container's, often 100 ms) or clock boost, a
+# emulated accelerators and most containers: CFS periods of 100 ms) or clock boost, a
 # call of a few ms is throttled or not by chance; a sample spanning many periods averages that.
 MIN_SAMPLE_S = 0.5
 

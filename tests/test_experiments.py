@@ -347,3 +347,50 @@ def test_hetaccel_mpmd_rows_plan_for_the_mpmd_executor_and_gpipe_keeps_the_split
     assert gpipe.stage_layers == one.stage_layers and one.stage_layers[0] > 4  # fast kind more
     assert gpipe.device_order == one.device_order
     assert hetaccel.schedule_lines(cases)[0].startswith("MPMD 1F1B vs GPipe: needs both")
+
+
+def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
+    """scripts/repredict.py: a bench's results file keeps its calibration beside it; every
+    row is priced again as the bench priced it, and the same layout's measured step times
+    are compared across runs (different layouts are not)."""
+    from hetjax.experiments import repredict
+
+    work = dataclasses.replace(hetaccel.WORKLOAD, n_layers=4)
+    het = preset("testbed_hetaccel")
+    cal = _calibration_file(tmp_path, het, work)
+    even, uneven = hetaccel.rank_order(work, (2, 2)), hetaccel.rank_order(work, (3, 1))
+    names = ("homogeneous A (cpu)", "heterogeneous, uniform split")
+
+    def save(name, plans, seconds):
+        path = str(tmp_path / "runs" / f"{name}.json")
+        harness.save_json(path, {
+            "command": "scripts/bench_hetaccel.py", "workload": dataclasses.asdict(work),
+            "cpus": 0.4, "calibration": cal,
+            "cases": [{"name": n, "plan": p.to_dict(), "mean_s": s}
+                      for n, p, s in zip(names, plans, seconds)]})
+        return path
+
+    a = save("a", (even, even), (2.0, 4.0))
+    b = save("b", (even, uneven), (2.2, 3.0))
+    kept = harness.kept_calibration_path(a)
+    assert json.load(open(a))["calibration"] == kept
+    assert open(kept).read() == open(cal).read()
+    runs = [repredict.Run.load(a), repredict.Run.load(b)]
+    assert repredict.run_to_run(runs) == [(names[0], [2.0, 2.2], pytest.approx(1.1)),
+                                          (names[1], [4.0, 3.0], None)]
+    (res,) = repredict.repredict(runs[:1], [])  # the run's own (kept) file
+    cases = repredict.experiment_cases(runs[0].record)
+    expected = [harness.predict_case(even, cases[n].topology, work, cal).step_time
+                for n in names]
+    assert res["calibration"] == kept
+    assert res["predicted"] == pytest.approx(expected, rel=1e-12)
+    assert res["mae"] == pytest.approx(np.mean([abs(expected[0] / 2 - 1),
+                                                abs(expected[1] / 4 - 1)]))
+    assert repredict.main([a, b, "--calibration", cal]) == 0
+    out = capsys.readouterr().out
+    assert "1.100" in out and "different layouts" in out and out.count(cal) == 2
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"command": "scripts/train.py", "workload": {}, "cpus": 1,
+                               "cases": []}))
+    with pytest.raises(HetjaxError, match="not by scripts/bench_hetnet.py"):
+        repredict.experiment_cases(json.load(open(bad)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import time
@@ -453,8 +454,20 @@ def load_line() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
 
 
+def kept_calibration_path(results_path: str) -> str:
+    """Where a bench keeps the calibration file it used, beside its results JSON (the
+    workdir's copy is overwritten by the next run; scripts/repredict.py reads this one)."""
+    return os.path.splitext(results_path)[0] + ".calibration.json"
+
+
 def save_json(path: str, payload: dict) -> None:
+    """The results JSON; the calibration file it names is copied beside it and the copy
+    recorded, so the run can be priced again later."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if payload.get("calibration") and os.path.exists(payload["calibration"]):
+        kept = kept_calibration_path(path)
+        shutil.copyfile(payload["calibration"], kept)
+        payload = {**payload, "calibration": kept}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
 
