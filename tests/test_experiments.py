@@ -394,3 +394,5 @@ def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
                                "cases": []}))
     with pytest.raises(HetjaxError, match="not by scripts/bench_hetnet.py"):
         repredict.experiment_cases(json.load(open(bad)))
+    with pytest.raises(HetjaxError, match="is a calibration file.*--calibration"):
+        repredict.Run.load(kept)

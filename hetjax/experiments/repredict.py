@@ -56,6 +56,9 @@ class Run:
         try:
             with open(path) as f:
                 record = json.load(f)
+            if "compute" in record and "cases" not in record:
+                raise HetjaxError(f"{path!r} is a calibration file, not a bench's results; "
+                                  "give it with --calibration FILE")
             rows = {c["name"]: (Plan.from_dict(c["plan"]), float(c["mean_s"]))
                     for c in record["cases"] if c.get("plan") and c.get("mean_s")}
         except (OSError, ValueError, KeyError, TypeError) as e:
