@@ -87,7 +87,8 @@ class KernelRates:
     quantisation costs weigh less as the matmul grows); `matmul_curve`, when measured, is used
     instead. flash: fraction of peak of each fused attention kernel (forward; its backward
     does 2.5x the forward's FLOPs at the same rate). memory_efficiency: achieved / nominal
-    memory bandwidth on streaming kernels. softmax_passes: reads + writes of each attention
+    memory bandwidth on streaming kernels (memory_bytes_per_s, when measured, instead).
+    softmax_passes: reads + writes of each attention
     score in the forward (logits written, read, probabilities written, read by the second
     matmul), the backward twice as many."""
 
@@ -97,6 +98,8 @@ class KernelRates:
     flash: dict[str, float] = field(default_factory=lambda: {"cudnn": 0.55, "pallas": 0.35})
     memory_efficiency: float = 0.80
     softmax_passes: float = 4.0
+    # measured bytes/s of a memory-bound stream (`hetjax calibrate`); 0: nominal x efficiency
+    memory_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         for name, v in (("matmul_peak", self.matmul_peak),
@@ -106,6 +109,12 @@ class KernelRates:
         if self.matmul_half_flops < 0:
             raise PlanError(f"kernel rate matmul_half_flops = {self.matmul_half_flops} must be "
                             ">= 0")
+
+    def bandwidth(self, acc: Accelerator) -> float:
+        """Achieved bytes/s of memory-bound work on `acc`."""
+        if self.memory_bytes_per_s > 0:
+            return self.memory_bytes_per_s
+        return memory_bandwidth(acc) * self.memory_efficiency
 
     def matmul_efficiency(self, flops: float) -> float:
         if self.matmul_curve is not None:
@@ -156,7 +165,7 @@ def layer_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: f
     of `seq_len` (the device's micro-batch), heads and MLP split over `tp`. The backward is
     the pure backward (no recompute: `recompute_work` adds it)."""
     peak = acc.peak_tflops * 1e12
-    bw = memory_bandwidth(acc) * rates.memory_efficiency
+    bw = rates.bandwidth(acc)
     gemms = _gemms(m, tokens, tp)
     mm_f = _matmul_time(rates, peak, gemms)
     # QK^T and PV over the full square (the FLOPs layer_flops counts), per device
@@ -168,6 +177,7 @@ def layer_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: f
         at_b = 2.5 * at_f
     else:
         batched = attn_flops / 2  # one batched matmul call: QK^T (PV alike)
+    # (kept in step with `xla_attention_parts`, which calibrate inverts)
         mm = 2 * batched / (peak * rates.matmul_efficiency(batched))
         scores = tokens * seq_len * heads  # [heads, q, k] elements per device
         elem = 4 if attention == "xla" else act_bytes  # XLA keeps scores in float32
@@ -181,6 +191,15 @@ def layer_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: f
     fwd = Work(mm_f, at_f, mem_f)
     bwd = Work(2 * mm_f, at_b, 2 * mem_f)
     return fwd, bwd
+
+
+def xla_attention_parts(m_heads: float, head_dim: int, tokens: float, seq_len: int,
+                        rates: KernelRates, peak: float) -> tuple[float, float]:
+    """The forward of unfused attention split as (matmul seconds, score elements): what
+    `hetjax calibrate` needs to solve softmax_passes from a measured time."""
+    attn_flops = 2 * 2 * tokens * seq_len * m_heads * head_dim
+    batched = attn_flops / 2
+    return 2 * batched / (peak * rates.matmul_efficiency(batched)), tokens * seq_len * m_heads
 
 
 def recompute_work(fwd: Work, remat: str) -> Work:
@@ -199,7 +218,7 @@ def head_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: fl
     device: the projection's matmul, the float32 logits streamed through the softmax and the
     loss (written, read, and their gradient written: three float32 passes each way)."""
     peak = acc.peak_tflops * 1e12
-    bw = memory_bandwidth(acc) * rates.memory_efficiency
+    bw = rates.bandwidth(acc)
     f = 2 * tokens * m.d_model * m.vocab_size / tp
     mm = f / (peak * rates.matmul_efficiency(f))
     logits = tokens * m.vocab_size / tp * 4 * 3 / bw
@@ -209,7 +228,7 @@ def head_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: fl
 
 def update_seconds_per_param(acc: Accelerator, rates: KernelRates) -> float:
     """Adam's update, memory-bound: ADAM_BYTES_PER_PARAM over the memory bandwidth."""
-    return ADAM_BYTES_PER_PARAM / (memory_bandwidth(acc) * rates.memory_efficiency)
+    return ADAM_BYTES_PER_PARAM / rates.bandwidth(acc)
 
 
 def replace(rates: KernelRates, **kw) -> KernelRates:
