@@ -357,6 +357,10 @@ def cmd_plan(argv: list[str]) -> int:
             cfg, plan, topology).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    from hetjax.planner.config_plan import plausibility_lines
+
+    for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range
+        print(line)
     if plan.executor == "mpmd" and plan.pp > 1:
         from hetjax.planner.worlds import world_lines
         from parallel import nic

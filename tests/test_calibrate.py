@@ -301,3 +301,27 @@ def test_per_kind_rows_fit_the_kernel_rates_by_hand():
     assert cm.update_seconds_per_param(acc) == pytest.approx(ck.ADAM_BYTES_PER_PARAM / 4e9)
     cal2 = Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))
     assert cal2.kernel_rates()["cpu"] == r
+
+
+def test_plausibility_guard_states_the_fit_and_warns_only_far_outside_it(capsys):
+    from hetjax.cli import main
+    from hetjax.planner import reference_runs as rr
+    from hetjax.planner.calibrate import plausibility_lines
+
+    fit = rr.megatron_range()
+    inside = rr.row("145.6B")  # held back, inside the fitted sizes, devices and fabric
+    lines = plausibility_lines(0.47, rr.megatron_model(inside), rr.selene(inside.gpus // 8), fit)
+    assert len(lines) == 1 and lines[0].startswith("predicted MFU 47.0%; the compute and link "
+                                                   "rates were fitted on Megatron-LM Table 1")
+    assert "43-52% MFU" in lines[0] and "32-1,920 devices" in lines[0]
+    # far outside: 32,768 devices (> 10 x 1,920), a hybrid cluster's RoCE and Ethernet
+    huge = plausibility_lines(0.47, rr.megatron_model(inside), rr.selene(4096), fit)
+    assert "32,768 devices" in huge[1] and "fabric" not in huge[1]
+    hybrid = plausibility_lines(0.10, rr.megatron_model(inside), preset("holmes_hybrid"), fit)
+    assert "fabric ethernet/roce never fitted" in hybrid[1] and "an MFU of 10.0%" in hybrid[1]
+    # `hetjax plan` on the CPU default: a tiny model on CPU devices, far from Holmes' A100s
+    assert main(["hetjax", "plan", "--config.parallel.pp=1", "--config.parallel.tp=1"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted MFU" in out and "fitted on Holmes Table 1" in out
+    assert "warning: this prediction extrapolates far outside that fit: a model of" in out
+    assert "accelerator cpu never fitted" in out

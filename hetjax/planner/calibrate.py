@@ -555,6 +555,95 @@ class Calibration:
                             "one with 'hetjax calibrate'") from None
 
 
+# --- the plausibility guard: how far a prediction lies from what its rates were fitted on --------
+# A prediction this many times beyond the fitted model sizes or device counts is flagged.
+EXTRAPOLATION_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class FitRange:
+    """What a set of compute / link rates was fitted on: model sizes (parameters), device
+    counts, fabrics (link kinds), accelerator kinds, and the MFU the fitted runs reached
+    (None when measured by `hetjax calibrate`, which runs no whole step)."""
+
+    source: str
+    params: tuple[float, float]
+    devices: tuple[int, int]
+    fabrics: tuple[str, ...]
+    accelerators: tuple[str, ...]
+    mfu: tuple[float, float] | None = None
+
+
+def link_kinds(topology: Topology) -> tuple[str, ...]:
+    kinds = {k for c in topology.clusters for k in (c.nic.kind, c.intra_node.kind)
+             if not (k == c.nic.kind and c.nodes == 1)}
+    if len(topology.clusters) > 1:
+        kinds |= {cl.link.kind for cl in topology.cluster_links}
+        if topology.inter_cluster is not None:
+            kinds.add(topology.inter_cluster.kind)
+    return tuple(sorted(kinds))
+
+
+def holmes_range() -> FitRange:
+    """The flat model's default efficiency and the catalogue's fabric efficiencies were fitted
+    on Holmes Table 1 (GPT 3.6B on 32 A100; InfiniBand, RoCE, Ethernet)."""
+    from hetjax.planner.formulas import holmes_tflops
+
+    mfu = [holmes_tflops(v, 32, 2048, 30, 3072, 50257) / 312.0 for v in HOLMES_TABLE1.values()]
+    return FitRange("Holmes Table 1 (the flat model's efficiency 0.72)",
+                    (holmes_model().num_params,) * 2, (32, 32),
+                    ("ethernet", "infiniband", "nvlink", "roce"), ("a100",),
+                    (min(mfu), max(mfu)))
+
+
+def calibration_range(cal: Calibration, path: str = "") -> FitRange:
+    return FitRange(f"hetjax calibrate{' ' + path if path else ''}",
+                    (cal.model.num_params,) * 2, (cal.topology.num_devices,) * 2,
+                    link_kinds(cal.topology),
+                    tuple(sorted({c.accelerator.name for c in cal.topology.clusters})))
+
+
+def _span(lo: float, hi: float, fmt) -> str:
+    return fmt(lo) if lo == hi else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
+
+
+def plausibility_lines(mfu: float, model: "ModelConfig", topology: Topology,
+                       fit: FitRange) -> list[str]:
+    """The predicted MFU beside the range its rates were fitted on, and one warning naming
+    every way the plan extrapolates far outside it (model size or device count beyond
+    EXTRAPOLATION_FACTOR, a fabric or accelerator never fitted, an MFU far from the fitted)."""
+    fitted = [f"{_span(*fit.params, _params)} parameters",
+              f"{_span(*fit.devices, lambda n: f'{n:,}')} devices",
+              "/".join(fit.fabrics), "/".join(fit.accelerators)]
+    if fit.mfu is not None:
+        fitted.insert(0, f"{_span(fit.mfu[0] * 100, fit.mfu[1] * 100, lambda x: f'{x:.0f}')}% MFU")
+    lines = [f"predicted MFU {mfu:.1%}; the compute and link rates were fitted on "
+             f"{fit.source}: {', '.join(fitted)}"]
+    far, f = [], EXTRAPOLATION_FACTOR
+    n, d = model.num_params, topology.num_devices
+    if not fit.params[0] / f <= n <= fit.params[1] * f:
+        far.append(f"a model of {_params(n)} parameters")
+    if not fit.devices[0] / f <= d <= fit.devices[1] * f:
+        far.append(f"{d:,} devices")
+    fabrics = sorted(set(link_kinds(topology)) - set(fit.fabrics))
+    if fabrics:
+        far.append(f"fabric {'/'.join(fabrics)} never fitted")
+    accs = sorted({c.accelerator.name for c in topology.clusters} - set(fit.accelerators))
+    if accs:
+        far.append(f"accelerator {'/'.join(accs)} never fitted")
+    if fit.mfu is not None and not fit.mfu[0] / 2 <= mfu <= min(1.0, fit.mfu[1] * 1.5):
+        far.append(f"an MFU of {mfu:.1%}")
+    if far:
+        lines.append(f"warning: this prediction extrapolates far outside that fit: "
+                     f"{'; '.join(far)} -- measure these devices with 'hetjax calibrate' "
+                     "and plan with --config.planner.calibration=FILE")
+    return lines
+
+
 def _alpha_beta(rows: np.ndarray) -> LinkFit:
     """Least-squares latency a >= 0 and inverse bandwidth 1/B > 0 of t = lat a + byte / B."""
     lat, byte, t = rows.T
@@ -633,7 +722,8 @@ def plot_calibration(cal: Calibration, path: str) -> str:
     return path
 
 
-__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
+__all__ = ["FitRange", "holmes_range", "calibration_range", "plausibility_lines", "link_kinds",
+           "EXTRAPOLATION_FACTOR", "Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
            "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
            "nominal_links", "spearman", "kendall_tau",
            "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",

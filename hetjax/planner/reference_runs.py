@@ -189,6 +189,21 @@ def fit_megatron(fitted: Sequence[str] = FITTED_ROWS,
     return rates(peak)
 
 
-__all__ = ["MegatronRow", "MEGATRON_TABLE1", "FITTED_ROWS", "row", "selene", "megatron_model",
+def megatron_range():
+    """What compute.FITTED was fitted on (the plausibility guard's range for compute "kinds"
+    without a calibration file): the two fitted rows' model sizes and device counts, Selene's
+    fabric, A100s; the MFU span of the whole table."""
+    from hetjax.planner.calibrate import FitRange
+
+    rows = [row(n) for n in FITTED_ROWS]
+    sizes = [megatron_model(r).num_params for r in rows]
+    mfu = [r.tflops_per_gpu / A100_PEAK_TFLOPS for r in MEGATRON_TABLE1]
+    return FitRange(f"Megatron-LM Table 1 rows {' and '.join(FITTED_ROWS)} (compute by kind)",
+                    (min(sizes), max(sizes)), (min(r.gpus for r in rows),
+                                               max(r.gpus for r in rows)),
+                    ("infiniband", "nvlink"), ("a100",), (min(mfu), max(mfu)))
+
+
+__all__ = ["megatron_range", "MegatronRow", "MEGATRON_TABLE1", "FITTED_ROWS", "row", "selene", "megatron_model",
            "megatron_plan", "megatron_options", "predicted_tflops", "RowCheck", "check_table",
            "fit_megatron"]
