@@ -189,6 +189,33 @@ def fit_megatron(fitted: Sequence[str] = FITTED_ROWS,
     return rates(peak)
 
 
+def terms(r: MegatronRow, options: CostOptions | None = None) -> dict[str, float]:
+    """What each term of the cost model does to row `r`'s prediction: the predicted TFLOP/s
+    per GPU, and the change (fraction of it) when one term is taken away -- matmul efficiency
+    by size (every matmul at the curve's large-size limit instead), the TP all-reduces (free
+    links inside a node), the pipeline bubble (its share of the step), the DP overlap (none
+    instead), NCCL's algorithm choice (the flat ring instead)."""
+    options = options or megatron_options()
+    base = predicted_tflops(r, options)
+    rates = options.kernel_rates.get("a100", ck.FITTED)
+
+    def delta(**kw) -> float:
+        return predicted_tflops(r, dataclasses.replace(options, **kw)) / base - 1
+
+    flat_size = delta(kernel_rates={"a100": dataclasses.replace(rates, matmul_half_flops=0.0)})
+    cm = CostModel(selene(r.gpus // 8), megatron_model(r), options)
+    plan = megatron_plan(r)
+    pred = cm.predict(plan)
+    fast = Link("nvlink", 1e9, 0.0)
+    topo = selene(r.gpus // 8)
+    free_tp = CostModel(dataclasses.replace(topo, clusters=tuple(
+        dataclasses.replace(c, intra_node=fast) for c in topo.clusters)),
+        megatron_model(r), options).predict(plan).step_time
+    return {"tflops": base, "matmul_size": flat_size, "tp_allreduce": pred.step_time / free_tp - 1,
+            "bubble": pred.bubble, "dp_overlap": delta(overlap=0.0),
+            "nccl_choice": delta(collectives="ring")}
+
+
 def megatron_range():
     """What compute.FITTED was fitted on (the plausibility guard's range for compute "kinds"
     without a calibration file): the two fitted rows' model sizes and device counts, Selene's
@@ -204,6 +231,33 @@ def megatron_range():
                     ("infiniband", "nvlink"), ("a100",), (min(mfu), max(mfu)))
 
 
-__all__ = ["megatron_range", "MegatronRow", "MEGATRON_TABLE1", "FITTED_ROWS", "row", "selene", "megatron_model",
+def main(argv=None) -> None:
+    """Print the table: published, predicted and each term's effect per row."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    names = [n for n in ap.parse_args(argv).rows.split(",") if n]
+    print(f"Megatron-LM Table 1 on the cost model (executor megatron, compute by kind, fitted "
+          f"on {' and '.join(FITTED_ROWS)}); columns after 'error': the change in predicted "
+          "TFLOP/s when a term is taken away, and the idle share of the step (bubble + exposed sync)")
+    print(f"{'row':>8} {'t':>2} {'p':>3} {'d':>3} {'published':>9} {'predicted':>9} "
+          f"{'error':>6} {'by size':>8} {'TP AR':>6} {'idle':>6} {'DP ovl':>6} {'NCCL':>6}")
+    for r in MEGATRON_TABLE1:
+        if names and r.name not in names:
+            continue
+        t = terms(r)
+        mark = " (fitted)" if r.name in FITTED_ROWS else ""
+        print(f"{r.name:>8} {r.tp:>2} {r.pp:>3} {r.dp:>3} {r.tflops_per_gpu:>9.0f} "
+              f"{t['tflops']:>9.1f} {t['tflops'] / r.tflops_per_gpu - 1:>+6.1%} "
+              f"{t['matmul_size']:>+8.1%} {t['tp_allreduce']:>+6.1%} {t['bubble']:>6.1%} "
+              f"{t['dp_overlap']:>+6.1%} {t['nccl_choice']:>+6.1%}{mark}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["terms", "main", "megatron_range", "MegatronRow", "MEGATRON_TABLE1", "FITTED_ROWS", "row", "selene", "megatron_model",
            "megatron_plan", "megatron_options", "predicted_tflops", "RowCheck", "check_table",
            "fit_megatron"]
