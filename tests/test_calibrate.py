@@ -313,7 +313,7 @@ def test_plausibility_guard_states_the_fit_and_warns_only_far_outside_it(capsys)
     lines = plausibility_lines(0.47, rr.megatron_model(inside), rr.selene(inside.gpus // 8), fit)
     assert len(lines) == 1 and lines[0].startswith("predicted MFU 47.0%; the compute and link "
                                                    "rates were fitted on Megatron-LM Table 1")
-    assert "43-52% MFU" in lines[0] and "32-1,920 devices" in lines[0]
+    assert "33-39% MFU" in lines[0] and "32-1,920 devices" in lines[0]
     # far outside: 32,768 devices (> 10 x 1,920), a hybrid cluster's RoCE and Ethernet
     huge = plausibility_lines(0.47, rr.megatron_model(inside), rr.selene(4096), fit)
     assert "32,768 devices" in huge[1] and "fabric" not in huge[1]

@@ -587,9 +587,10 @@ def link_kinds(topology: Topology) -> tuple[str, ...]:
 def holmes_range() -> FitRange:
     """The flat model's default efficiency and the catalogue's fabric efficiencies were fitted
     on Holmes Table 1 (GPT 3.6B on 32 A100; InfiniBand, RoCE, Ethernet)."""
-    from hetjax.planner.formulas import holmes_tflops
-
-    mfu = [holmes_tflops(v, 32, 2048, 30, 3072, 50257) / 312.0 for v in HOLMES_TABLE1.values()]
+    # hetjax's MFU (no recompute FLOPs): samples/s x model FLOPs per sample over 32 peaks
+    model = holmes_model()
+    mfu = [v * model.flops_per_token(2048) * 2048 / (32 * 312e12)
+           for v in HOLMES_TABLE1.values()]
     return FitRange("Holmes Table 1 (the flat model's efficiency 0.72)",
                     (holmes_model().num_params,) * 2, (32, 32),
                     ("ethernet", "infiniband", "nvlink", "roce"), ("a100",),
