@@ -353,7 +353,14 @@ def measure_kinds(model: "ModelConfig", devices: Sequence, kind: str, peak_tflop
     def timed(fn, args, label):
         return _mean_seconds(fn, args, repeats, _calls_per_sample(fn, args, min_sample_s), label)
 
-    mm = jax.jit(jax.vmap(lambda a, b: a @ b))
+    def lift(fn):
+        """fn on every device's slice at once (vmap over the device axis); on one device
+        without the vmap, so a fused kernel sees its own shapes."""
+        if n_dev > 1:
+            return jax.jit(jax.vmap(fn))
+        return jax.jit(lambda *xs: fn(*(x[0] for x in xs)))
+
+    mm = lift(lambda a, b: a @ b)
     for n in MATMUL_SIZES.get(platform, MATMUL_SIZES["cpu"]):
         a = put((n, n))
         t = timed(mm, (a, a), f"{kind} matmul {n}x{n}x{n}")
@@ -363,15 +370,14 @@ def measure_kinds(model: "ModelConfig", devices: Sequence, kind: str, peak_tflop
         adt = dtype if impl == "xla" or dtype != jnp.float32 else jnp.bfloat16
 
         def attend(q, k, v, impl=impl):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                implementation=None if impl == "xla" else impl)
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
         def loss(q, k, v, attend=attend):
             return jnp.sum(attend(q, k, v).astype(jnp.float32))
 
         q = put((batch, seq_len, h, hd), adt)
-        fwd = jax.jit(jax.vmap(attend))
-        grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))
+        fwd = lift(attend)
+        grad = lift(jax.grad(loss, argnums=(0, 1, 2)))
         what = f"{kind} attention:{impl} b={batch} s={seq_len}"
         t_f = timed(fwd, (q, q, q), f"{what} forward")
         t_g = timed(grad, (q, q, q), f"{what} forward + backward")
@@ -380,7 +386,7 @@ def measure_kinds(model: "ModelConfig", devices: Sequence, kind: str, peak_tflop
                                4 * batch * seq_len * seq_len * h * hd))
     n = STREAM_ELEMENTS.get(platform, STREAM_ELEMENTS["cpu"])
     x = put((n,))
-    stream = jax.jit(jax.vmap(lambda v: v * 2 + 1))
+    stream = lift(lambda v: v * 2 + 1)
     t = timed(stream, (x,), f"{kind} memory stream {n * dtype.itemsize} bytes")
     rows.append(ComputeRow(kind, 0, 0, t, 0.0, peak_tflops, "memory", 2 * n * dtype.itemsize))
     return rows

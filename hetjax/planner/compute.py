@@ -21,7 +21,6 @@ calls them when `CostOptions.compute == "kinds"`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -229,10 +228,6 @@ def head_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: fl
 def update_seconds_per_param(acc: Accelerator, rates: KernelRates) -> float:
     """Adam's update, memory-bound: ADAM_BYTES_PER_PARAM over the memory bandwidth."""
     return ADAM_BYTES_PER_PARAM / rates.bandwidth(acc)
-
-
-def replace(rates: KernelRates, **kw) -> KernelRates:
-    return dataclasses.replace(rates, **kw)
 
 
 # The per-kind rates used where no calibration file gives a device's own: the matmul curve
