@@ -196,8 +196,8 @@ DESCRIPTIONS: dict[str, str] = {
     "planner.calibration": "a `hetjax calibrate` JSON file: measured compute and links",
     "planner.compute": "flat | kinds: compute priced at one efficiency per FLOP, or by "
                        "operation kind (matmuls by size, attention per implementation, "
-                       "memory-bound work by bandwidth); a calibration file with per-kind "
-                       "rows always prices by kind",
+                       "memory-bound work by bandwidth; a calibration file's measured "
+                       "rates when it has them)",
     "train.steps": "optimizer steps of the run",
     "train.batch_size": "global batch, in sequences",
     "train.seq_len": "tokens per sequence",

@@ -14,7 +14,7 @@ from hetjax.errors import PlanError
 from hetjax.planner import plan
 from hetjax.planner.calibrate import (Calibration, ComputeRow, LinkRow, load_calibration,
                                       save_calibration)
-from hetjax.planner.cost import CostModel
+from hetjax.planner.cost import CostModel, CostOptions
 from hetjax.topology import preset
 from layers.config import ModelConfig
 
@@ -200,7 +200,9 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     assert {r.part for r in cal.compute} >= kinds
     assert {r.batch for r in cal.rows("matmul")} == set(measure.MATMUL_SIZES["cpu"])
     assert cal.rows("attention:xla")[0].seq_len == 16
-    assert cal.options().compute == "kinds" and "cpu" in cal.options().kernel_rates
+    # loaded always, used when the plan prices compute by kind
+    assert cal.options().compute == "flat" and "cpu" in cal.options().kernel_rates
+    assert cal.options(CostOptions(compute="kinds")).compute == "kinds"
     # it spoke: a count and an estimate first, then each measurement numbered
     assert lines[0].startswith(f"calibrate: {progress.total} measurements, about ")
     assert progress.count == progress.total == sum(line.lstrip().startswith("[")
@@ -294,8 +296,8 @@ def test_per_kind_rows_fit_the_kernel_rates_by_hand():
     assert r.matmul_efficiency(2 * 512 ** 3) == pytest.approx(0.6)
     assert r.memory_bytes_per_s == pytest.approx(4e9)
     assert r.flash["cudnn"] == pytest.approx(0.5)
-    options = cal.options()
-    assert options.compute == "kinds"
+    options = cal.options(CostOptions(compute="kinds"))
+    assert options.kernel_rates["cpu"] == r
     cm = CostModel(t, MODEL, options)
     acc = t.clusters[0].accelerator
     assert cm.update_seconds_per_param(acc) == pytest.approx(ck.ADAM_BYTES_PER_PARAM / 4e9)
