@@ -23,16 +23,20 @@ LINKS = {
     "ethernet": Link("ethernet", 25.0, 50.0),  # 25 GbE via TCP sockets; Table 1's anchor (1.0)
 }
 
+# The last figure is the nominal memory bandwidth in GB/s (vendor data sheets: A100 80 GB
+# SXM 2,039; H100 SXM 3,350; V100 SXM2 900; MI250X 3,277; Ascend 910B 1,600).
 ACCELERATORS = {
-    "a100": Accelerator("a100", 312.0, 80.0),
-    "a800": Accelerator("a800", 312.0, 80.0),
-    "h100": Accelerator("h100", 989.0, 80.0),
-    "v100": Accelerator("v100", 125.0, 32.0),
-    "mi250x": Accelerator("mi250x", 383.0, 128.0, vendor="amd"),
-    "ascend910b": Accelerator("ascend910b", 320.0, 64.0, vendor="huawei"),
+    "a100": Accelerator("a100", 312.0, 80.0, memory_bandwidth_gbs=2039.0),
+    "a800": Accelerator("a800", 312.0, 80.0, memory_bandwidth_gbs=2039.0),
+    "h100": Accelerator("h100", 989.0, 80.0, memory_bandwidth_gbs=3350.0),
+    "v100": Accelerator("v100", 125.0, 32.0, memory_bandwidth_gbs=900.0),
+    "mi250x": Accelerator("mi250x", 383.0, 128.0, vendor="amd", memory_bandwidth_gbs=3277.0),
+    "ascend910b": Accelerator("ascend910b", 320.0, 64.0, vendor="huawei",
+                              memory_bandwidth_gbs=1600.0),
     # A simulated CPU device: 2 cores shared by 8 of them; a nominal fp32 peak so MFU on the
-    # CPU default reads as a fraction of what these cores can do (about 200 GFLOP/s in all).
-    "cpu": Accelerator("cpu", 0.025, 2.0, vendor="cpu"),
+    # CPU default reads as a fraction of what these cores can do (about 200 GFLOP/s in all),
+    # and an eighth of a desktop's ~20 GB/s of DRAM bandwidth.
+    "cpu": Accelerator("cpu", 0.025, 2.0, vendor="cpu", memory_bandwidth_gbs=2.5),
 }
 
 

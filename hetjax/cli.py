@@ -357,6 +357,10 @@ def cmd_plan(argv: list[str]) -> int:
             cfg, plan, topology).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    from hetjax.planner.config_plan import plausibility_lines
+
+    for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range
+        print(line)
     if plan.executor == "mpmd" and plan.pp > 1:
         from hetjax.planner.worlds import world_lines
         from parallel import nic
@@ -391,7 +395,7 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
-CALIBRATE_USAGE = """usage: hetjax calibrate [--out=PATH] [--plot=PATH] [--batches=1,4]
+CALIBRATE_USAGE = """usage: hetjax calibrate [--out=PATH] [--plot=PATH] [--quick] [--batches=1,4]
                         [--seq_lens=64,128] [--sizes=65536,1048576,4194304] [--repeats=3]
                         [--min_sample=0.5]
                         [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
@@ -400,9 +404,14 @@ Measure the cost model's inputs on the devices of this job: the model's decoder 
 forward and backward, per accelerator kind at several micro-batch sizes (--batches) and
 sequence lengths (--seq_lens, default train.seq_len / 2 and train.seq_len); all-reduce,
 reduce-scatter, all-gather and point-to-point per link class at several message sizes
-(--sizes, bytes) and group sizes. Each time comes from --repeats samples (compute: their mean;
-collectives: their median), a sample being as many back-to-back calls as last --min_sample
-seconds (averages out CPU quotas and clock changes; 0: one call). Writes a calibration file (default
+(--sizes, bytes) and group sizes; and each operation kind the cost model prices separately:
+matmuls of several sizes, attention per implementation, a memory-bound stream. Each time comes
+from --repeats samples (compute: their mean; collectives: their median), a sample being as
+many back-to-back calls as last --min_sample seconds (averages out CPU quotas and clock
+changes; 0: one call). It states the number of measurements and an estimate first, prints each
+as it ends, and warns when a measurement's samples spread beyond 10%. --quick: one micro-batch
+size and sequence length, 2 short samples, two message sizes, no pipeline-staged block: about a
+minute. Writes a calibration file (default
 <workdir>/calibration.json) and a plot of measured vs modelled times (default next to it,
 .png), and prints both tables. Use it: hetjax plan --config.planner.calibration=PATH.
 Under several processes: hetjax launch --local N --command=calibrate [--config...].
@@ -411,6 +420,7 @@ Under several processes: hetjax launch --local N --command=calibrate [--config..
 
 # hetjax calibrate's own flags (hetjax launch --command=calibrate passes them to its workers)
 CALIBRATE_OPTIONS = ("out", "plot", "batches", "seq_lens", "sizes", "repeats", "min_sample")
+CALIBRATE_FLAGS = ("--quick",)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -441,7 +451,8 @@ def cmd_calibrate(argv: list[str]) -> int:
         return 0
     from hetjax import config as hconfig
 
-    opts, rest = _take_options(argv, CALIBRATE_OPTIONS)
+    quick = "--quick" in argv
+    opts, rest = _take_options([a for a in argv if a not in CALIBRATE_FLAGS], CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
     topology = hconfig.build_topology(cfg)
     spec = _worker_spec(cfg, topology)
@@ -457,19 +468,25 @@ def cmd_calibrate(argv: list[str]) -> int:
     from hetjax.train import make_optimizer
 
     seq = cfg.train.seq_len
+    q = measure.QUICK if quick else {}
+    lead = spec is None or spec.process_id == 0
+    progress = measure.Progress() if lead else None
     cal = measure.calibrate(
         topology, model_from_config(cfg),
         seq_lens=_ints(opts["seq_lens"], "seq_lens") if "seq_lens" in opts
-        else tuple(sorted({max(seq // 2, 8), seq})),
+        else (seq,) if quick else tuple(sorted({max(seq // 2, 8), seq})),
         batches=_ints(opts["batches"], "batches") if "batches" in opts
-        else measure.DEFAULT_BATCHES,
+        else q.get("batches", measure.DEFAULT_BATCHES),
         message_bytes=_ints(opts["sizes"], "sizes") if "sizes" in opts
-        else measure.DEFAULT_MESSAGE_BYTES,
-        repeats=_ints(opts.get("repeats", "3"), "repeats")[0],
-        min_sample_s=_seconds(opts.get("min_sample", str(measure.MIN_SAMPLE_S)), "min_sample"),
-        optimizer=make_optimizer(cfg.train)[0])
-    if spec is not None and spec.process_id != 0:
+        else q.get("message_bytes", measure.DEFAULT_MESSAGE_BYTES),
+        repeats=_ints(opts.get("repeats", str(q.get("repeats", 3))), "repeats")[0],
+        min_sample_s=_seconds(opts.get("min_sample", str(q.get("min_sample_s",
+                                                               measure.MIN_SAMPLE_S))),
+                              "min_sample"),
+        optimizer=make_optimizer(cfg.train)[0], staged=not quick, progress=progress)
+    if not lead:
         return 0
+    print(progress.summary())
     out = opts.get("out") or os.path.join(cfg.workdir, "calibration.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     print(cal.describe())

@@ -82,6 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.planner = ml_collections.ConfigDict()
     c.planner.memory_margin = 0.1
     c.planner.calibration = ""
+    c.planner.compute = "flat"
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300
@@ -193,6 +194,10 @@ DESCRIPTIONS: dict[str, str] = {
     "zero.s_os": "optimizer-state shard factor (zero.preset=custom only)",
     "planner.memory_margin": "share of device memory a plan leaves free (fragmentation)",
     "planner.calibration": "a `hetjax calibrate` JSON file: measured compute and links",
+    "planner.compute": "flat | kinds: compute priced at one efficiency per FLOP, or by "
+                       "operation kind (matmuls by size, attention per implementation, "
+                       "memory-bound work by bandwidth; a calibration file's measured "
+                       "rates when it has them)",
     "train.steps": "optimizer steps of the run",
     "train.batch_size": "global batch, in sequences",
     "train.seq_len": "tokens per sequence",
@@ -525,6 +530,9 @@ def validate(c) -> None:
     _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
              f"must be in [0, 1), got {c.planner.memory_margin}",
              "use 0.1 (plans use at most 90% of device memory)")
+    _require(c.planner.get("compute", "flat") in ("flat", "kinds"), "planner.compute",
+             f"{c.planner.get('compute')!r} is not a compute model",
+             "use 'flat' (one efficiency per FLOP) or 'kinds' (priced by operation kind)")
     _require(not c.planner.calibration or os.path.isfile(c.planner.calibration),
              "planner.calibration", f"{c.planner.calibration!r} is not a file",
              "write one with 'hetjax calibrate --out=calibration.json', or leave it empty")

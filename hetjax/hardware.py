@@ -91,6 +91,9 @@ class Accelerator:
     peak_tflops: float
     memory_gib: float
     vendor: str = "nvidia"
+    # Nominal memory (HBM) bandwidth in GB/s, which prices memory-bound work (norms, softmax,
+    # the optimizer update; hetjax/planner/compute.py); 0: unknown, a ratio to the peak is used.
+    memory_bandwidth_gbs: float = 0.0
 
     def __post_init__(self):
         # The planner divides by both: a zero or negative value would crash or mislead it.
@@ -100,6 +103,10 @@ class Accelerator:
             if not v > 0:
                 raise TopologyError(f"accelerator {self.name!r} {f} must be > 0, got {v}; give "
                                     "the device's peak dense bf16 TFLOP/s and memory in GiB")
+        _number(self.memory_bandwidth_gbs, f"accelerator {self.name!r} memory_bandwidth_gbs")
+        if self.memory_bandwidth_gbs < 0:
+            raise TopologyError(f"accelerator {self.name!r} memory_bandwidth_gbs must be >= 0 "
+                                f"(0: unknown), got {self.memory_bandwidth_gbs}")
 
     @property
     def memory_bytes(self) -> float:

@@ -591,10 +591,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args, config_args = parser().parse_known_args(argv)
     if args.command == "calibrate":  # calibrate's own flags go to every worker as given
-        from hetjax.cli import CALIBRATE_OPTIONS, _take_options
+        from hetjax.cli import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, _take_options
 
-        opts, config_args = _take_options(config_args, CALIBRATE_OPTIONS)
-        args.worker_options = tuple(f"--{k}={v}" for k, v in opts.items())
+        flags = tuple(a for a in config_args if a in CALIBRATE_FLAGS)  # --quick
+        opts, config_args = _take_options([a for a in config_args if a not in flags],
+                                          CALIBRATE_OPTIONS)
+        args.worker_options = flags + tuple(f"--{k}={v}" for k, v in opts.items())
     stray = [a for a in config_args if not a.startswith("--config")]
     if stray:
         raise HetjaxError(f"hetjax launch does not know {stray}; its own flags are listed by "

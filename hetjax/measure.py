@@ -7,6 +7,9 @@ compute, the median for collectives):
   on simulated CPU devices they share the cores, as in training), at several micro-batch
   sizes and sequence lengths; and the block as the pipelines run it (forward and backward
   in separate programs, per recompute policy: part "staged:<policy>");
+- operation kinds (`measure_kinds`): matmuls of several sizes, attention per implementation
+  this platform runs, and a memory-bound stream, each on every device of a kind at once --
+  what the per-kind compute model (hetjax/planner/compute.py) is calibrated with;
 - collectives: all-reduce, reduce-scatter, all-gather and point-to-point (a ring shift) over
   groups that cover every device -- the devices of a node, one device per node of a cluster,
   a whole cluster, one device per cluster, everything -- at several message sizes. Every
@@ -16,6 +19,11 @@ Works in one process (simulated CPU devices, or the GPUs of one host) and in eve
 a `hetjax launch` job (all processes run the same programs; compute runs on each process's
 own devices and the results are gathered). The rows go to `hetjax.planner.calibrate`, which
 fits and stores them.
+
+`Progress` makes a calibration speak: it states up front how many measurements it will take
+and about how long, prints each one as it ends, and warns when a measurement's own samples
+disagree by more than SPREAD_TOLERANCE (a busy machine or a changing clock: the fit would be
+noise).
 """
 
 from __future__ import annotations
@@ -40,6 +48,56 @@ DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 20, 1 << 22)
 # emulated accelerators and most containers: CFS periods of 100 ms) or clock boost, a
 # call of a few ms is throttled or not by chance; a sample spanning many periods averages that.
 MIN_SAMPLE_S = 0.5
+# Samples of one measurement that differ by more than this ((max - min) / mean) are flagged.
+SPREAD_TOLERANCE = 0.10
+# --quick: fewer, shorter samples, one micro-batch size and sequence length, no staged rows.
+QUICK = dict(repeats=2, min_sample_s=0.1, batches=(1,), message_bytes=(1 << 16, 1 << 22))
+
+
+class Progress:
+    """Prints a calibration's progress: `start` states the count and an estimate, `done`
+    each measurement with its spread, warning when the spread exceeds SPREAD_TOLERANCE."""
+
+    def __init__(self, out=print):
+        self.out, self.total, self.count, self.t0 = out, 0, 0, time.perf_counter()
+        self.noisy: list[tuple[str, float]] = []
+
+    def start(self, total: int, repeats: int, min_sample_s: float, compile_s: float) -> None:
+        self.total, self.t0 = total, time.perf_counter()
+        # each measurement: a compile, a warm-up and a timing call, then its samples
+        each = compile_s + repeats * max(min_sample_s, 0.01) + min_sample_s
+        self.out(f"calibrate: {total} measurements, about {_duration(total * each)} "
+                 f"({repeats} samples of >= {min_sample_s:g} s each after a compile)")
+
+    def done(self, label: str, samples: Sequence[float]) -> None:
+        self.count += 1
+        mean = float(np.mean(samples))
+        spread = (max(samples) - min(samples)) / mean if mean > 0 and len(samples) > 1 else 0.0
+        elapsed = time.perf_counter() - self.t0
+        self.out(f"  [{self.count}/{max(self.total, self.count)}] {label}: {mean * 1e3:.3g} ms"
+                 f" (spread {spread:.0%}; {elapsed:.0f} s so far)")
+        if spread > SPREAD_TOLERANCE:
+            self.noisy.append((label, spread))
+            self.out(f"  warning: the samples of {label} disagree by {spread:.0%}, more than "
+                     f"the {SPREAD_TOLERANCE:.0%} a calibration states; the machine is busy "
+                     "or its clock changes -- rerun on a quiet machine or with --repeats=5 "
+                     "--min_sample=1")
+
+    def summary(self) -> str:
+        head = f"calibrate: {self.count} measurements in {_duration(time.perf_counter() - self.t0)}"
+        if not self.noisy:
+            return head + f"; every measurement's samples within {SPREAD_TOLERANCE:.0%}"
+        worst = max(self.noisy, key=lambda x: x[1])
+        return (head + f"; warning: {len(self.noisy)} of them spread beyond "
+                f"{SPREAD_TOLERANCE:.0%} (worst {worst[0]}: {worst[1]:.0%}) -- treat this "
+                "calibration as noisy")
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
+
+
+_PROGRESS: Progress | None = None  # set by `calibrate` while it runs
 
 
 def _calls_per_sample(fn, args, min_sample_s: float, agree: bool = False) -> int:
@@ -74,18 +132,24 @@ def _sample_seconds(fn, args, repeats: int, calls: int) -> list[float]:
     return times
 
 
-def _median_seconds(fn, args, repeats: int, calls: int) -> float:
+def _reported(label: str, samples: list[float]) -> list[float]:
+    if _PROGRESS is not None and label:
+        _PROGRESS.done(label, samples)
+    return samples
+
+
+def _median_seconds(fn, args, repeats: int, calls: int, label: str = "") -> float:
     """A collective's time: the median sample (a sample that met a retransmit or a late peer
     is an outlier, not part of the link's rate)."""
-    return float(np.median(_sample_seconds(fn, args, repeats, calls)))
+    return float(np.median(_reported(label, _sample_seconds(fn, args, repeats, calls))))
 
 
-def _mean_seconds(fn, args, repeats: int, calls: int) -> float:
+def _mean_seconds(fn, args, repeats: int, calls: int, label: str = "") -> float:
     """A computation's time: the mean sample. Under a CPU quota a sample gets its periods'
     quotas give or take one, so samples come out in two clusters (a capped block's backward:
     26.5 or 36 ms in alternate 0.5 s samples under 100 ms periods); the median picks one
     cluster, the mean converges to the long-run rate."""
-    return float(np.mean(_sample_seconds(fn, args, repeats, calls)))
+    return float(np.mean(_reported(label, _sample_seconds(fn, args, repeats, calls))))
 
 
 def _stacked(params, devices):
@@ -114,10 +178,13 @@ def _fwd_bwd_rows(part: str, fwd, loss, params, make_input, devices, kind: str,
     for s in seq_lens:
         for b in batches:
             x = jax.device_put(make_input(len(devices), b, s), spread)
+            what = f"{kind} {part} b={b} s={s}"
             t_fwd = _mean_seconds(run_fwd, (stacked, x), repeats,
-                                    _calls_per_sample(run_fwd, (stacked, x), min_sample_s))
+                                  _calls_per_sample(run_fwd, (stacked, x), min_sample_s),
+                                  f"{what} forward")
             t_grad = _mean_seconds(run_grad, (stacked, x), repeats,
-                                     _calls_per_sample(run_grad, (stacked, x), min_sample_s))
+                                   _calls_per_sample(run_grad, (stacked, x), min_sample_s),
+                                   f"{what} forward + backward")
             rows.append(ComputeRow(kind, b, s, t_fwd, max(t_grad - t_fwd, 1e-3 * t_fwd),
                                    peak_tflops, part))
     return rows
@@ -125,7 +192,8 @@ def _fwd_bwd_rows(part: str, fwd, loss, params, make_input, devices, kind: str,
 
 def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tflops: float,
                     batches: Sequence[int], seq_lens: Sequence[int],
-                    repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> list[ComputeRow]:
+                    repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S,
+                    staged: bool = True) -> list[ComputeRow]:
     """Forward and backward seconds per micro-batch of `b` sequences of `s` tokens, on all of
     `devices` at once: of one decoder block (part "block"), and of the embedding, final norm,
     head and loss together (part "head")."""
@@ -161,7 +229,7 @@ def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tfl
     rows += _fwd_bwd_rows("head", head_loss, head_loss, outer,
                           lambda n, b, s: jnp.zeros((n, b, s), jnp.int32), devices, kind,
                           peak_tflops, batches, seq_lens, repeats, min_sample_s)
-    for policy in staged_policies(model):
+    for policy in staged_policies(model) if staged else ():
         rows += _staged_rows(model, params, policy, devices, kind, peak_tflops, batches,
                              seq_lens, repeats, min_sample_s)
     return rows
@@ -205,11 +273,13 @@ def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,
         for b in batches:
             x = jax.device_put(jnp.ones((len(devices), b, s, model.d_model), dtype), spread)
             out, kept = run_f(stacked, x)
+            what = f"{kind} staged:{policy} b={b} s={s}"
             t_f = _mean_seconds(run_f, (stacked, x), repeats,
-                                  _calls_per_sample(run_f, (stacked, x), min_sample_s))
+                                _calls_per_sample(run_f, (stacked, x), min_sample_s),
+                                f"{what} forward")
             args = (stacked, kept, out)
             t_b = _mean_seconds(run_b, args, repeats,
-                                  _calls_per_sample(run_b, args, min_sample_s))
+                                _calls_per_sample(run_b, args, min_sample_s), f"{what} backward")
             rows.append(ComputeRow(kind, b, s, t_f, t_b, peak_tflops, f"staged:{policy}"))
     return rows
 
@@ -236,9 +306,90 @@ def measure_update(model: "ModelConfig", devices: Sequence, kind: str, optimizer
 
     run = jax.jit(jax.vmap(update))
     seconds = _mean_seconds(run, (stacked, state), repeats,
-                              _calls_per_sample(run, (stacked, state), min_sample_s))
+                            _calls_per_sample(run, (stacked, state), min_sample_s),
+                            f"{kind} optimizer update")
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     return ComputeRow(kind, 0, 0, seconds, 0.0, 0.0, "update", n)
+
+
+# Square matmul sizes (n x n x n) per platform: small ones run far below peak, large ones near it.
+MATMUL_SIZES = {"cpu": (32, 64, 128, 256), "gpu": (512, 1024, 2048, 4096, 8192),
+                "tpu": (512, 1024, 2048, 4096, 8192)}
+# Elements of the memory-bound stream (y = 2x + 1: one read and one write of each)
+STREAM_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 27, "tpu": 1 << 27}
+
+
+def attention_impls(platform: str) -> tuple[str, ...]:
+    """The attention implementations (model.attention) measured on this platform: XLA's
+    everywhere, cuDNN's fused kernel on GPUs."""
+    return ("xla", "cudnn") if platform == "gpu" else ("xla",)
+
+
+def kinds_count(platform: str) -> int:
+    return len(MATMUL_SIZES.get(platform, MATMUL_SIZES["cpu"])) + 2 * len(
+        attention_impls(platform)) + 1
+
+
+def measure_kinds(model: "ModelConfig", devices: Sequence, kind: str, peak_tflops: float,
+                  batch: int, seq_len: int, repeats: int = 3,
+                  min_sample_s: float = MIN_SAMPLE_S) -> list[ComputeRow]:
+    """The per-kind compute model's inputs, on every device of `kind` at once: square matmuls
+    (part "matmul", `params` = FLOPs of one call), causal attention of the model's heads at
+    (`batch`, `seq_len`) per implementation (part "attention:<impl>", forward and pure
+    backward, `params` = forward FLOPs over the full square), and a memory-bound stream
+    (part "memory", `params` = bytes read and written)."""
+    import jax
+    import jax.numpy as jnp
+
+    platform = devices[0].platform
+    n_dev = len(devices)
+    dtype = jnp.dtype(model.dtype)
+    spread = _stacked(jnp.zeros(()), devices)[1]
+    rows = []
+
+    def put(shape, dt=dtype):
+        return jax.device_put(jnp.ones((n_dev, *shape), dt), spread)
+
+    def timed(fn, args, label):
+        return _mean_seconds(fn, args, repeats, _calls_per_sample(fn, args, min_sample_s), label)
+
+    def lift(fn):
+        """fn on every device's slice at once (vmap over the device axis); on one device
+        without the vmap, so a fused kernel sees its own shapes."""
+        if n_dev > 1:
+            return jax.jit(jax.vmap(fn))
+        return jax.jit(lambda *xs: fn(*(x[0] for x in xs)))
+
+    mm = lift(lambda a, b: a @ b)
+    for n in MATMUL_SIZES.get(platform, MATMUL_SIZES["cpu"]):
+        a = put((n, n))
+        t = timed(mm, (a, a), f"{kind} matmul {n}x{n}x{n}")
+        rows.append(ComputeRow(kind, n, n, t, 0.0, peak_tflops, "matmul", 2 * n ** 3))
+    h, hd = model.n_heads, model.head_dim
+    for impl in attention_impls(platform):
+        adt = dtype if impl == "xla" or dtype != jnp.float32 else jnp.bfloat16
+
+        def attend(q, k, v, impl=impl):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+        def loss(q, k, v, attend=attend):
+            return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+        q = put((batch, seq_len, h, hd), adt)
+        fwd = lift(attend)
+        grad = lift(jax.grad(loss, argnums=(0, 1, 2)))
+        what = f"{kind} attention:{impl} b={batch} s={seq_len}"
+        t_f = timed(fwd, (q, q, q), f"{what} forward")
+        t_g = timed(grad, (q, q, q), f"{what} forward + backward")
+        rows.append(ComputeRow(kind, batch, seq_len, t_f, max(t_g - t_f, 1e-3 * t_f),
+                               peak_tflops, f"attention:{impl}",
+                               4 * batch * seq_len * seq_len * h * hd))
+    n = STREAM_ELEMENTS.get(platform, STREAM_ELEMENTS["cpu"])
+    x = put((n,))
+    stream = lift(lambda v: v * 2 + 1)
+    t = timed(stream, (x,), f"{kind} memory stream {n * dtype.itemsize} bytes")
+    rows.append(ComputeRow(kind, 0, 0, t, 0.0, peak_tflops, "memory", 2 * n * dtype.itemsize))
+    return rows
 
 
 def group_layouts(topology: Topology) -> list[np.ndarray]:
@@ -319,7 +470,8 @@ def measure_links(topology: Topology, devices: Sequence, message_bytes: Sequence
                             lambda idx, local=local: np.ones((1, 1, local), np.float32))
                     calls = _calls_per_sample(fn if mine else None, (x,), min_sample_s, agree=True)
                     if mine:
-                        seconds = _median_seconds(fn, (x,), repeats, calls)
+                        seconds = _median_seconds(fn, (x,), repeats, calls,
+                                                  f"{op} {r} x {g} devices, {elems * 4} bytes")
                     rows.append(LinkRow(op, elems * 4, tuple(map(tuple, groups.tolist())),
                                         seconds))
     return rows
@@ -329,12 +481,16 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
               batches: Sequence[int] = DEFAULT_BATCHES,
               message_bytes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
               repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S,
-              optimizer=None) -> Calibration:
-    """Measure this job's devices: compute (block, head, optimizer update) per accelerator
-    kind, collectives per link class. In a multi-process job every process must call it; all
-    get the whole Calibration."""
+              optimizer=None, staged: bool = True, kinds: bool = True,
+              progress: Progress | None = None) -> Calibration:
+    """Measure this job's devices: compute (block, head, optimizer update, and with `kinds`
+    matmuls / attention / memory-bound work) per accelerator kind, collectives per link
+    class. `staged`: also the block as the pipelines run it. `progress` reports each
+    measurement (see Progress). In a multi-process job every process must call it; all get
+    the whole Calibration."""
     import jax
 
+    global _PROGRESS
     devices = topology.jax_devices()
     me = jax.process_index()
     local_ranks = [r for r, d in enumerate(devices) if d.process_index == me]
@@ -342,12 +498,41 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
     by_kind: dict[str, list[int]] = {}
     for r in local_ranks:
         by_kind.setdefault(topology.accelerator_of(r).name, []).append(r)
+    platform = devices[0].platform
+    if progress is not None:
+        points = len(batches) * len(seq_lens)
+        per_kind = 2 * points * (2 + (len(staged_policies(model)) if staged else 0)) + 1 + (
+            kinds_count(platform) if kinds else 0)
+        links = sum(len(split_by_class(topology, g)) for g in group_layouts(topology)) * len(
+            OPS_MEASURED) * len(message_bytes)
+        progress.start(len(by_kind) * per_kind + links, repeats, min_sample_s,
+                       compile_s=0.5 if platform == "cpu" else 2.0)
+    _PROGRESS = progress
+    try:
+        compute, links = _measure(topology, model, devices, by_kind, seq_lens, batches,
+                                  message_bytes, repeats, min_sample_s, optimizer, staged, kinds)
+    finally:
+        _PROGRESS = None
+    return Calibration(topology, model, tuple(compute), tuple(links),
+                       processes=jax.process_count(),
+                       collectives=str(jax.config.jax_cpu_collectives_implementation or "")
+                       if platform == "cpu" and jax.process_count() > 1 else platform)
+
+
+def _measure(topology, model, devices, by_kind, seq_lens, batches, message_bytes, repeats,
+             min_sample_s, optimizer, staged, kinds):
+    import jax
+
+    compute = []
     for kind, ranks in sorted(by_kind.items()):
         mine = [devices[r] for r in ranks]
-        compute += measure_compute(model, mine, kind,
-                                   topology.accelerator_of(ranks[0]).peak_tflops, batches,
-                                   seq_lens, repeats, min_sample_s)
+        peak = topology.accelerator_of(ranks[0]).peak_tflops
+        compute += measure_compute(model, mine, kind, peak, batches, seq_lens, repeats,
+                                   min_sample_s, staged=staged)
         compute.append(measure_update(model, mine, kind, optimizer, repeats, min_sample_s))
+        if kinds:
+            compute += measure_kinds(model, mine, kind, peak, max(batches), max(seq_lens),
+                                     repeats, min_sample_s)
     if jax.process_count() > 1:
         # Slower kinds finish their compute later; wait for them at the coordination
         # service's barrier (as orbax does), since the first collective below would give its
@@ -359,11 +544,7 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
     links = measure_links(topology, devices, message_bytes, repeats, min_sample_s)
     if jax.process_count() > 1:
         compute, links = _gather(compute, links)
-    platform = devices[0].platform
-    return Calibration(topology, model, tuple(compute), tuple(links),
-                       processes=jax.process_count(),
-                       collectives=str(jax.config.jax_cpu_collectives_implementation or "")
-                       if platform == "cpu" and jax.process_count() > 1 else platform)
+    return compute, links
 
 
 def _gather(compute: list[ComputeRow], links: list[LinkRow]):
@@ -401,5 +582,6 @@ def merge_compute(rows: list[ComputeRow], per_process: np.ndarray,
     return merged
 
 
-__all__ = ["calibrate", "measure_compute", "merge_compute", "staged_policies", "measure_update",
+__all__ = ["calibrate", "measure_compute", "measure_kinds", "Progress", "QUICK",
+           "SPREAD_TOLERANCE", "merge_compute", "staged_policies", "measure_update",
            "measure_links", "group_layouts", "DEFAULT_BATCHES", "DEFAULT_MESSAGE_BYTES"]

@@ -190,7 +190,8 @@ def speed(args) -> None:
     for n in args.devices:
         t = preset("holmes_hybrid", nodes=n // 16, devices_per_node=8)
         t0 = time.perf_counter()
-        result = plan(t, model, 2048, 4096, options=CostOptions(executor=args.executor))
+        result = plan(t, model, 2048, 4096, options=CostOptions(executor=args.executor,
+                                                                compute=args.compute))
         seconds = time.perf_counter() - t0
         p, pr = result.plan, result.plan.predicted
         rows.append([str(n), f"{seconds:.1f}", str(result.candidates), str(result.simulated),
@@ -198,7 +199,8 @@ def speed(args) -> None:
                      f"{p.zero.name}", f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
     print("Outer search speed: 70B-class model (80 layers, d 8192, GQA 64/8), batch 2048 x "
           "4096 tokens, on holmes_hybrid (InfiniBand + RoCE clusters of 8-A100 nodes, "
-          f"Ethernet between), priced for the {args.executor} executor\n")
+          f"Ethernet between), priced for the {args.executor} executor, compute "
+          f"{args.compute}\n")
     print(table(["devices", "seconds", "layouts priced", "simulated", "chosen",
                  "step s", "MFU"], rows))
 
@@ -299,6 +301,8 @@ def main() -> None:
     parser.add_argument("--ga-seconds", type=float, default=120.0,
                         help="time limit of one genetic-algorithm run")
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--compute", choices=["flat", "kinds"], default="flat",
+                        help="speed: compute priced flat (one efficiency) or by operation kind")
     parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
     args = parser.parse_args()

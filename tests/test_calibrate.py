@@ -14,7 +14,7 @@ from hetjax.errors import PlanError
 from hetjax.planner import plan
 from hetjax.planner.calibrate import (Calibration, ComputeRow, LinkRow, load_calibration,
                                       save_calibration)
-from hetjax.planner.cost import CostModel
+from hetjax.planner.cost import CostModel, CostOptions
 from hetjax.topology import preset
 from layers.config import ModelConfig
 
@@ -187,11 +187,26 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
 
     t = preset("cpu_hybrid")
     # one micro-batch size: each size is another compile of every part (the suite's time)
+    lines = []
+    progress = measure.Progress(out=lines.append)
     cal = measure.calibrate(t, MODEL, seq_lens=(16,), batches=(2,), message_bytes=(4096,),
-                            repeats=1, min_sample_s=0)
-    assert {(r.kind, r.part, r.batch, r.seq_len) for r in cal.compute} == {
+                            repeats=1, min_sample_s=0, progress=progress)
+    kinds = {"matmul", "memory", "attention:xla"}
+    assert {(r.kind, r.part, r.batch, r.seq_len) for r in cal.compute
+            if r.part not in kinds} == {
         ("cpu", part, 2, 16) for part in ("block", "head", "staged:none", "staged:full")
     } | {("cpu", "update", 0, 0)}
+    # the per-kind rows: matmul sizes, attention at the largest point, a memory stream
+    assert {r.part for r in cal.compute} >= kinds
+    assert {r.batch for r in cal.rows("matmul")} == set(measure.MATMUL_SIZES["cpu"])
+    assert cal.rows("attention:xla")[0].seq_len == 16
+    # loaded always, used when the plan prices compute by kind
+    assert cal.options().compute == "flat" and "cpu" in cal.options().kernel_rates
+    assert cal.options(CostOptions(compute="kinds")).compute == "kinds"
+    # it spoke: a count and an estimate first, then each measurement numbered
+    assert lines[0].startswith(f"calibrate: {progress.total} measurements, about ")
+    assert progress.count == progress.total == sum(line.lstrip().startswith("[")
+                                                   for line in lines)
     assert all(r.fwd_s > 0 and r.bwd_s > 0 for part in ("block", "head", "staged:full")
                for r in cal.rows(part))
     assert set(cal.staged_curves()) == {"none", "full"}
@@ -207,6 +222,7 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     options = cal.options()
     assert set(options.curves) == {"cpu"} and "ethernet" in options.link_fits
     assert "mean |model / measured - 1|" in cal.describe()
+    assert "composed from the kinds" in cal.describe()
     png = plot_calibration(cal, str(tmp_path / "cal.png"))
     assert os.path.getsize(png) > 10_000
 
@@ -242,3 +258,72 @@ def test_hetjax_calibrate_under_launch_then_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["hetjax", "plan", *args, f"--config.planner.calibration={path}"]) == 0
     assert "predicted" in capsys.readouterr().out
+
+
+def test_progress_warns_with_the_spread_when_samples_disagree():
+    from hetjax import measure
+
+    lines = []
+    p = measure.Progress(out=lines.append)
+    p.start(2, repeats=3, min_sample_s=0.5, compile_s=0.5)
+    assert lines[0] == "calibrate: 2 measurements, about 5 s (3 samples of >= 0.5 s each after " \
+                       "a compile)"
+    p.done("steady", [1.00, 1.02, 0.99])
+    assert "[1/2] steady: 1e+03 ms (spread 3%" in lines[1] and len(lines) == 2
+    p.done("noisy", [1.0, 1.5, 1.0])
+    assert "[2/2] noisy" in lines[2]
+    assert lines[3].startswith("  warning: the samples of noisy disagree by 43%, more than the "
+                               "10%")
+    assert "1 of them spread beyond 10% (worst noisy: 43%)" in p.summary()
+
+
+def test_per_kind_rows_fit_the_kernel_rates_by_hand():
+    """Synthetic per-kind rows: a matmul at 20% / 60% of peak, a 4 GB/s stream, cuDNN
+    attention at 50%: the rates read them back, and the planner then prices by kind."""
+    from hetjax.planner import compute as ck
+
+    t = preset("cpu_hybrid")
+    peak = t.clusters[0].accelerator.peak_tflops
+    rows = [ComputeRow("cpu", n, n, 2 * n ** 3 / (eff * peak * 1e12), 0.0, peak, "matmul",
+                       2 * n ** 3) for n, eff in ((64, 0.2), (512, 0.6))]
+    rows.append(ComputeRow("cpu", 0, 0, 1.0, 0.0, peak, "memory", 4_000_000_000))
+    fl = 4 * 2 * 16 * 16 * 4 * 16
+    rows.append(ComputeRow("cpu", 2, 16, fl / 2 / (0.5 * peak * 1e12), 1e-3, peak,
+                           "attention:cudnn", fl))
+    cal = Calibration(t, MODEL, tuple(rows), ())
+    r = cal.kernel_rates()["cpu"]
+    assert r.matmul_efficiency(2 * 64 ** 3) == pytest.approx(0.2)
+    assert r.matmul_efficiency(2 * 512 ** 3) == pytest.approx(0.6)
+    assert r.memory_bytes_per_s == pytest.approx(4e9)
+    assert r.flash["cudnn"] == pytest.approx(0.5)
+    options = cal.options(CostOptions(compute="kinds"))
+    assert options.kernel_rates["cpu"] == r
+    cm = CostModel(t, MODEL, options)
+    acc = t.clusters[0].accelerator
+    assert cm.update_seconds_per_param(acc) == pytest.approx(ck.ADAM_BYTES_PER_PARAM / 4e9)
+    cal2 = Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert cal2.kernel_rates()["cpu"] == r
+
+
+def test_plausibility_guard_states_the_fit_and_warns_only_far_outside_it(capsys):
+    from hetjax.cli import main
+    from hetjax.planner import reference_runs as rr
+    from hetjax.planner.calibrate import plausibility_lines
+
+    fit = rr.megatron_range()
+    inside = rr.row("145.6B")  # held back, inside the fitted sizes, devices and fabric
+    lines = plausibility_lines(0.47, rr.megatron_model(inside), rr.selene(inside.gpus // 8), fit)
+    assert len(lines) == 1 and lines[0].startswith("predicted MFU 47.0%; the compute and link "
+                                                   "rates were fitted on Megatron-LM Table 1")
+    assert "33-39% MFU" in lines[0] and "32-1,920 devices" in lines[0]
+    # far outside: 32,768 devices (> 10 x 1,920), a hybrid cluster's RoCE and Ethernet
+    huge = plausibility_lines(0.47, rr.megatron_model(inside), rr.selene(4096), fit)
+    assert "32,768 devices" in huge[1] and "fabric" not in huge[1]
+    hybrid = plausibility_lines(0.10, rr.megatron_model(inside), preset("holmes_hybrid"), fit)
+    assert "fabric ethernet/roce never fitted" in hybrid[1] and "an MFU of 10.0%" in hybrid[1]
+    # `hetjax plan` on the CPU default: a tiny model on CPU devices, far from Holmes' A100s
+    assert main(["hetjax", "plan", "--config.parallel.pp=1", "--config.parallel.tp=1"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted MFU" in out and "fitted on Holmes Table 1" in out
+    assert "warning: this prediction extrapolates far outside that fit: a model of" in out
+    assert "accelerator cpu never fitted" in out

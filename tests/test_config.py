@@ -85,6 +85,7 @@ MISTAKES = [
     ({"planner.memory_margin": 1.0}, "planner.memory_margin", "use 0.1"),
     ({"planner.calibration": "/no/such/calibration.json"}, "planner.calibration",
      "hetjax calibrate"),
+    ({"planner.compute": "roofline"}, "planner.compute", "'kinds'"),
 ]
 
 

@@ -353,3 +353,13 @@ def test_remat_auto_recomputes_every_layer_when_memory_forces_it():
     fixed = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,
                  microbatches=16, zero="ddp", schedule="1f1b").plan
     assert fixed.remat == "" and "remat" not in fixed.predicted["bound"]
+
+
+def test_explain_weighs_only_runnable_schedule_alternatives():
+    """The interleaved schedule needs M to be a multiple of pp: explain's alternatives skip
+    the others (a 70B plan on 4,096 A100s priced by kind chose pp = 32 interleaved, and its
+    M = 1 alternative stopped the search)."""
+    from hetjax.planner.search import _schedule_runs
+
+    assert not _schedule_runs("interleaved", 32, 1)
+    assert _schedule_runs("interleaved", 4, 8) and _schedule_runs("1f1b", 32, 1)

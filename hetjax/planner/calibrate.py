@@ -27,6 +27,7 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.plan import Plan
+from hetjax.planner import compute as ck
 from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
                                  LinkFit)
 from hetjax.planner.zero import named
@@ -234,6 +235,7 @@ def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> 
 
 # --- a calibration file: what `hetjax calibrate` measured on a job's devices --------------------
 OPS_MEASURED = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+KIND_PARTS = ("matmul", "memory")  # and "attention:<impl>"
 STAGED = "staged:"  # prefix of the compute parts measured as the pipelines run a block
 CALIBRATION_VERSION = 1
 
@@ -246,7 +248,11 @@ class ComputeRow:
     sequences of `seq_len` tokens; "staged:<policy>": one block as the pipelines run it under
     that recompute policy, forward and backward each its own program (the backward's seconds
     include its recompute). Part "update": one optimizer update of `params`
-    parameters in `fwd_s` seconds."""
+    parameters in `fwd_s` seconds. The per-kind parts (hetjax/planner/compute.py): "matmul",
+    one n x n x n matmul (batch = seq_len = n) of `params` FLOPs in `fwd_s`;
+    "attention:<impl>", causal attention of the model's heads, forward and pure backward,
+    `params` its forward FLOPs over the full square; "memory", a stream moving `params`
+    bytes in `fwd_s`."""
 
     kind: str
     batch: int
@@ -318,6 +324,37 @@ class Calibration:
         parts = sorted({r.part for r in self.compute if r.part.startswith(STAGED)})
         return {part[len(STAGED):]: self.curves(part) for part in parts}
 
+    def kernel_rates(self) -> dict[str, ck.KernelRates]:
+        """Per accelerator kind with per-kind rows: the measured matmul curve, memory
+        bandwidth, fused-attention efficiencies and XLA attention's softmax passes (solved
+        from its measured forward), over compute.FITTED's other rates."""
+        out = {}
+        accs = {c.accelerator.name: c.accelerator for c in self.topology.clusters}
+        for kind in sorted({r.kind for r in self.rows("matmul")}):
+            mm = [r for r in self.rows("matmul") if r.kind == kind]
+            peak = mm[0].peak_tflops * 1e12
+            rates = dataclasses.replace(ck.FITTED, matmul_curve=ck.SizeCurve(
+                tuple(float(r.params) for r in mm),
+                tuple(r.params / (r.fwd_s * peak) for r in mm)))
+            mem = [r.params / r.fwd_s for r in self.rows("memory") if r.kind == kind]
+            if mem:
+                rates = dataclasses.replace(rates, memory_bytes_per_s=float(np.mean(mem)))
+            flash = dict(rates.flash)
+            for r in self.compute:
+                impl = r.part.split(":", 1)[1] if r.part.startswith("attention:") else ""
+                if r.kind != kind or not impl:
+                    continue
+                if impl in ck.FLASH:  # the causal half, forward
+                    flash[impl] = min(1.0, r.params / 2 / (r.fwd_s * peak))
+                elif impl == "xla" and kind in accs:
+                    mm_s, scores = ck.xla_attention_parts(
+                        self.model.n_heads, self.model.head_dim, r.batch * r.seq_len,
+                        r.seq_len, rates, peak)
+                    passes = (r.fwd_s - mm_s) * rates.bandwidth(accs[kind]) / (scores * 4)
+                    rates = dataclasses.replace(rates, softmax_passes=max(0.5, passes))
+            out[kind] = dataclasses.replace(rates, flash=flash)
+        return out
+
     def update_rates(self) -> dict[str, float]:
         """Per accelerator kind, seconds of the optimizer update per parameter."""
         return {r.kind: r.fwd_s / r.params for r in self.rows("update") if r.params}
@@ -364,6 +401,12 @@ class Calibration:
         # gradient all-reduce (~200 ms) took their sum (train.profile_steps' trace).
         extra = (dict(lockstep=False, collectives="ring", overlap=0.0)
                  if self.asynchronous_sends else {})
+        # The per-kind rates are always loaded; they price compute when the base asks for it
+        # (planner.compute=kinds). Flat pricing keeps the block's own measured curve, which
+        # for this very model is the closer measurement (the testbed's benches rest on it).
+        rates = self.kernel_rates()
+        if rates:
+            extra.update(kernel_rates=rates)
         return dataclasses.replace(base or CostOptions(), curves=self.curves(),
                                    head_curves=self.curves("head"),
                                    staged_curves=self.staged_curves(),
@@ -379,7 +422,7 @@ class Calibration:
         accs = {c.accelerator.name: c.accelerator for c in self.topology.clusters}
         out = []
         for i, r in enumerate(self.compute):
-            if r.part == "update":
+            if r.part == "update" or r.part in KIND_PARTS or r.part.startswith("attention:"):
                 continue
             others = tuple(o for j, o in enumerate(self.compute)
                            if j != i and o.kind == r.kind and o.part == r.part)
@@ -445,12 +488,44 @@ class Calibration:
         lines.append("fits: " + "; ".join(
             f"{kind} {op} {f.bandwidth_gbps:.3g} Gb/s {f.latency_us:.3g} us"
             for kind, ops in self.link_fits().items() for op, f in ops.items()))
+        lines += self.kinds_lines()
         errs = [abs(r["model_s"] / r["seconds"] - 1) for r in self.link_table()]
         cerrs = [abs(r[f"model_{k}_s"] / r[f"{k}_s"] - 1) for r in self.compute_table()
                  for k in ("fwd", "bwd")]
         lines.append(f"mean |model / measured - 1|: compute {np.mean(cerrs):.1%}, collectives "
                      f"{np.mean(errs):.1%}")
         return "\n".join(lines)
+
+    def kinds_lines(self) -> list[str]:
+        """The per-kind measurements, and the model's block composed from them against the
+        measured block (how far pricing by kind is from this model's own block)."""
+        rates = self.kernel_rates()
+        if not rates:
+            return []
+        accs = {c.accelerator.name: c.accelerator for c in self.topology.clusters}
+        lines = ["compute by operation kind (the per-kind model: hetjax/planner/compute.py)"]
+        for kind, kr in rates.items():
+            mm = ", ".join(f"{r.batch}^3 {r.params / r.fwd_s / 1e12:.3g} TFLOP/s "
+                           f"({r.params / (r.fwd_s * r.peak_tflops * 1e12):.0%})"
+                           for r in self.rows("matmul") if r.kind == kind)
+            lines.append(f"  {kind} matmuls: {mm}")
+            lines.append(f"  {kind} memory-bound stream: {kr.memory_bytes_per_s / 1e9:.3g} GB/s")
+            for r in self.compute:
+                if r.kind == kind and r.part.startswith("attention:"):
+                    lines.append(f"  {kind} {r.part} b={r.batch} s={r.seq_len}: forward "
+                                 f"{r.fwd_s * 1e3:.3g} ms, backward {r.bwd_s * 1e3:.3g} ms")
+            if kind in accs:
+                cm = CostModel(self.topology, self.model, CostOptions(
+                    compute="kinds", kernel_rates=rates, attention="xla"))
+                for r in self.rows("block"):
+                    if r.kind != kind:
+                        continue
+                    f, b = cm.layer_work(accs[kind], r.seq_len, "none", r.batch * r.seq_len)
+                    lines.append(f"  {kind} block b={r.batch} s={r.seq_len} composed from the "
+                                 f"kinds: forward {f.total * 1e3:.3g} ms (measured "
+                                 f"{r.fwd_s * 1e3:.3g}), backward {b.total * 1e3:.3g} ms "
+                                 f"(measured {r.bwd_s * 1e3:.3g})")
+        return lines
 
     # --- the file -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -461,7 +536,9 @@ class Calibration:
                 "processes": self.processes, "collectives": self.collectives,
                 "fitted": {"curves": {k: dataclasses.asdict(c) for k, c in self.curves().items()},
                            "link_fits": {k: {op: dataclasses.asdict(f) for op, f in v.items()}
-                                         for k, v in self.link_fits().items()}}}
+                                         for k, v in self.link_fits().items()},
+                           "kernel_rates": {k: dataclasses.asdict(r)
+                                            for k, r in self.kernel_rates().items()}}}
 
     @staticmethod
     def from_dict(d: dict) -> "Calibration":
@@ -479,6 +556,96 @@ class Calibration:
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None
+
+
+# --- the plausibility guard: how far a prediction lies from what its rates were fitted on --------
+# A prediction this many times beyond the fitted model sizes or device counts is flagged.
+EXTRAPOLATION_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class FitRange:
+    """What a set of compute / link rates was fitted on: model sizes (parameters), device
+    counts, fabrics (link kinds), accelerator kinds, and the MFU the fitted runs reached
+    (None when measured by `hetjax calibrate`, which runs no whole step)."""
+
+    source: str
+    params: tuple[float, float]
+    devices: tuple[int, int]
+    fabrics: tuple[str, ...]
+    accelerators: tuple[str, ...]
+    mfu: tuple[float, float] | None = None
+
+
+def link_kinds(topology: Topology) -> tuple[str, ...]:
+    kinds = {k for c in topology.clusters for k in (c.nic.kind, c.intra_node.kind)
+             if not (k == c.nic.kind and c.nodes == 1)}
+    if len(topology.clusters) > 1:
+        kinds |= {cl.link.kind for cl in topology.cluster_links}
+        if topology.inter_cluster is not None:
+            kinds.add(topology.inter_cluster.kind)
+    return tuple(sorted(kinds))
+
+
+def holmes_range() -> FitRange:
+    """The flat model's default efficiency and the catalogue's fabric efficiencies were fitted
+    on Holmes Table 1 (GPT 3.6B on 32 A100; InfiniBand, RoCE, Ethernet)."""
+    # hetjax's MFU (no recompute FLOPs): samples/s x model FLOPs per sample over 32 peaks
+    model = holmes_model()
+    mfu = [v * model.flops_per_token(2048) * 2048 / (32 * 312e12)
+           for v in HOLMES_TABLE1.values()]
+    return FitRange("Holmes Table 1 (the flat model's efficiency 0.72)",
+                    (holmes_model().num_params,) * 2, (32, 32),
+                    ("ethernet", "infiniband", "nvlink", "roce"), ("a100",),
+                    (min(mfu), max(mfu)))
+
+
+def calibration_range(cal: Calibration, path: str = "") -> FitRange:
+    return FitRange(f"hetjax calibrate{' ' + path if path else ''}",
+                    (cal.model.num_params,) * 2, (cal.topology.num_devices,) * 2,
+                    link_kinds(cal.topology),
+                    tuple(sorted({c.accelerator.name for c in cal.topology.clusters})))
+
+
+def _span(lo: float, hi: float, fmt) -> str:
+    return fmt(lo) if lo == hi else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
+
+
+def plausibility_lines(mfu: float, model: "ModelConfig", topology: Topology,
+                       fit: FitRange) -> list[str]:
+    """The predicted MFU beside the range its rates were fitted on, and one warning naming
+    every way the plan extrapolates far outside it (model size or device count beyond
+    EXTRAPOLATION_FACTOR, a fabric or accelerator never fitted, an MFU far from the fitted)."""
+    fitted = [f"{_span(*fit.params, _params)} parameters",
+              f"{_span(*fit.devices, lambda n: f'{n:,}')} devices",
+              "/".join(fit.fabrics), "/".join(fit.accelerators)]
+    if fit.mfu is not None:
+        fitted.insert(0, f"{_span(fit.mfu[0] * 100, fit.mfu[1] * 100, lambda x: f'{x:.0f}')}% MFU")
+    lines = [f"predicted MFU {mfu:.1%}; the compute and link rates were fitted on "
+             f"{fit.source}: {', '.join(fitted)}"]
+    far, f = [], EXTRAPOLATION_FACTOR
+    n, d = model.num_params, topology.num_devices
+    if not fit.params[0] / f <= n <= fit.params[1] * f:
+        far.append(f"a model of {_params(n)} parameters")
+    if not fit.devices[0] / f <= d <= fit.devices[1] * f:
+        far.append(f"{d:,} devices")
+    fabrics = sorted(set(link_kinds(topology)) - set(fit.fabrics))
+    if fabrics:
+        far.append(f"fabric {'/'.join(fabrics)} never fitted")
+    accs = sorted({c.accelerator.name for c in topology.clusters} - set(fit.accelerators))
+    if accs:
+        far.append(f"accelerator {'/'.join(accs)} never fitted")
+    if fit.mfu is not None and not fit.mfu[0] / 2 <= mfu <= min(1.0, fit.mfu[1] * 1.5):
+        far.append(f"an MFU of {mfu:.1%}")
+    if far:
+        lines.append(f"warning: this prediction extrapolates far outside that fit: "
+                     f"{'; '.join(far)} -- measure these devices with 'hetjax calibrate' "
+                     "and plan with --config.planner.calibration=FILE")
+    return lines
 
 
 def _alpha_beta(rows: np.ndarray) -> LinkFit:
@@ -559,7 +726,8 @@ def plot_calibration(cal: Calibration, path: str) -> str:
     return path
 
 
-__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
+__all__ = ["FitRange", "holmes_range", "calibration_range", "plausibility_lines", "link_kinds",
+           "EXTRAPOLATION_FACTOR", "Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
            "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
            "nominal_links", "spearman", "kendall_tau",
            "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",

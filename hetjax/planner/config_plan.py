@@ -68,12 +68,35 @@ def options_from_config(c) -> CostOptions:
     """The cost options a config asks for: usable memory 1 - planner.memory_margin, and the
     measurements of planner.calibration (a `hetjax calibrate` file) when set."""
     options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin,
-                          boundary_codec=c.pipeline.get("boundary_codec", "none"))
+                          boundary_codec=c.pipeline.get("boundary_codec", "none"),
+                          compute=c.planner.get("compute", "flat"),
+                          attention=c.model.get("attention", "auto"))
     if c.planner.calibration:
         from hetjax.planner.calibrate import load_calibration
 
         options = load_calibration(c.planner.calibration).options(options)
     return options
+
+
+def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
+    """The plan's predicted MFU beside the range its rates were fitted on (the calibration
+    file's, Megatron-LM's table for compute by kind, else Holmes Table 1), with a warning when
+    it extrapolates far outside it (hetjax/planner/calibrate.py)."""
+    from hetjax.planner import calibrate as cal_
+
+    mfu = plan_.predicted.get("mfu")
+    if mfu is None:
+        return []
+    if c.planner.calibration:
+        fit = cal_.calibration_range(cal_.load_calibration(c.planner.calibration),
+                                     c.planner.calibration)
+    elif c.planner.get("compute", "flat") == "kinds":
+        from hetjax.planner.reference_runs import megatron_range
+
+        fit = megatron_range()
+    else:
+        fit = cal_.holmes_range()
+    return cal_.plausibility_lines(mfu, model_from_config(c), topology, fit)
 
 
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):

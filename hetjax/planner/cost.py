@@ -28,7 +28,7 @@ import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
 from hetjax.plan import Plan, ZeroFactors, effective_remat
-from hetjax.planner import collectives as coll, zero as zr
+from hetjax.planner import collectives as coll, compute as ck, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
 from parallel.schedules import SCHEDULES
@@ -126,6 +126,10 @@ class LinkFit:
 
 
 COLLECTIVE_MODELS = ("nccl", "ring")
+# How compute is priced: "flat" every FLOP at peak x one efficiency (or a measured curve per
+# layer); "kinds" matmuls by size, attention per implementation and memory-bound work by
+# bytes over memory bandwidth (hetjax/planner/compute.py).
+COMPUTE_MODELS = ("flat", "kinds")
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,18 @@ class CostOptions:
     # pipeline.boundary_codec: "int8" sends boundaries between clusters as int8 + a float32
     # scale per row (parallel/bridge.py), 1 + 4 / row bytes a value
     boundary_codec: str = "none"
+    # See COMPUTE_MODELS. kernel_rates: per accelerator name, the per-kind rates (a `hetjax
+    # calibrate` file's, else compute.FITTED, Megatron-LM's published runs fitted); attention:
+    # model.attention ("auto" resolves per device vendor; the megatron executor runs Megatron's
+    # fused softmax).
+    compute: str = "flat"
+    kernel_rates: dict[str, ck.KernelRates] = field(default_factory=dict)
+    attention: str = "auto"
 
     def __post_init__(self):
+        if self.compute not in COMPUTE_MODELS:
+            raise PlanError(f"cost option compute = {self.compute!r}; choose one of "
+                            f"{', '.join(COMPUTE_MODELS)}")
         if self.executor not in EXECUTORS:
             raise PlanError(f"cost option executor = {self.executor!r}; choose one of "
                             f"{', '.join(EXECUTORS)}")
@@ -396,21 +410,44 @@ class CostModel:
         eff = self.options.efficiency_by_kind.get(acc.name, self.options.efficiency)
         return acc.peak_tflops * 1e12 * eff
 
+    def kernel_rates(self, acc: Accelerator) -> ck.KernelRates:
+        """The per-kind rates of `acc` (calibrated, else the fitted defaults)."""
+        return self.options.kernel_rates.get(acc.name, ck.FITTED)
+
+    def attention_impl(self, acc: Accelerator) -> str:
+        if self.options.executor == "megatron":
+            return "fused_softmax"
+        return ck.attention_impl(self.options.attention, acc.vendor)
+
+    def layer_work(self, acc: Accelerator, seq_len: int, remat: str | None, tokens: float,
+                   tp: int = 1) -> tuple[ck.Work, ck.Work]:
+        """(forward, backward incl. recompute) of one layer on one device's `tokens` tokens,
+        by kind (CostOptions.compute == "kinds")."""
+        fwd, bwd = ck.layer_work(self.model, acc, self.kernel_rates(acc), tokens, seq_len, tp,
+                                 self.attention_impl(acc), self.act_bytes)
+        return fwd, bwd + ck.recompute_work(fwd, remat or effective_remat(self.model.remat))
+
     def layer_seconds_per_token(self, acc: Accelerator, seq_len: int,
                                 remat: str | None = None, tokens: float | None = None,
-                                staged: bool = False) -> tuple[float, float]:
+                                staged: bool = False, tp: int = 1) -> tuple[float, float]:
         """(forward, backward) seconds per token of one layer at tp = 1 on `acc`; the backward
         includes the recompute of `remat` (default: the model's). `tokens`: tokens one kernel
         call processes (a device's micro-batch / tp), which sets the efficiency read from a
         measured `ComputeCurve`; without a curve (or tokens) peak x efficiency. `staged`: the
         layer runs in hetjax's pipeline (forward and backward in separate programs), priced
-        from the measured curve of that policy when there is one (`staged_curves`)."""
+        from the measured curve of that policy when there is one (`staged_curves`). With
+        compute "kinds" (and `tokens`), priced by operation kind on `tp`-way split layers;
+        the result is still per token at tp = 1 (the callers divide by tp)."""
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.fwd_s, prof.bwd_s
         flops = self.model.layer_flops(seq_len)
         policy = remat or effective_remat(self.model.remat)
         measured = self.options.staged_curves.get(policy, {}).get(acc.name)
+        if self.options.compute == "kinds" and tokens is not None and not (
+                staged and measured is not None):
+            fwd, bwd = self.layer_work(acc, seq_len, policy, tokens * tp, tp)
+            return fwd.total / tokens, bwd.total / tokens
         if staged and measured is not None and tokens is not None:
             ef, eb = measured.efficiency(flops * tokens)
             peak = acc.peak_tflops * 1e12
@@ -419,13 +456,17 @@ class CostModel:
         fwd = flops / rate_f
         return fwd, 2 * flops / rate_b + self._recompute_flops(seq_len, remat) / rate_f
 
-    def head_seconds_per_token(self, acc: Accelerator, tokens: float | None = None
-                               ) -> tuple[float, float]:
+    def head_seconds_per_token(self, acc: Accelerator, tokens: float | None = None,
+                               tp: int = 1) -> tuple[float, float]:
         prof = self.options.profiles.get(acc.name)
         if prof is not None:
             return prof.head_fwd_s, prof.head_bwd_s
         flops = self.model.head_flops()
         measured = self.options.head_curves.get(acc.name)
+        if self.options.compute == "kinds" and tokens is not None and measured is None:
+            fwd, bwd = ck.head_work(self.model, acc, self.kernel_rates(acc), tokens * tp, tp,
+                                    self.act_bytes)
+            return fwd.total / tokens, bwd.total / tokens
         if measured is not None and tokens is not None:
             ef, eb = measured.efficiency(flops * tokens)
             peak = acc.peak_tflops * 1e12
@@ -434,8 +475,13 @@ class CostModel:
         return flops / rate_f, 2 * flops / rate_b
 
     def update_seconds_per_param(self, acc: Accelerator) -> float:
-        """Seconds of the optimizer update per parameter on `acc` (0 when not calibrated)."""
-        return self.options.update_s_per_param.get(acc.name, 0.0)
+        """Seconds of the optimizer update per parameter on `acc`: calibrated, else with
+        compute "kinds" Adam's bytes over the memory bandwidth, else 0 (not priced)."""
+        if acc.name in self.options.update_s_per_param:
+            return self.options.update_s_per_param[acc.name]
+        if self.options.compute == "kinds":
+            return ck.update_seconds_per_param(acc, self.kernel_rates(acc))
+        return 0.0
 
     def _rates(self, acc: Accelerator, kernel_flops: float | None) -> tuple[float, float]:
         """Achieved (forward, backward) FLOP/s of `acc` on a kernel of `kernel_flops`."""
@@ -740,8 +786,9 @@ class CostModel:
             accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
             # A stage is as slow as its slowest device.
             lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
-                                                          staged=staged) for a in accs], axis=0)
-            hf, hb = np.max([self.head_seconds_per_token(a, tok / tp) for a in accs], axis=0)
+                                                          staged=staged, tp=tp)
+                             for a in accs], axis=0)
+            hf, hb = np.max([self.head_seconds_per_token(a, tok / tp, tp) for a in accs], axis=0)
             # each device updates its shard of the optimizer state (1 / s_os of its parameters)
             upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
             cf, cb = tok * lf / tp, tok * lb / tp

@@ -120,6 +120,18 @@ class _Shortfall:
     text: str = ""
 
 
+def _schedule_runs(schedule: str, pp: int, microbatches: int) -> bool:
+    """Whether `schedule` can run `microbatches` on `pp` stages (the interleaved schedule
+    needs a multiple of pp): the alternatives `explain` weighs must be runnable."""
+    from hetjax.planner.simulate import in_flight
+
+    try:
+        in_flight(schedule, pp, microbatches)
+    except PlanError:
+        return False
+    return True
+
+
 def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: int, *,
          pp: int = 0, dp: int = 0, tp: int = 0, microbatches: int = 0,
          schedule: str | Sequence[str] = SCHEDULES, zero: str | ZeroFactors = "auto",
@@ -221,10 +233,12 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if not microbatches:
         free["microbatches"] = [dataclasses.replace(Layout.of(best), microbatches=M)
                                 for M in s.microbatch_counts(best.dp, 0)
-                                if M != best.microbatches]
+                                if M != best.microbatches
+                                and _schedule_runs(best.schedule, best.pp, M)]
     if len(schedules) > 1 and best.pp > 1:
         free["schedule"] = [dataclasses.replace(Layout.of(best), schedule=n)
-                            for n in schedules if n != best.schedule]
+                            for n in schedules if n != best.schedule
+                            and _schedule_runs(n, best.pp, best.microbatches)]
     places = [n for n in s.placements(placement, best.pp)
               if n == "looped" or SCHEDULES[best.schedule].spmd_compatible]
     if len(places) > 1:

@@ -1,0 +1,271 @@
+"""Published large-scale runs the cost model is checked against, and the fit of its per-kind
+compute rates on them.
+
+Megatron-LM's weak-scaling table (Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC'21, arXiv 2104.04473, Table 1; the same
+configurations are in Megatron-LM's README): GPT models from 1.7B parameters on 32 A100s to
+1T on 3,072, vocabulary 51,200, sequence 2,048, mixed precision, activation recompute, the
+interleaved pipeline schedule, on NVIDIA's Selene (DGX A100 nodes: 8 x A100 80 GB joined by
+NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node). Each row's achieved TFLOP/s per GPU
+counts Eq. 3 of the paper, F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) per iteration
+(`formulas.megatron_flops_per_step`).
+
+Not published per row, so assumed here (and said in docs/planner.md): a micro-batch of one
+sequence (m = B / d micro-batches per pipeline), two model chunks per stage for the
+interleaved schedule (hetjax's registered schedule), no distributed optimizer (Megatron-LM
+had none in 2021: plain data parallelism).
+
+`fit_megatron(rows)` solves the matmul curve's two constants (`KernelRates.matmul_peak`,
+`matmul_half_flops`) so that two rows are predicted exactly; every other rate keeps its
+nominal value. `compute.FITTED` holds the result, used by every `compute="kinds"` cost model
+that no `hetjax calibrate` file overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from hetjax.catalogue import LINKS, make_cluster
+from hetjax.errors import PlanError
+from hetjax.hardware import Link, Topology
+from hetjax.plan import Plan
+from hetjax.planner import compute as ck
+from hetjax.planner.cost import CostModel, CostOptions
+from hetjax.planner.formulas import megatron_flops_per_step
+from hetjax.planner.zero import named
+
+if TYPE_CHECKING:
+    from layers.config import ModelConfig
+
+SEQ_LEN = 2048
+VOCAB = 51200
+A100_PEAK_TFLOPS = 312.0
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    """One row of Table 1: model shape, t / p / d, global batch, and what was achieved."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops_per_gpu: float  # achieved teraFLOP/s per GPU
+    percent_peak: int  # of the A100's 312 TFLOP/s
+    petaflops: float  # aggregate
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def name(self) -> str:
+        return f"{self.params_b:g}B"
+
+
+# Narayanan et al., SC'21, Table 1 (arXiv 2104.04473), as published.
+MEGATRON_TABLE1 = (
+    MegatronRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
+    MegatronRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
+    MegatronRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
+    MegatronRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
+    MegatronRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
+    MegatronRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
+    MegatronRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
+    MegatronRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
+    MegatronRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
+    MegatronRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
+)
+# The two rows the compute rates are fitted on (the smallest and a large model: the ends of
+# the matmul sizes the table spans); every other row is predicted.
+FITTED_ROWS = ("1.7B", "310.1B")
+
+
+def row(name: str) -> MegatronRow:
+    for r in MEGATRON_TABLE1:
+        if r.name == name:
+            return r
+    raise PlanError(f"no Megatron-LM Table 1 row {name!r}; rows: "
+                    f"{', '.join(r.name for r in MEGATRON_TABLE1)}")
+
+
+def selene(nodes: int) -> Topology:
+    """`nodes` DGX A100 nodes of Selene: 8 A100 80 GB on NVLink/NVSwitch, and 8 HDR
+    InfiniBand NICs of 200 Gb/s per node (1,600 Gb/s a node, which the cost model shares
+    among the groups leaving it), at the catalogue's InfiniBand efficiency."""
+    ib = LINKS["infiniband"]
+    nic = Link("infiniband", 8 * 200.0, ib.latency_us, efficiency=ib.efficiency)
+    return Topology(name="selene", clusters=(make_cluster("selene", nodes, 8, "a100", nic),),
+                    inter_cluster=None)
+
+
+def megatron_model(r: MegatronRow) -> "ModelConfig":
+    """The row's GPT as a hetjax ModelConfig: multi-head attention, a gated MLP of
+    d_ff = 8h / 3 (the same 12 l h^2 parameters and FLOPs as GPT's 4h GELU MLP), tied
+    embeddings, full activation recompute, 16-bit compute."""
+    from layers.config import ModelConfig
+
+    return ModelConfig(vocab_size=VOCAB, d_model=r.hidden, n_layers=r.layers, n_heads=r.heads,
+                       n_kv_heads=r.heads, d_ff=round(8 * r.hidden / 3), max_seq_len=SEQ_LEN,
+                       remat="full", dtype="bfloat16", param_dtype="bfloat16")
+
+
+def megatron_plan(r: MegatronRow, microbatch: int = 1) -> Plan:
+    per = r.layers // r.pp
+    layers = tuple(per + (1 if s < r.layers % r.pp else 0) for s in range(r.pp))
+    return Plan(pp=r.pp, dp=r.dp, tp=r.tp, stage_layers=layers,
+                microbatches=r.batch // (r.dp * microbatch), global_batch=r.batch,
+                seq_len=SEQ_LEN, schedule="interleaved" if r.pp > 1 else "1f1b",
+                zero=named("ddp", r.dp, 8))
+
+
+def megatron_options(rates: ck.KernelRates | None = None, **kw) -> CostOptions:
+    """The cost options of the reference predictions: Megatron's executor, compute by kind."""
+    return CostOptions(executor="megatron", compute="kinds",
+                       kernel_rates={"a100": rates} if rates is not None else {}, **kw)
+
+
+def predicted_tflops(r: MegatronRow, options: CostOptions | None = None) -> float:
+    """TFLOP/s per GPU the cost model predicts for row `r` (Eq. 3's FLOPs over the predicted
+    step time), as Table 1 counts them."""
+    options = options or megatron_options()
+    cm = CostModel(selene(r.gpus // 8), megatron_model(r), options)
+    step = cm.predict(megatron_plan(r)).step_time
+    return megatron_flops_per_step(r.batch, SEQ_LEN, r.layers, r.hidden, VOCAB) / (
+        step * r.gpus) / 1e12
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    name: str
+    published: float
+    predicted: float
+    fitted: bool
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.published - 1
+
+
+def check_table(options: CostOptions | None = None,
+                fitted: Sequence[str] = FITTED_ROWS) -> list[RowCheck]:
+    """Every row's published and predicted TFLOP/s per GPU."""
+    return [RowCheck(r.name, r.tflops_per_gpu, predicted_tflops(r, options), r.name in fitted)
+            for r in MEGATRON_TABLE1]
+
+
+def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
+    """x in [lo, hi] with f(x) = 0, f increasing."""
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def fit_megatron(fitted: Sequence[str] = FITTED_ROWS,
+                 base: ck.KernelRates | None = None) -> ck.KernelRates:
+    """The matmul curve's (peak, half size) at which two rows are predicted exactly: the
+    first row (small matmuls) pins the half size given the peak, the second (large matmuls)
+    the peak, solved by nested bisection."""
+    a, b = (row(n) for n in fitted)
+    base = base or ck.KernelRates()
+
+    def rates(peak: float) -> ck.KernelRates:
+        def small(half: float) -> float:  # decreasing in half: bisect on -half
+            return predicted_tflops(a, megatron_options(
+                dataclasses.replace(base, matmul_peak=peak, matmul_half_flops=half))) \
+                - a.tflops_per_gpu
+        half = _bisect(lambda x: -small(x), 0.0, 1e12, iters=30)
+        return dataclasses.replace(base, matmul_peak=peak, matmul_half_flops=half)
+
+    peak = _bisect(lambda p: predicted_tflops(b, megatron_options(rates(p))) - b.tflops_per_gpu,
+                   0.3, 1.0, iters=20)
+    return rates(peak)
+
+
+def terms(r: MegatronRow, options: CostOptions | None = None) -> dict[str, float]:
+    """What each term of the cost model does to row `r`'s prediction: the predicted TFLOP/s
+    per GPU, and the change (fraction of it) when one term is taken away -- matmul efficiency
+    by size (every matmul at the curve's large-size limit instead), the TP all-reduces (free
+    links inside a node), the pipeline bubble (its share of the step), the DP overlap (none
+    instead), NCCL's algorithm choice (the flat ring instead)."""
+    options = options or megatron_options()
+    base = predicted_tflops(r, options)
+    rates = options.kernel_rates.get("a100", ck.FITTED)
+
+    def delta(**kw) -> float:
+        return predicted_tflops(r, dataclasses.replace(options, **kw)) / base - 1
+
+    flat_size = delta(kernel_rates={"a100": dataclasses.replace(rates, matmul_half_flops=0.0)})
+    cm = CostModel(selene(r.gpus // 8), megatron_model(r), options)
+    plan = megatron_plan(r)
+    pred = cm.predict(plan)
+    fast = Link("nvlink", 1e9, 0.0)
+    topo = selene(r.gpus // 8)
+    free_tp = CostModel(dataclasses.replace(topo, clusters=tuple(
+        dataclasses.replace(c, intra_node=fast) for c in topo.clusters)),
+        megatron_model(r), options).predict(plan).step_time
+    return {"tflops": base, "matmul_size": flat_size, "tp_allreduce": pred.step_time / free_tp - 1,
+            "bubble": pred.bubble, "dp_overlap": delta(overlap=0.0),
+            "nccl_choice": delta(collectives="ring")}
+
+
+def model_flops_utilization(r: MegatronRow) -> float:
+    """Row `r`'s MFU as hetjax counts it (`ModelConfig.flops_per_token`: no recompute): Table
+    1's TFLOP/s count Eq. 3, which includes the recomputed forward (about 4/3 more)."""
+    eq3 = megatron_flops_per_step(r.batch, SEQ_LEN, r.layers, r.hidden, VOCAB)
+    model = megatron_model(r).flops_per_token(SEQ_LEN) * r.batch * SEQ_LEN
+    return r.tflops_per_gpu / A100_PEAK_TFLOPS * model / eq3
+
+
+def megatron_range():
+    """What compute.FITTED was fitted on (the plausibility guard's range for compute "kinds"
+    without a calibration file): the two fitted rows' model sizes and device counts, Selene's
+    fabric, A100s; the MFU span of the whole table."""
+    from hetjax.planner.calibrate import FitRange
+
+    rows = [row(n) for n in FITTED_ROWS]
+    sizes = [megatron_model(r).num_params for r in rows]
+    mfu = [model_flops_utilization(r) for r in MEGATRON_TABLE1]
+    return FitRange(f"Megatron-LM Table 1 rows {' and '.join(FITTED_ROWS)} (compute by kind)",
+                    (min(sizes), max(sizes)), (min(r.gpus for r in rows),
+                                               max(r.gpus for r in rows)),
+                    ("infiniband", "nvlink"), ("a100",), (min(mfu), max(mfu)))
+
+
+def main(argv=None) -> None:
+    """Print the table: published, predicted and each term's effect per row."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    names = [n for n in ap.parse_args(argv).rows.split(",") if n]
+    print(f"Megatron-LM Table 1 on the cost model (executor megatron, compute by kind, fitted "
+          f"on {' and '.join(FITTED_ROWS)}); columns after 'error': the change in predicted "
+          "TFLOP/s when a term is taken away, and the idle share of the step (bubble + exposed sync)")
+    print(f"{'row':>8} {'t':>2} {'p':>3} {'d':>3} {'published':>9} {'predicted':>9} "
+          f"{'error':>6} {'by size':>8} {'TP AR':>6} {'idle':>6} {'DP ovl':>6} {'NCCL':>6}")
+    for r in MEGATRON_TABLE1:
+        if names and r.name not in names:
+            continue
+        t = terms(r)
+        mark = " (fitted)" if r.name in FITTED_ROWS else ""
+        print(f"{r.name:>8} {r.tp:>2} {r.pp:>3} {r.dp:>3} {r.tflops_per_gpu:>9.0f} "
+              f"{t['tflops']:>9.1f} {t['tflops'] / r.tflops_per_gpu - 1:>+6.1%} "
+              f"{t['matmul_size']:>+8.1%} {t['tp_allreduce']:>+6.1%} {t['bubble']:>6.1%} "
+              f"{t['dp_overlap']:>+6.1%} {t['nccl_choice']:>+6.1%}{mark}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["terms", "main", "megatron_range", "MegatronRow", "MEGATRON_TABLE1", "FITTED_ROWS", "row", "selene", "megatron_model",
+           "megatron_plan", "megatron_options", "predicted_tflops", "RowCheck", "check_table",
+           "fit_megatron", "model_flops_utilization"]
