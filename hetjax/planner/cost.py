@@ -725,7 +725,8 @@ class CostModel:
                          self.model.n_layers)
         remat, staged = self.remat_of(layout), self.runs_staged(layout)
         per_layer = min(tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat,
-                                                               tok / tp, staged=staged)) / tp
+                                                               tok / tp, staged=staged, tp=tp))
+                        / tp
                         for a in set(self._cluster_accel))
         return per_layer * max(M * N / layout.pp, N + M - 1)
 

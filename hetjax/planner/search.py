@@ -593,13 +593,14 @@ class _Search:
             self.shortfall = _Shortfall(ratio, text)
 
     def probe(self, todo, floors: list[float], zero, stage_layers: tuple[int, ...],
-              top: int, most: int = 40) -> float:
-        """The top-th best simulated step time among the candidates of the (at most `most`)
-        layouts with the lowest floors: a ceiling no skipped layout's candidate could beat
-        into the top. What the probe notes on the way (memory shortfalls, refusals) is
-        forgotten, so messages and counts come from the search itself. inf if too few fit."""
+              top: int, most: int = 24) -> float:
+        """A ceiling no skipped layout's candidate could beat into the top: the top-th best
+        simulated step time among the best-estimated candidates of the `most` layouts with the
+        lowest floors (those confirm simulates first anyway). What the probe notes on the way
+        (memory shortfalls, refusals) is forgotten, so messages and counts come from the
+        search itself. inf if fewer than `top` fit."""
         saved = (self.shortfall, len(self.rejected), self.refused_layouts, self.refused_best)
-        steps = []
+        found = []
         for i in sorted(range(len(todo)), key=floors.__getitem__)[:most]:
             lay, orders, tag = todo[i]
             try:
@@ -607,12 +608,13 @@ class _Search:
             except MissingLinkError:
                 continue
             if c is not None:
-                steps.append(self.simulate(c).predicted["step_time_s"])
-                if len(steps) >= top:
-                    break
+                found.append(c)
         self.shortfall, self.refused_layouts, self.refused_best = saved[0], saved[2], saved[3]
         del self.rejected[saved[1]:]
-        return sorted(steps)[top - 1] if len(steps) >= top else math.inf
+        if len(found) < top:
+            return math.inf
+        best = sorted(found, key=lambda c: c.estimate)[:top]
+        return max(self.simulate(c).predicted["step_time_s"] for c in best)
 
     def simulate(self, c: _Candidate) -> Plan:
         """The candidate's Plan with the event simulator's prediction (each simulated once)."""
