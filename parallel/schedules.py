@@ -115,12 +115,17 @@ class Schedule:
 
     def model_chunk(self, task: Task) -> int:
         """The model chunk (index in model order) a task works on."""
-        seen = -1
-        for k, s in enumerate(self.placement()):
-            seen += s == task.stage
-            if s == task.stage and seen == task.chunk:
-                return k
-        raise ValueError(f"stage {task.stage} has no chunk {task.chunk} in {self.name}")
+        if not hasattr(self, "_chunk_index"):  # built once: the simulator asks per task
+            seen: dict[int, int] = {}
+            self._chunk_index = {}
+            for k, s in enumerate(self.placement()):
+                seen[s] = seen.get(s, -1) + 1
+                self._chunk_index[s, seen[s]] = k
+        try:
+            return self._chunk_index[task.stage, task.chunk]
+        except KeyError:
+            raise ValueError(f"stage {task.stage} has no chunk {task.chunk} in "
+                             f"{self.name}") from None
 
     def max_in_flight(self, stage: int) -> int:
         """Most (chunk, micro-batch) pairs whose stash stage `stage` holds at once (F done,

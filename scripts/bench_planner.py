@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetjax.errors import PlanError  # noqa: E402
-from hetjax.planner import assign, cost, plan  # noqa: E402
+from hetjax.planner import assign, cost, plan, simulate  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics,  # noqa: E402
@@ -186,23 +186,36 @@ def speed(args) -> None:
     model = ModelConfig(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
                         n_kv_heads=8, d_ff=28672, max_seq_len=4096, remat="full",
                         dtype="bfloat16", param_dtype="bfloat16")
+    options = CostOptions(executor=args.executor, compute=args.compute)
     rows = []
     for n in args.devices:
         t = preset("holmes_hybrid", nodes=n // 16, devices_per_node=8)
-        t0 = time.perf_counter()
-        result = plan(t, model, 2048, 4096, options=CostOptions(executor=args.executor,
-                                                                compute=args.compute))
-        seconds = time.perf_counter() - t0
+        runs = {}
+        for prune in (True, False):  # the search as it runs, and exhaustively, side by side
+            for cached in (simulate.schedule_table, simulate.in_flight,
+                           simulate.in_flight_folded, simulate._ticks):
+                cached.cache_clear()  # each search builds its schedule tables afresh
+            t0 = time.perf_counter()
+            runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune),
+                           time.perf_counter() - t0)
+        (result, seconds), (full, full_seconds) = runs[True], runs[False]
+        same = [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
+                for p in (result.plan, *result.runners_up)] == \
+            [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
+             for p in (full.plan, *full.runners_up)]
         p, pr = result.plan, result.plan.predicted
-        rows.append([str(n), f"{seconds:.1f}", str(result.candidates), str(result.simulated),
+        rows.append([str(n), f"{seconds:.1f}", f"{full_seconds:.1f}",
+                     f"{result.candidates} + {result.pruned} skipped", str(full.candidates),
+                     "yes" if same else "NO",
                      f"pp={p.pp} dp={p.dp} tp={p.tp} M={p.microbatches} {p.schedule} "
                      f"{p.zero.name}", f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
     print("Outer search speed: 70B-class model (80 layers, d 8192, GQA 64/8), batch 2048 x "
           "4096 tokens, on holmes_hybrid (InfiniBand + RoCE clusters of 8-A100 nodes, "
           f"Ethernet between), priced for the {args.executor} executor, compute "
-          f"{args.compute}\n")
-    print(table(["devices", "seconds", "layouts priced", "simulated", "chosen",
-                 "step s", "MFU"], rows))
+          f"{args.compute}; the search with its lower-bound pruning beside the exhaustive "
+          "one (prune=False)\n")
+    print(table(["devices", "seconds", "exhaustive s", "layouts priced", "exhaustive priced",
+                 "same plans", "chosen", "step s", "MFU"], rows))
 
 
 def assign_speed(args) -> None:

@@ -363,3 +363,39 @@ def test_explain_weighs_only_runnable_schedule_alternatives():
 
     assert not _schedule_runs("interleaved", 32, 1)
     assert _schedule_runs("interleaved", 4, 8) and _schedule_runs("1f1b", 32, 1)
+
+
+# --- the search's speed-ups keep its answers -----------------------------------------------------
+def _signature(result):
+    return [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.placement, p.remat, p.zero,
+             p.stage_layers, p.device_order, p.predicted["step_time_s"])
+            for p in (result.plan, *result.runners_up)]
+
+
+@pytest.mark.parametrize("executor", ["hetjax", "mpmd"])
+def test_pruned_search_finds_the_exhaustive_plan_and_runners_up(executor):
+    t = preset("holmes_hybrid", nodes=4, devices_per_node=8)
+    model = gpt(remat="auto")
+    options = CostOptions(executor=executor)
+    pruned = plan(t, model, 128, 2048, options=options)
+    full = plan(t, model, 128, 2048, options=options, prune=False)
+    assert _signature(pruned) == _signature(full)
+    assert full.pruned == 0 and pruned.pruned > 0  # the floor skipped some layouts
+
+
+def test_step_floor_is_below_every_candidates_lower_bound():
+    from hetjax.planner import search as search_mod
+    from hetjax.planner.cost import Layout
+
+    t = preset("holmes_hybrid", nodes=4, devices_per_node=8)
+    s = search_mod._Search(t, gpt(remat="auto"), 256, 2048, CostOptions(), False, None, 1.0)
+    checked = 0
+    for p, d, tp in s.degrees(0, 0, 0, ()):
+        for order, orders, tag in s.layouts(p, d, tp):
+            for M in s.microbatch_counts(d, 0)[:4]:
+                lay = Layout(p, d, tp, order, M, 256, 2048, "1f1b" if p > 1 else "gpipe")
+                c = s.evaluate(lay, orders, tag, "auto", ())
+                if c is not None:
+                    assert s.cm.step_floor(lay) <= c.bound * (1 + 1e-12)
+                    checked += 1
+    assert checked >= 10

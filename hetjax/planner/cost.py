@@ -20,6 +20,7 @@ exactly; `CostModel.predict(plan)` prices a finished Plan with the event simulat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -240,8 +241,15 @@ class Layout:
     def folded(self) -> bool:
         return self.placement == "folded" and self.pp > 1
 
+    @functools.cached_property
+    def _mesh(self) -> np.ndarray:
+        mesh = np.asarray(self.device_order).reshape(self.pp, self.dp, self.tp)
+        mesh.flags.writeable = False  # shared by every caller
+        return mesh
+
     def mesh(self) -> np.ndarray:
-        return np.asarray(self.device_order).reshape(self.pp, self.dp, self.tp)
+        """[pp, dp, tp] ranks (read-only; built once: the search asks for it often)."""
+        return self._mesh
 
     def tokens_per_device(self) -> float:
         """Tokens one device processes per micro-batch."""
@@ -394,6 +402,8 @@ class CostModel:
         self._nets: dict[tuple, _Net] = {}
         self._zero: dict[tuple, zr.ZeroTimes] = {}
         self._slot_cache: dict[Layout, list[_Slot]] = {}
+        self._stage_slot_cache: dict[tuple, _Slot] = {}
+        self._stage_keys: dict[tuple, list[bytes]] = {}
 
     # --- compute -------------------------------------------------------------------------------
     def _rate(self, acc: Accelerator) -> float:
@@ -687,6 +697,39 @@ class CostModel:
             self._slot_cache[key] = self._price_slots(layout)
         return self._slot_cache[key]
 
+    def stage_keys(self, layout: Layout) -> list[bytes]:
+        """One key per mesh row (stage) that is equal for two stages exactly when their devices
+        have the same clusters in the same positions and share nodes in the same pattern: such
+        stages cost the same, since nodes of one cluster are alike (cached per device order)."""
+        key = (layout.device_order, layout.pp, layout.dp, layout.tp)
+        if key not in self._stage_keys:
+            mesh = layout.mesh().reshape(layout.pp, -1)
+            nodes = self._node[mesh]
+            order = np.argsort(nodes, axis=1, kind="stable")
+            ranked = np.take_along_axis(nodes, order, axis=1)
+            first = np.ones_like(ranked, dtype=bool)
+            first[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
+            labels = np.empty_like(ranked)
+            np.put_along_axis(labels, order, np.cumsum(first, axis=1), axis=1)
+            rows = np.stack([self._cluster[mesh], labels], axis=-1)
+            self._stage_keys[key] = [r.tobytes() for r in rows]
+        return self._stage_keys[key]
+
+    def step_floor(self, layout: Layout) -> float:
+        """A step time no split, ZeRO point or stage order of `layout` beats (every candidate's
+        `simulate.lower_bound` is at least this): each layer's compute alone on the fastest
+        accelerator of the topology, t; the longest stage runs M micro-batches of at least
+        N / pp layers, and the last stage waits for the N - n_last layers ahead of it:
+        t * max(M N / pp, N + M - 1). The search skips layouts whose floor cannot enter the top."""
+        tok, tp, M, N = (layout.tokens_per_device(), layout.tp, layout.microbatches,
+                         self.model.n_layers)
+        remat, staged = self.remat_of(layout), self.runs_staged(layout)
+        per_layer = min(tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat,
+                                                               tok / tp, staged=staged, tp=tp))
+                        / tp
+                        for a in set(self._cluster_accel))
+        return per_layer * max(M * N / layout.pp, N + M - 1)
+
     def pipelined_by_hetjax(self, layout: Layout) -> bool:
         """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
         return self.options.executor == "hetjax" and layout.pp > 1
@@ -734,7 +777,12 @@ class CostModel:
         head_p = (m.head_params + (m.embed_params if m.tie_embeddings and layout.pp > 1
                                    and not hetjax else 0)) / tp
         slots = []
-        for s in range(layout.pp):
+        # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
+        base = (dataclasses.replace(layout, device_order=(), schedule=""),)
+        for s, stage_key in enumerate(self.stage_keys(layout)):
+            if (base, stage_key) in self._stage_slot_cache:
+                slots.append(self._stage_slot_cache[base, stage_key])
+                continue
             ranks = mesh[s].ravel()
             accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
             # A stage is as slow as its slowest device.
@@ -780,6 +828,7 @@ class CostModel:
                 capacity=float(self._memory[ranks].min()) * o.memory_fraction,
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
+            self._stage_slot_cache[base, stage_key] = slots[-1]
         return slots
 
     def _shared_sync(self, layout: Layout, mesh: np.ndarray) -> float:
@@ -925,7 +974,7 @@ class StageTable:
         return (_TableRow(self, i) for i in range(len(self)))
 
     def cost(self, slot: int, position: int) -> StageCost:
-        key = (slot, position)
+        key = (id(self._slots[slot]), position)  # alike stages share one slot object
         if key not in self._cache:
             self._cache[key] = self._model._place(self._slots[slot], position, self._layout,
                                                   self._shared)

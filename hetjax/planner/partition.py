@@ -24,6 +24,7 @@ and head, earlier 1F1B positions keep more micro-batches in flight).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -238,14 +239,21 @@ def _level(layers: np.ndarray, caps: np.ndarray, per: np.ndarray, fixed: np.ndar
     layers to the least loaded of them (within the caps) keeps the sum of times and does
     not raise the maximum, so ties between splits go to the balanced one."""
     layers = layers.copy()
+    f, p, c = fixed.tolist(), per.tolist(), caps.tolist()
     for speed in np.unique(per):
-        group = np.flatnonzero(np.isclose(per, speed, rtol=1e-9, atol=0.0))
+        group = np.flatnonzero(np.isclose(per, speed, rtol=1e-9, atol=0.0)).tolist()
         total = int(layers[group].sum())
-        layers[group] = 1
+        held = dict.fromkeys(group, 1)
+        # each layer goes to the stage whose time after it is least (first stage on ties): a
+        # heap of (that time, stage) is the same choice as an argmin over the open stages
+        heap = [(f[j] + p[j] * 2, j) for j in group if 1 < c[j]]
+        heapq.heapify(heap)
         for _ in range(total - len(group)):
-            open_ = group[layers[group] < caps[group]]
-            j = open_[np.argmin(fixed[open_] + per[open_] * (layers[open_] + 1))]
-            layers[j] += 1
+            _, j = heapq.heappop(heap)
+            held[j] += 1
+            if held[j] < c[j]:
+                heapq.heappush(heap, (f[j] + p[j] * (held[j] + 1), j))
+        layers[group] = list(held.values())
     return tuple(int(n) for n in layers)
 
 

@@ -60,13 +60,15 @@ class PlanResult:
     candidates: int  # layouts priced by the cost model
     simulated: int  # of which the event simulator ran
     seconds: float
+    pruned: int = 0  # layouts skipped: their step floor could not enter the top
 
     def describe(self, topology: Topology | None = None) -> str:
         lines = [self.plan.describe(topology), *bound_lines(self.plan), "runners-up:"]
         for p in self.runners_up:
             lines.append(f"  {_summary(p)}")
-        lines.append(f"searched {self.candidates} layouts ({self.simulated} simulated) in "
-                     f"{self.seconds:.2f} s")
+        skipped = f", {self.pruned} skipped by their lower bound" if self.pruned else ""
+        lines.append(f"searched {self.candidates} layouts ({self.simulated} simulated{skipped}) "
+                     f"in {self.seconds:.2f} s")
         return "\n".join(lines)
 
 
@@ -135,8 +137,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          schedule: str | Sequence[str] = SCHEDULES, zero: str | ZeroFactors = "auto",
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
-         assign_seconds: float = 10.0, calibration=None, placement: str = "looped"
-         ) -> PlanResult:
+         assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
+         prune: bool = True) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -150,7 +152,11 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     folded (folded only under hetjax's executor in lockstep, for pp > 1). With
     `model.remat` = 'auto' the recompute policy is a choice too: none, dots and full are
     priced and the fastest that fits memory wins (Plan.remat); hetjax's SPMD pipeline is
-    offered full alone (`CostModel.remat_choices`)."""
+    offered full alone (`CostModel.remat_choices`).
+
+    `prune` skips layouts whose `CostModel.step_floor` is no better than the top-th step time
+    simulated for a few promising layouts first: their candidates could not enter the top, so
+    the plan and runners-up are those of the exhaustive search (`prune=False`), found faster."""
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -176,7 +182,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     def remats(pp):  # model.remat 'auto': a choice among what the cost model can price
         return s.cm.remat_choices(pp) if model.remat == "auto" else ("",)
 
-    cands = []
+    todo = []  # (layout, stage orders, tag) in the order the search has always priced them
     for p, d, t in s.degrees(pp, dp, tp, stage_layers):
         places = s.placements(placement, p)
         for order, orders, tag in s.layouts(p, d, t):
@@ -185,15 +191,26 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                     if not fits_schedule(name, p, M, executor, schedules[0]) or (
                             place == "folded" and not SCHEDULES[name].spmd_compatible):
                         continue
-                    try:
-                        c = s.evaluate(Layout(p, d, t, order, M, global_batch, seq_len, name,
-                                              placement=place, remat=remat),
-                                       orders, tag, zero, tuple(stage_layers))
-                    except MissingLinkError as e:
-                        s.rejected.append(f"pp={p} dp={d} tp={t} ({tag}): {e}")
-                        break
-                    if c is not None:
-                        cands.append(c)
+                    todo.append((Layout(p, d, t, order, M, global_batch, seq_len, name,
+                                        placement=place, remat=remat), orders, tag))
+    floors = [s.cm.step_floor(lay) for lay, _, _ in todo]
+    ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top) if prune else math.inf
+    cands, broken = [], set()
+    for (lay, orders, tag), floor in zip(todo, floors):
+        if floor >= ceiling:  # no candidate of this layout can enter the top
+            s.pruned += 1
+            continue
+        key = (lay.pp, lay.dp, lay.tp, lay.device_order, lay.microbatches)
+        if key in broken:
+            continue
+        try:
+            c = s.evaluate(lay, orders, tag, zero, tuple(stage_layers))
+        except MissingLinkError as e:
+            s.rejected.append(f"pp={lay.pp} dp={lay.dp} tp={lay.tp} ({tag}): {e}")
+            broken.add(key)
+            continue
+        if c is not None:
+            cands.append(c)
     if not cands:
         raise s.infeasible()
     ranked = s.confirm(cands, top)
@@ -242,7 +259,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     plans = [dataclasses.replace(p, source="planner", **({"executor": named} if named else {}))
              for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, s.pruned)
 
 
 class _Search:
@@ -269,6 +286,8 @@ class _Search:
         self.fixed_layers = False
         self.refused_layouts = 0  # layouts no ZeRO point fits, and the fastest of them
         self.refused_best: tuple[float, Layout, float, float] | None = None
+        self.pruned = 0
+        self._predictions: dict[tuple[Layout, tuple[int, ...]], Plan] = {}
 
     # --- the choices ---------------------------------------------------------------------------
     def placements(self, placement: str, pp: int) -> tuple[str, ...]:
@@ -380,9 +399,10 @@ class _Search:
             return [zr.named(zero, layout.dp, zr.node_local_factor(nodes))]
         m, sb = self.model, self.cm.state_bytes
         layer_p = m.layer_params / layout.tp
-        if key not in self._zero_cache:  # every point's terms on every stage
+        if key not in self._zero_cache:  # every point's terms on every distinct stage
+            stages = dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values()
             self._zero_cache[key] = [(f, [self.cm.zero_times(f, layer_p, mesh[s].T)
-                                          for s in range(layout.pp)])
+                                          for s in stages])
                                      for f in zr.space(nodes)]
         layers = m.n_layers / layout.pp
         # Necessary for any split: the longest stage holds L = ceil(layers / pp) layers
@@ -463,7 +483,7 @@ class _Search:
             self._note_shortfall(lay, table)
             return None
         mesh = lay.mesh()
-        order = tuple(int(r) for r in mesh[list(split.order)].ravel())
+        order = tuple(mesh[list(split.order)].ravel().tolist())
         return self._price(dataclasses.replace(lay, device_order=order), split.layers, tag)
 
     def _price(self, layout: Layout, layers: tuple[int, ...], tag: str) -> _Candidate:
@@ -572,6 +592,41 @@ class _Search:
         if ratio < self.shortfall.ratio:
             self.shortfall = _Shortfall(ratio, text)
 
+    def probe(self, todo, floors: list[float], zero, stage_layers: tuple[int, ...],
+              top: int, most: int = 24) -> float:
+        """A ceiling no skipped layout's candidate could beat into the top: the top-th best
+        simulated step time among the best-estimated candidates of the `most` layouts with the
+        lowest floors (those confirm simulates first anyway). What the probe notes on the way
+        (memory shortfalls, refusals) is forgotten, so messages and counts come from the
+        search itself. inf if fewer than `top` fit."""
+        saved = (self.shortfall, len(self.rejected), self.refused_layouts, self.refused_best)
+        found = []
+        for i in sorted(range(len(todo)), key=floors.__getitem__)[:most]:
+            lay, orders, tag = todo[i]
+            try:
+                c = self.evaluate(lay, orders, tag, zero, stage_layers)
+            except MissingLinkError:
+                continue
+            if c is not None:
+                found.append(c)
+        self.shortfall, self.refused_layouts, self.refused_best = saved[0], saved[2], saved[3]
+        del self.rejected[saved[1]:]
+        if len(found) < top:
+            return math.inf
+        best = sorted(found, key=lambda c: c.estimate)[:top]
+        return max(self.simulate(c).predicted["step_time_s"] for c in best)
+
+    def simulate(self, c: _Candidate) -> Plan:
+        """The candidate's Plan with the event simulator's prediction (each simulated once)."""
+        key = (c.layout, c.layers)
+        if key not in self._predictions:
+            plan = c.layout.with_plan(c.layers)
+            pred = self.cm.predict(plan)
+            self.simulated += 1
+            self._predictions[key] = dataclasses.replace(
+                plan, predicted={**pred.as_dict(), "layout": c.tag})
+        return self._predictions[key]
+
     def confirm(self, cands: list[_Candidate], top: int) -> list[Plan]:
         """Simulate candidates best estimate first until no lower bound can enter the top.
         Equal step times rank the simpler plan first (fewer stages, micro-batches, shards)."""
@@ -579,11 +634,8 @@ class _Search:
         for i, c in enumerate(sorted(cands, key=lambda c: c.estimate)):
             if len(best) >= top and c.bound >= -best[0][0]:
                 continue
-            plan = c.layout.with_plan(c.layers)
-            pred = self.cm.predict(plan)
-            self.simulated += 1
-            plan = dataclasses.replace(plan, predicted={**pred.as_dict(), "layout": c.tag})
-            heapq.heappush(best, (-pred.step_time, -i, plan))
+            plan = self.simulate(c)
+            heapq.heappush(best, (-plan.predicted["step_time_s"], -i, plan))
             if len(best) > top:
                 heapq.heappop(best)
         fastest = min(-t for t, _, _ in best)

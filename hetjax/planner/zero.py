@@ -22,7 +22,6 @@ two ways of running the step:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,18 +77,32 @@ def valid_factors(nodes: np.ndarray) -> list[int]:
     consecutive members lies inside one node or consists of whole nodes (AMSP: fill a node
     before spanning nodes; the rule parallel/zero.py checks)."""
     dp = nodes.shape[1]
-    patterns = {tuple(np.unique(row, return_inverse=True)[1].tolist()) for row in nodes}
+    # each row's nodes relabelled 0, 1, ... in sorted order (np.unique's inverse), all rows at
+    # once: large dp worlds have thousands of groups but few patterns
+    order = np.argsort(nodes, axis=1, kind="stable")
+    ranked = np.take_along_axis(nodes, order, axis=1)
+    first = np.zeros_like(ranked)
+    first[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
+    labels = np.empty_like(ranked)
+    np.put_along_axis(labels, order, np.cumsum(first, axis=1), axis=1)
+    patterns = {tuple(row) for row in np.unique(labels, axis=0).tolist()}
     return [s for s in range(1, dp + 1) if dp % s == 0 and
             all(_fills_nodes(p, s) for p in patterns)]
 
 
 def _fills_nodes(group: tuple[int, ...], s: int) -> bool:
-    total = Counter(group)
-    for start in range(0, len(group), s):
-        block = Counter(group[start:start + s])
-        if len(block) > 1 and any(total[n] != k for n, k in block.items()):
-            return False
-    return True
+    """Whether every block of s consecutive members is one node, or holds all of each of its
+    nodes' members (a node's first and last member both in the block)."""
+    g = np.asarray(group)
+    pos = np.arange(len(g))
+    first = np.full(g.max() + 1, len(g))
+    last = np.zeros(g.max() + 1, dtype=int)
+    np.minimum.at(first, g, pos)
+    np.maximum.at(last, g, pos)
+    blocks = g.reshape(-1, s)
+    one_node = (blocks == blocks[:, :1]).all(axis=1)
+    whole = (first[g] // s == pos // s) & (last[g] // s == pos // s)
+    return bool((one_node[pos // s] | whole).all())
 
 
 def node_local_factor(nodes: np.ndarray) -> int:
