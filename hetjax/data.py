@@ -83,7 +83,8 @@ def split_documents(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarra
 
 
 def tokenized_corpus(docs, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Every document's tokens, concatenated in document order (no EOS), and the count of each.
+    """Every document's tokens (BOS first when the tokenizer adds it, no EOS), concatenated in
+    document order, and the count of each.
 
     Tokenized once per (prepared corpus, tokenizer) and cached beside the corpus as .npy files
     that later runs memory-map, so rows are slices and no tokenizer runs while training."""
@@ -98,7 +99,7 @@ def tokenized_corpus(docs, tokenizer, where: str) -> tuple[np.ndarray, np.ndarra
 
     print(f"hetjax: tokenizing {len(docs)} documents once (cached in {base}.*.npy)",
           file=sys.stderr, flush=True)
-    parts = [tokenizer.encode(document_text(docs, i, where)) for i in range(len(docs))]
+    parts = [tokenizer.encode_document(document_text(docs, i, where)) for i in range(len(docs))]
     counts = np.array([len(p) for p in parts], np.int64)
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     top = int(ids.max()) if len(ids) else 0
