@@ -69,9 +69,10 @@ class HetjaxText(tfds.core.GeneratorBasedBuilder):
 
 # --- record files ----------------------------------------------------------------------------
 def record_kind(path: str) -> str | None:
-    """'jsonl' or 'parquet' for a file of records, None for a text file (one document)."""
+    """'jsonl' (.jsonl, .jsonl.gz) or 'parquet' for a file of records, None for a text file
+    (one document)."""
     name = path.lower()
-    if name.endswith(".jsonl"):
+    if name.endswith((".jsonl", ".jsonl.gz")):
         return "jsonl"
     if name.endswith(".parquet"):
         return "parquet"
@@ -85,8 +86,10 @@ def _no_field(path: str, field: str, fields, where: str = "") -> HetjaxError:
 
 
 def _jsonl_texts(path: str, field: str):
-    """The `field` of every record of a JSON Lines file (blank lines skipped)."""
-    with open(path, "rb") as f:
+    """The `field` of every record of a JSON Lines file, gzipped or not (blank lines skipped)."""
+    import gzip
+
+    with (gzip.open if path.lower().endswith(".gz") else open)(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

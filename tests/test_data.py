@@ -253,8 +253,12 @@ def prepared_texts(paths, tmp_path, field="text"):
 
 
 def test_jsonl_and_parquet_records_are_documents_of_their_field(tmp_path):
+    import gzip
+
     root = tmp_path / "mixed"
-    write_jsonl(root / "a.jsonl", RECORDS[:3])
+    write_jsonl(root / "a.jsonl", RECORDS[:2])
+    with gzip.open(root / "z.jsonl.gz", "wt") as f:
+        f.write(json.dumps(RECORDS[2]) + "\n")
     write_parquet(root / "b.parquet", RECORDS[3:])
     (root / "notes.txt").write_text("a plain text file is one document\n")
     texts = prepared_texts([root], tmp_path)
