@@ -184,13 +184,15 @@ def _token_name(value) -> str | None:
 
 class HFTokenizer(Tokenizer):
     """A HuggingFace `tokenizer.json` (the `tokenizers` package). BOS and EOS are the ones
-    `tokenizer_config.json` (or `special_tokens_map.json`) beside it names, else the usual
-    names (`<s>`, `</s>`, `<|begin_of_text|>`, ...); BOS is added when that config's
+    `tokenizer_config.json` (or `special_tokens_map.json`) beside it names, else the ids of the
+    model's `config.json` beside it, else the usual names (`<s>`, `</s>`,
+    `<|begin_of_text|>`, ...); BOS is added when that config's
     `add_bos_token` says so, or else when the tokenizer's own post-processor adds it."""
 
     kind = "hf"
 
-    def __init__(self, path: str, add_bos: str = "auto"):
+    def __init__(self, path: str, add_bos: str = "auto",
+                 ids: tuple[int | None, int] | None = None):
         tokenizers = _optional("tokenizers", "tokenizers")
         self.path = path
         try:
@@ -207,8 +209,14 @@ class HFTokenizer(Tokenizer):
                     config.update(json.load(fh))
                 self.companions += (f,)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        bos = self._special(config.get("bos_token"), HF_BOS)
-        eos = self._special(config.get("eos_token"), HF_EOS)
+        model = {}
+        if os.path.isfile(os.path.join(here, "config.json")):  # a model directory's ids
+            with open(os.path.join(here, "config.json")) as fh:
+                model = json.load(fh)
+        bos = self._special(config.get("bos_token"), model.get("bos_token_id"), HF_BOS)
+        eos = self._special(config.get("eos_token"), model.get("eos_token_id"), HF_EOS)
+        if ids is not None:  # a saved tokenizer: the ids it was trained with
+            bos, eos = ids
         if eos is None:
             raise HetjaxError(f"the tokenizer {path} has no end-of-sequence token (none named "
                               f"eos_token in tokenizer_config.json, none of {', '.join(HF_EOS)}),"
@@ -225,8 +233,16 @@ class HFTokenizer(Tokenizer):
         h.update(f"{self.bos_id}/{self.eos_id}".encode())
         self.base_fingerprint = "hf-" + h.hexdigest()[:16]
 
-    def _special(self, name, fallbacks) -> int | None:
-        for n in ([_token_name(name)] if _token_name(name) else list(fallbacks)):
+    def _special(self, name, model_id, fallbacks) -> int | None:
+        """The id of the token tokenizer_config.json names, else of the model config's id
+        (the first of a list), else of the first usual name the vocabulary has."""
+        if _token_name(name):
+            return self._tok.token_to_id(_token_name(name))
+        if isinstance(model_id, list):
+            model_id = model_id[0] if model_id else None
+        if isinstance(model_id, int) and 0 <= model_id < self.vocab_size:
+            return model_id
+        for n in fallbacks:
             i = self._tok.token_to_id(n)
             if i is not None:
                 return int(i)
@@ -336,9 +352,15 @@ def load_tokenizer(spec: str, add_bos: str = "auto") -> Tokenizer:
             saved = json.load(f)
         if add_bos == "auto":  # as the run that saved it trained
             add_bos = "true" if saved["add_bos"] else "false"
-        if saved["kind"] == "byte":
-            return load_tokenizer("byte", add_bos)
-        return load_tokenizer(os.path.join(path, saved["file"]), add_bos)
+        file = os.path.join(path, saved["file"])
+        tok = (load_tokenizer("byte", add_bos) if saved["kind"] == "byte" else
+               HFTokenizer(file, add_bos, (saved["bos_id"], saved["eos_id"]))
+               if saved["kind"] == "hf" else load_tokenizer(file, add_bos))
+        if tok.base_fingerprint != saved["fingerprint"].removesuffix("+bos"):
+            raise HetjaxError(f"the saved tokenizer in {path} does not match its {SAVED} "
+                              f"({tok.base_fingerprint} != {saved['fingerprint']}); copy the "
+                              "tokenizer directory whole from the run that wrote it")
+        return tok
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json" if kind == "hf" else "tokenizer.model")
     if kind == "sentencepiece":

@@ -4,6 +4,7 @@ and saving a tokenizer so that it loads back identical."""
 
 import base64
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -75,6 +76,17 @@ def test_bos_follows_the_hf_post_processor_then_tokenizer_config_then_add_bos(tm
     assert not off.add_bos and off.fingerprint == post.fingerprint.removesuffix("+bos")
 
 
+def test_a_model_directory_config_json_gives_the_ids_and_its_saved_copy_keeps_them(tmp_path):
+    write_hf_tokenizer(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": [0, 1]}))  # as Llama-3.1's list of stop ids
+    tok = load_tokenizer(str(tmp_path / "model"))
+    assert (tok.bos_id, tok.eos_id) == (1, 0)
+    tok.save(str(tmp_path / "saved"))
+    back = load_tokenizer(str(tmp_path / "saved"))  # without the config.json beside it
+    assert (back.bos_id, back.eos_id, back.fingerprint) == (1, 0, tok.fingerprint)
+
+
 def test_add_bos_true_without_a_bos_token_is_a_config_error():
     with pytest.raises(ConfigError, match="data.add_bos: is true, but the tokenizer byte has no"):
         load_tokenizer("byte", "true")
@@ -124,7 +136,7 @@ def test_a_saved_tokenizer_loads_back_identical(tmp_path, kind):
             "tiktoken": str(write_tiktoken(tmp_path / "t.tiktoken"))}[kind]
     tok = load_tokenizer(spec, "false" if kind == "tiktoken" else "auto")
     tok.save(str(tmp_path / "saved"))
-    (tmp_path / "hf").exists() and __import__("shutil").rmtree(tmp_path / "hf")  # no peeking
+    shutil.rmtree(tmp_path / "hf", ignore_errors=True)  # the copy must stand on its own
     back = load_tokenizer(str(tmp_path / "saved"))
     assert (back.kind, back.fingerprint, back.add_bos, back.bos_id, back.eos_id,
             back.vocab_size) == (tok.kind, tok.fingerprint, tok.add_bos, tok.bos_id,
