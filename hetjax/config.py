@@ -623,8 +623,7 @@ def _validate_sources(d) -> None:
     for p in paths:
         _require(bool(p) and bool(glob.glob(os.path.expanduser(p))), "data.path",
                  f"{p!r} matches no file or directory",
-                 "give an existing directory of text files or a glob like '/data/*.txt' "
-                 "(several separated by commas)")
+                 "give an existing directory of text files or a glob like '/data/*.txt'")
     _require(bool(d.field), "data.field", "is empty",
              "name the text field of your .jsonl/.parquet records, e.g. --config.data.field=text")
     if not d.weights:
