@@ -355,3 +355,13 @@ def test_documents_begin_with_bos_and_end_with_eos_in_the_packed_stream(tmp_path
         n_eos = int((stream == tok.eos_id).sum())
         assert n_eos >= 3  # the rows cross several document boundaries
         assert (stream == tok.bos_id).sum() in ((n_eos, n_eos + 1) if bos else (0,))
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    path = write_parquet(tmp_path / "p" / "x.parquet", RECORDS[:1])
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(HetjaxError, match=r"needs the 'pyarrow' package; install it with pip "
+                       r"install 'hetjax\[parquet\]'"):
+        prepared_texts([path], tmp_path)

@@ -150,3 +150,13 @@ def test_byte_tokenizer_is_unchanged():
     tok = ByteTokenizer()
     assert tok.fingerprint == "byte" and tok.bos_id is None and tok.eos_id == 256
     np.testing.assert_array_equal(tok.encode_document("ab"), [97, 98])
+
+
+def test_a_missing_optional_package_names_the_extra_that_installs_it(tmp_path, monkeypatch):
+    import sys
+
+    path = write_tiktoken(tmp_path / "t.tiktoken")
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # makes `import tiktoken` fail
+    with pytest.raises(HetjaxError, match=r"needs the 'tiktoken' package; install it with "
+                       r"pip install 'hetjax\[tiktoken\]'"):
+        load_tokenizer(str(path))
