@@ -9,9 +9,9 @@ for tests. A few documents (`data.eval_fraction`) are held out for evaluation. S
 Packing: the corpus is tokenized once per tokenizer and cached beside it (memory-mapped
 .npy); the training documents, in an order fixed by the seed, each begun by BOS when the
 tokenizer adds one, are joined by the tokenizer's EOS into one stream that is cut into rows of
-`seq_len + 1` tokens; so every document boundary stays visible to the model as EOS (then BOS). `PackedRows` makes every row
-addressable (row i is tokens [i (L+1), (i+1)(L+1)) of the stream, one or two slices of the
-cache), so a process reads only the rows it needs. grain's own packers are sequential
+`seq_len + 1` tokens, so every document boundary stays visible as EOS (then BOS) for the packer's
+document masks. `PackedRows` makes every row addressable (row i is tokens
+[i (L+1), (i+1)(L+1)) of the stream, one or two slices of the cache), so a process reads only the rows it needs. grain's own packers are sequential
 iterators: every process would have to pack the whole global stream to find its rows, and
 their position would depend on the stream itself.
 
