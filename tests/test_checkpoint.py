@@ -248,7 +248,7 @@ def test_sigkill_during_an_async_save_loses_nothing_but_that_save(tmp_path):
     got = read_metrics(workdir / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, 21))  # each step once
     assert {r["step"]: r["loss"] for r in got} == losses(reference)
-    assert sorted(os.listdir(ckdir)) == ["10", "15", "20"]
+    assert sorted(os.listdir(ckdir)) == ["10", "15", "20", "tokenizer"]  # + the run's tokenizer
 
 
 def test_the_tokenizer_is_saved_with_the_checkpoints_and_a_resume_can_use_it(tmp_path):
