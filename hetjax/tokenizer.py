@@ -15,6 +15,7 @@ Llama-3 both call their file `tokenizer.model`. The optional packages (`sentence
 
 from __future__ import annotations
 
+import abc
 import base64
 import hashlib
 import io
@@ -56,7 +57,7 @@ def _optional(module: str, extra: str):
                           f"pip install 'hetjax[{extra}]'") from None
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """What every tokenizer has; subclasses set the vocabulary and implement encode/decode."""
 
     kind = ""
@@ -72,11 +73,13 @@ class Tokenizer:
     def fingerprint(self) -> str:
         return self.base_fingerprint + ("+bos" if self.add_bos else "")
 
+    @abc.abstractmethod
     def encode(self, text: str | bytes) -> np.ndarray:
-        raise NotImplementedError
+        """The ids of `text`, without special tokens (special-token text stays text)."""
 
+    @abc.abstractmethod
     def decode(self, ids) -> str:
-        raise NotImplementedError
+        """The text of `ids`, special tokens left out."""
 
     def encode_document(self, text: str | bytes) -> np.ndarray:
         """A document's ids as training sees them: BOS first when `add_bos` (EOS, which ends
