@@ -107,7 +107,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
     c.data.path = ""
+    c.data.field = "text"
+    c.data.weights = ""
     c.data.tokenizer = "byte"
+    c.data.add_bos = "auto"
     c.data.dir = ""
     c.data.eval_fraction = 0.01
     c.data.prefetch = 4
@@ -219,8 +222,15 @@ DESCRIPTIONS: dict[str, str] = {
                            "summarised at the end); 0: off",
     "train.profile_from": "the first traced step (after compilation and warm-up)",
     "data.source": "stdlib (Python's own sources) | files | synthetic",
-    "data.path": "directory or glob of text files for source=files",
-    "data.tokenizer": "byte, or a SentencePiece .model from `hetjax tokenizer train`",
+    "data.path": "source=files: a directory, glob or file of text, .jsonl or .parquet; "
+                 "several joined by commas",
+    "data.field": "the text field of .jsonl and .parquet records",
+    "data.weights": "mix the comma-separated data.path sources by these weights (one per "
+                    "source, e.g. 0.7,0.3); empty: all files form one corpus",
+    "data.tokenizer": "byte, a SentencePiece .model, a HuggingFace tokenizer.json (or its "
+                      "directory), a tiktoken rank file, or a checkpoint's tokenizer directory",
+    "data.add_bos": "begin each document with BOS: auto (as the tokenizer's config says) | "
+                    "true | false",
     "data.dir": "where text corpora are prepared (tfds); empty: ~/.cache/hetjax/tfds",
     "data.eval_fraction": "share of the documents held out for evaluation",
     "data.prefetch": "batches the loader prepares ahead of the step",
@@ -519,11 +529,7 @@ def validate(c) -> None:
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
     if c.data.source == "files":  # found now, not after the model is compiled
-        import glob
-
-        _require(bool(glob.glob(os.path.expanduser(c.data.path))), "data.path",
-                 f"{c.data.path!r} matches no file or directory",
-                 "give an existing directory of text files or a glob like '/data/*.txt'")
+        _validate_sources(c.data)
     _validate_paths(c)
     _validate_data_and_checkpoints(c)
     _validate_diloco(c)
@@ -617,12 +623,41 @@ def _validate_paths(c) -> None:
                  f"choose a --config.{field} under a directory you can write")
 
 
+def _validate_sources(d) -> None:
+    """Every source of data.path names files, and data.weights gives one weight per source."""
+    import glob
+
+    paths = [p.strip() for p in d.path.split(",")]
+    for p in paths:
+        _require(bool(p) and bool(glob.glob(os.path.expanduser(p))), "data.path",
+                 f"{p!r} matches no file or directory",
+                 "give an existing directory of text files or a glob like '/data/*.txt'")
+    _require(bool(d.field), "data.field", "is empty",
+             "name the text field of your .jsonl/.parquet records, e.g. --config.data.field=text")
+    if not d.weights:
+        return
+    try:
+        weights = [float(w) for w in d.weights.split(",")]
+    except ValueError:
+        weights = []
+    _require(bool(weights) and all(math.isfinite(w) and w > 0 for w in weights), "data.weights",
+             f"{d.weights!r} is not a list of positive numbers",
+             "give one weight per data.path source, e.g. --config.data.weights=0.7,0.3")
+    _require(len(weights) == len(paths), "data.weights",
+             f"gives {len(weights)} weights for the {len(paths)} sources of data.path",
+             "give one weight per comma-separated data.path source")
+
+
 def _validate_data_and_checkpoints(c) -> None:
     d, e, k = c.data, c.eval, c.checkpoint
-    _require(d.tokenizer == "byte" or os.path.isfile(os.path.expanduser(d.tokenizer)),
+    _require(d.tokenizer == "byte" or os.path.exists(os.path.expanduser(d.tokenizer)),
              "data.tokenizer", f"{d.tokenizer!r} is neither 'byte' nor a file",
-             "use 'byte', or train a SentencePiece model with 'hetjax tokenizer train "
-             "--out=tok.model' and set --config.data.tokenizer=tok.model")
+             "use 'byte', a tokenizer.json / tokenizer.model file, or train a SentencePiece "
+             "model with 'hetjax tokenizer train --out=tok.model' and set "
+             "--config.data.tokenizer=tok.model")
+    _require(d.add_bos in ("auto", "true", "false"), "data.add_bos",
+             f"unknown value {d.add_bos!r}",
+             "use auto (as the tokenizer's own config says), true or false")
     if c.model.vocab_size:
         # Token ids past the embedding table give NaN losses, silently: refuse them here.
         from hetjax.tokenizer import load_tokenizer

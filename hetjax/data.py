@@ -1,15 +1,17 @@
 """Training data: corpora, packing into fixed-length rows, and a grain loader of global batches.
 
 Corpora: the Python standard library's own sources (every machine has them, no download), a
-user's directory or glob of text files, both prepared once by tfds (`hetjax.text_dataset`), or a
-deterministic synthetic source for tests. A few documents (`data.eval_fraction`) are held out
-for evaluation.
+user's directories, globs or files of text, JSON Lines or Parquet (a record's `data.field` is a
+document), all prepared once by tfds (`hetjax.text_dataset`), or a deterministic synthetic source
+for tests. A few documents (`data.eval_fraction`) are held out for evaluation. Several sources
+(`data.path` joined by commas) are one corpus, or, with `data.weights`, a mixture (`MixedRows`).
 
 Packing: the corpus is tokenized once per tokenizer and cached beside it (memory-mapped
-.npy); the training documents, in an order fixed by the seed, are joined by the tokenizer's EOS
-into one stream that is cut into rows of `seq_len + 1` tokens. `PackedRows` makes every row
-addressable (row i is tokens [i (L+1), (i+1)(L+1)) of the stream, one or two slices of the
-cache), so a process reads only the rows it needs. grain's own packers are sequential
+.npy); the training documents, in an order fixed by the seed, each begun by BOS when the
+tokenizer adds one, are joined by the tokenizer's EOS into one stream that is cut into rows of
+`seq_len + 1` tokens, so every document boundary stays visible as EOS (then BOS) for the packer's
+document masks. `PackedRows` makes every row addressable (row i is tokens
+[i (L+1), (i+1)(L+1)) of the stream, one or two slices of the cache), so a process reads only the rows it needs. grain's own packers are sequential
 iterators: every process would have to pack the whole global stream to find its rows, and
 their position would depend on the stream itself.
 
@@ -53,7 +55,7 @@ def stdlib_files() -> list[str]:
 
 
 def text_files(path: str) -> list[str]:
-    """Files named by a directory (all files below it) or a glob."""
+    """Files named by a directory (all files below it), a glob or a file."""
     if os.path.isdir(path):
         files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
     else:
@@ -65,11 +67,25 @@ def text_files(path: str) -> list[str]:
     return files
 
 
+def source_paths(data_cfg) -> list[str]:
+    """The comma-separated sources of `data.path`."""
+    return [os.path.expanduser(p.strip()) for p in data_cfg.path.split(",")]
+
+
+def source_weights(data_cfg) -> list[float] | None:
+    """`data.weights` normalised to sum to 1, or None (no mixture)."""
+    if not data_cfg.weights:
+        return None
+    w = np.array([float(x) for x in data_cfg.weights.split(",")])
+    return list(w / w.sum())
+
+
 def corpus_files(data_cfg) -> tuple[list[str], str]:
-    """The files of a text source and the kind used to name its prepared dataset."""
+    """The files of a text source (every source of `data.path` together) and the kind used to
+    name its prepared dataset."""
     if data_cfg.source == "stdlib":
         return stdlib_files(), "stdlib"
-    return text_files(os.path.expanduser(data_cfg.path)), "files"
+    return sorted({f for p in source_paths(data_cfg) for f in text_files(p)}), "files"
 
 
 def split_documents(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +99,8 @@ def split_documents(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarra
 
 
 def tokenized_corpus(docs, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Every document's tokens, concatenated in document order (no EOS), and the count of each.
+    """Every document's tokens (BOS first when the tokenizer adds it, no EOS), concatenated in
+    document order, and the count of each.
 
     Tokenized once per (prepared corpus, tokenizer) and cached beside the corpus as .npy files
     that later runs memory-map, so rows are slices and no tokenizer runs while training."""
@@ -98,7 +115,7 @@ def tokenized_corpus(docs, tokenizer, where: str) -> tuple[np.ndarray, np.ndarra
 
     print(f"hetjax: tokenizing {len(docs)} documents once (cached in {base}.*.npy)",
           file=sys.stderr, flush=True)
-    parts = [tokenizer.encode(document_text(docs, i, where)) for i in range(len(docs))]
+    parts = [tokenizer.encode_document(document_text(docs, i, where)) for i in range(len(docs))]
     counts = np.array([len(p) for p in parts], np.int64)
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     top = int(ids.max()) if len(ids) else 0
@@ -151,6 +168,52 @@ class PackedRows:
                 filled += 1
             a, j = start + hi, j + 1
         return row
+
+
+class MixedRows:
+    """Rows drawn from several row sources in proportion to `weights`, each readable on its own.
+
+    The mixture is cut into blocks of `block` rows; every block holds round(w_s * block) rows of
+    source s (largest remainders, at least one) in one fixed shuffled pattern, so any window of
+    whole blocks has the weights exactly and the loader's global shuffle mixes them further.
+    Source s's k-th row in the mixture is its row k mod len(s). The mixture is as many blocks
+    as it takes to hold every row of every source at least once: a source weighted above its
+    share of the rows repeats, none is cut short.
+    """
+
+    def __init__(self, sources: Sequence[Sequence[np.ndarray]], weights: Sequence[float],
+                 block: int = 1000, seed: int = 0):
+        w = np.asarray(weights, float) / np.sum(weights)
+        counts = np.floor(w * block).astype(int)
+        by_remainder = np.argsort(-(w * block - counts), kind="stable")
+        counts[by_remainder[:block - counts.sum()]] += 1
+        for s in np.flatnonzero(counts == 0):  # a tiny weight still gets one row a block
+            counts[np.argmax(counts)] -= 1
+            counts[s] = 1
+        self.sources, self.counts, self.block = list(sources), counts, block
+        self.pattern = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(w)),
+                                                                         counts))
+        # occurrence[p]: how many rows of the same source come before position p in a block
+        self.occurrence = np.zeros(block, np.int64)
+        for s in range(len(w)):
+            where = np.flatnonzero(self.pattern == s)
+            self.occurrence[where] = np.arange(len(where))
+        self.blocks = max(-(-len(src) // int(c)) for src, c in zip(self.sources, counts))
+
+    def __len__(self) -> int:
+        return self.blocks * self.block
+
+    def source_of(self, i: int) -> tuple[int, int]:
+        """(source, row of that source) of mixture row i."""
+        b, p = divmod(i, self.block)
+        s = int(self.pattern[p])
+        return s, (b * int(self.counts[s]) + int(self.occurrence[p])) % len(self.sources[s])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        s, j = self.source_of(i)
+        return self.sources[s][j]
 
 
 def synthetic_sequences(vocab: int, seq_len: int, n: int, seed: int,
@@ -247,22 +310,18 @@ class DataSpec:
         return dict(self.__dict__)
 
 
-def row_source(data_cfg, tokenizer, seq_len: int, seed: int,
-               split: str = "train") -> tuple[Sequence[np.ndarray], str]:
-    """The packed rows of one split of the configured corpus, and the corpus's name."""
-    if data_cfg.source == "synthetic":
-        return synthetic_sequences(tokenizer.vocab_size, seq_len, SYNTHETIC_ROWS, seed,
-                                   split), "synthetic"
+def _packed_source(files: list[str], kind: str, data_cfg, tokenizer, seq_len: int, seed: int,
+                   split: str) -> tuple[PackedRows, str]:
+    """The packed rows of one split of one prepared corpus, and the corpus's name."""
     from hetjax.text_dataset import open_corpus
 
-    files, kind = corpus_files(data_cfg)
-    docs, where = open_corpus(files, data_cfg.dir, kind)
+    docs, where = open_corpus(files, data_cfg.dir, kind, data_cfg.field)
     train_ids, eval_ids = split_documents(len(docs), data_cfg.eval_fraction)
     ids = train_ids if split == "train" else eval_ids
     if not len(ids):
         raise HetjaxError(f"data.eval_fraction = {data_cfg.eval_fraction} of the corpus's "
-                          f"{len(docs)} documents holds none out for evaluation; raise "
-                          "data.eval_fraction or set eval.every = 0")
+                          f"{len(docs)} documents ({where}) holds none out for evaluation; "
+                          "raise data.eval_fraction or set eval.every = 0")
     tokens, counts = tokenized_corpus(docs, tokenizer, where)
     if split == "train":  # a seeded document order, so rows mix neighbouring files less
         ids = np.random.default_rng(seed).permutation(ids)
@@ -272,6 +331,24 @@ def row_source(data_cfg, tokenizer, seq_len: int, seed: int,
                           f"too few for one sequence of train.seq_len + 1 = {seq_len + 1}; add "
                           "text or lower train.seq_len")
     return rows, os.path.basename(os.path.dirname(where))
+
+
+def row_source(data_cfg, tokenizer, seq_len: int, seed: int,
+               split: str = "train") -> tuple[Sequence[np.ndarray], str]:
+    """The packed rows of one split of the configured corpus (or mixture), and its name."""
+    if data_cfg.source == "synthetic":
+        return synthetic_sequences(tokenizer.vocab_size, seq_len, SYNTHETIC_ROWS, seed,
+                                   split), "synthetic"
+    weights = source_weights(data_cfg) if data_cfg.source == "files" else None
+    if weights is None:
+        files, kind = corpus_files(data_cfg)
+        return _packed_source(files, kind, data_cfg, tokenizer, seq_len, seed, split)
+    # A mixture: each source is prepared, tokenized and packed on its own (a source shared
+    # by several mixtures is prepared once), then rows are drawn by weight.
+    parts = [_packed_source(text_files(p), "files", data_cfg, tokenizer, seq_len, seed, split)
+             for p in source_paths(data_cfg)]
+    name = "+".join(f"{n}*{w:.4g}" for (_, n), w in zip(parts, weights))
+    return MixedRows([rows for rows, _ in parts], weights, seed=seed), name
 
 
 def make_loader(config, tokenizer, rows: Sequence[int] | None = None,
@@ -298,7 +375,7 @@ def train_tokenizer(data_cfg, vocab_size: int, out_path: str):
         raise HetjaxError("data.source = 'synthetic' has no text to train a tokenizer on; use "
                           "--config.data.source=stdlib or files with --config.data.path=...")
     files, kind = corpus_files(data_cfg)
-    docs, where = open_corpus(files, data_cfg.dir, kind)
+    docs, where = open_corpus(files, data_cfg.dir, kind, data_cfg.field)
     train_ids, _ = split_documents(len(docs), data_cfg.eval_fraction)
     tokenizer = train_sentencepiece((document_text(docs, int(i), where) for i in train_ids),
                                     vocab_size, out_path)

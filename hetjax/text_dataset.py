@@ -1,17 +1,20 @@
-"""The tfds dataset of a local text corpus: one record per file, prepared once as array_record.
+"""The tfds dataset of a local corpus, prepared once as array_record: one document per text
+file, one per record of a `.jsonl` or `.parquet` file (its `field`).
 
-`open_corpus(files, data_dir, kind)` prepares the files into `data_dir` the first time
+`open_corpus(files, data_dir, kind, field)` prepares the files into `data_dir` the first time
 (`hetjax_text/<kind>_<fingerprint>/1.0.0/`) and returns a random-access source of documents
 (dicts with `text` and `path` as UTF-8 bytes). The fingerprint hashes the files' paths, sizes and
-modification times, so an edited corpus prepares anew instead of serving stale text. The
-array_record format needs no TensorFlow. The builder lives in this importable module because
-tfds cannot prepare a builder defined in `__main__`.
+modification times (and the field, when a file has records), so an edited corpus prepares anew
+instead of serving stale text. A record file without the field is refused before anything is
+prepared, naming the fields it has. The array_record format needs no TensorFlow. The builder
+lives in this importable module because tfds cannot prepare a builder defined in `__main__`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 
@@ -25,6 +28,7 @@ from hetjax.errors import HetjaxError
 class CorpusConfig(tfds.core.BuilderConfig):
     # repr=False: tfds logs the config, and a corpus can have many thousands of files.
     files: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    field: str = "text"
 
 
 class HetjaxText(tfds.core.GeneratorBasedBuilder):
@@ -43,25 +47,115 @@ class HetjaxText(tfds.core.GeneratorBasedBuilder):
         return self.dataset_info_from_configs(
             features=tfds.features.FeaturesDict({"text": tfds.features.Text(),
                                                  "path": tfds.features.Text()}),
-            description="Local text files, one document per file (hetjax).")
+            description="Local text files (one document per file) and .jsonl/.parquet records "
+                        "(one document per record) (hetjax).")
 
     def _split_generators(self, dl_manager):
         return {"train": self._generate_examples()}
 
     def _generate_examples(self):
+        field = self.builder_config.field
         for path in self.builder_config.files:
-            with open(path, "rb") as f:
-                # Undecodable bytes become U+FFFD, so every tokenizer sees valid UTF-8.
-                text = f.read().decode("utf-8", errors="replace")
-            yield path, {"text": text, "path": path}
+            kind = record_kind(path)
+            if kind is None:
+                with open(path, "rb") as f:
+                    # Undecodable bytes become U+FFFD, so every tokenizer sees valid UTF-8.
+                    text = f.read().decode("utf-8", errors="replace")
+                yield path, {"text": text, "path": path}
+                continue
+            for i, text in enumerate(RECORD_READERS[kind](path, field)):
+                yield f"{path}:{i}", {"text": text, "path": path}
 
 
-def fingerprint(files: list[str]) -> str:
-    """A short hash of the files' paths, sizes and modification times."""
+# --- record files ----------------------------------------------------------------------------
+def record_kind(path: str) -> str | None:
+    """'jsonl' (.jsonl, .jsonl.gz) or 'parquet' for a file of records, None for a text file
+    (one document)."""
+    name = path.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return None
+
+
+def _no_field(path: str, field: str, fields, where: str = "") -> HetjaxError:
+    have = ", ".join(repr(f) for f in fields) or "none"
+    return HetjaxError(f"{path}{where} has no field {field!r} (its fields: {have}); set "
+                       "--config.data.field to the field holding the text")
+
+
+def _jsonl_texts(path: str, field: str):
+    """The `field` of every record of a JSON Lines file, gzipped or not (blank lines skipped)."""
+    import gzip
+
+    with (gzip.open if path.lower().endswith(".gz") else open)(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise HetjaxError(f"{path}:{n} is not a JSON object ({e}); a .jsonl file holds "
+                                  "one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise HetjaxError(f"{path}:{n} is a JSON {type(record).__name__}, not an object;"
+                                  " a .jsonl file holds one JSON object per line")
+            if field not in record:
+                raise _no_field(path, field, list(record), f":{n}")
+            text = record[field]
+            if not isinstance(text, str):
+                raise HetjaxError(f"{path}:{n}: field {field!r} holds a "
+                                  f"{type(text).__name__}, not text; set --config.data.field "
+                                  "to a field of strings")
+            yield text
+
+
+def _parquet_texts(path: str, field: str):
+    """The `field` column of a Parquet file, read a batch of rows at a time."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise HetjaxError(f"reading {path} needs the 'pyarrow' package; install it with "
+                          "pip install 'hetjax[parquet]'") from None
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+        raise HetjaxError(f"{path} is not a readable Parquet file ({e})") from None
+    names = f.schema_arrow.names
+    if field not in names:
+        raise _no_field(path, field, names)
+    column = f.schema_arrow.field(field)
+    import pyarrow as pa
+
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise HetjaxError(f"{path}: column {field!r} is {column.type}, not text; set "
+                          "--config.data.field to a string column")
+    for batch in f.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield text or ""  # a null is an empty document
+
+
+RECORD_READERS = {"jsonl": _jsonl_texts, "parquet": _parquet_texts}
+
+
+def check_field(path: str, field: str) -> None:
+    """Raise the clear error now if the first record of `path` lacks `field` (before a
+    preparation that would fail inside tfds)."""
+    kind = record_kind(path)
+    if kind is not None:
+        next(iter(RECORD_READERS[kind](path, field)), None)
+
+
+def fingerprint(files: list[str], field: str = "text") -> str:
+    """A short hash of the files' paths, sizes and modification times (and of the field, when
+    a file holds records: another field is another corpus)."""
     h = hashlib.sha1()
     for path in files:
         st = os.stat(path)
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if any(record_kind(p) for p in files):
+        h.update(f"field\0{field}".encode())
     return h.hexdigest()[:12]
 
 
@@ -80,16 +174,20 @@ def default_data_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "hetjax", "tfds")
 
 
-def open_corpus(files: list[str], data_dir: str, kind: str):
-    """The prepared documents of `files` (preparing them into `data_dir` if needed).
+def open_corpus(files: list[str], data_dir: str, kind: str, field: str = "text"):
+    """The prepared documents of `files` (preparing them into `data_dir` if needed), the
+    `field` of each record of their .jsonl/.parquet files.
 
     Returns a tfds array_record data source (`len(src)` documents, `src[i]["text"]` bytes)
     and the directory it was prepared in.
     """
     data_dir = os.path.expanduser(data_dir or default_data_dir())
-    config = CorpusConfig(name=f"{kind}_{fingerprint(files)}", files=tuple(files))
+    config = CorpusConfig(name=f"{kind}_{fingerprint(files, field)}", files=tuple(files),
+                          field=field)
     builder = HetjaxText(config=config, data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
+        for path in files:
+            check_field(path, field)
         try:
             builder.download_and_prepare()
         except OSError as e:

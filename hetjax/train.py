@@ -48,7 +48,7 @@ from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensor
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.profile import StepProfiler, summarise
-from hetjax.tokenizer import load_tokenizer
+from hetjax.tokenizer import tokenizer_from_config
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel.executor import TrainState, make_executor, opt_state_specs
@@ -226,7 +226,7 @@ class Trainer:
         self.plan = plan or plan_from_config(config, self.topology)
         self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle)
         self.workdir = workdir or config.workdir
-        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        self.tokenizer = tokenizer_from_config(config.data)
         self.model_cfg = ModelConfig.from_config(config.model,
                                                  padded_vocab(self.tokenizer.vocab_size))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
@@ -252,6 +252,7 @@ class Trainer:
         self._eval_data = None
         self._checkpointer = None
         self._last_saved = None
+        self._tokenizer_saved = False
 
     # --- state and data (created on first use) --------------------------------------------------
     @property
@@ -384,10 +385,25 @@ class Trainer:
                 "hetjax_version": __version__}
         self.checkpointer.save(step, self.state, self.layout(), self.data.get_state(), meta,
                                eval_loss=eval_loss)
+        self._save_tokenizer()
         self._last_saved = step
         if wait:
             self.checkpointer.wait()
         return step
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where checkpoints keep their tokenizer (`load_tokenizer` reads it back)."""
+        return os.path.join(self.checkpoint_dir, "tokenizer")
+
+    def _save_tokenizer(self) -> None:
+        """Copy the tokenizer beside the checkpoints once per run, so a resume, an export or a
+        sample of any of them finds the exact tokenizer it was trained with."""
+        if self._tokenizer_saved or not getattr(self.executor, "writes_checkpoints", True) \
+                or jax.process_index() != 0:
+            return
+        self.tokenizer.save(self.tokenizer_dir)
+        self._tokenizer_saved = True
 
     def restore(self, step: int | None = None) -> int | None:
         """Load checkpoint `step` (default: the latest complete one) into this trainer's plan

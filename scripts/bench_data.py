@@ -35,10 +35,10 @@ def main(argv):
     ensure_cpu_devices(build_topology(config).num_devices)
 
     from hetjax.data import make_loader
-    from hetjax.tokenizer import load_tokenizer
+    from hetjax.tokenizer import tokenizer_from_config
     from hetjax.train import Trainer
 
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    tokenizer = tokenizer_from_config(config.data)  # with data.add_bos, as training
     tokens = config.train.batch_size * config.train.seq_len
     n = opts["--batches"]
     rows = []

@@ -248,4 +248,25 @@ def test_sigkill_during_an_async_save_loses_nothing_but_that_save(tmp_path):
     got = read_metrics(workdir / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, 21))  # each step once
     assert {r["step"]: r["loss"] for r in got} == losses(reference)
-    assert sorted(os.listdir(ckdir)) == ["10", "15", "20"]
+    assert sorted(os.listdir(ckdir)) == ["10", "15", "20", "tokenizer"]  # + the run's tokenizer
+
+
+def test_the_tokenizer_is_saved_with_the_checkpoints_and_a_resume_can_use_it(tmp_path):
+    from test_tokenizer import write_tiktoken
+
+    from hetjax.tokenizer import load_tokenizer
+
+    tok_file = write_tiktoken(tmp_path / "tok.tiktoken")
+    cfg = tiny_config(**{"data.tokenizer": str(tok_file), "checkpoint.async_save": False,
+                         "workdir": str(tmp_path / "run"), "topology.preset": "cpu_single",
+                         "topology.devices_per_node": 1, "parallel.dp": 1})
+    first = Trainer(cfg, quiet=True)
+    assert first.save(wait=True) == 0  # the initial state: no step needs compiling
+    saved = tmp_path / "run" / "checkpoints" / "tokenizer"
+    assert load_tokenizer(str(saved)).fingerprint == first.tokenizer.fingerprint
+    assert first.tokenizer.fingerprint.endswith("+bos")  # tiktoken files add BOS (Llama-3)
+    os.remove(tok_file)  # the original is gone: the checkpoint's copy is all there is
+    cfg.data.tokenizer = str(saved)
+    again = Trainer(cfg, quiet=True)
+    assert again.restore() == 0  # same data spec: the same tokenizer, BOS included
+    assert first.checkpointer.steps() == [0]  # the tokenizer directory is not a step

@@ -1,7 +1,10 @@
-"""Data: tokenizers, the tfds corpus, packing, the grain loader (order, state, per-process
-rows), and a clear error for each kind of bad input."""
+"""Data: tokenizers, the tfds corpus (text, JSONL and Parquet records), packing (EOS and BOS at
+document boundaries), weighted mixtures, the grain loader (order, state, per-process rows), and
+a clear error for each kind of bad input."""
 
+import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -222,3 +225,143 @@ def test_corrupt_prepared_dataset_is_a_clear_error(corpus, tmp_path):
 def test_no_held_out_documents_is_a_clear_error(corpus, tmp_path):
     with pytest.raises(HetjaxError, match="holds none out for evaluation"):
         data.make_loader(text_config(corpus, tmp_path), ByteTokenizer(), split="eval")
+
+
+# --- JSONL / Parquet records, mixtures, BOS ------------------------------------------------------
+RECORDS = [{"text": f"record {i}: " + "lorem ipsum " * (i + 1), "id": i} for i in range(6)]
+
+
+def write_jsonl(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
+    return path
+
+
+def write_parquet(path, records):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(records), str(path))
+    return path
+
+
+def prepared_texts(paths, tmp_path, field="text"):
+    files = sorted(f for p in paths for f in data.text_files(str(p)))
+    docs, _ = open_corpus(files, str(tmp_path / "tfds"), "files", field)
+    return sorted(docs[i]["text"].decode() for i in range(len(docs)))
+
+
+def test_jsonl_and_parquet_records_are_documents_of_their_field(tmp_path):
+    import gzip
+
+    root = tmp_path / "mixed"
+    write_jsonl(root / "a.jsonl", RECORDS[:2])
+    with gzip.open(root / "z.jsonl.gz", "wt") as f:
+        f.write(json.dumps(RECORDS[2]) + "\n")
+    write_parquet(root / "b.parquet", RECORDS[3:])
+    (root / "notes.txt").write_text("a plain text file is one document\n")
+    texts = prepared_texts([root], tmp_path)
+    assert texts == sorted([r["text"] for r in RECORDS] + ["a plain text file is one document\n"])
+    assert not any("{" in t for t in texts)  # never the raw JSON
+    # another field is another corpus
+    renamed = [{"body": r["text"].upper(), "id": r["id"]} for r in RECORDS]
+    write_jsonl(tmp_path / "body" / "c.jsonl", renamed[:2])
+    write_parquet(tmp_path / "body" / "d.parquet", renamed[2:])
+    assert prepared_texts([tmp_path / "body"], tmp_path, "body") == \
+        sorted(r["body"] for r in renamed)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_file_without_the_field_names_the_file_and_its_fields(tmp_path, fmt):
+    writer = write_jsonl if fmt == "jsonl" else write_parquet
+    path = writer(tmp_path / "src" / f"x.{fmt}", [{"body": "words", "id": 1}])
+    where = re.escape(f"{path}:1" if fmt == "jsonl" else str(path))
+    with pytest.raises(HetjaxError, match=f"^{where} has no field 'text' \\(its fields: 'body', "
+                       "'id'\\); set --config.data.field"):
+        prepared_texts([path], tmp_path)
+    # a record further down without the field is caught while preparing, with its line
+    if fmt == "jsonl":
+        write_jsonl(path, [{"text": "a"}, {"text": "b"}, {"body": "c"}])
+        with pytest.raises(HetjaxError, match=re.escape(f"{path}:3 has no field 'text'")):
+            prepared_texts([path], tmp_path)
+        path.write_text('{"text": "a"}\nnot json\n')
+        with pytest.raises(HetjaxError, match=re.escape(f"{path}:2 is not a JSON object")):
+            prepared_texts([path], tmp_path)
+
+
+def test_mixed_rows_hold_the_weights_per_block_and_every_row_of_every_source():
+    big = np.arange(50)[:, None] * np.ones((1, 3), int)  # rows 0..49
+    small = 1000 + np.arange(7)[:, None] * np.ones((1, 3), int)  # rows 1000..1006
+    mix = data.MixedRows([big, small], [0.3, 0.7], block=100)
+    assert list(mix.counts) == [30, 70] and len(mix) == 200  # 50 big rows need two blocks
+    firsts = np.array([mix[i][0] for i in range(len(mix))])
+    for b in range(2):
+        block = firsts[b * 100:(b + 1) * 100]
+        assert (block < 1000).sum() == 30
+    assert set(firsts[firsts < 1000]) == set(range(50))  # none cut short
+    assert set(firsts[firsts >= 1000]) == set(range(1000, 1007))  # the small one repeats
+    assert data.MixedRows([big, small], [1, 1e-6], block=100).counts.tolist() == [99, 1]
+
+
+def test_a_weighted_mixture_feeds_the_loader_in_its_proportions(tmp_path):
+    write_jsonl(tmp_path / "a" / "a.jsonl", [{"text": "a" * (20 + i)} for i in range(40)])
+    write_parquet(tmp_path / "b" / "b.parquet", [{"text": "b" * (20 + i)} for i in range(10)])
+    cfg = text_config(f"{tmp_path / 'a'},{tmp_path / 'b' / '*.parquet'}", tmp_path,
+                      **{"data.weights": "3,1", "train.batch_size": 8})
+    loader, spec = data.make_loader(cfg, ByteTokenizer())
+    assert "*0.75+" in spec.corpus and spec.corpus.endswith("*0.25")
+    rows = np.concatenate([next(loader)["inputs"] for _ in range(50)])  # 400 rows
+    share_a = np.mean([(r == ord("a")).sum() > (r == ord("b")).sum() for r in rows])
+    assert abs(share_a - 0.75) < 0.06, share_a
+    # without weights, the sources are one corpus of all their documents
+    cfg = text_config(f"{tmp_path / 'a'},{tmp_path / 'b'}", tmp_path)
+    whole, name = data.row_source(cfg.data, ByteTokenizer(), 8, seed=0)
+    assert isinstance(whole, data.PackedRows) and len(whole.counts) == 50 and "*" not in name
+
+
+def test_weights_and_sources_are_checked_before_training(tmp_path):
+    from hetjax.config import validate
+    from hetjax.errors import ConfigError
+
+    write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    for overrides, match in [
+        ({"data.weights": "1,2"}, "data.weights: gives 2 weights for the 1 sources"),
+        ({"data.weights": "1,x", "data.path": f"{tmp_path}/a.jsonl,{tmp_path}"},
+         "data.weights: '1,x' is not a list of positive numbers"),
+        ({"data.path": f"{tmp_path}/a.jsonl,{tmp_path}/none*"}, "data.path: '.*none\\*' matches"),
+        ({"data.add_bos": "maybe"}, "data.add_bos: unknown value 'maybe'"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            validate(text_config(tmp_path / "a.jsonl", tmp_path, **overrides))
+
+
+def test_documents_begin_with_bos_and_end_with_eos_in_the_packed_stream(tmp_path):
+    from test_tokenizer import write_tiktoken
+
+    write_jsonl(tmp_path / "src" / "d.jsonl", RECORDS)
+    tok_path = str(write_tiktoken(tmp_path / "tok.tiktoken"))
+    cfg = text_config(tmp_path / "src", tmp_path, **{"train.seq_len": 15})
+    for add_bos in ("auto", "false"):
+        tok = load_tokenizer(tok_path, add_bos)
+        rows, _ = data.row_source(cfg.data, tok, 15, seed=0)
+        stream = np.concatenate([rows[i] for i in range(len(rows))])
+        docs, _ = open_corpus(data.text_files(str(tmp_path / "src")), cfg.data.dir, "files")
+        order = np.random.default_rng(0).permutation(len(docs))
+        bos = [tok.bos_id] if add_bos == "auto" else []
+        expected = np.concatenate([np.concatenate([bos, tok.encode(docs[int(i)]["text"]),
+                                                   [tok.eos_id]]) for i in order])
+        np.testing.assert_array_equal(stream, expected[:len(stream)])
+        n_eos = int((stream == tok.eos_id).sum())
+        assert n_eos >= 3  # the rows cross several document boundaries
+        assert (stream == tok.bos_id).sum() in ((n_eos, n_eos + 1) if bos else (0,))
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    path = write_parquet(tmp_path / "p" / "x.parquet", RECORDS[:1])
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(HetjaxError, match=r"needs the 'pyarrow' package; install it with pip "
+                       r"install 'hetjax\[parquet\]'"):
+        prepared_texts([path], tmp_path)

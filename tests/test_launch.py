@@ -99,7 +99,7 @@ def test_local_launch_matches_single_process(tmp_path, single_process, processes
     assert sorted(os.listdir(tmp_path / "multi")) == ["checkpoints", "config.json",
                                                       "loss.png", "metrics.jsonl", "plan.json",
                                                       "topology.json"]
-    assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["3"]
+    assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["3", "tokenizer"]
     assert len(re.findall(r"^\[p0\] summary$", out, re.M)) == 1
     assert not re.search(rf"^\[p[1-9]\] (summary|topology)", out, re.M)
     assert all(f"started p{i} (pid" in out for i in range(processes))

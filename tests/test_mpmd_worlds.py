@@ -142,7 +142,7 @@ def test_a_two_world_job_checkpoints_evaluates_and_resumes_like_one_process(tmp_
     ref_dir = tmp_path / "one"
     ref = Trainer(tiny_config(**{**WORLDS_JOB, "workdir": str(ref_dir)}), quiet=True)
     want = {r["step"]: r for r in ref.train().history.rows}
-    assert sorted(os.listdir(ref_dir / "checkpoints")) == ["2", "4", "6"]
+    assert sorted(os.listdir(ref_dir / "checkpoints")) == ["2", "4", "6", "tokenizer"]
 
     run_dir = tmp_path / "worlds"
     os.makedirs(run_dir / "checkpoints")
