@@ -27,6 +27,7 @@ from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
+ATTENTION = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py IMPLEMENTATIONS
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
@@ -57,6 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"
     c.model.param_dtype = "float32"
     c.model.remat = "auto"
+    c.model.attention = "auto"
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.pp = 1
@@ -111,6 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.01
     c.data.prefetch = 4
     c.data.threads = 2
+    c.data.document_mask = False
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 0
@@ -168,6 +171,9 @@ DESCRIPTIONS: dict[str, str] = {
                    "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
                    "(when the planner searches, the fastest of the three that fits memory; "
                    "otherwise none, but full in the SPMD pipeline)",
+    "model.attention": "attention kernel: auto (cuDNN fused flash attention on NVIDIA GPUs where "
+                       "it supports the dtype and head size, else the Pallas flash kernel, else "
+                       "XLA; XLA on CPU/TPU) | xla | cudnn | pallas",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -220,6 +226,8 @@ DESCRIPTIONS: dict[str, str] = {
     "data.eval_fraction": "share of the documents held out for evaluation",
     "data.prefetch": "batches the loader prepares ahead of the step",
     "data.threads": "loader threads",
+    "data.document_mask": "packed rows carry segment ids and tokens attend only within their "
+                          "own document (not across an EOS); pp = 1 plans",
     "eval.every": "evaluate on held-out data every N steps (and at the end); 0: never",
     "eval.batches": "global batches per evaluation",
     "checkpoint.every": "save every N steps and at the end; 0: no checkpoints",
@@ -487,6 +495,8 @@ def validate(c) -> None:
                  f"choose one of {', '.join(DTYPES)}")
     _require(m.remat in REMAT_POLICIES, "model.remat", f"unknown policy {m.remat!r}",
              f"choose one of {', '.join(REMAT_POLICIES)}")
+    _require(m.attention in ATTENTION, "model.attention", f"unknown implementation "
+             f"{m.attention!r}", f"choose one of {', '.join(ATTENTION)}")
 
     _require(tr.lr > 0, "train.lr", f"the learning rate must be positive, got {tr.lr}",
              "set --config.train.lr to a value > 0, e.g. 3e-4")

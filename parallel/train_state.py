@@ -135,9 +135,10 @@ class Executor(abc.ABC):
         """Lines about the execution (schedule, stages) for `Trainer.describe`; may be ''."""
         return ""
 
-    def loss_fn(self, params, inputs, targets):
-        """The model's mean next-token loss on natural-layout parameters."""
-        logits = self.model.apply({"params": params}, inputs)
+    def loss_fn(self, params, inputs, targets, segment_ids=None):
+        """The model's mean next-token loss on natural-layout parameters (segment_ids: the
+        packer's documents, which attention does not cross; None: one per row)."""
+        logits = self.model.apply({"params": params}, inputs, segment_ids)
         return cross_entropy(logits, targets)
 
 

@@ -114,3 +114,22 @@ def test_flops_formula_counts_the_matmuls():
     per_layer_params = 4 * 64 * 64 + 3 * 64 * 256
     assert cfg.layer_flops(1) == 2 * per_layer_params + 4 * 64
     assert cfg.flops_per_token(8) == 3 * (2 * cfg.layer_flops(8) + 2 * 64 * 100)
+
+
+def test_segment_ids_make_packed_documents_independent():
+    """Two documents packed in one row give the logits each has alone: attention does not
+    cross the document boundary (and rotary positions are relative, so the offset of the
+    second document does not matter)."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                      max_seq_len=32)
+    model = Transformer(cfg)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 64, (1, 7)), rng.integers(0, 64, (1, 9))
+    row = jnp.asarray(np.concatenate([a, b], 1), jnp.int32)
+    seg = jnp.asarray([[1] * 7 + [2] * 9], jnp.int32)
+    params = model.init(jax.random.key(0), row)
+    packed = model.apply(params, row, seg)
+    np.testing.assert_allclose(packed[:, :7], model.apply(params, jnp.asarray(a)), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 7:], model.apply(params, jnp.asarray(b)), atol=1e-4)
+    # without segment ids the second document sees the first
+    assert not np.allclose(model.apply(params, row)[:, 7:], packed[:, 7:], atol=1e-3)

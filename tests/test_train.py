@@ -113,3 +113,37 @@ def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
     steps = [(info.step, info.first, info.last) for info in trainer.iter_steps()]
     assert steps == [(1, True, False), (2, False, False), (3, False, True)]
     assert int(trainer.state.step) == 3
+
+
+def test_document_masks_reach_the_sharded_step(tmp_path):
+    """data.document_mask on a packed text corpus: the sharded step's loss (dp 4 x tp 2, two
+    micro-batches) is the single-device masked loss of the same batch, which differs from the
+    unmasked one; the summary names the attention kernel; pipelines refuse the switch."""
+    from hetjax.errors import ConfigError
+    from layers import Transformer, cross_entropy
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * (2 + i % 5))
+    config = tiny_config(**{"data.source": "files", "data.path": str(corpus),
+                            "data.dir": str(tmp_path / "tfds"), "data.eval_fraction": 0.0,
+                            "data.document_mask": True, "train.microbatches": 2,
+                            "parallel.dp": 4, "parallel.tp": 2, "workdir": str(tmp_path)})
+    trainer = Trainer(config, quiet=True)
+    batch = trainer.data.batch(0)
+    assert batch["segment_ids"].max() > 1  # rows hold several documents
+    params = jax.device_get(trainer.params)
+    loss = float(trainer.step(batch)["loss"])
+
+    model = Transformer(trainer.model_cfg)
+
+    def plain(seg):
+        return float(cross_entropy(model.apply({"params": params}, batch["inputs"], seg),
+                                   batch["targets"]))
+
+    np.testing.assert_allclose(loss, plain(batch["segment_ids"]), rtol=1e-5)
+    assert abs(plain(None) - loss) > 1e-4
+    assert "attention: xla (auto on cpu)" in trainer.describe()
+    with pytest.raises(ConfigError, match="data.document_mask"):
+        Trainer(tiny_config(**{"data.document_mask": True, "parallel.pp": 2}), quiet=True)
