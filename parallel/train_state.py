@@ -94,7 +94,7 @@ class Executor(abc.ABC):
     def checkpoint_layout(self, state) -> hckpt.Layout:
         """How `state` maps to the plan-independent checkpoint layout."""
 
-    # --- batches: the executor sets `batch_sharding` {"inputs", "targets"} of [M, B / M, S] --
+    # --- batches: `batch_sharding` {"inputs", "targets"[, "segment_ids"]} of [M, B / M, S] ---
     @property
     def data_rows(self) -> np.ndarray:
         """Rows of the global batch [B, S] that this process's devices hold (`batch_rows`)."""
