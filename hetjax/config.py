@@ -59,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat = "auto"
     c.model.attention = "auto"
+    c.model.loss_chunk_tokens = 0
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.pp = 1
@@ -174,6 +175,10 @@ DESCRIPTIONS: dict[str, str] = {
     "model.attention": "attention kernel: auto (cuDNN fused flash attention on NVIDIA GPUs where "
                        "it supports the dtype and head size, else the Pallas flash kernel, else "
                        "XLA; XLA on CPU/TPU) | xla | cudnn | pallas",
+    "model.loss_chunk_tokens": "cross-entropy over the vocabulary in chunks of this many tokens "
+                               "per device, each recomputed in the backward, so the float32 "
+                               "logits [tokens, vocab] are never whole; 0: in one piece (the "
+                               "single-program step, pp = 1)",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -495,6 +500,9 @@ def validate(c) -> None:
                  f"choose one of {', '.join(DTYPES)}")
     _require(m.remat in REMAT_POLICIES, "model.remat", f"unknown policy {m.remat!r}",
              f"choose one of {', '.join(REMAT_POLICIES)}")
+    _require(isinstance(m.loss_chunk_tokens, int) and m.loss_chunk_tokens >= 0,
+             "model.loss_chunk_tokens", f"must be an integer >= 0, got {m.loss_chunk_tokens!r}",
+             "use 0 (one piece) or e.g. 4096")
     _require(m.attention in ATTENTION, "model.attention", f"unknown implementation "
              f"{m.attention!r}", f"choose one of {', '.join(ATTENTION)}")
 

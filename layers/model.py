@@ -88,6 +88,31 @@ def layer_slice(params, i):
     return jax.tree.map(lambda a: a[i], params["layers"]["block"])
 
 
+def chunked_head_loss(model: Transformer, params, x, targets, chunk_tokens: int):
+    """`cross_entropy(model.head(x), targets)` without the whole float32 logits [tokens,
+    vocab]: the head and the loss run over chunks of `chunk_tokens` tokens, each recomputed in
+    the backward (jax.checkpoint), so one chunk's logits are alive at a time. x: the blocks'
+    output [batch, length, d_model]; params: the model's (natural layout)."""
+    d = x.shape[-1]
+    x, targets = x.reshape(-1, d), targets.reshape(-1)
+    n = x.shape[0]
+    chunks = -(-n // chunk_tokens)
+    pad = chunks * chunk_tokens - n  # padded tokens carry weight 0
+    weight = jnp.pad(jnp.ones((n,), jnp.float32), (0, pad))
+    x, targets = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad))
+
+    @jax.checkpoint
+    def chunk_nll(xc, tc, wc):
+        logits = model.apply({"params": params}, xc[None], method=Transformer.head)[0]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0] * wc)
+
+    sums = jax.lax.map(lambda a: chunk_nll(*a), (x.reshape(chunks, chunk_tokens, d),
+                                                targets.reshape(chunks, chunk_tokens),
+                                                weight.reshape(chunks, chunk_tokens)))
+    return jnp.sum(sums) / n
+
+
 def cross_entropy(logits, targets, mask=None):
     """Mean next-token cross-entropy in float32 (mask weights tokens; None = all)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -22,6 +22,7 @@ from hetjax import checkpoint as hckpt
 from hetjax.plan import Plan
 from hetjax.topology import Topology
 from layers import ModelConfig, Transformer, cross_entropy
+from layers.model import chunked_head_loss
 
 
 @flax.struct.dataclass
@@ -138,6 +139,12 @@ class Executor(abc.ABC):
     def loss_fn(self, params, inputs, targets, segment_ids=None):
         """The model's mean next-token loss on natural-layout parameters (segment_ids: the
         packer's documents, which attention does not cross; None: one per row)."""
+        if self.model_cfg.loss_chunk_tokens:  # the f32 logits are never whole (memory)
+            x = self.model.apply({"params": params}, self.model.apply(
+                {"params": params}, inputs, method=Transformer.embed), segment_ids,
+                method=Transformer.blocks)
+            return chunked_head_loss(self.model, params, x, targets,
+                                     self.model_cfg.loss_chunk_tokens)
         logits = self.model.apply({"params": params}, inputs, segment_ids)
         return cross_entropy(logits, targets)
 

@@ -74,7 +74,8 @@ SMOKE = Shape(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab=5
               seq=64)
 
 
-def hetjax_config(shape: Shape, steps: int, workdir: str, attention: str = "auto"):
+def hetjax_config(shape: Shape, steps: int, workdir: str, attention: str = "auto",
+                  loss_chunk_tokens: int = 0):
     """The hetjax config of the benchmarked job (one device, synthetic data)."""
     from hetjax.config import base_config
 
@@ -84,7 +85,7 @@ def hetjax_config(shape: Shape, steps: int, workdir: str, attention: str = "auto
                                                       shape.n_heads, shape.n_kv_heads)
     m.d_ff, m.vocab_size, m.max_seq_len = shape.d_ff, shape.vocab, shape.seq
     m.tie_embeddings, m.dtype, m.param_dtype, m.remat = False, "bfloat16", "float32", "none"
-    m.attention = attention
+    m.attention, m.loss_chunk_tokens = attention, loss_chunk_tokens
     c.topology.preset, c.topology.nodes, c.topology.devices_per_node = "cpu_single", 1, 1
     c.parallel.pp, c.parallel.dp, c.parallel.tp = 1, 1, 1
     t = c.train
@@ -138,7 +139,8 @@ def _program_bytes(compiled) -> int | None:
         return None
 
 
-def run_trainer(shape: Shape, warmup: int, steps: int, peak: float) -> dict:
+def run_trainer(shape: Shape, warmup: int, steps: int, peak: float,
+                loss_chunk_tokens: int = 0) -> dict:
     """hetjax's Trainer over warmup + steps steps; tokens/s of the timed steps."""
     import jax
 
@@ -146,7 +148,8 @@ def run_trainer(shape: Shape, warmup: int, steps: int, peak: float) -> dict:
 
     dev, stats = _jax_device()
     with tempfile.TemporaryDirectory() as workdir:
-        cfg = hetjax_config(shape, warmup + steps, workdir)
+        cfg = hetjax_config(shape, warmup + steps, workdir,
+                            loss_chunk_tokens=loss_chunk_tokens)
         topo = device_topology(dev.device_kind, dev.platform,
                                stats.get("bytes_limit", 2**31) / 2**30, peak)
         trainer = Trainer(cfg, topology=topo, quiet=True)
@@ -266,11 +269,12 @@ def run_hf(shape: Shape, warmup: int, steps: int, compile_: bool) -> dict:
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
-def run_row(row: str, shape: Shape, warmup: int, steps: int, peak: float) -> dict:
+def run_row(row: str, shape: Shape, warmup: int, steps: int, peak: float,
+            loss_chunk_tokens: int = 0) -> dict:
     """One row's measurement; an error (out of memory, a missing package) is the row's note."""
     try:
         if row == "trainer":
-            out = run_trainer(shape, warmup, steps, peak)
+            out = run_trainer(shape, warmup, steps, peak, loss_chunk_tokens)
         elif row == "jit-xla":
             out = run_jit(shape, warmup, steps, "xla")
         elif row == "jit-fused":
@@ -300,7 +304,8 @@ def _row_in_subprocess(row: str, args) -> dict:
         path = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--one-row", row, "--row-out", path,
            "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--seq", str(args.seq)]
+           "--batch", str(args.batch), "--seq", str(args.seq),
+           "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
     if args.smoke:
         cmd.append("--smoke")
     started = time.perf_counter()
@@ -324,13 +329,14 @@ def _row_in_subprocess(row: str, args) -> dict:
     return out
 
 
-def prediction(shape: Shape, kind: str, platform: str, memory_gib: float, peak: float) -> dict:
+def prediction(shape: Shape, kind: str, platform: str, memory_gib: float, peak: float,
+               loss_chunk_tokens: int = 0) -> dict:
     """`hetjax plan`'s prediction for the Trainer row's job on one such device."""
     try:
         from hetjax.planner import plan_from_config
         from hetjax.planner.config_plan import predict_for_config
 
-        cfg = hetjax_config(shape, 1, "runs/bench_gpu")
+        cfg = hetjax_config(shape, 1, "runs/bench_gpu", loss_chunk_tokens=loss_chunk_tokens)
         topo = device_topology(kind, platform, memory_gib, peak)
         plan = plan_from_config(cfg, topo)
         pred = predict_for_config(cfg, plan, topo).as_dict()
@@ -387,6 +393,8 @@ def parse(argv):
     ap.add_argument("--seq", type=int, default=0, help="tokens per sequence (0: the shape's)")
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="the device's dense bf16 peak, when its kind is not in the table")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0,
+                    help="the Trainer row's model.loss_chunk_tokens (0: the plain loss)")
     ap.add_argument("--row-timeout", type=int, default=240, help="seconds per row (GPU)")
     ap.add_argument("--one-row", default="", help=argparse.SUPPRESS)
     ap.add_argument("--row-out", default="", help=argparse.SUPPRESS)
@@ -408,7 +416,8 @@ def main(argv=None) -> dict:
     args.smoke = smoke
     peak = args.peak_tflops or peak_tflops(kind)
     if args.one_row:  # a child process: one row, its JSON to --row-out
-        out = run_row(args.one_row, shape, args.warmup, args.steps, peak)
+        out = run_row(args.one_row, shape, args.warmup, args.steps, peak,
+                      args.loss_chunk_tokens)
         with open(args.row_out, "w") as f:
             json.dump(out, f)
         return out
@@ -416,7 +425,8 @@ def main(argv=None) -> dict:
     for row in rows:
         # On an accelerator each row gets its own process: its own peak memory, and JAX's
         # preallocation does not starve torch. On CPU the rows share this process.
-        r = (run_row(row, shape, args.warmup, args.steps, peak) if platform == "cpu"
+        r = (run_row(row, shape, args.warmup, args.steps, peak, args.loss_chunk_tokens)
+             if platform == "cpu"
              else _row_in_subprocess(row, args))
         results.append({"row": row, "label": LABELS[row], "result": r})
         print(f"  {LABELS[row]}: {r.get('step_s', r.get('error', r.get('skipped')))}",
@@ -431,7 +441,9 @@ def main(argv=None) -> dict:
                       "params, AdamW + clipping, remat none"
                       + (" (smoke shape)" if smoke else ""),
         "steps": args.steps, "warmup": args.warmup, "rows": results,
-        "prediction": prediction(shape, kind, platform, memory_gib, peak),
+        "loss_chunk_tokens": args.loss_chunk_tokens,
+        "prediction": prediction(shape, kind, platform, memory_gib, peak,
+                                 args.loss_chunk_tokens),
     }
     print(table(result), flush=True)
     if args.out:
