@@ -345,7 +345,8 @@ def prediction(shape: Shape, kind: str, platform: str, memory_gib: float, peak: 
     mem = pred.get("stage_memory_gib") or pred.get("memory_gib")
     if isinstance(mem, (list, tuple)):
         mem = max(mem)
-    return {"step_s": pred.get("step_time_s"), "memory_gib": mem, "raw": pred}
+    return {"step_s": pred.get("step_time_s"), "memory_gib": mem, "fits": pred.get("fits"),
+            "raw": pred}
 
 
 def table(result: dict) -> str:
@@ -377,8 +378,9 @@ def table(result: dict) -> str:
     else:
         step = f"{p['step_s'] * 1e3:.1f} ms" if p.get("step_s") else "-"
         mem = f"{p['memory_gib']:.1f} GiB" if p.get("memory_gib") else "-"
+        fits = " (does not fit, by its count)" if p.get("fits") is False else ""
         lines.append(f"hetjax plan predicts for the Trainer row: step {step}, memory {mem} "
-                     "per device")
+                     f"per device{fits}")
     return "\n".join(lines)
 
 
