@@ -126,8 +126,8 @@ def local_platform() -> tuple[str, float | None]:
     dev = jax.devices()[0]
     platform = dev.platform
     if platform == "gpu":  # older JAX names both GPU platforms 'gpu'
-        platform = "rocm" if "rocm" in getattr(dev.client, "platform_version", "").lower() \
-            else "cuda"
+        version = str(getattr(getattr(dev, "client", None), "platform_version", ""))
+        platform = "rocm" if "rocm" in version.lower() else "cuda"
     try:
         capability = float(getattr(dev, "compute_capability", None))
     except (TypeError, ValueError):

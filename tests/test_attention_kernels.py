@@ -146,3 +146,8 @@ def test_hetjax_plan_shows_the_kernel_each_accelerator_takes(capsys):
     assert "attention: xla (auto on cpu)" in capsys.readouterr().out
     assert main(["hetjax", "plan", "--config.model.attention=cudnn"]) != 0
     assert "model.attention: 'cudnn' cannot run here" in capsys.readouterr().err
+
+
+def test_the_local_devices_here_are_cpu_and_take_xla():
+    assert ak.local_platform() == ("cpu", None)
+    assert ak.choose_local("auto", "bfloat16", 64, 128) == ak.Choice("xla", "auto on cpu")
