@@ -232,7 +232,8 @@ DESCRIPTIONS: dict[str, str] = {
     "data.prefetch": "batches the loader prepares ahead of the step",
     "data.threads": "loader threads",
     "data.document_mask": "packed rows carry segment ids and tokens attend only within their "
-                          "own document (not across an EOS); pp = 1 plans",
+                          "own document (not across an EOS); the single-program step and the "
+                          "SPMD pipeline",
     "eval.every": "evaluate on held-out data every N steps (and at the end); 0: never",
     "eval.batches": "global batches per evaluation",
     "checkpoint.every": "save every N steps and at the end; 0: no checkpoints",

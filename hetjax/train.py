@@ -236,10 +236,11 @@ class Trainer:
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         self.attention = choose_local(self.model_cfg.attention, self.model_cfg.dtype,
                                       self.model_cfg.head_dim, self.plan.seq_len)
-        if config.data.document_mask and self.plan.pp > 1:
-            raise ConfigError("data.document_mask", f"the pipeline executors (here pp = "
-                              f"{self.plan.pp}) do not pass segment ids between stages",
-                              "--config.data.document_mask=false, or --config.parallel.pp=1")
+        if config.data.document_mask and self.plan.pp > 1 and self.plan.executor != "spmd":
+            raise ConfigError("data.document_mask", f"the MPMD pipeline executor (here pp = "
+                              f"{self.plan.pp}) does not pass segment ids to its stages",
+                              "--config.pipeline.executor=spmd, or "
+                              "--config.data.document_mask=false")
         self.tx, self.schedule = make_optimizer(config.train)
         if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
             from hetjax.diloco import DilocoExecutor

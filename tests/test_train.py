@@ -115,10 +115,12 @@ def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
     assert int(trainer.state.step) == 3
 
 
+@pytest.mark.slow  # ~27 s of CPU: three trainers, a tfds corpus
 def test_document_masks_reach_the_sharded_step(tmp_path):
     """data.document_mask on a packed text corpus: the sharded step's loss (dp 4 x tp 2, two
-    micro-batches) is the single-device masked loss of the same batch, which differs from the
-    unmasked one; the summary names the attention kernel; pipelines refuse the switch."""
+    micro-batches) and the SPMD pipeline's (pp 2 x dp 4) are the single-device masked loss of
+    the same batch, which differs from the unmasked one; the description names the attention
+    kernel; the MPMD executor refuses the switch."""
     from hetjax.errors import ConfigError
     from layers import Transformer, cross_entropy
 
@@ -144,9 +146,15 @@ def test_document_masks_reach_the_sharded_step(tmp_path):
 
     np.testing.assert_allclose(loss, plain(batch["segment_ids"]), rtol=1e-5)
     assert abs(plain(None) - loss) > 1e-4
-    assert "attention: xla (auto on cpu)" in trainer.describe()
+    assert "attention: xla (auto on cpu), document masks" in trainer.describe()
+    config.parallel.pp, config.parallel.dp, config.parallel.tp = 2, 0, 1
+    pipeline = Trainer(config, quiet=True)
+    assert pipeline.pipeline is not None
+    np.testing.assert_allclose(float(pipeline.step(batch)["loss"]), plain(batch["segment_ids"]),
+                               rtol=1e-5)
+    config.pipeline.executor = "mpmd"
     with pytest.raises(ConfigError, match="data.document_mask"):
-        Trainer(tiny_config(**{"data.document_mask": True, "parallel.pp": 2}), quiet=True)
+        Trainer(config, quiet=True)
 
 
 def test_chunked_cross_entropy_gives_the_same_steps():
