@@ -157,6 +157,7 @@ def test_document_masks_reach_the_sharded_step(tmp_path):
         Trainer(config, quiet=True)
 
 
+@pytest.mark.slow  # ~20 s of CPU: two sharded trainers (test_model checks the numerics fast)
 def test_chunked_cross_entropy_gives_the_same_steps():
     """model.loss_chunk_tokens: the sharded step (dp 4 x tp 2) with the cross-entropy in chunks
     (here 24 tokens of a device's 2 x 16) matches the plain step's losses and parameters."""
