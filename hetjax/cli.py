@@ -326,6 +326,19 @@ def cmd_tokenizer(argv: list[str]) -> int:
     return 0
 
 
+def _attention_lines(model, topology, seq_len: int) -> list[str]:
+    """The attention kernel model.attention takes on each accelerator kind of the topology."""
+    from layers.attention_kernels import choose_for_accelerator
+
+    kinds = {c.accelerator.name: c.accelerator for c in topology.clusters}
+    lines = []
+    for name, acc in kinds.items():
+        choice = choose_for_accelerator(model.attention, acc.vendor, name, model.dtype,
+                                        model.head_dim, seq_len)
+        lines.append(f"attention: {choice}" + (f" on {name}" if len(kinds) > 1 else ""))
+    return lines
+
+
 def cmd_plan(argv: list[str]) -> int:
     """Print (and optionally save and draw) the Plan `hetjax train` would use, and the
     runners-up when the planner chose it."""
@@ -360,6 +373,8 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax.planner.config_plan import plausibility_lines
 
     for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range
+        print(line)
+    for line in _attention_lines(model, topology, plan.seq_len):
         print(line)
     if plan.executor == "mpmd" and plan.pp > 1:
         from hetjax.planner.worlds import world_lines

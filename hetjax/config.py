@@ -27,6 +27,7 @@ from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
+ATTENTION = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py IMPLEMENTATIONS
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
@@ -57,6 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"
     c.model.param_dtype = "float32"
     c.model.remat = "auto"
+    c.model.attention = "auto"
+    c.model.loss_chunk_tokens = 0
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.pp = 1
@@ -115,6 +118,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.01
     c.data.prefetch = 4
     c.data.threads = 2
+    c.data.document_mask = False
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 0
@@ -172,6 +176,13 @@ DESCRIPTIONS: dict[str, str] = {
                    "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
                    "(when the planner searches, the fastest of the three that fits memory; "
                    "otherwise none, but full in the SPMD pipeline)",
+    "model.attention": "attention kernel: auto (cuDNN fused flash attention on NVIDIA GPUs where "
+                       "it supports the dtype and head size, else the Pallas flash kernel, else "
+                       "XLA; XLA on CPU/TPU) | xla | cudnn | pallas",
+    "model.loss_chunk_tokens": "cross-entropy over the vocabulary in chunks of this many tokens "
+                               "per device, each recomputed in the backward, so the float32 "
+                               "logits [tokens, vocab] are never whole; 0: in one piece (the "
+                               "single-program step, pp = 1)",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -235,6 +246,9 @@ DESCRIPTIONS: dict[str, str] = {
     "data.eval_fraction": "share of the documents held out for evaluation",
     "data.prefetch": "batches the loader prepares ahead of the step",
     "data.threads": "loader threads",
+    "data.document_mask": "packed rows carry segment ids and tokens attend only within their "
+                          "own document (not across an EOS); the single-program step and the "
+                          "SPMD pipeline",
     "eval.every": "evaluate on held-out data every N steps (and at the end); 0: never",
     "eval.batches": "global batches per evaluation",
     "checkpoint.every": "save every N steps and at the end; 0: no checkpoints",
@@ -502,6 +516,11 @@ def validate(c) -> None:
                  f"choose one of {', '.join(DTYPES)}")
     _require(m.remat in REMAT_POLICIES, "model.remat", f"unknown policy {m.remat!r}",
              f"choose one of {', '.join(REMAT_POLICIES)}")
+    _require(isinstance(m.loss_chunk_tokens, int) and m.loss_chunk_tokens >= 0,
+             "model.loss_chunk_tokens", f"must be an integer >= 0, got {m.loss_chunk_tokens!r}",
+             "use 0 (one piece) or e.g. 4096")
+    _require(m.attention in ATTENTION, "model.attention", f"unknown implementation "
+             f"{m.attention!r}", f"choose one of {', '.join(ATTENTION)}")
 
     _require(tr.lr > 0, "train.lr", f"the learning rate must be positive, got {tr.lr}",
              "set --config.train.lr to a value > 0, e.g. 3e-4")

@@ -231,8 +231,22 @@ def synthetic_sequences(vocab: int, seq_len: int, n: int, seed: int,
 
 
 # --- loading -------------------------------------------------------------------------------------
-def _inputs_and_targets(rows: np.ndarray) -> dict[str, np.ndarray]:
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+def segment_ids(rows: np.ndarray, eos_id: int) -> np.ndarray:
+    """[n, L] int32 document numbers 1, 2, ... of rows' inputs ([n, L + 1] packed rows).
+
+    A document's EOS belongs to it (it is the last token its document attends to); the token
+    after an EOS starts the next document. Tokenized text never holds EOS, so the EOS positions
+    are exactly the packer's document ends."""
+    inputs = rows[:, :-1]
+    ends = np.cumsum(inputs == eos_id, axis=1, dtype=np.int32)
+    return 1 + ends - (inputs == eos_id)  # EOSs strictly before each position, + 1
+
+
+def _inputs_and_targets(rows: np.ndarray, eos_id: int | None = None) -> dict[str, np.ndarray]:
+    batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    if eos_id is not None:
+        batch["segment_ids"] = segment_ids(rows, eos_id)
+    return batch
 
 
 class Loader:
@@ -241,12 +255,13 @@ class Loader:
     Built on grain: `MapDataset.source(rows).shuffle(seed).repeat()` orders the rows (a new
     permutation each epoch), step k takes positions [k B, (k+1) B) of that order, and
     `to_iter_dataset` prefetches upcoming steps in `threads` background threads. `get_state`
-    / `set_state` are grain's: {"next_index": next step}.
+    / `set_state` are grain's: {"next_index": next step}. With `eos_id` (packed documents),
+    batches also carry `segment_ids` (the document of each input token, `segment_ids`).
     """
 
     def __init__(self, source: Sequence[np.ndarray], batch_size: int, seed: int,
                  rows: Sequence[int] | None = None, *, shuffle: bool = True, prefetch: int = 4,
-                 threads: int = 2):
+                 threads: int = 2, eos_id: int | None = None):
         if len(source) < batch_size:
             raise HetjaxError(f"the data packs into {len(source)} sequences, fewer than one "
                               f"batch of {batch_size}; add text, lower train.seq_len or lower "
@@ -262,7 +277,8 @@ class Loader:
 
         def local_batch(step: int) -> dict[str, np.ndarray]:
             base = step * batch_size
-            return _inputs_and_targets(np.stack([self.ordered[base + r] for r in self.rows]))
+            return _inputs_and_targets(np.stack([self.ordered[base + r] for r in self.rows]),
+                                       eos_id)
 
         self.steps = grain.MapDataset.range(sys.maxsize // batch_size).map(local_batch)
         self._iter = self.steps.to_iter_dataset(grain.ReadOptions(
@@ -359,8 +375,11 @@ def make_loader(config, tokenizer, rows: Sequence[int] | None = None,
     d, t = config.data, config.train
     source, corpus = row_source(d, tokenizer, t.seq_len, t.seed, split)
     train = split == "train"
+    # Synthetic rows are one sequence each (and may hold the EOS id as an ordinary token).
+    eos = tokenizer.eos_id if d.document_mask and d.source != "synthetic" else None
     loader = Loader(source, t.batch_size, t.seed, rows, shuffle=train,
-                    prefetch=d.prefetch if train else 1, threads=d.threads if train else 0)
+                    prefetch=d.prefetch if train else 1, threads=d.threads if train else 0,
+                    eos_id=eos)
     spec = DataSpec(d.source, corpus, tokenizer.fingerprint, t.seq_len, t.batch_size, t.seed,
                     float(d.eval_fraction))
     return loader, spec

@@ -42,7 +42,7 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
-from hetjax.errors import HetjaxError, Preempted
+from hetjax.errors import ConfigError, HetjaxError, Preempted
 from hetjax.history import LOSS_PNG, History, RunSummary
 from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
@@ -51,6 +51,7 @@ from hetjax.profile import StepProfiler, summarise
 from hetjax.tokenizer import tokenizer_from_config
 from hetjax.topology import Topology
 from layers import ModelConfig
+from layers.attention_kernels import choose_local
 from parallel.executor import TrainState, make_executor, opt_state_specs
 from parallel.nic import ENV_WORLD, ENV_WORLDS
 
@@ -231,6 +232,15 @@ class Trainer:
                                                  padded_vocab(self.tokenizer.vocab_size))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
+        # The attention kernel this process's devices run (a named one they cannot run is a
+        # ConfigError here, before anything compiles); shown in `describe` and the summary.
+        self.attention = choose_local(self.model_cfg.attention, self.model_cfg.dtype,
+                                      self.model_cfg.head_dim, self.plan.seq_len)
+        if config.data.document_mask and self.plan.pp > 1 and self.plan.executor != "spmd":
+            raise ConfigError("data.document_mask", f"the MPMD pipeline executor (here pp = "
+                              f"{self.plan.pp}) does not pass segment ids to its stages",
+                              "--config.pipeline.executor=spmd, or "
+                              "--config.data.document_mask=false")
         self.tx, self.schedule = make_optimizer(config.train)
         if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
             from hetjax.diloco import DilocoExecutor
@@ -314,14 +324,16 @@ class Trainer:
     def _context(self):
         return self.executor.context()
 
-    def loss_fn(self, params, inputs, targets):
-        return self.executor.loss_fn(params, inputs, targets)
+    def loss_fn(self, params, inputs, targets, segment_ids=None):
+        return self.executor.loss_fn(params, inputs, targets, segment_ids)
 
     def loss_and_grads(self, params, batch):
         return self.executor.loss_and_grads(params, batch)
 
     def compiled_step(self):
         """The compiled train step (for reading its HLO, cost and memory analyses)."""
+        if self.config.data.document_mask:  # batches then carry segment ids
+            return self.executor.compiled_step(self.state, segments=True)
         return self.executor.compiled_step(self.state)
 
     # --- steps ----------------------------------------------------------------------------------
@@ -433,6 +445,8 @@ class Trainer:
         lines.append(f"model: {m.num_params / 1e6:.2f}M parameters, {m.n_layers} layers, "
                      f"d_model {m.d_model}, heads {m.n_heads} (kv {m.n_kv_heads}), d_ff {m.d_ff},"
                      f" vocab {m.vocab_size}, {m.dtype} compute")
+        lines.append(f"attention: {self.attention}"
+                     + (", document masks" if self.config.data.document_mask else ""))
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -613,6 +627,7 @@ class Trainer:
         history = self.history if primary else History(rows)
         summary.update({
             "eval_loss": last_eval[-1] if last_eval else None,
+            "attention": str(self.attention),
             "resumed_from": resumed,
             "workdir": os.path.abspath(self.workdir),
             "metrics": os.path.abspath(writer.path),
@@ -737,6 +752,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
           if s.get("eval_loss") is not None else []),
         ("tokens/s", f"{s['tokens_per_s']:,.0f} (after the first step)"),
         ("MFU", f"{s['mfu']:.2%} of the topology's peak"),
+        *([("attention", s["attention"])] if s.get("attention") else []),
         ("compile + first step", f"{num(s['compile_and_first_step_s'], '.1f')} s"),
         ("input wait", f"{s.get('input_wait_s', 0.0) * 1e3:.2f} ms per step"),
         ("wall time", f"{s['wall_s']:.1f} s"),

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from layers import attention_kernels
 from layers.config import ModelConfig
 from layers.embeddings import apply_rotary, rotary_tables
 
@@ -19,7 +20,9 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None):
+        """x [batch, length, d_model]; segment_ids [batch, length] (None: one document per
+        row) confine each token's attention to its own document."""
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
 
@@ -46,8 +49,11 @@ class Attention(nn.Module):
                                        ("batch", "length", "kv_heads", "head_dim"))
         cos, sin = rotary_tables(jnp.arange(x.shape[1]), h, cfg.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # Groups query heads over the kv heads (GQA); the softmax runs in float32.
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        # The kernel is chosen once per trace from the devices JAX runs on (model.attention);
+        # every kernel groups query heads over the kv heads (GQA), softmax in float32.
+        choice = attention_kernels.choose_local(cfg.attention, cfg.dtype, h, x.shape[1])
+        attention_kernels.say_once(choice)
+        out = attention_kernels.attend(q, k, v, segment_ids, implementation=choice.name)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads", "head_dim"))
         y = jnp.einsum("blnh,nhd->bld", out, wo)
         return nn.with_logical_constraint(y, ("batch", "length", "embed"))

@@ -15,11 +15,11 @@ class DecoderBlock(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None):
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="attn_norm")(x)
-        x = x + Attention(cfg, name="attn")(h)
+        x = x + Attention(cfg, name="attn")(h, segment_ids)
         h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="mlp_norm")(x)
         x = x + MLP(cfg, name="mlp")(h)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))

@@ -24,6 +24,8 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"  # layers/attention_kernels.py: auto | xla | cudnn | pallas
+    loss_chunk_tokens: int = 0  # cross-entropy in chunks of this many tokens; 0: in one piece
 
     @staticmethod
     def from_config(m, vocab_size: int | None = None) -> "ModelConfig":
@@ -33,7 +35,7 @@ class ModelConfig:
             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff,
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-            remat=m.remat)
+            remat=m.remat, attention=m.attention, loss_chunk_tokens=m.loss_chunk_tokens)
 
     @property
     def head_dim(self) -> int:

@@ -30,12 +30,12 @@ class _ScanStep(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, _):
+    def __call__(self, x, segment_ids):
         block = DecoderBlock
         if self.cfg.remat in REMAT_POLICIES:  # 'none' and 'auto' keep every intermediate
             block = nn.remat(DecoderBlock, prevent_cse=False,
                              policy=REMAT_POLICIES[self.cfg.remat])
-        return block(self.cfg, name="block")(x), None
+        return block(self.cfg, name="block")(x, segment_ids), None
 
 
 class Transformer(nn.Module):
@@ -47,6 +47,7 @@ class Transformer(nn.Module):
         self.embedder = Embed(cfg.vocab_size, cfg.d_model, dtype, pdtype)
         self.layers = nn.scan(
             _ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=nn.broadcast,  # every layer sees the same segment ids
             length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
         self.final_norm = RMSNorm(cfg.norm_eps, dtype, pdtype)
         if not cfg.tie_embeddings:
@@ -59,8 +60,8 @@ class Transformer(nn.Module):
     def embed(self, tokens):
         return self.embedder(tokens)
 
-    def blocks(self, x):
-        x, _ = self.layers(x, None)
+    def blocks(self, x, segment_ids=None):
+        x, _ = self.layers(x, segment_ids)
         return x
 
     def head(self, x):
@@ -71,18 +72,45 @@ class Transformer(nn.Module):
             logits = nn.with_logical_constraint(self.lm_head(x), ("batch", "length", "vocab"))
         return logits.astype(jnp.float32)
 
-    def __call__(self, tokens):
-        return self.head(self.blocks(self.embed(tokens)))
+    def __call__(self, tokens, segment_ids=None):
+        """Logits [batch, length, vocab] (float32) of tokens [batch, length]; with segment_ids
+        (the packer's, [batch, length]) tokens attend only within their own document."""
+        return self.head(self.blocks(self.embed(tokens), segment_ids))
 
 
-def block_apply(cfg: ModelConfig, layer_params, x):
+def block_apply(cfg: ModelConfig, layer_params, x, segment_ids=None):
     """Run one decoder block from the parameters of one layer (a slice of the stack)."""
-    return DecoderBlock(cfg).apply({"params": layer_params}, x)
+    return DecoderBlock(cfg).apply({"params": layer_params}, x, segment_ids)
 
 
 def layer_slice(params, i):
     """The parameters of layer i out of the stacked `params['layers']['block']` tree."""
     return jax.tree.map(lambda a: a[i], params["layers"]["block"])
+
+
+def chunked_head_loss(model: Transformer, params, x, targets, chunk_tokens: int):
+    """`cross_entropy(model.head(x), targets)` without the whole float32 logits [tokens,
+    vocab]: the head and the loss run over chunks of `chunk_tokens` tokens, each recomputed in
+    the backward (jax.checkpoint), so one chunk's logits are alive at a time. x: the blocks'
+    output [batch, length, d_model]; params: the model's (natural layout)."""
+    d = x.shape[-1]
+    x, targets = x.reshape(-1, d), targets.reshape(-1)
+    n = x.shape[0]
+    chunks = -(-n // chunk_tokens)
+    pad = chunks * chunk_tokens - n  # padded tokens carry weight 0
+    weight = jnp.pad(jnp.ones((n,), jnp.float32), (0, pad))
+    x, targets = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad))
+
+    @jax.checkpoint
+    def chunk_nll(xc, tc, wc):
+        logits = model.apply({"params": params}, xc[None], method=Transformer.head)[0]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0] * wc)
+
+    sums = jax.lax.map(lambda a: chunk_nll(*a), (x.reshape(chunks, chunk_tokens, d),
+                                                targets.reshape(chunks, chunk_tokens),
+                                                weight.reshape(chunks, chunk_tokens)))
+    return jnp.sum(sums) / n
 
 
 def cross_entropy(logits, targets, mask=None):

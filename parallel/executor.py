@@ -52,8 +52,10 @@ class SingleProgramExecutor(Executor):
         self.mesh = build_mesh(plan, topology)
         self.rules = shd.LOGICAL_RULES
         self._build_shardings()
+        # The batch comes placed by put_batch (batch_sharding); its keys vary (segment ids
+        # only with document masks), so its shardings are taken from the arrays.
         self._step_fn = jax.jit(self._train_step,
-                                in_shardings=(self.state_sharding, self.batch_sharding),
+                                in_shardings=(self.state_sharding, None),
                                 out_shardings=(self.state_sharding, None), donate_argnums=0)
         self._eval_fn = None
 
@@ -96,7 +98,8 @@ class SingleProgramExecutor(Executor):
         self.state_sharding = shd.named(self.mesh, self.state_specs)
         self.os_param_sharding = shd.named(self.mesh, self.zero_specs.os)
         self.batch_sharding = shd.named(self.mesh, {"inputs": shd.batch_spec(),
-                                                    "targets": shd.batch_spec()})
+                                                    "targets": shd.batch_spec(),
+                                                    "segment_ids": shd.batch_spec()})
 
     def context(self):
         """Mesh and logical-axis rules, active while tracing so activation constraints apply."""
@@ -143,11 +146,13 @@ class SingleProgramExecutor(Executor):
         with self.context():
             return self._step_fn(state, batch)
 
-    def compiled_step(self, state):
-        """The compiled train step (for reading its HLO, cost and memory analyses)."""
+    def compiled_step(self, state, segments: bool = False):
+        """The compiled train step (for reading its HLO, cost and memory analyses); `segments`:
+        of batches with segment ids (data.document_mask)."""
+        keys = ("inputs", "targets") + (("segment_ids",) if segments else ())
         abstract_batch = {k: jax.ShapeDtypeStruct(
             (self.plan.microbatches, self.plan.microbatch_size, self.plan.seq_len), jnp.int32,
-            sharding=s) for k, s in self.batch_sharding.items()}
+            sharding=self.batch_sharding[k]) for k in keys}
         with self.context():
             return self._step_fn.lower(state, abstract_batch).compile()
 
@@ -155,8 +160,8 @@ class SingleProgramExecutor(Executor):
         dev = self.put_batch(batch)
 
         def f(params, b):
-            return jnp.mean(jax.vmap(lambda i, t: self.loss_fn(params, i, t))(
-                b["inputs"], b["targets"]))
+            return jnp.mean(jax.vmap(lambda i, t, s: self.loss_fn(params, i, t, s))(
+                b["inputs"], b["targets"], b.get("segment_ids")))
 
         if self._eval_fn is None:  # compile once, not at every evaluation
             self._eval_fn = jax.jit(f)

@@ -328,28 +328,35 @@ class Pipeline:
     def _layer(self, blocks, i):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), blocks)
 
-    def residual_shapes(self, blocks, act_shape, dtype):
+    def residual_shapes(self, blocks, act_shape, dtype, segments: bool = False):
         """One layer's stashed residuals on one device's rows ([b / dp, S, d] input): their
         shapes, and the `residuals.Residuals` spec every layer's pullback is rebuilt from
-        (the same for every layer: one block function, one input shape)."""
+        (the same for every layer: one block function, one input shape). `segments`: the
+        layers see document segment ids ([b / dp, S]), whose masks are residuals too."""
         specs = []
 
-        def probe(p, h):
-            _, kept, spec = vjp_stash(self._layer_fn, p, h)
+        def probe(p, h, seg):
+            _, kept, spec = vjp_stash(self._bound_layer(seg), p, h)
             specs.append(spec)
             return kept
 
+        seg = jax.ShapeDtypeStruct(act_shape[:-1], jnp.int32) if segments else None
         shapes = jax.eval_shape(probe, self._layer(blocks, 0),
-                                jax.ShapeDtypeStruct(act_shape, dtype))
+                                jax.ShapeDtypeStruct(act_shape, dtype), seg)
         return shapes, specs[0]
 
-    def layers_forward(self, blocks, x, n_layers, kept, offset=None):
+    def _bound_layer(self, seg):
+        """The layer function of (params, input) with the micro-batch's segment ids bound."""
+        return lambda p, h: self._layer_fn(p, h, seg)
+
+    def layers_forward(self, blocks, x, n_layers, kept, seg=None, offset=None):
         """Run layers 0 .. n_layers - 1 under `jax.vjp`; kept['res'][k][i] = residual k of
         layer i's pullback (per `model.remat`), kept['out'] = the stage's output. `offset`:
         the chunk's first slot in `blocks` (folded up chunks); the stash is the chunk's own."""
         def layer(i, carry):
             h, res = carry
-            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, _at(i, offset)), h)
+            y, new, _ = vjp_stash(self._bound_layer(seg), self._layer(blocks, _at(i, offset)),
+                                  h)
             return y, [r.at[i].set(v) for r, v in zip(res, new)]
 
         y, res = jax.lax.fori_loop(0, n_layers, layer, (x, kept["res"]))
@@ -368,7 +375,8 @@ class Pipeline:
 
         return jax.lax.fori_loop(0, n_layers, layer, (dy, grads))
 
-    def layers_strands(self, blocks, x, kept_f, kept_b, dy, n_layers, grads, offset=None):
+    def layers_strands(self, blocks, x, kept_f, kept_b, dy, n_layers, grads, seg=None,
+                       offset=None):
         """One tick of two strands: the forward of one micro-batch (input x, stash kept_f)
         and the backward of another (stash kept_b, output gradient dy) in one loop, step j
         running forward layer j and backward layer n_layers - 1 - j. The two are independent,
@@ -376,7 +384,8 @@ class Pipeline:
         other's compute. Returns (output, new stash, input gradient, grads)."""
         def layer(j, carry):
             h, res, dh, grads = carry
-            y, new, _ = vjp_stash(self._layer_fn, self._layer(blocks, _at(j, offset)), h)
+            y, new, _ = vjp_stash(self._bound_layer(seg), self._layer(blocks, _at(j, offset)),
+                                  h)
             i = n_layers - 1 - j
             dp, dh = pullback(self._residuals, self._layer(blocks, _at(i, offset)),
                               [r[i] for r in kept_b["res"]])(dh)
@@ -395,12 +404,13 @@ class Pipeline:
         return onehot_cross_entropy(logits, targets)
 
     # --- the tick loop -------------------------------------------------------------------------
-    def _stage_program(self, zs, blocks, shared, inputs, targets):
+    def _stage_program(self, zs, blocks, shared, inputs, targets, segs=None):
         """Body of the shard_map: one stage's whole step.
 
         blocks: this stage's gathered [1, L, ...]; shared: gathered embedding / head
         (folded: [1, ...], real on device 0 only); inputs, targets: [M, dp, b / dp, S],
-        data-parallel device i's rows at index i; zs: the ZeRO specs of one stage
+        data-parallel device i's rows at index i; segs: their segment ids, like inputs, or
+        None (one document per row); zs: the ZeRO specs of one stage
         (`ZeroSpecs.in_stage`). Returns the mean loss and the gradients in the OS spec (blocks
         [1, L, ...]), reduced over the stage's data-parallel devices.
 
@@ -469,7 +479,8 @@ class Pipeline:
 
         # One extra scratch slot each. A stash slot holds every layer's residuals (the layer
         # inputs alone with remat 'full') and the stage output.
-        shapes, self._residuals = self.residual_shapes(blocks, act[1:], dtype)
+        shapes, self._residuals = self.residual_shapes(blocks, act[1:], dtype,
+                                                       segs is not None)
         slots = prog.stash_slots + 1
 
         def new_buffers():  # (activation inbox, gradient inbox, stash) of one chunk
@@ -486,14 +497,15 @@ class Pipeline:
             x_inbox, dy_inbox, stash = bufs
             first, last, n_layers = ch["first"], ch["last"], ch["n"]
             forward = zero.per_device(functools.partial(self.layers_forward, offset=ch["offset"]),
-                                      (None, 0, None, 0))
+                                      (None, 0, None, 0, 0))
             backward = zero.per_device(
                 functools.partial(self.layers_backward, offset=ch["offset"]),
                 (None, 0, 0, None, 0 if in_place else None))
             strands = zero.per_device(
                 functools.partial(self.layers_strands, offset=ch["offset"]),
-                (None, 0, 0, 0, 0, None, 0 if in_place else None))
+                (None, 0, 0, 0, 0, None, 0 if in_place else None, 0))
             tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
+            seg = None if segs is None else segs[c["microbatch"]]
             # Only the stash slots in use go through the switch (the whole stash would be
             # copied): the action's, and in a two-strand tick also the backward's.
             kept = read_stash(stash, c["stash_slot"])
@@ -527,7 +539,7 @@ class Pipeline:
                 return zero_act, zero_act, kept, acc, losses
 
             def forward_tick():
-                y, kept_new = forward(blocks, start_forward(), n_layers, kept)
+                y, kept_new = forward(blocks, start_forward(), n_layers, kept, seg)
                 return y, zero_act, kept_new, acc, losses
 
             def backward_tick():
@@ -542,7 +554,7 @@ class Pipeline:
                     kept_b = read_stash(stash, c["b_stash_slot"])
                     loss, dy, g_head = start_backward(kept_b, targets[mb])
                     y, kept_new, dx, g_blocks = strands(blocks, start_forward(), kept, kept_b,
-                                                        dy, n_layers, grads_into())
+                                                        dy, n_layers, grads_into(), seg)
                     return (y, dx, kept_new) + finish_backward(inputs[mb], dx, g_head,
                                                                g_blocks, loss)
 
@@ -615,15 +627,19 @@ class Pipeline:
         shared, blocks = split_shared(zero.gather_params(params, zs, self.mesh))
         n = zero.dp_size(self.mesh)
         inputs, targets = (zero.split_devices(batch[k], n, axis=1) for k in ("inputs", "targets"))
+        segs = (zero.split_devices(batch["segment_ids"], n, axis=1) if "segment_ids" in batch
+                else None)
         sp = P("pp") if self.folded else P()  # folded: shared parameters live on device 0
         # check_vma=False: the body derives its gradients with explicit vjps and sums the
         # replicated ones itself (ring_sum), so no implicit psum over 'pp' may be inserted
         # and outputs declared P() are replicated by construction.
         run = jax.shard_map(functools.partial(self._stage_program, zs.in_stage()),
-                            mesh=self.mesh, in_specs=(P("pp"), sp, P(), P()),
+                            mesh=self.mesh, in_specs=(P("pp"), sp, P(), P()) + (
+                                (P(),) if segs is not None else ()),
                             out_specs=(P(), P("pp"), sp), axis_names={"pp"}, check_vma=False)
         with nn.logical_axis_rules(shd.per_device_rules(nn.get_logical_axis_rules())):
-            loss, g_blocks, g_shared = run(blocks, shared, inputs, targets)
+            loss, g_blocks, g_shared = run(blocks, shared, inputs, targets,
+                                           *(() if segs is None else (segs,)))
         return loss, join_shared(g_shared, g_blocks)
 
 

@@ -28,9 +28,10 @@ from layers.model import REMAT_POLICIES
 
 
 def layer_fn(model_cfg, remat: str) -> Callable:
-    """(layer params, input) -> output of one decoder layer, rematerialised per `remat`."""
-    def layer(p, h):
-        return block_apply(model_cfg, p, h)
+    """(layer params, input, segment ids or None) -> output of one decoder layer,
+    rematerialised per `remat`."""
+    def layer(p, h, segment_ids=None):
+        return block_apply(model_cfg, p, h, segment_ids)
 
     if remat not in REMAT_POLICIES:  # 'none'
         return layer

@@ -22,6 +22,7 @@ from hetjax import checkpoint as hckpt
 from hetjax.plan import Plan
 from hetjax.topology import Topology
 from layers import ModelConfig, Transformer, cross_entropy
+from layers.model import chunked_head_loss
 
 
 @flax.struct.dataclass
@@ -94,7 +95,7 @@ class Executor(abc.ABC):
     def checkpoint_layout(self, state) -> hckpt.Layout:
         """How `state` maps to the plan-independent checkpoint layout."""
 
-    # --- batches: the executor sets `batch_sharding` {"inputs", "targets"} of [M, B / M, S] --
+    # --- batches: `batch_sharding` {"inputs", "targets"[, "segment_ids"]} of [M, B / M, S] ---
     @property
     def data_rows(self) -> np.ndarray:
         """Rows of the global batch [B, S] that this process's devices hold (`batch_rows`)."""
@@ -135,9 +136,16 @@ class Executor(abc.ABC):
         """Lines about the execution (schedule, stages) for `Trainer.describe`; may be ''."""
         return ""
 
-    def loss_fn(self, params, inputs, targets):
-        """The model's mean next-token loss on natural-layout parameters."""
-        logits = self.model.apply({"params": params}, inputs)
+    def loss_fn(self, params, inputs, targets, segment_ids=None):
+        """The model's mean next-token loss on natural-layout parameters (segment_ids: the
+        packer's documents, which attention does not cross; None: one per row)."""
+        if self.model_cfg.loss_chunk_tokens:  # the f32 logits are never whole (memory)
+            x = self.model.apply({"params": params}, self.model.apply(
+                {"params": params}, inputs, method=Transformer.embed), segment_ids,
+                method=Transformer.blocks)
+            return chunked_head_loss(self.model, params, x, targets,
+                                     self.model_cfg.loss_chunk_tokens)
+        logits = self.model.apply({"params": params}, inputs, segment_ids)
         return cross_entropy(logits, targets)
 
 

@@ -286,20 +286,23 @@ def finish_grads(acc, losses, zs: ZeroSpecs, mesh, scale: float):
 def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, rules):
     """Mean loss and gradients over the micro-batches of `batch` ([M, b, S] arrays), pp = 1.
 
-    `params` are in the P spec; `grad_fn(params, inputs, targets) -> (loss, grads)` is the
-    value-and-grad of one micro-batch slice on full parameters. Gathers P once, reduce-scatters
+    `params` are in the P spec; `grad_fn(params, inputs, targets, segment_ids) -> (loss,
+    grads)` is the value-and-grad of one micro-batch slice on full parameters (segment_ids
+    None when the batch has none). Gathers P once, reduce-scatters
     each micro-batch's gradient into a G-sharded accumulator, and reduces across replicas once,
     after the loop. Returns the loss and the gradients in the OS spec. Trace it with `mesh`
     in context."""
     n, m = dp_size(mesh), batch["inputs"].shape[0]
     full = gather_params(params, zs, mesh)
-    vgrad = per_device(grad_fn, (None, 0, 0))
+    segments = "segment_ids" in batch
+    vgrad = per_device(grad_fn, (None, 0, 0, 0 if segments else None))
 
     def body(carry, mb):
         losses, acc = carry
         with nn.logical_axis_rules(shd.per_device_rules(rules)):
             loss, grads = vgrad(full, split_devices(mb["inputs"], n),
-                                split_devices(mb["targets"], n))
+                                split_devices(mb["targets"], n),
+                                split_devices(mb["segment_ids"], n) if segments else None)
         return (losses + loss, jax.tree.map(jnp.add, acc, scatter_grads(grads, zs, mesh))), None
 
     losses = jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), P(DP_AXES))

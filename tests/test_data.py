@@ -365,3 +365,23 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(HetjaxError, match=r"needs the 'pyarrow' package; install it with pip "
                        r"install 'hetjax\[parquet\]'"):
         prepared_texts([path], tmp_path)
+
+
+def test_segment_ids_number_the_documents_of_each_packed_row(corpus, tmp_path):
+    """With data.document_mask the loader's batches carry segment ids: 1, 2, ... per row, a new
+    document right after each EOS (the EOS stays with the document it ends)."""
+    rows = np.array([[5, 6, 9, 7, 9, 9, 8, 1], [9, 1, 2, 3, 4, 9, 5, 6]])
+    np.testing.assert_array_equal(data.segment_ids(rows, eos_id=9),
+                                  [[1, 1, 1, 2, 2, 3, 4], [1, 2, 2, 2, 2, 2, 3]])
+    tok = load_tokenizer("byte")
+    cfg = text_config(corpus, tmp_path, **{"data.document_mask": True, "train.seq_len": 32})
+    loader, _ = data.make_loader(cfg, tok)
+    batch = next(loader)
+    seg = batch["segment_ids"]
+    assert seg.shape == batch["inputs"].shape and seg.dtype == np.int32
+    is_eos = batch["inputs"] == tok.eos_id
+    np.testing.assert_array_equal(seg[:, 0], 1)
+    np.testing.assert_array_equal(np.diff(seg, axis=1), is_eos[:, :-1])  # +1 after each EOS
+    assert is_eos.any()  # the tiny corpus's documents are shorter than a row
+    off, _ = data.make_loader(text_config(corpus, tmp_path), tok)
+    assert "segment_ids" not in next(off)

@@ -113,3 +113,56 @@ def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
     steps = [(info.step, info.first, info.last) for info in trainer.iter_steps()]
     assert steps == [(1, True, False), (2, False, False), (3, False, True)]
     assert int(trainer.state.step) == 3
+
+
+@pytest.mark.slow  # ~27 s of CPU: three trainers, a tfds corpus
+def test_document_masks_reach_the_sharded_step(tmp_path):
+    """data.document_mask on a packed text corpus: the sharded step's loss (dp 4 x tp 2, two
+    micro-batches) and the SPMD pipeline's (pp 2 x dp 4) are the single-device masked loss of
+    the same batch, which differs from the unmasked one; the description names the attention
+    kernel; the MPMD executor refuses the switch."""
+    from hetjax.errors import ConfigError
+    from layers import Transformer, cross_entropy
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * (2 + i % 5))
+    config = tiny_config(**{"data.source": "files", "data.path": str(corpus),
+                            "data.dir": str(tmp_path / "tfds"), "data.eval_fraction": 0.0,
+                            "data.document_mask": True, "train.microbatches": 2,
+                            "parallel.dp": 4, "parallel.tp": 2, "workdir": str(tmp_path)})
+    trainer = Trainer(config, quiet=True)
+    batch = trainer.data.batch(0)
+    assert batch["segment_ids"].max() > 1  # rows hold several documents
+    params = jax.device_get(trainer.params)
+    loss = float(trainer.step(batch)["loss"])
+
+    model = Transformer(trainer.model_cfg)
+
+    def plain(seg):
+        return float(cross_entropy(model.apply({"params": params}, batch["inputs"], seg),
+                                   batch["targets"]))
+
+    np.testing.assert_allclose(loss, plain(batch["segment_ids"]), rtol=1e-5)
+    assert abs(plain(None) - loss) > 1e-4
+    assert "attention: xla (auto on cpu), document masks" in trainer.describe()
+    config.parallel.pp, config.parallel.dp, config.parallel.tp = 2, 0, 1
+    pipeline = Trainer(config, quiet=True)
+    assert pipeline.pipeline is not None
+    np.testing.assert_allclose(float(pipeline.step(batch)["loss"]), plain(batch["segment_ids"]),
+                               rtol=1e-5)
+    config.pipeline.executor = "mpmd"
+    with pytest.raises(ConfigError, match="data.document_mask"):
+        Trainer(config, quiet=True)
+
+
+@pytest.mark.slow  # ~20 s of CPU: two sharded trainers (test_model checks the numerics fast)
+def test_chunked_cross_entropy_gives_the_same_steps():
+    """model.loss_chunk_tokens: the sharded step (dp 4 x tp 2) with the cross-entropy in chunks
+    (here 24 tokens of a device's 2 x 16) matches the plain step's losses and parameters."""
+    layout = {"parallel.dp": 4, "parallel.tp": 2}
+    _, plain, p1 = run_steps(tiny_config(**layout), steps=2)
+    _, chunked, p2 = run_steps(tiny_config(**layout, **{"model.loss_chunk_tokens": 24}), steps=2)
+    np.testing.assert_allclose(chunked, plain, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6), p2, p1)
