@@ -547,6 +547,17 @@ def validate(c) -> None:
     _require(not m.init_from or os.path.isdir(os.path.expanduser(m.init_from)),
              "model.init_from", f"{m.init_from!r} is not a directory",
              "give a HuggingFace model directory (config.json + *.safetensors)")
+    if m.init_from:
+        from hetjax.interop import hf_config
+
+        # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
+        # scaling or max_seq_len, a run may change on purpose).
+        hf = hf_config.model_fields(hf_config.read_config_json(m.init_from), "model.init_from")
+        for k in hf_config.SHAPE_FIELDS:
+            _require(m[k] == hf[k], f"model.{k}",
+                     f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
+                     f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
+                     "in Python call hetjax.config.apply_model_source(config))")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "

@@ -73,6 +73,9 @@ ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_
                "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "head_dim",
                "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_len", "qkv_bias")
+# The ARCH_FIELDS that decide the weights' shapes: a run from a checkpoint must keep them.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
+                "tie_embeddings", "qkv_bias")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
