@@ -260,3 +260,17 @@ def test_overriding_a_weight_shape_of_init_from_is_one_error():
                            "--config.model.max_seq_len=128", "--config.train.seq_len=64"])
     validate(c)  # a field that does not shape the weights may change
     assert (c.model.max_seq_len, c.model.n_layers, c.model.vocab_size) == (128, 4, 512)
+
+
+def test_bfloat16_checkpoints_load_into_float32_parameters(tmp_path):
+    """Real LLaMA checkpoints are bfloat16 (which the safetensors package's numpy reader lacks):
+    a bfloat16 export reads back as the bfloat16-rounded float32 parameters."""
+    import ml_dtypes
+
+    m, params = load_single(fixture("llama_gqa"))
+    half = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), params)
+    hf_checkpoint.write_hf(str(tmp_path), half, m)
+    assert json.load(open(tmp_path / "config.json"))["torch_dtype"] == "bfloat16"
+    _, back = load_single(str(tmp_path), sharded=True)
+    jax.tree.map(lambda b, h: np.testing.assert_array_equal(np.asarray(b),
+                                                            h.astype(np.float32)), back, half)
