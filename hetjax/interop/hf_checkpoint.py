@@ -108,9 +108,14 @@ def _read_leaf(st: SafetensorsDir, leaf: _Leaf, layer: int | None, index: tuple)
     return a.transpose(leaf.perm)
 
 
-def load_params(directory: str, m, target) -> tuple[dict, SafetensorsDir]:
-    """The natural parameter tree for ModelConfig `m` from the HF directory, each leaf placed
-    as `target`'s (a tree of ShapeDtypeStructs with shardings); also the reader (bytes_read)."""
+def load_params(directory: str, m, target, stages=None) -> tuple[dict, SafetensorsDir]:
+    """The parameter tree for ModelConfig `m` from the HF directory, each leaf placed as
+    `target`'s (a tree of ShapeDtypeStructs with shardings); also the reader (bytes_read).
+
+    `target` is the natural tree, or with `stages` = (layer_ids, shared_on_first) the SPMD
+    pipeline's stage-stacked one: block leaves [pp, slots, ...] where layer_ids[s, j] is the
+    global layer + 1 in stage s's slot j (0: a padded slot, zeros), and, when shared_on_first,
+    embedding / final norm / head leaves [pp, ...] real on stage 0 and zero elsewhere."""
     st = SafetensorsDir(directory)
     has_head = "lm_head" in target
     if has_head and "lm_head.weight" not in st.entries:
@@ -127,10 +132,25 @@ def load_params(directory: str, m, target) -> tuple[dict, SafetensorsDir]:
         leaf, cache = spec[_path(keypath)], {}
         block = _path(keypath)[:2] == ("layers", "block")
 
+        def staged(index):
+            """A shard of a stage-stacked leaf: only the real layers (stages) it covers."""
+            if block:
+                ids = stages[0][index[0], index[1]]
+                out = np.zeros(ids.shape + _shape(t.shape[2:], index[2:]), t.dtype)
+                for pos in zip(*np.nonzero(ids)):
+                    out[pos] = _read_leaf(st, leaf, int(ids[pos]) - 1, index[2:])
+                return out
+            out = np.zeros(_shape(t.shape, index), t.dtype)
+            if 0 in range(*index[0].indices(t.shape[0])):
+                out[0] = _read_leaf(st, leaf, None, index[1:])
+            return out
+
         def shard(index):
             key = tuple((s.start, s.stop, s.step) for s in index)
             if key not in cache:  # replicas of one shard on this process are read once
-                if block:
+                if stages is not None and (block or stages[1]):
+                    cache[key] = staged(index)
+                elif block:
                     layers = range(*index[0].indices(t.shape[0]))
                     cache[key] = np.stack([_read_leaf(st, leaf, i, index[1:]) for i in layers])
                 else:
@@ -142,10 +162,27 @@ def load_params(directory: str, m, target) -> tuple[dict, SafetensorsDir]:
     return jax.tree_util.tree_map_with_path(build, target), st
 
 
+def _shape(shape, index) -> tuple:
+    return tuple(len(range(*s.indices(n))) for n, s in zip(shape, index))
+
+
 def init_from_hf(executor, state, directory: str, m):
     """`state` (fresh, the executor's layout) with its parameters replaced by the HF
-    checkpoint's; optimizer moments and step stay as initialised. Returns (state, reader)."""
+    checkpoint's; optimizer moments and step stay as initialised. Returns (state, reader).
+
+    The SPMD pipeline's stage-stacked parameters are read in place, so a process reads only
+    its own stages' layers; other executors' parameters through the natural layout."""
+    from parallel.pipeline import StageLayout, _stacks_shared, stack_layers
+
     layout = executor.checkpoint_layout(state)
+    if isinstance(layout, StageLayout):
+        plan = layout.plan
+        # Stage s's slot j holds global layer ids[s, j] - 1 (0: padding), as to_stages lays out.
+        ids = stack_layers(np.arange(1, m.n_layers + 1), plan)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                             sharding=x.sharding), state.params)
+        params, st = load_params(directory, m, target, (ids, _stacks_shared(plan)))
+        return dataclasses.replace(state, params=params), st
     natural = layout.to_natural(state)
     target = layout.natural_target().params
     params, st = load_params(directory, m, target)
