@@ -28,6 +28,8 @@ commands:
   launch     run training as several processes: --local N, --hostfile FILE or --slurm
   topology   print the topology a config describes
   tokenizer  train a SentencePiece tokenizer on the config's corpus
+  export     write a checkpoint as a HuggingFace directory: --format=hf --checkpoint=WORKDIR
+             --out=DIR (config.json, safetensors, tokenizer files)
   testbed    emulate the topology on this machine (root): up | measure | smoke | run | down
   help       show this message
 
@@ -511,7 +513,38 @@ def cmd_calibrate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
+EXPORT_USAGE = """usage: hetjax export --format=hf --checkpoint=PATH --out=DIR [--max_shard_mb=N]
+
+Write a hetjax checkpoint (from any plan) as a directory transformers loads as it is:
+config.json, model.safetensors (sharded with an index above --max_shard_mb, default 2048) and
+the tokenizer files of the run (its model.init_from directory, or data.tokenizer).
+--checkpoint is a run's workdir (its newest checkpoint), its checkpoints/ directory, or one
+step directory in it.
+"""
+
+
+def cmd_export(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(EXPORT_USAGE)
+        return 0
+    opts, rest = _take_options(argv, ("format", "checkpoint", "out", "max_shard_mb"))
+    if rest or not opts.get("checkpoint") or not opts.get("out"):
+        raise HetjaxError(f"hetjax export needs --checkpoint=PATH and --out=DIR"
+                          f"{' (not ' + ' '.join(rest) + ')' if rest else ''}\n{EXPORT_USAGE}")
+    if opts.get("format", "hf") != "hf":
+        raise HetjaxError(f"--format={opts['format']}: the one export format is hf")
+    mb = opts.get("max_shard_mb", "2048")
+    if not mb.isdigit() or int(mb) < 1:
+        raise HetjaxError(f"--max_shard_mb={mb} is not a whole number >= 1; use e.g. 2048")
+    from hetjax.interop.hf_checkpoint import export_checkpoint
+
+    files = export_checkpoint(opts["checkpoint"], opts["out"], max_shard_bytes=int(mb) << 20)
+    print(f"wrote {opts['out']}: {', '.join(files)}\nload it: "
+          f"transformers.AutoModelForCausalLM.from_pretrained({opts['out']!r})")
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
             "topology": cmd_topology, "tokenizer": cmd_tokenizer, "testbed": cmd_testbed}
 
 

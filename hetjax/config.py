@@ -30,6 +30,7 @@ REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py IMPLEMENTATIONS
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
+ROPE_TYPES = ("default", "linear", "llama3")  # hetjax.interop.hf_config's, layers/embeddings'
 BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
 
 
@@ -60,6 +61,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "auto"
     c.model.attention = "auto"
     c.model.loss_chunk_tokens = 0
+    c.model.head_dim = 0
+    c.model.rope_type = "default"
+    c.model.rope_factor = 1.0
+    c.model.rope_low_freq_factor = 1.0
+    c.model.rope_high_freq_factor = 4.0
+    c.model.rope_original_max_len = 8192
+    c.model.qkv_bias = False
+    c.model.preset = ""
+    c.model.init_from = ""
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.pp = 1
@@ -166,7 +176,7 @@ DESCRIPTIONS: dict[str, str] = {
     "model.n_kv_heads": "key/value heads: grouped-query attention; = n_heads for plain "
                         "multi-head",
     "model.d_ff": "hidden width of the SwiGLU feed-forward",
-    "model.max_seq_len": "longest sequence the rotary tables are built for",
+    "model.max_seq_len": "longest sequence the model takes (HF max_position_embeddings)",
     "model.rope_theta": "rotary embedding base",
     "model.norm_eps": "RMSNorm epsilon",
     "model.tie_embeddings": "share the input embedding with the output projection",
@@ -183,6 +193,18 @@ DESCRIPTIONS: dict[str, str] = {
                                "per device, each recomputed in the backward, so the float32 "
                                "logits [tokens, vocab] are never whole; 0: in one piece (the "
                                "single-program step, pp = 1)",
+    "model.head_dim": "width of one attention head; 0: d_model / n_heads",
+    "model.rope_type": "RoPE frequency scaling as transformers: default | linear | llama3",
+    "model.rope_factor": "RoPE scaling factor (linear, llama3)",
+    "model.rope_low_freq_factor": "llama3 RoPE scaling: low_freq_factor",
+    "model.rope_high_freq_factor": "llama3 RoPE scaling: high_freq_factor",
+    "model.rope_original_max_len": "llama3 RoPE scaling: original_max_position_embeddings",
+    "model.qkv_bias": "biases on the query/key/value projections (Qwen2)",
+    "model.preset": "a published architecture (hetjax.interop.hf_config.PRESETS: tinyllama_1b, "
+                    "llama2_7b, llama3_8b, llama3_1_8b, llama3_2_1b, mistral_7b, qwen2_0_5b); "
+                    "sets the architecture fields, explicit --config.model.* overrides win",
+    "model.init_from": "a HuggingFace model directory (config.json + *.safetensors): its "
+                       "architecture, and its weights as the starting parameters",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -313,7 +335,32 @@ def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigD
                               f"--config.{field}={_get(base_config(), field)!r}") from None
         raise HetjaxError(f"could not read the config {path or '(defaults)'}: {detail}") from None
     check_fields(fv.config)
+    # A preset or an HF directory gives the architecture; a model field the file changed from
+    # its default or an override names explicitly still wins.
+    base = base_config().model
+    keep = set(latest) | {f"model.{k}" for k in base.keys() if cfg.model[k] != base[k]}
+    apply_model_source(fv.config, keep)
     return fv.config
+
+
+def apply_model_source(c, keep=()) -> None:
+    """Set the architecture fields (hetjax.interop.hf_config.ARCH_FIELDS) from model.preset or
+    the config.json of model.init_from, except the dotted fields in `keep`. `load_config` calls
+    it; call it on a config built in Python after setting either field."""
+    m = c.model
+    if not m.preset and not m.init_from:
+        return
+    from hetjax.interop import hf_config
+
+    _require(not (m.preset and m.init_from), "model.preset",
+             f"{m.preset!r} is set and so is model.init_from = {m.init_from!r}",
+             "set only model.init_from: the checkpoint's config.json gives the architecture")
+    fields = (hf_config.preset_fields(m.preset) if m.preset else
+              hf_config.model_fields(hf_config.read_config_json(m.init_from),
+                                     "model.init_from"))
+    for k, v in fields.items():
+        if f"model.{k}" not in keep:
+            m[k] = v
 
 
 def _load_file(path: str) -> ml_collections.ConfigDict:
@@ -495,12 +542,51 @@ def validate(c) -> None:
         _positive_int(c, f, ex)
     _require(m.vocab_size >= 0, "model.vocab_size", f"must be >= 0, got {m.vocab_size}",
              "set 0 to size it from the tokenizer")
-    _require(m.d_model % m.n_heads == 0, "model.d_model",
-             f"{m.d_model} is not divisible by model.n_heads = {m.n_heads}",
-             f"make d_model a multiple of n_heads, e.g. {m.n_heads * max(1, m.d_model // m.n_heads)}")
-    _require((m.d_model // m.n_heads) % 2 == 0, "model.d_model",
-             f"head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd; rotary "
-             "embeddings rotate pairs of dimensions", "choose d_model / n_heads even")
+    _require(m.head_dim >= 0, "model.head_dim", f"must be >= 0, got {m.head_dim}",
+             "set 0 for d_model / n_heads, or the checkpoint's head_dim")
+    if m.head_dim == 0:
+        _require(m.d_model % m.n_heads == 0, "model.d_model",
+                 f"{m.d_model} is not divisible by model.n_heads = {m.n_heads}",
+                 f"make d_model a multiple of n_heads, e.g. "
+                 f"{m.n_heads * max(1, m.d_model // m.n_heads)}, or set model.head_dim")
+        _require((m.d_model // m.n_heads) % 2 == 0, "model.d_model",
+                 f"head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd; rotary "
+                 "embeddings rotate pairs of dimensions", "choose d_model / n_heads even")
+    else:
+        _require(m.head_dim % 2 == 0, "model.head_dim", f"{m.head_dim} is odd; rotary "
+                 "embeddings rotate pairs of dimensions", "choose an even head_dim")
+    _require(m.rope_type in ROPE_TYPES, "model.rope_type", f"unknown type {m.rope_type!r}",
+             f"choose one of {', '.join(ROPE_TYPES)}")
+    if m.rope_type != "default":
+        _require(m.rope_factor > 0, "model.rope_factor", f"must be > 0, got {m.rope_factor}",
+                 "use the checkpoint's rope_scaling.factor, e.g. 8.0")
+    if m.rope_type == "llama3":
+        _require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+                 "model.rope_high_freq_factor",
+                 f"must exceed model.rope_low_freq_factor = {m.rope_low_freq_factor} (> 0), "
+                 f"got {m.rope_high_freq_factor}", "use Llama 3.1's 4.0 and 1.0")
+        _positive_int(c, "model.rope_original_max_len", 8192)
+    _require(not (m.preset and m.init_from), "model.preset",
+             f"{m.preset!r} is set and so is model.init_from = {m.init_from!r}",
+             "set only model.init_from: the checkpoint's config.json gives the architecture")
+    if m.preset:
+        from hetjax.interop.hf_config import preset_fields
+
+        preset_fields(m.preset)  # an unknown name is one error listing the presets
+    _require(not m.init_from or os.path.isdir(os.path.expanduser(m.init_from)),
+             "model.init_from", f"{m.init_from!r} is not a directory",
+             "give a HuggingFace model directory (config.json + *.safetensors)")
+    if m.init_from:
+        from hetjax.interop import hf_config
+
+        # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
+        # scaling or max_seq_len, a run may change on purpose).
+        hf = hf_config.model_fields(hf_config.read_config_json(m.init_from), "model.init_from")
+        for k in hf_config.SHAPE_FIELDS:
+            _require(m[k] == hf[k], f"model.{k}",
+                     f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
+                     f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
+                     "in Python call hetjax.config.apply_model_source(config))")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "

@@ -65,9 +65,12 @@ def learning_rate_schedule(t) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """Weight decay on matrices only: not on norm scales."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+    """Weight decay on matrices only: not on norm scales or projection biases."""
+    def decays(path, _):
+        key = getattr(path[-1], "key", None) or ""
+        return key != "scale" and not key.endswith("_bias")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -276,8 +279,20 @@ class Trainer:
         self._state = value
 
     def init_state(self):
-        """Fresh parameters from train.seed, created directly in their shardings."""
-        return self.executor.init_state(self.config.train.seed)
+        """Fresh parameters from train.seed, created directly in their shardings; with
+        model.init_from, the parameters of that HuggingFace checkpoint instead (each process
+        reads only the slices its devices hold)."""
+        state = self.executor.init_state(self.config.train.seed)
+        if self.config.model.init_from:
+            from hetjax.interop.hf_checkpoint import init_from_hf
+
+            state, reader = init_from_hf(self.executor, state, self.config.model.init_from,
+                                         self.model_cfg)
+            self.init_from_bytes = reader.bytes_read
+            if not self.quiet:
+                print(f"hetjax: model.init_from: process {jax.process_index()} read "
+                      f"{reader.bytes_read} bytes of {self.config.model.init_from}", flush=True)
+        return state
 
     @property
     def params(self):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from layers import attention_kernels
 from layers.config import ModelConfig
-from layers.embeddings import apply_rotary, rotary_tables
+from layers.embeddings import apply_rotary, rope_frequencies, rotary_tables
 
 
 def dense_init(scale: float = 1.0, in_axis=-2, out_axis=-1):
@@ -41,13 +41,21 @@ class Attention(nn.Module):
                     dense_init(1.0 / (2 * cfg.n_layers), in_axis=(0, 1), out_axis=2))
 
         x = x.astype(dtype)
-        q = nn.with_logical_constraint(jnp.einsum("bld,dnh->blnh", x, wq),
-                                       ("batch", "length", "heads", "head_dim"))
-        k = nn.with_logical_constraint(jnp.einsum("bld,dnh->blnh", x, wk),
-                                       ("batch", "length", "kv_heads", "head_dim"))
-        v = nn.with_logical_constraint(jnp.einsum("bld,dnh->blnh", x, wv),
-                                       ("batch", "length", "kv_heads", "head_dim"))
-        cos, sin = rotary_tables(jnp.arange(x.shape[1]), h, cfg.rope_theta)
+        q = jnp.einsum("bld,dnh->blnh", x, wq)
+        k = jnp.einsum("bld,dnh->blnh", x, wk)
+        v = jnp.einsum("bld,dnh->blnh", x, wv)
+        if cfg.qkv_bias:  # Qwen2: biases on the q/k/v projections (not on the output)
+            zeros = nn.initializers.zeros_init()
+            q = q + kernel("query_bias", (cfg.n_heads, h), ("heads", "head_dim"), zeros)
+            k = k + kernel("key_bias", (cfg.n_kv_heads, h), ("kv_heads", "head_dim"), zeros)
+            v = v + kernel("value_bias", (cfg.n_kv_heads, h), ("kv_heads", "head_dim"), zeros)
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+        k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
+        inv_freq = rope_frequencies(h, cfg.rope_theta, cfg.rope_type, cfg.rope_factor,
+                                    cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                    cfg.rope_original_max_len)
+        cos, sin = rotary_tables(jnp.arange(x.shape[1]), h, cfg.rope_theta, inv_freq)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # The kernel is chosen once per trace from the devices JAX runs on (model.attention);
         # every kernel groups query heads over the kv heads (GQA), softmax in float32.

@@ -1,5 +1,11 @@
 """The model's hyper-parameters as a frozen dataclass, with its parameter and FLOP counts.
 
+The fields cover the LLaMA family as HuggingFace's `LlamaForCausalLM`, `MistralForCausalLM` and
+`Qwen2ForCausalLM` define it: grouped key/value heads, a head width that need not be
+d_model / n_heads (`head_dim`), RoPE scaling (`rope_type` 'linear' or 'llama3', with the
+parameters transformers reads from `rope_scaling`), q/k/v projection biases (Qwen2) and a tied
+or untied output head.
+
 `ModelConfig.flops_per_token` is the one FLOPs formula hetjax uses: for MFU in the trainer and
 for compute time in the cost model.
 """
@@ -26,6 +32,21 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "auto"  # layers/attention_kernels.py: auto | xla | cudnn | pallas
     loss_chunk_tokens: int = 0  # cross-entropy in chunks of this many tokens; 0: in one piece
+    # 0: d_model // n_heads (resolved in __post_init__, so `head_dim` is always the width).
+    head_dim: int = 0
+    # RoPE frequency scaling as transformers' modeling_rope_utils: 'default' (none), 'linear'
+    # (every frequency / rope_factor) or 'llama3' (low frequencies / rope_factor, high ones
+    # kept, a smooth ramp between, from rope_low/high_freq_factor and rope_original_max_len).
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
     @staticmethod
     def from_config(m, vocab_size: int | None = None) -> "ModelConfig":
@@ -35,17 +56,19 @@ class ModelConfig:
             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff,
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-            remat=m.remat, attention=m.attention, loss_chunk_tokens=m.loss_chunk_tokens)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+            remat=m.remat, attention=m.attention, loss_chunk_tokens=m.loss_chunk_tokens,
+            head_dim=m.head_dim, rope_type=m.rope_type,
+            rope_factor=m.rope_factor, rope_low_freq_factor=m.rope_low_freq_factor,
+            rope_high_freq_factor=m.rope_high_freq_factor,
+            rope_original_max_len=m.rope_original_max_len, qkv_bias=m.qkv_bias)
 
     @property
     def layer_params(self) -> int:
         """Parameters of one decoder block."""
         d, h = self.d_model, self.head_dim
         attn = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
+        if self.qkv_bias:
+            attn += (self.n_heads + 2 * self.n_kv_heads) * h
         mlp = 3 * d * self.d_ff
         return attn + mlp + 2 * d
 

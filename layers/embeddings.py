@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -31,9 +33,32 @@ class Embed(nn.Module):
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
-def rotary_tables(positions, head_dim: int, theta: float):
-    """cos and sin tables [len, head_dim / 2] for the given integer positions."""
+def rope_frequencies(head_dim: int, theta: float, rope_type: str = "default",
+                     factor: float = 1.0, low_freq_factor: float = 1.0,
+                     high_freq_factor: float = 4.0, original_max_len: int = 8192):
+    """Inverse frequencies [head_dim / 2], scaled as transformers' `ROPE_INIT_FUNCTIONS`
+    ('default', 'linear', 'llama3'), so HF checkpoints see the rotations they were trained with."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_wavelen = original_max_len / low_freq_factor
+        high_wavelen = original_max_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor -
+                                                                    low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotary_tables(positions, head_dim: int, theta: float, inv_freq=None):
+    """cos and sin tables [len, head_dim / 2] for the given integer positions (`inv_freq`:
+    scaled frequencies from `rope_frequencies`; None = unscaled)."""
+    if inv_freq is None:
+        inv_freq = rope_frequencies(head_dim, theta)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
