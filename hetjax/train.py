@@ -476,10 +476,11 @@ class Trainer:
         png = io.BytesIO()
         plan_figure(self.plan, self.topology, self.model_cfg).savefig(png, format="png", dpi=80)
         image = base64.b64encode(png.getvalue()).decode()
-        model_line = self.describe().splitlines()[-1]
+        model_lines = [line for line in self.describe().splitlines()
+                       if line.startswith(("model:", "attention:"))]
         return (self.topology._repr_html_() + self.plan._repr_html_()
                 + f"<img src='data:image/png;base64,{image}' style='max-width:100%'/>"
-                + f"<p>{html.escape(model_line)}</p>")
+                + "".join(f"<p>{html.escape(line)}</p>" for line in model_lines))
 
     def add_hook(self, fn: Callable[[StepInfo], Any], every: int = 1, **kw) -> Hook:
         """Run `fn(info)` after every `every`-th step of `train()` / `iter_steps()` (after the
