@@ -19,6 +19,11 @@ import numpy as np
 from hetjax.errors import HetjaxError
 
 
+def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
+    """Vocabulary rounded up so the vocab axis splits evenly over tensor-parallel shards."""
+    return -(-vocab_size // multiple) * multiple
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, and 256 as the end-of-document separator."""
 

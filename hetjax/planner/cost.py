@@ -912,7 +912,7 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
 
 def model_from_config(c, vocab_size: int | None = None) -> "ModelConfig":
     """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded)."""
-    from hetjax.data import ByteTokenizer, padded_vocab
+    from hetjax.tokenizer import ByteTokenizer, padded_vocab
     from layers.config import ModelConfig
 
     return ModelConfig.from_config(
