@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-from hetjax.errors import PlanError  # noqa: E402
-from hetjax.planner import assign, cost, plan  # noqa: E402
-import numpy as np  # noqa: E402
-
-from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics,  # noqa: E402
-                                      fit_nic_bandwidth, holmes_table1,
-                                      predicted_samples_per_s)
-from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions  # noqa: E402
-from hetjax.topology import DTFM_SCENARIOS, preset  # noqa: E402
+from hetjax.errors import PlanError
+from hetjax.planner import assign, plan
+from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
+                                      holmes_table1, predicted_samples_per_s)
+from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions
+from hetjax.topology import DTFM_SCENARIOS, preset
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -116,7 +111,7 @@ def amsp(_args) -> None:
     """AMSP's setting: LLaMA 7B / 13B / 30B on 128 nodes x 8 A800 (InfiniBand assumed),
     sequence 4096, 4M tokens per step (1,024 sequences), ZeRO-only data parallelism priced
     as Megatron / DeepSpeed run it; the planner chooses the ZeRO point (and nothing else)."""
-    from hetjax.planner.search import _Search
+    from hetjax.planner.search import zero_points_by_traffic
     from hetjax.topology import Topology, make_cluster
     from layers.config import ModelConfig
 
@@ -130,8 +125,7 @@ def amsp(_args) -> None:
         result = plan(topo, model, 1024, 4096, pp=1, tp=1, options=options)
         p, pr = result.plan, result.plan.predicted
         # AMSP's own objective: the least traffic among the points that fit memory.
-        s = _Search(topo, model, 1024, 4096, options, False, False, 0)
-        for least in s.zero_points(cost.Layout.of(p), "auto"):
+        for least in zero_points_by_traffic(topo, model, 1024, 4096, p, options):
             try:
                 least_plan = plan(topo, model, 1024, 4096, pp=1, tp=1, zero=least,
                                   options=options)

@@ -33,7 +33,6 @@ import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 POINTS = [  # (label, config overrides)
     ("ddp", {"zero.preset": "ddp"}),

@@ -14,7 +14,7 @@ the layers below it, and no import circle exists anywhere:
     execution   parallel/ (the executors, mesh, ZeRO kernels,     turns a Plan into JAX programs
                 bridge, NIC environment), profile, measure
     training    hetjax/train.py, diloco.py
-    entry       cli, launch, testbed, experiments                  nothing imports them from below
+    entry       cli, launch, testbed                              nothing imports them from below
 
 Every import counts, also those inside functions (a lazy import hides a circle, it does not
 remove it); only `if TYPE_CHECKING:` blocks are skipped. Importing a module of a package from
@@ -47,8 +47,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "model": ("layers.*",),
     "execution": ("parallel.*", "hetjax.profile", "hetjax.measure"),
     "training": ("hetjax.train", "hetjax.diloco", "hetjax.hooks"),
-    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed",
-              "hetjax.experiments", "hetjax.experiments.*"),
+    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}
 

@@ -231,6 +231,15 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                       time.perf_counter() - t0)
 
 
+def zero_points_by_traffic(topology: Topology, model: "ModelConfig", global_batch: int,
+                           seq_len: int, plan_: Plan,
+                           options: CostOptions | None = None) -> list[ZeroFactors]:
+    """The ZeRO points whose model states can fit `plan_`'s layout at all, least communication
+    first (AMSP's own objective; `plan` instead keeps the fastest that fits)."""
+    s = _Search(topology, model, global_batch, seq_len, options or CostOptions(), False, False, 0)
+    return s.zero_points(Layout.of(plan_), "auto")
+
+
 class _Search:
     """The state of one search: the cost model, caches, and why candidates were dropped."""
 
@@ -612,4 +621,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["PlanResult", "plan", "bound_lines"]
+__all__ = ["PlanResult", "plan", "bound_lines", "zero_points_by_traffic"]

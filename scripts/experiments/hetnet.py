@@ -53,8 +53,8 @@ import os
 import sys
 import tempfile
 
-from hetjax.experiments import harness
-from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
+from scripts.experiments import harness
+from scripts.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
                                         Workload, accuracy_table, bar_plot, bridge_bytes,
                                         case_record, cpus_text, failures, fmt, link_table,
                                         calibrate_testbed, load_line, run_case, save_json, select,

@@ -1,4 +1,4 @@
-"""The harness the testbed experiments share (hetjax/experiments/hetnet.py, hetaccel.py;
+"""The harness the testbed experiments share (scripts/experiments/hetnet.py, hetaccel.py;
 docs/testbed.md): what is trained (`Workload`), calibrating the cost model on the emulated
 cluster the way a user calibrates theirs (`calibrate_testbed`: `hetjax calibrate` under
 `hetjax launch` on every emulated host), one configuration's run (`Case`, `run_case`; SPMD, or
