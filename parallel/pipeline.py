@@ -343,6 +343,13 @@ class Pipeline:
                                 jax.ShapeDtypeStruct(act_shape, dtype))
         return shapes, specs[0]
 
+    def new_stash(self, blocks, act_shape, dtype, layers: int):
+        """An empty stash for `layers` layers run on one [b, S, d] input (what one stash slot of
+        a stage program holds), for calling `layers_forward` / `layers_backward` directly."""
+        shapes, self._residuals = self.residual_shapes(blocks, act_shape, dtype)
+        return {"res": [jnp.zeros((layers, *r.shape), r.dtype) for r in shapes],
+                "out": jnp.zeros(act_shape, dtype)}
+
     def layers_forward(self, blocks, x, n_layers, kept, offset=None):
         """Run layers 0 .. n_layers - 1 under `jax.vjp`; kept['res'][k][i] = residual k of
         layer i's pullback (per `model.remat`), kept['out'] = the stage's output. `offset`:

@@ -99,10 +99,11 @@ def compute(max_layers: int = 8) -> None:
     x = jax.random.normal(jax.random.key(0), (2, 128, 256), jnp.float32)
     blocks, x = jax.device_put((blocks, x), jax.devices()[0])
 
+    stash = pipe.new_stash(blocks, x.shape, x.dtype, max_layers)
+
     @jax.jit
     def forward_backward(blocks, x, n_layers):
-        kept = jnp.zeros((max_layers + 1, *x.shape), x.dtype)
-        y, kept = pipe.layers_forward(blocks, x, n_layers, kept)
+        y, kept = pipe.layers_forward(blocks, x, n_layers, stash)
         return pipe.layers_backward(blocks, kept, y, n_layers,
                                     jax.tree.map(jnp.zeros_like, blocks))
 

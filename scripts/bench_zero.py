@@ -78,7 +78,7 @@ def bench_point(config, steps: int) -> dict:
 
     trainer = Trainer(config, quiet=True)
     z, zs, mesh = trainer.plan.zero, trainer.zero_specs, trainer.mesh
-    abstract = jax.eval_shape(lambda: trainer.state.params)
+    abstract = jax.eval_shape(lambda p: p, trainer.state.params)  # the state is built outside the trace
     compiled = trainer.compiled_step()
     ops = hlo.collectives(compiled.as_text(), mesh.shape)
     if trainer.pipeline:  # the tick loop's B branch runs once per micro-batch
