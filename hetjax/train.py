@@ -300,7 +300,7 @@ class Trainer:
     @property
     def pipeline(self):
         """The shard_map pipeline of an SPMD pipeline plan, else None."""
-        return getattr(self.executor, "pipeline", None)
+        return self.executor.pipeline
 
     @property
     def zero_specs(self):
@@ -363,7 +363,7 @@ class Trainer:
             # one writer per job (world 0 of a multi-world job; its other worlds read)
             self._checkpointer = hckpt.Checkpointer(
                 self.checkpoint_dir, k.every, k.keep, k.keep_best, k.async_save,
-                writer=getattr(self.executor, "writes_checkpoints", True))
+                writer=self.executor.writes_checkpoints)
         return self._checkpointer
 
     def layout(self) -> hckpt.Layout:
@@ -583,8 +583,7 @@ class Trainer:
                 aside = info.aside_s
                 if preempted.is_set() and not info.last:
                     self._stop_preempted(info.step)
-            if hasattr(self.executor, "finish"):  # worlds: peers pull our last messages first
-                self.executor.finish()
+            self.executor.finish()  # worlds: peers pull our last messages first
         finally:
             if profiler is not None:
                 profiler.stop()  # a run that ends inside the traced steps still writes it
