@@ -9,6 +9,7 @@
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench_planner.py all
+    python scripts/bench_planner.py smoke          # seconds: calibrate and allreduce
 
 Times are wall-clock on this machine, single-threaded; nothing here asserts on them.
 """
@@ -283,11 +284,11 @@ def executors(_args) -> None:
     print(table(["model", "between clusters", "executor", "chosen", "step s"], chosen))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
-                                         "assign-speed", "executors", "all"])
+                                         "assign-speed", "executors", "all", "smoke"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
@@ -295,11 +296,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
-             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed,
-                     executors]}[args.what]
+             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed, executors],
+             "smoke": [calibrate, allreduce]}[args.what]  # seconds: the two pure tables
     for i, step in enumerate(steps):
         if i:
             print()
