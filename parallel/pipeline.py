@@ -76,7 +76,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
+from hetjax.plan import Plan, batch_split_problem
 from layers import ModelConfig, Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
@@ -244,14 +244,9 @@ def check_plan(plan: Plan, n_layers: int) -> None:
         raise PlanError(f"pipeline stage layers {list(plan.stage_layers)} sum to "
                         f"{plan.n_layers}, but the model has {n_layers} layers. Fix: make "
                         f"pipeline.stage_layers sum to model.n_layers = {n_layers}")
-    if plan.microbatches < 1 or plan.global_batch % plan.microbatches:
-        raise PlanError(f"the batch of {plan.global_batch} sequences does not split into "
-                        f"{plan.microbatches} micro-batches. Fix: make train.batch_size a "
-                        f"multiple of pipeline.microbatches")
-    if plan.microbatch_size % plan.dp:
-        raise PlanError(f"a micro-batch of {plan.microbatch_size} sequences does not split over "
-                        f"dp = {plan.dp}. Fix: make train.batch_size a multiple of "
-                        f"microbatches x dp = {plan.microbatches * plan.dp}")
+    problem = batch_split_problem(plan.global_batch, plan.microbatches, plan.dp)
+    if problem:
+        raise PlanError("{}. Fix: {}".format(*problem))
 
 
 # --- the executor ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors, even_split
+from hetjax.plan import Plan, ZeroFactors, batch_split_problem, even_split
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, Layout,
                                  MissingLinkError, StageCost, runs_schedule)
@@ -320,7 +320,7 @@ class _Search:
     def microbatch_counts(self, dp: int, fixed: int) -> list[int]:
         """M dividing the global batch so that each micro-batch splits evenly over dp."""
         B = self.global_batch
-        counts = [M for M in _divisors(B) if (B // M) % dp == 0]
+        counts = [M for M in _divisors(B) if batch_split_problem(B, M, dp) is None]
         if fixed:
             counts = [M for M in counts if M == fixed]
         if not counts:
