@@ -22,15 +22,14 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
-from hetjax.planner.diloco import CODECS as DILOCO_CODECS
 from hetjax.plan import EXECUTORS, PLACEMENTS
 from parallel.schedules import SCHEDULES, spmd_schedules
+from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = (*EXECUTORS, "auto")  # the Plan's executors, or the planner chooses
-BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -183,9 +182,10 @@ DESCRIPTIONS: dict[str, str] = {
                           "device in a V (down, then back up; device 0 holds embedding and "
                           "head), each device's stage_layers split ceil/floor down/up | auto: "
                           "the planner prices both",
-    "pipeline.boundary_codec": f"{' | '.join(BOUNDARY_CODECS)}: activations and their gradients crossing worlds "
-                               "(MPMD stages on different clusters) as int8 with per-row "
-                               "scales, gradients with error feedback",
+    "pipeline.boundary_codec": f"{' | '.join(BOUNDARY_CODECS)}: activations and their "
+                               "gradients crossing worlds (MPMD stages on different "
+                               "clusters) as int8 with per-row scales, gradients with error "
+                               "feedback",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
     "zero.preset": "sharding of optimizer state / gradients / parameters: "
                    + " | ".join(zr.CONFIG_PRESETS),

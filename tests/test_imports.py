@@ -39,7 +39,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("hetjax.errors", "hetjax.units"),
     "core": ("hetjax.hardware", "hetjax.catalogue", "hetjax.paper_presets",
              "hetjax.testbed_presets", "hetjax.topology", "hetjax.plan", "layers", "layers.config",
-             "parallel", "parallel.schedules", "parallel.hlo"),
+             "parallel", "parallel.schedules", "parallel.hlo", "parallel.wire"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
                  "hetjax.linkcheck", "hetjax.interop", "hetjax.interop.*"),
@@ -229,11 +229,11 @@ def test_parallel_never_imports_the_planner_or_the_config(module):
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) == "planner"))
 def test_planning_uses_only_the_jax_free_modules_of_parallel(module):
-    """The planner may read parallel/'s jax-free modules (schedules, hlo: the core), nothing
+    """The planner may read parallel/'s jax-free modules (schedules, hlo, wire: the core), nothing
     else."""
     from_parallel = {n.split(".")[1] for n in all_names(module)
                      if n.startswith("parallel.")}
-    assert from_parallel <= {"schedules", "hlo"}, f"{MODULES[module]}: {from_parallel}"
+    assert from_parallel <= {"schedules", "hlo", "wire"}, f"{MODULES[module]}: {from_parallel}"
 
 
 def test_importing_the_planner_and_the_config_does_not_start_jax():

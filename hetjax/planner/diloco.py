@@ -36,9 +36,8 @@ from hetjax.errors import ConfigError
 from hetjax.hardware import Link, Topology
 from hetjax.planner.cost import ring_time
 from parallel.hlo import ring_bytes
+from parallel.wire import BITS, DILOCO_CODECS as CODECS
 
-CODECS = ("none", "int8", "int4")
-BITS = {"none": 32, "int8": 8, "int4": 4}
 SCALE_BYTES = 4  # one float32 scale per quantized row
 SLOW_LINK_GBPS = 10.0  # `hetjax plan` prices DiLoCo when sites are joined by slower links
 
