@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from hetjax.argv import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, default_job_path, take_options
 from hetjax.errors import HetjaxError, Preempted
 
 USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
@@ -50,35 +51,6 @@ def ensure_cpu_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
-def _take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
-    """Pull `--name=VALUE` / `--name VALUE` options (names without dashes) out of argv."""
-    opts, rest, i = {}, [], 0
-    while i < len(argv):
-        a = argv[i]
-        name = a[2:].split("=", 1)[0] if a.startswith("--") else None
-        if name in names:
-            if "=" in a:
-                opts[name] = a.split("=", 1)[1]
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                opts[name] = argv[i + 1]
-                i += 1
-            else:
-                raise HetjaxError(f"--{name} needs a value, e.g. --{name}=out.{name}")
-            i += 1
-            continue
-        rest.append(a)
-        i += 1
-    return opts, rest
-
-
-def default_job_path() -> str | None:
-    """configs/default.py of this checkout: the job `hetjax train` runs without --config (the
-    README's default job); None when hetjax is installed without the repository's configs."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "configs", "default.py")
-    return path if os.path.isfile(path) else None
 
 
 def _split_config_args(command: str, argv: list[str]) -> tuple[str | None, list[str]]:
@@ -351,7 +323,7 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax.planner import model_from_config, plan_from_config
     from hetjax.planner.config_plan import plan_for_config, predict_for_config, validate_layout
 
-    opts, rest = _take_options(argv, ("json", "plot"))
+    opts, rest = take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
         where = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(where) or not os.access(where, os.W_OK):
@@ -435,11 +407,6 @@ Under several processes: hetjax launch --local N --command=calibrate [--config..
 """
 
 
-# hetjax calibrate's own flags (hetjax launch --command=calibrate passes them to its workers)
-CALIBRATE_OPTIONS = ("out", "plot", "batches", "seq_lens", "sizes", "repeats", "min_sample")
-CALIBRATE_FLAGS = ("--quick",)
-
-
 def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v)
@@ -469,7 +436,8 @@ def cmd_calibrate(argv: list[str]) -> int:
     from hetjax import config as hconfig
 
     quick = "--quick" in argv
-    opts, rest = _take_options([a for a in argv if a not in CALIBRATE_FLAGS], CALIBRATE_OPTIONS)
+    opts, rest = take_options([a for a in argv if a not in CALIBRATE_FLAGS],
+                              CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
     topology = hconfig.build_topology(cfg)
     spec = _worker_spec(cfg, topology)

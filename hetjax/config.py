@@ -22,16 +22,16 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
-from hetjax.plan import PLACEMENTS
+from hetjax.plan import EXECUTORS, PLACEMENTS
 from parallel.schedules import SCHEDULES, spmd_schedules
+from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py IMPLEMENTATIONS
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
+PIPELINE_EXECUTORS = (*EXECUTORS, "auto")  # the Plan's executors, or the planner chooses
 ROPE_TYPES = ("default", "linear", "llama3")  # hetjax.interop.hf_config's, layers/embeddings'
-BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -210,8 +210,8 @@ DESCRIPTIONS: dict[str, str] = {
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
     "parallel.allow_straddle": "allow a TP group across nodes / a stage across clusters",
     "pipeline.stage_layers": "layers per stage, e.g. (3, 1); empty: even split",
-    "pipeline.schedule": "gpipe | 1f1b | interleaved | zb-h1 (these two: executor mpmd) | "
-                         "strands (two strands per tick)",
+    "pipeline.schedule": f"{' | '.join(SCHEDULES)} (executor spmd runs "
+                         f"{', '.join(spmd_schedules())}; strands: two strands per tick)",
     "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
                          "program per stage, stages run asynchronously; auto: the one the "
                          "planner predicts faster",
@@ -219,12 +219,13 @@ DESCRIPTIONS: dict[str, str] = {
                           "device in a V (down, then back up; device 0 holds embedding and "
                           "head), each device's stage_layers split ceil/floor down/up | auto: "
                           "the planner prices both",
-    "pipeline.boundary_codec": "none | int8: activations and their gradients crossing worlds "
-                               "(MPMD stages on different clusters) as int8 with per-row "
-                               "scales, gradients with error feedback",
+    "pipeline.boundary_codec": f"{' | '.join(BOUNDARY_CODECS)}: activations and their "
+                               "gradients crossing worlds (MPMD stages on different "
+                               "clusters) as int8 with per-row scales, gradients with error "
+                               "feedback",
     "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
-    "zero.preset": "sharding of optimizer state / gradients / parameters: ddp | zero1 | "
-                   "zero2 | zero3 | mics | auto | custom",
+    "zero.preset": "sharding of optimizer state / gradients / parameters: "
+                   + " | ".join(zr.CONFIG_PRESETS),
     "zero.s_p": "parameter shard factor (zero.preset=custom only)",
     "zero.s_g": "gradient shard factor (zero.preset=custom only)",
     "zero.s_os": "optimizer-state shard factor (zero.preset=custom only)",
@@ -280,7 +281,7 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.dir": "empty: <workdir>/checkpoints",
     "diloco.inner_steps": "DiLoCo: sites train alone for H steps between exchanges; 0: off",
     "diloco.sites": "empty: every topology cluster a site; or ('a+b', 'c') groups clusters",
-    "diloco.codec": "pseudo-gradients on the wire: none (fp32) | int8 | int4",
+    "diloco.codec": f"pseudo-gradients on the wire: {' | '.join(DILOCO_CODECS)} (none: fp32)",
     "diloco.outer_optimizer": "nesterov | sgd",
     "diloco.outer_lr": "outer optimizer learning rate",
     "diloco.outer_momentum": "outer Nesterov momentum",
@@ -795,7 +796,7 @@ def _validate_diloco(c) -> None:
     _require(isinstance(d.inner_steps, int) and d.inner_steps >= 0, "diloco.inner_steps",
              f"must be an integer >= 0, got {d.inner_steps!r}",
              "set --config.diloco.inner_steps=50 (0 turns DiLoCo off)")
-    for f, options in (("diloco.codec", ("none", "int8", "int4")),
+    for f, options in (("diloco.codec", DILOCO_CODECS),
                        ("diloco.outer_optimizer", ("nesterov", "sgd")),
                        ("diloco.inner_optimizer", ("adamw", "sgd"))):
         _require(_get(c, f) in options, f, f"unknown choice {_get(c, f)!r}",

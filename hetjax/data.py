@@ -37,13 +37,9 @@ import numpy as np
 
 from hetjax.errors import HetjaxError
 from hetjax.tokenizer import ByteTokenizer  # noqa: F401 - the default tokenizer, re-exported
+from hetjax.tokenizer import padded_vocab  # noqa: F401 - re-exported (the planner reads it there)
 
 SYNTHETIC_ROWS = 4096  # distinct synthetic rows (an epoch); fixed so runs of any length agree
-
-
-def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
-    """Vocabulary rounded up so the vocab axis splits evenly over tensor-parallel shards."""
-    return -(-vocab_size // multiple) * multiple
 
 
 # --- corpora -------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from hetjax import checkpoint as hckpt
+from hetjax.distributed import free_port
 from hetjax.errors import ConfigError
 from hetjax.hardware import Topology
 from hetjax.planner.config_plan import plan_from_config
@@ -249,8 +250,6 @@ def _bridge_addresses(site: int, n: int, timeout_s: float) -> list[str]:
     """Every site's bridge control address, agreed through the job's key-value store (the
     sites of one `jax.distributed` job have no bridge variables from the launcher)."""
     from jax._src import distributed
-
-    from hetjax.launch import free_port
 
     g = distributed.global_state
     me = f"{_own_host(g.coordinator_address)}:{free_port()}"

@@ -38,6 +38,8 @@ ENV_HEARTBEAT_TIMEOUT = "HETJAX_HEARTBEAT_TIMEOUT"  # seconds before a silent pr
 DEFAULT_INIT_TIMEOUT = 300  # JAX's default
 # JAX's default is 100 s; a dead host should stop the job sooner than that.
 DEFAULT_HEARTBEAT_TIMEOUT = 60
+DEFAULT_PORT = 8476  # the coordinator's port for remote launches (hostfile, testbed) when none is given
+BRIDGE_PORT_OFFSET = 100  # a multi-world job's bridge control ports start this far above it
 
 
 class DistributedError(HetjaxError):
@@ -334,5 +336,33 @@ def initialize(spec: WorkerSpec, fingerprint: str = "") -> None:
         shutdown_timeout_seconds=spec.heartbeat_timeout_s)
 
 
+# --- free ports (launches on one machine pick them; the DiLoCo bridge too) ----------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 free now (the bridge's control ports on one machine)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise HetjaxError(f"found no {n} consecutive free ports for the bridge")
+
+
 __all__ = ["ProcessSlot", "process_slots", "WorkerSpec", "DistributedError", "rendezvous",
-           "initialize"]
+           "initialize", "free_port", "free_port_block", "DEFAULT_PORT", "BRIDGE_PORT_OFFSET"]

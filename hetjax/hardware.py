@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetjax.errors import TopologyError
+from hetjax.units import BYTES_PER_GBIT
 
 LINK_KINDS = ("loopback", "nvlink", "pcie", "infiniband", "roce", "ethernet")
 
@@ -66,7 +67,7 @@ class Link:
     @property
     def bytes_per_s(self) -> float:
         """Achieved bandwidth: nominal times the fabric's efficiency."""
-        return self.bandwidth_gbps * 1e9 / 8 * self.efficiency
+        return self.bandwidth_gbps * BYTES_PER_GBIT * self.efficiency
 
     @property
     def latency_s(self) -> float:

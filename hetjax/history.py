@@ -4,7 +4,8 @@
 reads any workdir's `metrics.jsonl` back. `History.columns()` gives one numpy array per metric
 (NaN where a row lacks it: eval_loss exists only on evaluation rows, step_s not on the first
 row), ready for pandas (`pd.DataFrame(h.columns())`) or matplotlib. `plot_history` writes the
-`loss.png` the end of every run leaves in its workdir.
+`loss.png` the end of every run leaves in its workdir; `summary_rows` / `format_summary` render
+the end-of-run summary (the terminal table and the notebook's HTML).
 """
 
 from __future__ import annotations
@@ -135,13 +136,9 @@ class RunSummary(dict):
         self.history = history
 
     def __str__(self) -> str:
-        from hetjax.train import format_summary
-
         return format_summary(self)
 
     def _repr_html_(self) -> str:
-        from hetjax.train import summary_rows
-
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
                        f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
                        for k, v in summary_rows(self))
@@ -156,4 +153,48 @@ class RunSummary(dict):
         return out
 
 
-__all__ = ["History", "RunSummary", "plot_history", "LOSS_PNG"]
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary as (label, text) rows, for the terminal table and the notebook's HTML."""
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    if s.get("complete"):
+        rows = [("status", s["message"]), ("workdir", s["workdir"]),
+                ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}")]
+        if s.get("eval_loss") is not None:
+            rows.append(("eval loss", f"{s['eval_loss']:.4f} (held-out documents)"))
+        rows.append(("metrics", s["metrics"]))
+        if s.get("plot"):
+            rows.append(("loss curve", s["plot"]))
+        return rows
+    rows = [
+        ("steps", str(s["steps"])),
+        ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}"),
+        *([("eval loss", f"{s['eval_loss']:.4f} (held-out documents)")]
+          if s.get("eval_loss") is not None else []),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f} (after the first step)"),
+        ("MFU", f"{s['mfu']:.2%} of the topology's peak"),
+        *([("attention", s["attention"])] if s.get("attention") else []),
+        ("compile + first step", f"{num(s['compile_and_first_step_s'], '.1f')} s"),
+        ("input wait", f"{s.get('input_wait_s', 0.0) * 1e3:.2f} ms per step"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+        ("metrics", s["metrics"]),
+    ]
+    if s.get("tensorboard"):
+        rows.append(("tensorboard", s["tensorboard"]))
+    if s.get("checkpoints"):
+        rows.append(("checkpoints", s["checkpoints"]))
+    if s.get("plot"):
+        rows.append(("loss curve", s["plot"]))
+    if s.get("profile"):
+        rows.append(("profile", f"{s['profile']} (open at ui.perfetto.dev)"))
+    return rows
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    rows = summary_rows(s)
+    w = max(len(k) for k, _ in rows)
+    return "summary\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+__all__ = ["History", "RunSummary", "plot_history", "LOSS_PNG", "summary_rows", "format_summary"]

@@ -31,7 +31,6 @@ import queue
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,9 +38,12 @@ import time
 from dataclasses import dataclass
 
 from hetjax import config as hconfig
-from hetjax.distributed import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT, ENV_CLUSTER,
+from hetjax.argv import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, default_job_path, take_options
+from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
+                                DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, DistributedError,
-                                ProcessSlot, WorkerSpec, initialize, process_slots)
+                                ProcessSlot, WorkerSpec, free_port, free_port_block, initialize,
+                                process_slots)
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner import plan_from_config
@@ -50,7 +52,6 @@ from hetjax.topology import Topology
 from parallel import bridge, nic
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
-DEFAULT_PORT = 8476  # coordinator port for hostfile launches when none is given
 DEFAULT_RSH = "ssh -o BatchMode=yes {host}"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,12 +108,6 @@ class Worker:
         return self.slot.index
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def read_hostfile(path: str) -> list[str]:
     """Hosts in process order, one per line (# comments and blank lines ignored)."""
     try:
@@ -151,7 +146,7 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
                         for w in worlds]
     else:
         coordinators = world_coordinators(worlds, hosts, args.port)
-    bridge_port = (args.port or DEFAULT_PORT) + 100 if args.local is None else free_port_block(
+    bridge_port = (args.port or DEFAULT_PORT) + BRIDGE_PORT_OFFSET if args.local is None else free_port_block(
         len(hosts))
     workers = []
     for slot, host in zip(slots, hosts):
@@ -257,7 +252,7 @@ def slurm_worlds_environ(cfg, topology: Topology, env=None) -> dict[str, str]:
     port = int(env.get("JAX_COORDINATOR_PORT") or DEFAULT_PORT)
     return world_worker_env(
         topology, plan, worlds, slots[procid], world_coordinators(worlds, hosts, port), hosts,
-        port + 100, int(env.get(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)),
+        port + BRIDGE_PORT_OFFSET, int(env.get(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)),
         int(env.get(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)),
         env.get(ENV_NIC_POLICY, "cluster"))
 
@@ -269,27 +264,6 @@ def join_slurm_worlds(cfg, topology: Topology) -> None:
     if env:
         os.environ.update(env)
         os.environ.pop(ENV_CLUSTER)
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p + n - 1 free now (the bridge's control ports on one machine)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise HetjaxError(f"found no {n} consecutive free ports for the bridge")
 
 
 def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict[str, str],
@@ -591,11 +565,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args, config_args = parser().parse_known_args(argv)
     if args.command == "calibrate":  # calibrate's own flags go to every worker as given
-        from hetjax.cli import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, _take_options
-
         flags = tuple(a for a in config_args if a in CALIBRATE_FLAGS)  # --quick
-        opts, config_args = _take_options([a for a in config_args if a not in flags],
-                                          CALIBRATE_OPTIONS)
+        opts, config_args = take_options([a for a in config_args if a not in flags],
+                                         CALIBRATE_OPTIONS)
         args.worker_options = flags + tuple(f"--{k}={v}" for k, v in opts.items())
     stray = [a for a in config_args if not a.startswith("--config")]
     if stray:
@@ -611,8 +583,6 @@ def main(argv: list[str]) -> int:
     for name in ("init_timeout", "heartbeat_timeout"):
         if getattr(args, name) <= 0:
             raise HetjaxError(f"--{name.replace('_', '-')} must be a positive number of seconds")
-    from hetjax.cli import default_job_path  # the workers' `hetjax train` reads the same job
-
     cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
                                     if a.startswith("--config=")), None) or default_job_path(),
                               [a for a in config_args if a.startswith("--config.")])

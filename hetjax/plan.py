@@ -315,6 +315,21 @@ def comparison_table(plans: list["Plan"]) -> str:
 _fmt_seconds = seconds
 
 
+def batch_split_problem(global_batch: int, microbatches: int, dp: int
+                        ) -> tuple[str, str] | None:
+    """(problem, fix) when `global_batch` sequences do not split into `microbatches` equal
+    micro-batches that each split evenly over `dp` replicas; None when they do. The one rule
+    that config validation, the planner's search and the pipeline executor all apply."""
+    if microbatches < 1 or global_batch % microbatches:
+        return (f"the batch of {global_batch} sequences does not split into {microbatches} "
+                "micro-batches", "make train.batch_size a multiple of pipeline.microbatches")
+    if (global_batch // microbatches) % dp:
+        return (f"each of the {microbatches} micro-batches has {global_batch // microbatches} "
+                f"sequences, not divisible by dp = {dp}",
+                f"make train.batch_size a multiple of microbatches x dp = {microbatches * dp}")
+    return None
+
+
 def even_split(n_layers: int, stages: int) -> tuple[int, ...]:
     """Layers per stage as even as possible, earlier stages taking the remainder."""
     q, r = divmod(n_layers, stages)

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from hetjax.distributed import DEFAULT_PORT
 from hetjax.errors import HetjaxError
 from hetjax.topology import Link, Topology
 
@@ -61,7 +62,6 @@ CFS_PERIOD_US = 100_000
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
 STATE_ROOT = tempfile.gettempdir()
 IFACE = "eth0"
-LAUNCH_PORT = 8476  # coordinator port of the first launch in a testbed (hosts have own stacks)
 
 
 # --- the emulated cluster as plain data (no root needed) -----------------------------------------
@@ -668,7 +668,7 @@ class Testbed:
         return p
 
     def launch_args(self, order: Sequence[str] | None = None,
-                    port: int = LAUNCH_PORT) -> list[str]:
+                    port: int = DEFAULT_PORT) -> list[str]:
         """`hetjax launch` flags that run one worker per emulated host: a hostfile of host
         names (topology node order, or `order`), the rsh script, process 0's address on the
         emulated network as coordinator, and this checkout and python on every host."""
@@ -696,7 +696,7 @@ class Testbed:
         stops the job after `timeout` s; the launcher itself is stopped at teardown.
         Pass stdout/stderr as for subprocess.Popen."""
         # A fresh coordinator port per launch: the previous job's sockets may linger.
-        port = port or LAUNCH_PORT + self._launches
+        port = port or DEFAULT_PORT + self._launches
         argv = [sys.executable, "-m", "hetjax", "launch",
                 *self.launch_args(order, port), "--timeout", f"{timeout:g}",
                 *launch_flags, *config_args]

@@ -46,6 +46,11 @@ HF_BOS = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
 HF_EOS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]")
 
 
+def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
+    """Vocabulary rounded up so the vocab axis splits evenly over tensor-parallel shards."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def _optional(module: str, extra: str):
     """Import an optional dependency, or say which extra installs it."""
     import importlib

@@ -43,7 +43,7 @@ from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import ConfigError, HetjaxError, Preempted
-from hetjax.history import LOSS_PNG, History, RunSummary
+from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
 from hetjax.planner import check_placement, plan_from_config
@@ -326,7 +326,7 @@ class Trainer:
     @property
     def pipeline(self):
         """The shard_map pipeline of an SPMD pipeline plan, else None."""
-        return getattr(self.executor, "pipeline", None)
+        return self.executor.pipeline
 
     @property
     def zero_specs(self):
@@ -391,7 +391,7 @@ class Trainer:
             # one writer per job (world 0 of a multi-world job; its other worlds read)
             self._checkpointer = hckpt.Checkpointer(
                 self.checkpoint_dir, k.every, k.keep, k.keep_best, k.async_save,
-                writer=getattr(self.executor, "writes_checkpoints", True))
+                writer=self.executor.writes_checkpoints)
         return self._checkpointer
 
     def layout(self) -> hckpt.Layout:
@@ -629,8 +629,7 @@ class Trainer:
                 aside = info.aside_s
                 if preempted.is_set() and not info.last:
                     self._stop_preempted(info.step)
-            if hasattr(self.executor, "finish"):  # worlds: peers pull our last messages first
-                self.executor.finish()
+            self.executor.finish()  # worlds: peers pull our last messages first
         finally:
             if profiler is not None:
                 profiler.stop()  # a run that ends inside the traced steps still writes it
@@ -745,50 +744,6 @@ def _drop_metrics_after(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     os.replace(tmp, path)
-
-
-def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """The summary as (label, text) rows, for the terminal table and the notebook's HTML."""
-    def num(v, fmt):
-        return format(v, fmt) if v is not None else "-"
-
-    if s.get("complete"):
-        rows = [("status", s["message"]), ("workdir", s["workdir"]),
-                ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}")]
-        if s.get("eval_loss") is not None:
-            rows.append(("eval loss", f"{s['eval_loss']:.4f} (held-out documents)"))
-        rows.append(("metrics", s["metrics"]))
-        if s.get("plot"):
-            rows.append(("loss curve", s["plot"]))
-        return rows
-    rows = [
-        ("steps", str(s["steps"])),
-        ("loss", f"{num(s['first_loss'], '.4f')} -> {num(s['final_loss'], '.4f')}"),
-        *([("eval loss", f"{s['eval_loss']:.4f} (held-out documents)")]
-          if s.get("eval_loss") is not None else []),
-        ("tokens/s", f"{s['tokens_per_s']:,.0f} (after the first step)"),
-        ("MFU", f"{s['mfu']:.2%} of the topology's peak"),
-        *([("attention", s["attention"])] if s.get("attention") else []),
-        ("compile + first step", f"{num(s['compile_and_first_step_s'], '.1f')} s"),
-        ("input wait", f"{s.get('input_wait_s', 0.0) * 1e3:.2f} ms per step"),
-        ("wall time", f"{s['wall_s']:.1f} s"),
-        ("metrics", s["metrics"]),
-    ]
-    if s.get("tensorboard"):
-        rows.append(("tensorboard", s["tensorboard"]))
-    if s.get("checkpoints"):
-        rows.append(("checkpoints", s["checkpoints"]))
-    if s.get("plot"):
-        rows.append(("loss curve", s["plot"]))
-    if s.get("profile"):
-        rows.append(("profile", f"{s['profile']} (open at ui.perfetto.dev)"))
-    return rows
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    rows = summary_rows(s)
-    w = max(len(k) for k, _ in rows)
-    return "summary\n" + "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
 __all__ = ["Trainer", "TrainState", "Hook", "StepInfo", "make_optimizer", "opt_state_specs",

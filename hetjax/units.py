@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 MICRO = "\u00b5"  # µ
+BYTES_PER_GBIT = 1e9 / 8  # bytes a second of a link quoted at 1 Gb/s (hardware, cost model)
 
 
 def _sig(x: float, digits: int = 3) -> str:

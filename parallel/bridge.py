@@ -53,6 +53,7 @@ from typing import Sequence
 import numpy as np
 
 from hetjax.errors import HetjaxError
+from parallel.wire import BOUNDARY_CODECS as CODECS  # pipeline.boundary_codec
 
 ENV_BRIDGE_RANK = "HETJAX_BRIDGE_RANK"
 ENV_BRIDGE_HOSTS = "HETJAX_BRIDGE_HOSTS"
@@ -60,7 +61,6 @@ ENV_BRIDGE_PORT = "HETJAX_BRIDGE_PORT"
 ENV_BRIDGE_TRANSPORT = "HETJAX_BRIDGE_TRANSPORT"
 ENV_BRIDGE_TIMEOUT = "HETJAX_BRIDGE_TIMEOUT"
 TRANSPORTS = ("transfer", "socket")
-CODECS = ("none", "int8")  # pipeline.boundary_codec
 _COMPRESSED = ("activation", "gradient")  # the kinds a codec applies to
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_IN_FLIGHT = 4

@@ -13,7 +13,8 @@ and what `scripts/bench_zero.py` sums.
 Bytes are the collective's full buffer V as cost models count it: the all-gather's result, the
 reduce-scatter's operand, the all-reduce's buffer. `traffic` converts V to bytes each device
 sends under the ring model: (p - 1) / p * V for all-gather and reduce-scatter, twice that for
-all-reduce.
+all-reduce. `ring_steps` / `ring_bytes` are those formulas, the one definition the planner's
+collective times (hetjax/planner/collectives.py) and DiLoCo's pricing use too.
 
 `loop_carry(hlo, trip_count)` lists the per-device arrays a while loop carries and whether each
 iteration updates them (a gradient accumulator) or passes them through (loop invariants).
@@ -31,6 +32,22 @@ import numpy as np
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+# Steps of a ring collective over p members; each moves V / p per member.
+_RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1,
+               "all_gather": lambda p: p - 1}
+
+
+def ring_steps(op: str, p: int) -> int:
+    """Steps of the ring algorithm: 2(p-1) for an all-reduce, p-1 for a reduce-scatter or an
+    all-gather (`op` in either spelling: all_reduce or HLO's all-reduce)."""
+    return _RING_STEPS[op.replace("-", "_")](p)
+
+
+def ring_bytes(op: str, nbytes: float, p: int) -> float:
+    """Bytes each of p members sends in a ring collective of buffer V = nbytes."""
+    return ring_steps(op, p) / p * nbytes
+
 
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (" + "|".join(KINDS) +
@@ -58,11 +75,8 @@ class Collective:
     @property
     def traffic(self) -> float:
         """Bytes one device sends per execution under the ring model."""
-        p = self.group_size
-        if self.kind in ("all-gather", "reduce-scatter"):
-            return (p - 1) / p * self.nbytes
-        if self.kind == "all-reduce":
-            return 2 * (p - 1) / p * self.nbytes
+        if self.kind in ("all-gather", "reduce-scatter", "all-reduce"):
+            return ring_bytes(self.kind, self.nbytes, self.group_size)
         return float(self.nbytes)
 
     def describe(self) -> str:
@@ -257,5 +271,5 @@ def totals(ops: list[Collective], axes=None) -> dict[tuple[str, tuple[str, ...]]
     return dict(out)
 
 
-__all__ = ["Collective", "KINDS", "collectives", "with_branch_runs", "totals", "array_bytes",
+__all__ = ["Collective", "KINDS", "ring_steps", "ring_bytes", "collectives", "with_branch_runs", "totals", "array_bytes",
            "loop_carry", "computations"]

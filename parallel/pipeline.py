@@ -76,7 +76,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
+from hetjax.plan import Plan, batch_split_problem
 from layers import ModelConfig, Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
@@ -244,14 +244,9 @@ def check_plan(plan: Plan, n_layers: int) -> None:
         raise PlanError(f"pipeline stage layers {list(plan.stage_layers)} sum to "
                         f"{plan.n_layers}, but the model has {n_layers} layers. Fix: make "
                         f"pipeline.stage_layers sum to model.n_layers = {n_layers}")
-    if plan.microbatches < 1 or plan.global_batch % plan.microbatches:
-        raise PlanError(f"the batch of {plan.global_batch} sequences does not split into "
-                        f"{plan.microbatches} micro-batches. Fix: make train.batch_size a "
-                        f"multiple of pipeline.microbatches")
-    if plan.microbatch_size % plan.dp:
-        raise PlanError(f"a micro-batch of {plan.microbatch_size} sequences does not split over "
-                        f"dp = {plan.dp}. Fix: make train.batch_size a multiple of "
-                        f"microbatches x dp = {plan.microbatches * plan.dp}")
+    problem = batch_split_problem(plan.global_batch, plan.microbatches, plan.dp)
+    if problem:
+        raise PlanError("{}. Fix: {}".format(*problem))
 
 
 # --- the executor ------------------------------------------------------------------------------
@@ -348,6 +343,13 @@ class Pipeline:
     def _bound_layer(self, seg):
         """The layer function of (params, input) with the micro-batch's segment ids bound."""
         return lambda p, h: self._layer_fn(p, h, seg)
+
+    def new_stash(self, blocks, act_shape, dtype, layers: int):
+        """An empty stash for `layers` layers run on one [b, S, d] input (what one stash slot of
+        a stage program holds), for calling `layers_forward` / `layers_backward` directly."""
+        shapes, self._residuals = self.residual_shapes(blocks, act_shape, dtype)
+        return {"res": [jnp.zeros((layers, *r.shape), r.dtype) for r in shapes],
+                "out": jnp.zeros(act_shape, dtype)}
 
     def layers_forward(self, blocks, x, n_layers, kept, seg=None, offset=None):
         """Run layers 0 .. n_layers - 1 under `jax.vjp`; kept['res'][k][i] = residual k of

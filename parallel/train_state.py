@@ -65,7 +65,11 @@ class Executor(abc.ABC):
     """Runs training steps of `model_cfg` under `plan` on `topology`'s devices.
 
     `tx` is the optimizer and `lr_schedule` its learning rate per step (reported as a metric).
+    Everything the Trainer calls is declared here; the optional parts have defaults.
     """
+
+    pipeline = None  # the SPMD pipeline executor's shard_map `Pipeline`; None elsewhere
+    writes_checkpoints = True  # False where another process of the job writes them (worlds)
 
     def __init__(self, plan: Plan, topology: Topology, model_cfg: ModelConfig,
                  tx: optax.GradientTransformation, lr_schedule: optax.Schedule):
@@ -131,6 +135,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def eval_loss(self, state, batch: dict[str, np.ndarray]) -> float:
         """Mean loss of `state`'s parameters on a host global batch (no update)."""
+
+    def finish(self) -> None:
+        """After the last step, before the process ends (worlds: until the peers pulled this
+        process's last messages). Nothing to do by default."""
 
     def describe(self) -> str:
         """Lines about the execution (schedule, stages) for `Trainer.describe`; may be ''."""

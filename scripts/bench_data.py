@@ -12,7 +12,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetjax.cli import ensure_cpu_devices  # noqa: E402
 from hetjax.config import build_topology, load_config  # noqa: E402

@@ -44,7 +44,6 @@ if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated device
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=6").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def three_sites(mbps: float, ms: float, devices: int = 2):
@@ -98,8 +97,8 @@ def testbed(args):
     `hetjax launch` there (one `hetjax train` process a host): synchronous DP (the plan's dp=3
     all-reduce every step) and DiLoCo (hetjax/diloco.py, the exchange across processes).
     Step time from the trainer's metrics, bytes from the hosts' htb counters, the machine's
-    load recorded per run (hetjax.experiments.harness)."""
-    from hetjax.experiments.harness import CpuWatch, load_line, wait_for_quiet
+    load recorded per run (scripts.experiments.harness)."""
+    from scripts.experiments.harness import CpuWatch, load_line, wait_for_quiet
     from hetjax.testbed import Testbed, parse_cpus
     from hetjax.topology import Link, Topology, make_cluster
 

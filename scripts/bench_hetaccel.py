@@ -3,17 +3,15 @@
     sudo python scripts/bench_hetaccel.py                 # the tables, docs/img/bench_hetaccel.png
     sudo python scripts/bench_hetaccel.py --steps 5 --out /tmp/x.png    # a quicker look
 
-The experiment is hetjax/experiments/hetaccel.py (its docstring says what runs and how it is
+The experiment is scripts/experiments/hetaccel.py (its docstring says what runs and how it is
 predicted); this file is its command line.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetjax.errors import HetjaxError  # noqa: E402
-from hetjax.experiments.hetaccel import main  # noqa: E402
+from scripts.experiments.hetaccel import main  # noqa: E402
 
 if __name__ == "__main__":
     try:

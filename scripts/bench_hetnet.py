@@ -3,16 +3,14 @@
     sudo python scripts/bench_hetnet.py                   # the tables, docs/img/bench_hetnet.png
     sudo python scripts/bench_hetnet.py --steps 4 --out /tmp/x.png   # a quicker look
 
-The experiment is hetjax/experiments/hetnet.py (its docstring says what runs and how it is
+The experiment is scripts/experiments/hetnet.py (its docstring says what runs and how it is
 predicted); this file is its command line.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetjax.experiments.hetnet import main  # noqa: E402
+from scripts.experiments.hetnet import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,8 @@ compute per stage, and the schedule timeline plots.
     python scripts/bench_pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
     python scripts/bench_pipeline.py folded     # modelled step time, looped vs folded placement
     python scripts/bench_pipeline.py folded-memory  # compiled temp memory, looped vs folded
-    python scripts/bench_pipeline.py            # all
+    python scripts/bench_pipeline.py smoke      # tiny versions of time, compute, plots (seconds)
+    python scripts/bench_pipeline.py            # all but folded, folded-memory and smoke
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
 the executor's own stage code; timings on a shared CPU are noisy, so each is the best of
@@ -23,7 +24,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetjax.cli import ensure_cpu_devices  # noqa: E402
 
@@ -100,10 +100,11 @@ def compute(max_layers: int = 8) -> None:
     x = jax.random.normal(jax.random.key(0), (2, 128, 256), jnp.float32)
     blocks, x = jax.device_put((blocks, x), jax.devices()[0])
 
+    stash = pipe.new_stash(blocks, x.shape, x.dtype, max_layers)
+
     @jax.jit
     def forward_backward(blocks, x, n_layers):
-        kept = jnp.zeros((max_layers + 1, *x.shape), x.dtype)
-        y, kept = pipe.layers_forward(blocks, x, n_layers, kept)
+        y, kept = pipe.layers_forward(blocks, x, n_layers, stash)
         return pipe.layers_backward(blocks, kept, y, n_layers,
                                     jax.tree.map(jnp.zeros_like, blocks))
 
@@ -338,10 +339,33 @@ def folded_memory(microbatches=(4, 8), per_microbatch: int = 4) -> None:
     print()
 
 
+def smoke(outdir: str | None = None) -> None:
+    """Every kind of section at tiny sizes, in seconds (tests/test_scripts.py runs it): the
+    modelled times, the compute table with 2 layer slots, the plots into a temporary folder."""
+    import tempfile
+
+    step_time(split=(2, 1), microbatches=(4,))
+    compute(max_layers=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        plots(outdir or tmp, stages=2, microbatches=2)
+
+
+SECTIONS = {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
+            "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat,
+            "folded": folded, "folded-memory": folded_memory, "smoke": smoke}
+DEFAULT = ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time", "remat"]
+
+
+def main(argv: list[str]) -> int:
+    unknown = [w for w in argv if w not in SECTIONS]
+    if unknown:
+        print(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}",
+              file=sys.stderr)
+        return 2
+    for w in argv or DEFAULT:
+        SECTIONS[w]()
+    return 0
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time",
-                            "remat"]
-    for w in what:
-        {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
-         "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat,
-         "folded": folded, "folded-memory": folded_memory}[w]()
+    sys.exit(main(sys.argv[1:]))

@@ -9,6 +9,7 @@
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench_planner.py all
+    python scripts/bench_planner.py smoke          # seconds: calibrate and allreduce
 
 Times are wall-clock on this machine, single-threaded; nothing here asserts on them.
 """
@@ -17,21 +18,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-from hetjax.errors import PlanError  # noqa: E402
-from hetjax.planner import assign, cost, plan, simulate  # noqa: E402
-import numpy as np  # noqa: E402
-
-from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics,  # noqa: E402
-                                      fit_nic_bandwidth, holmes_table1,
-                                      predicted_samples_per_s)
-from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions  # noqa: E402
-from hetjax.topology import DTFM_SCENARIOS, preset  # noqa: E402
+from hetjax.errors import PlanError
+from hetjax.planner import assign, plan, simulate
+from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
+                                      holmes_table1, predicted_samples_per_s)
+from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions
+from hetjax.topology import DTFM_SCENARIOS, preset
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -116,7 +112,7 @@ def amsp(_args) -> None:
     """AMSP's setting: LLaMA 7B / 13B / 30B on 128 nodes x 8 A800 (InfiniBand assumed),
     sequence 4096, 4M tokens per step (1,024 sequences), ZeRO-only data parallelism priced
     as Megatron / DeepSpeed run it; the planner chooses the ZeRO point (and nothing else)."""
-    from hetjax.planner.search import _Search
+    from hetjax.planner.search import zero_points_by_traffic
     from hetjax.topology import Topology, make_cluster
     from layers.config import ModelConfig
 
@@ -130,8 +126,7 @@ def amsp(_args) -> None:
         result = plan(topo, model, 1024, 4096, pp=1, tp=1, options=options)
         p, pr = result.plan, result.plan.predicted
         # AMSP's own objective: the least traffic among the points that fit memory.
-        s = _Search(topo, model, 1024, 4096, options, False, False, 0)
-        for least in s.zero_points(cost.Layout.of(p), "auto"):
+        for least in zero_points_by_traffic(topo, model, 1024, 4096, p, options):
             try:
                 least_plan = plan(topo, model, 1024, 4096, pp=1, tp=1, zero=least,
                                   options=options)
@@ -304,11 +299,11 @@ def executors(_args) -> None:
     print(table(["model", "between clusters", "executor", "chosen", "step s"], chosen))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
-                                         "assign-speed", "executors", "all"])
+                                         "assign-speed", "executors", "all", "smoke"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
@@ -318,11 +313,11 @@ def main() -> None:
                         help="speed: compute priced flat (one efficiency) or by operation kind")
     parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], default="hetjax",
                         help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
-             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed,
-                     executors]}[args.what]
+             "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed, executors],
+             "smoke": [calibrate, allreduce]}[args.what]  # seconds: the two pure tables
     for i, step in enumerate(steps):
         if i:
             print()

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def worker(samples: int, sample_s: float) -> None:
@@ -29,7 +28,7 @@ def worker(samples: int, sample_s: float) -> None:
     import jax
     import jax.numpy as jnp
 
-    from hetjax.experiments.hetaccel import WORKLOAD
+    from scripts.experiments.hetaccel import WORKLOAD
     from layers.block import DecoderBlock
     from parallel.residuals import layer_fn, pullback, vjp_stash
 
@@ -81,8 +80,8 @@ def main(argv=None) -> int:
         return 0
     import numpy as np
 
-    from hetjax.experiments.harness import load_line, table
-    from hetjax.experiments.hetaccel import caps
+    from scripts.experiments.harness import load_line, table
+    from scripts.experiments.hetaccel import caps
     from hetjax.testbed import Testbed
     from hetjax.topology import preset
 

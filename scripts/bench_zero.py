@@ -6,6 +6,7 @@ on 1,024 abstract devices (nothing allocated).
     python scripts/bench_zero.py --steps 10 --config.model.d_model=256
 
     python scripts/bench_zero.py --pp 2 --skip-7b  # only the pp = 2 points
+    python scripts/bench_zero.py --smoke         # seconds: tiny model, 1 step, zero3 per table
 
 The pp = 2 rows run ZeRO inside each pipeline stage (docs/zero.md): bytes are a stage's, and
 "in the loop" is the tick loop's B branch, counted once per micro-batch.
@@ -33,7 +34,6 @@ import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 POINTS = [  # (label, config overrides)
     ("ddp", {"zero.preset": "ddp"}),
@@ -59,6 +59,11 @@ PP_POINTS = [(label, {**HOLMES, **point}) for label, point in POINTS[:4]] + [
                            "zero.s_os": 4}),
 ]
 
+# --smoke: a model small enough that each point compiles and steps in a second or two.
+SMOKE_MODEL = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n_heads=4",
+               "--config.model.n_kv_heads=2", "--config.train.seq_len=16",
+               "--config.train.batch_size=32", "--config.model.max_seq_len=64"]
+
 
 def _flag(v) -> str:
     return f"[{','.join(map(str, v))}]" if isinstance(v, tuple) else str(v)
@@ -79,7 +84,8 @@ def bench_point(config, steps: int) -> dict:
 
     trainer = Trainer(config, quiet=True)
     z, zs, mesh = trainer.plan.zero, trainer.zero_specs, trainer.mesh
-    abstract = jax.eval_shape(lambda: trainer.state.params)
+    # The state is built here, outside any trace (Trainer.state enters the mesh's context).
+    abstract = jax.eval_shape(lambda p: p, trainer.state.params)
     compiled = trainer.compiled_step()
     ops = hlo.collectives(compiled.as_text(), mesh.shape)
     if trainer.pipeline:  # the tick loop's B branch runs once per micro-batch
@@ -190,17 +196,23 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-7b", action="store_true", help="no 7B table")
     ap.add_argument("--pp", choices=("1", "2", "both"), default="both",
                     help="8-device tables: pp = 1, pp = 2 (ZeRO inside stages), or both")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: a tiny model, one step, zero3 in each table (the suite runs it)")
     args, overrides = ap.parse_known_args(argv)
     defaults = ["--config.data.source=synthetic", "--config.train.microbatches=4",
                 "--config.train.progress=False", "--config.tensorboard=False"]
+    points, pp_points = POINTS, PP_POINTS
+    if args.smoke:
+        overrides = [*SMOKE_MODEL, *overrides]
+        args.steps, points, pp_points = 1, [POINTS[3]], [PP_POINTS[3]]  # zero3 with and without pp
     print("8 simulated devices (cpu_hybrid: 2 clusters x 2 nodes x 2 devices), "
           f"{' '.join(defaults[1:2] + overrides) or 'default model'}")
     if args.pp != "2":
-        print(table_8_devices(defaults + overrides, args.steps))
+        print(table_8_devices(defaults + overrides, args.steps, points))
     if args.pp != "1":
         print("\npp = 2, ZeRO inside each stage (bytes per device are a stage's, padded slots "
               "included; Φ counts the whole model)")
-        print(table_8_devices(defaults + overrides, args.steps, PP_POINTS))
+        print(table_8_devices(defaults + overrides, args.steps, pp_points))
     if not args.skip_7b:
         print("\nLLaMA-7B (Φ = 6.74e9) on 1,024 abstract devices (128 nodes x 8), dp = 1024")
         print(table_7b())

@@ -1,17 +1,15 @@
 """Two worlds x two processes on CPU (gloo inside each world, the bridge between) train with
-the same losses as one process on the same devices: `hetjax.experiments.worlds`.
+the same losses as one process on the same devices: `scripts.experiments.worlds`.
 
     python scripts/check_worlds.py                 # 10 steps, compare with one process
     python scripts/check_worlds.py --die p3:4      # kill process 3 before step 4: all stop
     python scripts/check_worlds.py --config.parallel.dp=4 --config.parallel.tp=1
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetjax.experiments.worlds import main  # noqa: E402
+from scripts.experiments.worlds import main  # noqa: E402
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -1,17 +1,15 @@
 """Saved bench runs priced again with other calibration files, and the same layout measured
-run to run (hetjax/experiments/repredict.py says what and why).
+run to run (scripts/experiments/repredict.py says what and why).
 
     python scripts/repredict.py runs/a.json runs/b.json                # each run's own file
     python scripts/repredict.py runs/a.json --calibration other.json   # another calibration
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetjax.errors import HetjaxError  # noqa: E402
-from hetjax.experiments.repredict import main  # noqa: E402
+from scripts.experiments.repredict import main  # noqa: E402
 
 if __name__ == "__main__":
     try:

@@ -173,7 +173,7 @@ def test_the_int8_codec_round_trips_within_its_bound_and_feeds_back_gradient_err
     assert BOUNDARY_CODECS == CODECS  # what the config accepts, the bridge runs
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_two_worlds_with_int8_boundaries_train_close_to_uncompressed():
     """Two worlds (threads of this process, a real bridge each) train 3 steps with int8
     activations and gradients on the boundary: losses within 0.5% of the single-world

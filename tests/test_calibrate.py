@@ -178,7 +178,6 @@ def test_processes_of_one_kind_merge_to_their_mean_not_their_slowest():
         assert got[k] == pytest.approx(want[k], rel=1e-12)
 
 
-@pytest.mark.heavy
 def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     """On the 8 simulated CPU devices (cpu_hybrid: 2 clusters x 2 nodes x 2): every link
     class, every operation and each accelerator kind is measured, with positive times."""
@@ -227,7 +226,7 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_hetjax_calibrate_under_launch_then_plan(tmp_path, capsys):
     """Two processes (gloo): process 0 writes the file, which `hetjax plan` then reads."""
     from hetjax.cli import main

@@ -202,7 +202,7 @@ def test_an_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     assert again.restore(layout).data_state == {"next_index": 10}
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_sigkill_during_an_async_save_loses_nothing_but_that_save(tmp_path):
     workdir, data_dir = tmp_path / "run", tmp_path / "tfds"
     overrides = {"data.source": "files", "data.path": CORPUS, "data.dir": str(data_dir),

@@ -186,7 +186,7 @@ def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
         assert row in out
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_launched_sites_match_one_process_and_resume_mid_round(tmp_path):
     """`hetjax launch --local 2`, H = 2, int8, outer Nesterov: each site its own process, the
     int8 exchange a reduce-scatter (all-to-all) + all-gather across processes. 5 steps
@@ -428,7 +428,7 @@ def test_pricing_hides_a_fragments_exchange_behind_tau_inner_steps():
         assert rows[f"DiLoCo H={H} int8 F=2 overlap {tau}"].step_time_s == pytest.approx(step)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_launched_sites_with_overlap_match_the_one_process_executor(tmp_path):
     """`hetjax launch --local 2` with diloco.overlap_steps 1 (H = 4, F = 2, int8, mix 0.5):
     each fragment's wires cross between the processes over the bridge on a background thread

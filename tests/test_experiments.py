@@ -1,4 +1,4 @@
-"""The pure parts of the testbed experiments (hetjax/experiments/: harness, hetnet, hetaccel):
+"""The pure parts of the testbed experiments (scripts/experiments/: harness, hetnet, hetaccel):
 the testbed topologies, predictions from a calibration file as `hetjax plan` makes them, the
 accuracy statistics, T_UB and efficiency, and the command lines the benches assemble. No JAX, no
 namespaces: the benches themselves need root and minutes (docs/experiments.md)."""
@@ -18,7 +18,7 @@ from hetjax.errors import HetjaxError, PlanError, TopologyError
 from hetjax.linkcheck import LinkMeasurement
 from hetjax.plan import Plan
 from hetjax.planner.calibrate import kendall_tau, prediction_errors, spearman
-from hetjax.experiments import harness, hetaccel, hetnet
+from scripts.experiments import harness, hetaccel, hetnet
 from hetjax.topology import Link, Topology, preset
 
 
@@ -353,7 +353,7 @@ def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
     """scripts/repredict.py: a bench's results file keeps its calibration beside it; every
     row is priced again as the bench priced it, and the same layout's measured step times
     are compared across runs (different layouts are not)."""
-    from hetjax.experiments import repredict
+    from scripts.experiments import repredict
 
     work = dataclasses.replace(hetaccel.WORKLOAD, n_layers=4)
     het = preset("testbed_hetaccel")

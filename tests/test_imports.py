@@ -1,20 +1,29 @@
-"""The layering of hetjax's core, read from the source with `ast` (nothing is imported):
+"""The layering of hetjax, read from the source with `ast` (nothing is imported). Every module of
+`hetjax/`, `layers/` and `parallel/` sits in one layer; a module imports only its own layer and
+the layers below it, and no import circle exists anywhere:
 
-    hetjax/errors.py                  errors                   (a leaf)
-    hetjax/units.py                   numbers in human units   (a leaf)
-    hetjax/hardware.py, catalogue.py, the hardware topology      (no JAX; `hetjax.topology`
-      paper_presets.py, testbed_presets.py, topology.py            gathers them)
-    hetjax/plan.py                    the Plan                 (topology and errors only)
-    hetjax/planner/                   chooses and checks Plans (no JAX)
-    hetjax/config.py                  reads configs            (calls the planner's rules)
-    parallel/                         executes a Plan          (never the planner or config)
+    base        hetjax/errors.py, units.py                       leaves
+    core        the hardware topology (hardware, catalogue,       plain data and rules, no JAX
+                presets, topology), the Plan, layers/config.py,
+                parallel/schedules.py (the schedule registry),
+                parallel/hlo.py (collective byte formulas)
+    services    distributed, checkpoint, tokenizer, data,         used by everything above;
+                history, metrics, argv, linkcheck                  import no layout logic
+    planner     hetjax/planner/, hetjax/config.py, hetjax         chooses and checks Plans (no JAX)
+    model       layers/ (the Flax modules)
+    execution   parallel/ (the executors, mesh, ZeRO kernels,     turns a Plan into JAX programs
+                bridge, NIC environment), profile, measure
+    training    hetjax/train.py, diloco.py
+    entry       cli, launch, testbed                              nothing imports them from below
 
 Every import counts, also those inside functions (a lazy import hides a circle, it does not
-remove it); only `if TYPE_CHECKING:` blocks are skipped. The planner's jax-freedom is checked
-for real, by importing it in a fresh interpreter.
+remove it); only `if TYPE_CHECKING:` blocks are skipped. Importing a module of a package from
+outside it runs the package's `__init__` first, so that counts as importing the package too.
+The planner's jax-freedom is checked for real, by importing it in a fresh interpreter.
 """
 
 import ast
+import fnmatch
 import os
 import subprocess
 import sys
@@ -22,25 +31,53 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("hetjax.planner", "parallel")  # whose __init__ runs before any of their modules
+ROOTS = ("hetjax", "layers", "parallel")
+
+# Lowest first. A module's layer is the one of its most specific matching pattern (the longest);
+# a new module whose name matches no pattern fails `test_every_module_has_a_layer`.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "base": ("hetjax.errors", "hetjax.units"),
+    "core": ("hetjax.hardware", "hetjax.catalogue", "hetjax.paper_presets",
+             "hetjax.testbed_presets", "hetjax.topology", "hetjax.plan", "layers", "layers.config",
+             "parallel", "parallel.schedules", "parallel.hlo", "parallel.wire"),
+    "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
+                 "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
+                 "hetjax.linkcheck", "hetjax.interop", "hetjax.interop.*"),
+    "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
+    "model": ("layers.*",),
+    "execution": ("parallel.*", "hetjax.profile", "hetjax.measure"),
+    "training": ("hetjax.train", "hetjax.diloco", "hetjax.hooks"),
+    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
+}
+RANK = {name: i for i, name in enumerate(LAYERS)}
+
+
+def layer_of(module: str) -> str | None:
+    best = None
+    for layer, patterns in LAYERS.items():
+        for pattern in patterns:
+            if fnmatch.fnmatchcase(module, pattern) and (best is None or len(pattern) > best[0]):
+                best = (len(pattern), layer)
+    return best and best[1]
 
 
 def _module_files() -> dict[str, str]:
-    """Module name -> file, for the modules whose layering this test guards."""
-    files = {"hetjax.plan": "hetjax/plan.py", "hetjax.config": "hetjax/config.py",
-             "hetjax.errors": "hetjax/errors.py", "hetjax.units": "hetjax/units.py"}
-    for name in ("topology", "hardware", "catalogue", "paper_presets", "testbed_presets"):
-        files[f"hetjax.{name}"] = f"hetjax/{name}.py"
-    for package in PACKAGES:
-        folder = package.replace(".", "/")
-        for name in os.listdir(os.path.join(REPO, folder)):
-            if name.endswith(".py"):
-                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
-                files[module] = f"{folder}/{name}"
+    """Module name -> file, for every module of hetjax/, layers/ and parallel/."""
+    files = {}
+    for root in ROOTS:
+        for folder, dirs, names in os.walk(os.path.join(REPO, root)):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            rel = os.path.relpath(folder, REPO)
+            for name in names:
+                if name.endswith(".py"):
+                    package = rel.replace(os.sep, ".")
+                    module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
+                    files[module] = os.path.join(rel, name)
     return files
 
 
 MODULES = _module_files()
+PACKAGES = tuple(sorted(m for m, f in MODULES.items() if f.endswith("__init__.py")))
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -87,7 +124,8 @@ def imports_of(module: str) -> set[str]:
             if target in MODULES:
                 out.add(target)
             for package in PACKAGES:
-                if target.startswith(package + ".") and not module.startswith(package):
+                if (target.startswith(package + ".")
+                        and not (module == package or module.startswith(package + "."))):
                     out.add(package)
     out.discard(module)
     return out
@@ -137,6 +175,34 @@ def test_no_import_circles():
     assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH))
 
 
+def test_every_module_has_a_layer():
+    assert len(MODULES) > 60 and {"hetjax.train", "layers.model", "parallel.mpmd"} <= set(MODULES)
+    missing = sorted(m for m in MODULES if layer_of(m) is None)
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+def test_the_layers_are_as_documented():
+    """A few fixed points, so a pattern change cannot quietly move a module."""
+    assert layer_of("hetjax.planner.cost") == "planner"
+    assert layer_of("parallel.schedules") == "core" and layer_of("parallel.mpmd") == "execution"
+    assert layer_of("layers.config") == "core" and layer_of("layers.attention") == "model"
+    assert layer_of("hetjax.cli") == "entry" and layer_of("hetjax.nonexistent") is None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({layer_of(m)}) -> {n} ({layer_of(n)})" for m in graph
+                  for n in graph[m] if RANK[layer_of(n)] > RANK[layer_of(m)])
+
+
+def test_the_upward_import_finder_finds_one():
+    assert upward_imports({"hetjax.plan": {"parallel.mpmd"}, "parallel.mpmd": {"hetjax.plan"}}) \
+        == ["hetjax.plan (core) -> parallel.mpmd (execution)"]
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    assert not upward_imports(GRAPH), "\n".join(upward_imports(GRAPH))
+
+
 def test_the_units_are_a_leaf():
     assert {n.split(".")[0] for n in all_names("hetjax.units")} <= set(sys.stdlib_module_names)
 
@@ -161,18 +227,19 @@ def test_parallel_never_imports_the_planner_or_the_config(module):
     assert not upward, f"{MODULES[module]} imports {sorted(upward)}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES
-                                          if not m.startswith(("parallel", "hetjax.config"))))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) == "planner"))
 def test_planning_uses_only_the_jax_free_modules_of_parallel(module):
-    """The planner may read parallel/'s jax-free modules (schedules, hlo), nothing else."""
+    """The planner may read parallel/'s jax-free modules (schedules, hlo, wire: the core), nothing
+    else."""
     from_parallel = {n.split(".")[1] for n in all_names(module)
                      if n.startswith("parallel.")}
-    assert from_parallel <= {"schedules", "hlo"}, f"{MODULES[module]}: {from_parallel}"
+    assert from_parallel <= {"schedules", "hlo", "wire"}, f"{MODULES[module]}: {from_parallel}"
 
 
 def test_importing_the_planner_and_the_config_does_not_start_jax():
-    code = ("import sys, hetjax.planner, hetjax.config, hetjax.plan, hetjax.topology\n"
-            "import parallel.schedules, parallel.hlo\n"
+    below = sorted(m for m in MODULES if RANK[layer_of(m)] <= RANK["planner"]
+                   and layer_of(m) != "services")
+    code = (f"import sys, {', '.join(below)}\n"
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout

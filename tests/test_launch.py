@@ -86,8 +86,10 @@ def launched_losses(tmp_path, launch_args, overrides) -> tuple[list[float], str]
     return losses(workdir / "metrics.jsonl"), run.stdout
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("processes, pp", [(2, 1), (4, 1), (2, 2), (4, 2)])
+# (2, 2): two launched processes with a pipeline in the default tier; the other counts are slow.
+@pytest.mark.parametrize("processes, pp", [
+    pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(4, 1, marks=pytest.mark.slow),
+    (2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_local_launch_matches_single_process(tmp_path, single_process, processes, pp):
     if pp > 1:
         pytest.importorskip("parallel.pipeline",
@@ -105,7 +107,7 @@ def test_local_launch_matches_single_process(tmp_path, single_process, processes
     assert all(f"started p{i} (pid" in out for i in range(processes))
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_hostfile_launch_runs_each_host_through_rsh(tmp_path, single_process):
     """The hostfile path end to end, with 'sh -c' standing in for ssh to two hosts."""
     hostfile = tmp_path / "hosts"
@@ -117,7 +119,7 @@ def test_hostfile_launch_runs_each_host_through_rsh(tmp_path, single_process):
 
 
 # --- failures: a dead process, a missing process --------------------------------------------------
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_killing_one_of_four_processes_stops_the_job(tmp_path):
     workdir = tmp_path / "run"
     cfg = {**TINY, "train.steps": 100000, "workdir": str(workdir)}
@@ -156,7 +158,6 @@ def test_killing_one_of_four_processes_stops_the_job(tmp_path):
             os.kill(pid, 0)
 
 
-@pytest.mark.heavy
 def test_a_process_that_never_starts_is_named_within_the_timeout():
     spec = {"HETJAX_COORDINATOR": f"127.0.0.1:{free_port()}", "HETJAX_NUM_PROCESSES": "4",
             "HETJAX_INIT_TIMEOUT": "10"}

@@ -26,7 +26,7 @@ STEPS = 3
 # between them over the bridge too
 CASES = [pytest.param(((1, 3), "1f1b", 2, 2, 4), 0, id="process-per-world"),
          pytest.param(((1, 1, 1, 1), "1f1b", 2, 1, 4), 4, id="stage-per-process",
-                      marks=pytest.mark.heavy)]
+                      marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case, processes", CASES)
@@ -119,7 +119,7 @@ def _natural_state(trainer, directory, step):
     return r, jax.device_get(layout.to_natural(r.state))
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_a_two_world_job_checkpoints_evaluates_and_resumes_like_one_process(tmp_path):
     """One launch of two worlds checks, against the same job in this process:
     - it resumes from the one-process job's checkpoint 2 (that layout restores in the worlds)
@@ -190,7 +190,7 @@ def test_a_two_world_job_checkpoints_evaluates_and_resumes_like_one_process(tmp_
                  mine, theirs)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_a_world_that_never_comes_up_is_named_after_the_init_timeout(tmp_path):
     """Only world 0 of a two-world launch starts: its process stops after the init timeout
     with one error naming world 1's process and its bridge address."""

@@ -151,7 +151,6 @@ def _jax_accepts(flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.heavy
 def test_xla_gpu_flags_exist_in_this_jaxlib():
     """XLA aborts on an unknown flag in XLA_FLAGS, so every flag hetjax sets must parse."""
     flags = nic.XLA_GPU_FLAGS_ALWAYS + nic.XLA_GPU_FLAGS_ZERO + nic.XLA_GPU_FLAGS_PIPELINE

@@ -19,7 +19,7 @@ def test_notebook_is_stored_without_outputs(name):
     assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_in_a_fresh_kernel(name, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
@@ -45,7 +45,7 @@ def readme_snippet() -> str:
     return text.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_the_readme_snippet_runs_as_written_in_a_fresh_kernel(monkeypatch, tmp_path):
     """A fresh kernel is a fresh Python process with no XLA_FLAGS: the snippet gets its
     simulated devices itself, trains, and its history and parameters are there."""

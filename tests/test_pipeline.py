@@ -155,7 +155,7 @@ for schedule in ("1f1b", "gpipe"):
 """
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_four_stages_with_dp_and_tp_on_sixteen_devices():
     """pp = 4 with dp = tp = 2 needs 16 devices: a subprocess simulates them."""
     code = SIXTEEN_DEVICES.format(tests=os.path.join(REPO, "tests"))
@@ -403,7 +403,6 @@ def temp_bytes(schedule, microbatches):
     return trainer.compiled_step().memory_analysis().temp_size_in_bytes, trainer
 
 
-@pytest.mark.heavy
 def test_1f1b_memory_stays_flat_while_gpipe_grows():
     (g2, tg), (g8, _) = temp_bytes("gpipe", 2), temp_bytes("gpipe", 8)
     (o2, to), (o8, _) = temp_bytes("1f1b", 2), temp_bytes("1f1b", 8)
@@ -452,7 +451,7 @@ def test_a_plan_the_executor_cannot_run_is_refused():
 
 
 # --- the command line --------------------------------------------------------------------------
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_cli_trains_holmes_mini_and_loss_falls(tmp_path):
     from test_config import run_cli
 

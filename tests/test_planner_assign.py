@@ -162,7 +162,7 @@ def test_search_matches_the_genetic_baseline_on_a_small_world():
     assert A.search(p, seconds=10).cost <= ga.cost + 1e-9
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DTFM_SCENARIOS)
 def test_search_matches_the_genetic_baseline_on_dtfm_scenarios(name):
     p, found = searched(name)
@@ -184,7 +184,7 @@ def test_device_order_lines_matched_devices_up_across_stages():
     assert 2 * total == pytest.approx(a.pp_cost)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_search_on_1024_devices():
     p = A.dtfm_problem(preset("dtfm_datacenter_ondemand", instances=128), stages=8, layers=24,
                        layer_params=1.3e9 / 24, seq_len=2048, d_model=2048,

@@ -461,7 +461,7 @@ TINY_CLI = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.
             "--config.train.log_every=1", "--config.eval.every=0"]
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_sigterm_to_hetjax_train_exits_75_with_a_checkpoint(tmp_path):
     from hetjax.metrics import read_metrics
 

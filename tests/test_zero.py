@@ -122,10 +122,7 @@ def check_collectives(trainer, ops: list[hlo.Collective]):
     assert in_loop == ({("reduce-scatter", g_group, MICRO)} if z.s_g > 1 else set())
 
 
-# zero2's code paths (G beyond an unsplit P, the refresh all-gather) are also those of the
-# 2/4/4 point: heavy, to keep `-m "not heavy"` quicker.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n == "zero2"
-                                  else n for n in POINTS])
+@pytest.mark.parametrize("name", list(POINTS))
 def test_point_equals_single_device_with_sharded_bytes_and_audited_collectives(reference, name):
     overrides, factors = POINTS[name]
     trainer, compiled, losses = run_steps(tiny_config(**BASE, **overrides))

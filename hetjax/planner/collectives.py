@@ -31,12 +31,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parallel.hlo import ring_steps  # the ring's steps: one definition with the HLO audit's bytes
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 ALGORITHMS = ("ring", "tree")
 TREE_BUS_FRACTION = 0.9  # NCCL: tree busBw = 0.9 x the ring's (tuning.cc)
 
-_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1,
-          "all_gather": lambda p: p - 1}
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def flat_ring_time(op: str, nbytes: float, p: int, bw: float, lat: float) -> flo
     """The alpha-beta ring on one link class: steps(p) (a + S / (p b))."""
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return _STEPS[op](p) * (lat + nbytes / (p * bw))
+    return ring_steps(op, p) * (lat + nbytes / (p * bw))
 
 
 def ring_time(op: str, nbytes: float, g: Group) -> float:
@@ -72,7 +72,7 @@ def ring_time(op: str, nbytes: float, g: Group) -> float:
     (a group inside one node: every hop on its own link, `bw` and `lat_inter`)."""
     if g.p <= 1 or nbytes <= 0:
         return 0.0
-    steps = _STEPS[op](g.p)
+    steps = ring_steps(op, g.p)
     if g.one_node:
         return steps * (g.lat_inter + nbytes / (g.p * g.bw))
     inter = _inter_steps(op, g.nodes)

@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 from hetjax.errors import ConfigError
-from hetjax.plan import Plan, ZeroFactors, even_split
+from hetjax.plan import Plan, ZeroFactors, batch_split_problem, even_split
 from hetjax.planner import zero as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
                                  runs_schedule)
@@ -225,11 +225,9 @@ def plan_from_config(c, topology: Topology) -> Plan:
                           f"does not use the {n} devices of {topology.name!r}",
                           f"choose degrees whose product is {n}")
     mb = resolve_microbatches(c)
-    if (c.train.batch_size // mb) % dp:
-        raise ConfigError("train.batch_size",
-                          f"each of the {mb} micro-batches has {c.train.batch_size // mb} "
-                          f"sequences, not divisible by dp = {dp}",
-                          f"make train.batch_size a multiple of microbatches x dp = {mb * dp}")
+    problem = batch_split_problem(c.train.batch_size, mb, dp)
+    if problem:
+        raise ConfigError("train.batch_size", *problem)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,

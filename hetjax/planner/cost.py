@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
-from hetjax.plan import Plan, ZeroFactors, effective_remat
+from hetjax.plan import EXECUTORS as PLAN_EXECUTOR_NAMES, Plan, ZeroFactors, effective_remat
 from hetjax.planner import collectives as coll, compute as ck, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
+from hetjax.units import BYTES_PER_GBIT
 from parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
@@ -59,14 +60,16 @@ _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node
 #   model.remat, the embedding lives on the first stage and the head on the last (a tied
 #   embedding's gradient is all-reduced between the two), the sync may overlap the backward.
 EXECUTORS = ("hetjax", "mpmd", "megatron")
-# The cost model's name for each pipeline executor a Plan can name (Plan.executor).
-PLAN_EXECUTORS = {"spmd": "hetjax", "mpmd": "mpmd"}
+# The cost model's name for each pipeline executor a Plan can name (hetjax.plan.EXECUTORS):
+# the SPMD executor is priced as "hetjax", the others under their own names.
+PLAN_EXECUTORS = {e: {"spmd": "hetjax"}.get(e, e) for e in PLAN_EXECUTOR_NAMES}
 
 
 def runs_schedule(executor: str, schedule: str) -> bool:
     """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
     schedule: the SPMD executor only runs the tick-grid schedules (parallel/schedules.py)."""
-    return executor not in ("spmd", "hetjax") or SCHEDULES[schedule].spmd_compatible
+    spmd = PLAN_EXECUTORS.get(executor, executor) == "hetjax"
+    return not spmd or SCHEDULES[schedule].spmd_compatible
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class LinkFit:
 
     @property
     def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9 / 8
+        return self.bandwidth_gbps * BYTES_PER_GBIT
 
     @property
     def latency_s(self) -> float:
@@ -1008,7 +1011,7 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
 
 def model_from_config(c, vocab_size: int | None = None) -> "ModelConfig":
     """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded)."""
-    from hetjax.data import ByteTokenizer, padded_vocab
+    from hetjax.tokenizer import ByteTokenizer, padded_vocab
     from layers.config import ModelConfig
 
     return ModelConfig.from_config(

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from hetjax.errors import ConfigError
 from hetjax.hardware import Link, Topology
 from hetjax.planner.cost import ring_time
+from parallel.hlo import ring_bytes
+from parallel.wire import BITS, DILOCO_CODECS as CODECS
 
-CODECS = ("none", "int8", "int4")
-BITS = {"none": 32, "int8": 8, "int4": 4}
 SCALE_BYTES = 4  # one float32 scale per quantized row
 SLOW_LINK_GBPS = 10.0  # `hetjax plan` prices DiLoCo when sites are joined by slower links
 
@@ -178,7 +178,7 @@ def price(topology: Topology, sites, site_step_s, num_params: int, row: int,
         return ring_time("all_reduce", nbytes / flows, n, link)
 
     grad = 4.0 * num_params
-    ar_bytes = 2 * (n - 1) / n * grad  # what a ring all-reduce sends from each site
+    ar_bytes = ring_bytes("all_reduce", grad, n)  # what a ring all-reduce sends from each site
     rows = []
     if whole_plan_step_s is not None:
         rows.append(Exchange("synchronous, planner's layout", whole_plan_step_s, float("nan"),
@@ -189,7 +189,7 @@ def price(topology: Topology, sites, site_step_s, num_params: int, row: int,
     h = inner_steps
     for c in dict.fromkeys(("none", codec)):
         q = payload_bytes(num_params, c, row)
-        t, sent = allreduce(q), 2 * (n - 1) / n * q
+        t, sent = allreduce(q), ring_bytes("all_reduce", q, n)
         label = f"DiLoCo H={h}" + ("" if c == "none" else f" {c}")
         rows.append(Exchange(label, t_inner + t / h, sent / h, tokens_per_step / (t_inner + t / h),
                              t))
@@ -214,7 +214,7 @@ def _fragmented(label: str, q: float, n: int, flows: int, link: Link, t_inner: f
         exposed, sent = max(0.0, one - tau * t_inner), (n - 1) * q
     else:
         one = ring_time("all_reduce", part / flows, n, link)
-        exposed, sent = one, 2 * (n - 1) / n * q
+        exposed, sent = one, ring_bytes("all_reduce", q, n)
     step = t_inner + fragments * exposed / h
     return Exchange(f"{label} F={fragments} overlap {tau}", step, sent / h,
                     tokens_per_step / step, one)

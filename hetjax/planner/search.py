@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors, even_split
+from hetjax.plan import Plan, ZeroFactors, batch_split_problem, even_split
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, Layout,
                                  MissingLinkError, StageCost, runs_schedule)
@@ -262,6 +262,15 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                       time.perf_counter() - t0, s.pruned)
 
 
+def zero_points_by_traffic(topology: Topology, model: "ModelConfig", global_batch: int,
+                           seq_len: int, plan_: Plan,
+                           options: CostOptions | None = None) -> list[ZeroFactors]:
+    """The ZeRO points whose model states can fit `plan_`'s layout at all, least communication
+    first (AMSP's own objective; `plan` instead keeps the fastest that fits)."""
+    s = _Search(topology, model, global_batch, seq_len, options or CostOptions(), False, False, 0)
+    return s.zero_points(Layout.of(plan_), "auto")
+
+
 class _Search:
     """The state of one search: the cost model, caches, and why candidates were dropped."""
 
@@ -344,7 +353,7 @@ class _Search:
     def microbatch_counts(self, dp: int, fixed: int) -> list[int]:
         """M dividing the global batch so that each micro-batch splits evenly over dp."""
         B = self.global_batch
-        counts = [M for M in _divisors(B) if (B // M) % dp == 0]
+        counts = [M for M in _divisors(B) if batch_split_problem(B, M, dp) is None]
         if fixed:
             counts = [M for M in counts if M == fixed]
         if not counts:
@@ -678,4 +687,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["PlanResult", "plan", "bound_lines"]
+__all__ = ["PlanResult", "plan", "bound_lines", "zero_points_by_traffic"]

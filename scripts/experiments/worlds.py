@@ -1,7 +1,7 @@
 """One JAX world per cluster, checked: an MPMD job run as several worlds (a `jax.distributed`
 job each, gloo inside, the bridge between) against the same plan in one process.
 
-    python -m hetjax.experiments.worlds check [--steps 10] [--die p3:4] [--config.x=y ...]
+    python -m scripts.experiments.worlds check [--steps 10] [--die p3:4] [--config.x=y ...]
 
 `check` starts the worlds locally with `hetjax.launch` (one coordinator per world, the bridge
 environment), each process running `worker`, and one `reference` process with all devices
@@ -129,7 +129,7 @@ def launch_worlds(overrides, steps: int, processes: int = 4, die: str = "",
         env = nic.merge_environment(os.environ, w.env, override=True)
         if die:
             env[ENV_DIE] = die
-        argv = (sys.executable, "-u", "-m", "hetjax.experiments.worlds", "worker",
+        argv = (sys.executable, "-u", "-m", "scripts.experiments.worlds", "worker",
                 "--steps", str(steps), *overrides)
         children.append((f"p{w.index}/world{w.env[nic.ENV_WORLD]}", argv, env))
     out = _Stamped()
@@ -161,7 +161,7 @@ def reference_in_subprocess(overrides, steps: int) -> list[float]:
     _, topology, *_ = build(overrides)
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={topology.num_devices}"}
-    res = subprocess.run([sys.executable, "-u", "-m", "hetjax.experiments.worlds", "reference",
+    res = subprocess.run([sys.executable, "-u", "-m", "scripts.experiments.worlds", "reference",
                           "--steps", str(steps), *overrides], env=env, capture_output=True,
                          text=True)
     if res.returncode:
@@ -189,7 +189,7 @@ def world_losses(output: str) -> dict[str, list[float]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetjax.experiments.worlds")
+    p = argparse.ArgumentParser(prog="python -m scripts.experiments.worlds")
     p.add_argument("mode", choices=("check", "worker", "reference"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--die", default="", help="N:S -- process N kills itself before step S")

@@ -1,4 +1,4 @@
-"""The harness the testbed experiments share (hetjax/experiments/hetnet.py, hetaccel.py;
+"""The harness the testbed experiments share (scripts/experiments/hetnet.py, hetaccel.py;
 docs/testbed.md): what is trained (`Workload`), calibrating the cost model on the emulated
 cluster the way a user calibrates theirs (`calibrate_testbed`: `hetjax calibrate` under
 `hetjax launch` on every emulated host), one configuration's run (`Case`, `run_case`; SPMD, or
@@ -10,8 +10,10 @@ root only when a Testbed is built.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import tempfile
 import os
 import shutil
 import statistics
@@ -24,7 +26,7 @@ from hetjax import linkcheck
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner.calibrate import prediction_errors
-from hetjax.testbed import Testbed
+from hetjax.testbed import DEFAULT_SCALE, Testbed
 from hetjax.topology import Topology
 
 # The checkout the benches write their plots (docs/img) and results (runs/) into.
@@ -408,6 +410,30 @@ class CpuWatch:
 
 
 _BUSY_OK = False
+
+
+def bench_args(argv, name: str, doc: str, steps: int, cpus_help: str,
+               timeout: float) -> argparse.Namespace:
+    """The flags both testbed benches take (`name`: bench_hetnet or bench_hetaccel), parsed;
+    --busy-ok takes effect here."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=steps, help="steps per run (first 2 not timed)")
+    ap.add_argument("--cpus", type=float, default=0.4, help=cpus_help)
+    ap.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="link rate factor")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "img", f"{name}.png"))
+    ap.add_argument("--json", default=os.path.join(REPO, "runs", f"{name}.json"))
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), name))
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per training run")
+    ap.add_argument("--only", metavar="TEXT", action="append",
+                    help="run only the configurations whose name contains TEXT (repeatable; "
+                         "case insensitive; spmd / mpmd select by executor), e.g. --only mpmd")
+    ap.add_argument("--busy-ok", action="store_true",
+                    help="do not wait for a quiet machine nor repeat disturbed runs (a quick "
+                         "functional look; timings then carry the machine's load)")
+    args = ap.parse_args(argv)
+    if args.busy_ok:
+        allow_busy()
+    return args
 
 
 def allow_busy() -> None:

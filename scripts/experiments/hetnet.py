@@ -47,21 +47,19 @@ first step (compilation) and one warm-up step are excluded from the timing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
-import tempfile
 
-from hetjax.experiments import harness
-from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
+from scripts.experiments import harness
+from scripts.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
                                         Workload, accuracy_table, bar_plot, bridge_bytes,
                                         case_record, cpus_text, failures, fmt, link_table,
                                         calibrate_testbed, load_line, run_case, save_json, select,
                                         start, table)
 from hetjax.plan import Plan, even_split
 from hetjax.errors import HetjaxError
-from hetjax.testbed import DEFAULT_SCALE, Testbed
+from hetjax.testbed import Testbed
 from hetjax.topology import preset
 
 
@@ -91,23 +89,8 @@ def nic_cases(work: Workload, cpus: float) -> list[Case]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=10, help="steps per run (first 2 not timed)")
-    ap.add_argument("--cpus", type=float, default=0.4, help="CPU cap per emulated host")
-    ap.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="link rate factor")
-    ap.add_argument("--out", default=os.path.join(REPO, "docs", "img", "bench_hetnet.png"))
-    ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetnet.json"))
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetnet"))
-    ap.add_argument("--timeout", type=float, default=420, help="seconds per training run")
-    ap.add_argument("--only", metavar="TEXT", action="append",
-                    help="run only the configurations whose name contains TEXT (repeatable; "
-                         "case insensitive; spmd / mpmd select by executor), e.g. --only mpmd")
-    ap.add_argument("--busy-ok", action="store_true",
-                    help="do not wait for a quiet machine nor repeat disturbed runs (a quick "
-                         "functional look; timings then carry the machine's load)")
-    args = ap.parse_args(argv)
-    if args.busy_ok:
-        harness.allow_busy()
+    args = harness.bench_args(argv, "bench_hetnet", __doc__, 10, "CPU cap per emulated host",
+                              420)
     work = Workload(steps=args.steps)
     cases = select(nic_cases(work, args.cpus), args.only)
     log = start("bench_hetnet")

@@ -35,14 +35,12 @@ sequences of 256) so that compute, not the once-per-step gradient sync, dominate
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
-import tempfile
 
-from hetjax.experiments import harness
-from hetjax.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, REPO, Case,
+from scripts.experiments import harness
+from scripts.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
                                         Workload, accuracy_table, bar_plot, case_record,
                                         cpus_text, failures, fmt, link_table, load_line,
                                         calibrate_testbed, run_case, save_json, select,
@@ -53,7 +51,7 @@ from hetjax.planner import CostModel, options_from_config, plan
 from hetjax.planner.cost import PLAN_EXECUTORS
 from hetjax.planner.formulas import hethub_efficiency, hethub_throughput, hethub_upper_bound
 from hetjax.planner.partition import holmes_split
-from hetjax.testbed import DEFAULT_SCALE, Testbed
+from hetjax.testbed import Testbed
 from hetjax.topology import ACCELERATORS, Topology, preset
 
 WORKLOAD = Workload(d_model=128, n_layers=8, n_heads=2, d_ff=384, seq_len=256, batch=32,
@@ -149,24 +147,8 @@ def per_device(c: Case, seconds: float | None) -> float | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=WORKLOAD.steps,
-                    help="steps per run (first 2 not timed)")
-    ap.add_argument("--cpus", type=float, default=0.4, help="CPU cap of a `cpu` host")
-    ap.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="link rate factor")
-    ap.add_argument("--out", default=os.path.join(REPO, "docs", "img", "bench_hetaccel.png"))
-    ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench_hetaccel.json"))
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_hetaccel"))
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
-    ap.add_argument("--only", metavar="TEXT", action="append",
-                    help="run only the configurations whose name contains TEXT (repeatable; "
-                         "case insensitive; spmd / mpmd select by executor), e.g. --only mpmd")
-    ap.add_argument("--busy-ok", action="store_true",
-                    help="do not wait for a quiet machine nor repeat disturbed runs (a quick "
-                         "functional look; timings then carry the machine's load)")
-    args = ap.parse_args(argv)
-    if args.busy_ok:
-        harness.allow_busy()
+    args = harness.bench_args(argv, "bench_hetaccel", __doc__, WORKLOAD.steps,
+                              "CPU cap of a `cpu` host", 600)
     work = dataclasses.replace(WORKLOAD, steps=args.steps)
     cases = select(hetaccel_cases(work, args.cpus), args.only)
     log = start("bench_hetaccel")

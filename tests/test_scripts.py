@@ -1,0 +1,70 @@
+"""scripts/: benchmarks and entry points stay runnable. Each file imports hetjax's public names
+only and leaves `sys.path` alone (read with `ast`); the benchmarks with a smoke mode run it here,
+in this process on its 8 simulated devices, so a change that breaks one fails the suite."""
+
+import ast
+import os
+
+import pytest
+
+from conftest import REPO
+
+SCRIPTS = os.path.join(REPO, "scripts")
+FILES = sorted(os.path.relpath(os.path.join(folder, name), REPO)
+               for folder, _, names in os.walk(SCRIPTS) for name in names
+               if name.endswith(".py"))
+
+
+def _tree(path: str) -> ast.AST:
+    with open(os.path.join(REPO, path)) as f:
+        return ast.parse(f.read())
+
+
+def test_every_script_is_found():
+    assert {"scripts/bench_pipeline.py", "scripts/bench_zero.py",
+            "scripts/experiments/harness.py"} <= set(FILES)
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_a_script_leaves_sys_path_alone(path):
+    edits = [n.lineno for n in ast.walk(_tree(path)) if isinstance(n, ast.Attribute)
+             and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+    assert not edits, f"{path}:{edits} touches sys.path; run it as python -m scripts.NAME"
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_a_script_imports_no_private_name(path):
+    private = [f"{n.module}.{a.name}" for n in ast.walk(_tree(path))
+               if isinstance(n, ast.ImportFrom) and n.module
+               and n.module.split(".")[0] in ("hetjax", "layers", "parallel")
+               for a in n.names if a.name.startswith("_")]
+    assert not private, f"{path} imports private names {private}"
+
+
+def test_bench_pipeline_smoke(capsys):
+    from scripts import bench_pipeline
+
+    assert bench_pipeline.main(["smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "## Modelled step time, stages of [2, 1] layers" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or
+            line.startswith("| 2 |")]
+    assert len(rows) == 2, out  # the compute table: 1 and 2 active layers
+    assert out.count("wrote ") == len(bench_pipeline.sch.SCHEDULES)
+
+
+def test_bench_zero_smoke(capsys):
+    from scripts import bench_zero
+
+    assert bench_zero.main(["--smoke", "--skip-7b"]) == 0
+    out = capsys.readouterr().out
+    assert "| zero3 | 8/8/8 |" in out  # pp = 1: the factors of dp = 8
+    assert out.count("| zero3 |") == 2  # and a row in the pp = 2 table
+
+
+def test_bench_planner_smoke(capsys):
+    from scripts import bench_planner
+
+    bench_planner.main(["smoke"])
+    out = capsys.readouterr().out
+    assert "All-reduce over 1,024" in out and "Holmes" in out, out[-2000:]
