@@ -12,7 +12,8 @@ the layers below it, and no import circle exists anywhere:
     planner     hetjax/planner/, hetjax/config.py, hetjax         chooses and checks Plans (no JAX)
     model       layers/ (the Flax modules)
     execution   parallel/ (the executors, mesh, ZeRO kernels,     turns a Plan into JAX programs
-                bridge, NIC environment), profile, measure
+                bridge, NIC environment), profile, measure,
+                interop.hf_checkpoint (weights into a plan)
     training    hetjax/train.py, diloco.py
     entry       cli, launch, testbed                              nothing imports them from below
 
@@ -45,7 +46,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                  "hetjax.linkcheck", "hetjax.interop", "hetjax.interop.*"),
     "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
     "model": ("layers.*",),
-    "execution": ("parallel.*", "hetjax.profile", "hetjax.measure"),
+    "execution": ("parallel.*", "hetjax.profile", "hetjax.measure", "hetjax.interop.hf_checkpoint"),
     "training": ("hetjax.train", "hetjax.diloco", "hetjax.hooks"),
     "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
 }
