@@ -27,6 +27,7 @@ from parallel.schedules import SCHEDULES, spmd_schedules
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = ("spmd", "mpmd", "auto")
 BOUNDARY_CODECS = ("none", "int8")  # parallel/bridge.py's CODECS (the bridge imports hetjax)
@@ -42,6 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.topology.file = ""
     c.topology.nodes = 0
     c.topology.devices_per_node = 0
+    c.topology.peak_tflops = 0.0
+    c.topology.memory_gib = 0.0
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 0
@@ -54,9 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = True
-    c.model.dtype = "float32"
+    c.model.dtype = "auto"
     c.model.param_dtype = "float32"
     c.model.remat = "auto"
+    c.model.attention = "auto"
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.pp = 1
@@ -151,6 +155,10 @@ DESCRIPTIONS: dict[str, str] = {
     "topology.file": "a JSON topology (Topology.to_json()); overrides preset",
     "topology.nodes": "> 0 overrides the preset's nodes per cluster",
     "topology.devices_per_node": "> 0 overrides the preset's devices per node",
+    "topology.peak_tflops": "> 0 states the devices' peak dense bf16 TFLOP/s (preset local; "
+                            "required for a device kind the catalogue lacks)",
+    "topology.memory_gib": "> 0 states the devices' memory in GiB (preset local; default: what "
+                           "the runtime reports, else the catalogue)",
     "model.vocab_size": "0: the tokenizer's vocabulary rounded up to a multiple of 128",
     "model.d_model": "width of the residual stream",
     "model.n_layers": "decoder blocks",
@@ -162,12 +170,17 @@ DESCRIPTIONS: dict[str, str] = {
     "model.rope_theta": "rotary embedding base",
     "model.norm_eps": "RMSNorm epsilon",
     "model.tie_embeddings": "share the input embedding with the output projection",
-    "model.dtype": "compute dtype; bfloat16 on accelerators",
+    "model.dtype": "compute dtype: auto (bfloat16 on accelerators with float32 master "
+                   "weights in model.param_dtype, float32 on CPU) | float32 | bfloat16 | "
+                   "float16",
     "model.param_dtype": "dtype parameters are stored (and optimized) in",
     "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
                    "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
                    "(when the planner searches, the fastest of the three that fits memory; "
                    "otherwise none, but full in the SPMD pipeline)",
+    "model.attention": "attention implementation: auto (cuDNN fused attention on GPU where "
+                       "supported, else Pallas flash on GPU, XLA on CPU/TPU) | xla | cudnn | "
+                       "pallas",
     "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
     "parallel.dp": "data-parallel replicas; 0: all remaining devices",
     "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
@@ -411,6 +424,14 @@ def _get(c, dotted: str):
     return c
 
 
+def compute_dtype(c, topology: topo.Topology | None = None) -> str:
+    """model.dtype with 'auto' resolved on the config's topology (Topology.
+    default_compute_dtype: bfloat16 compute on accelerators, float32 on CPU)."""
+    if c.model.dtype != "auto":
+        return c.model.dtype
+    return (topology or build_topology(c)).default_compute_dtype
+
+
 def build_topology(c) -> topo.Topology:
     """The topology a config names (file or preset, with node/device overrides)."""
     t = c.topology
@@ -446,6 +467,16 @@ def build_topology(c) -> topo.Topology:
                 raise ConfigError(f"topology.{key}", f"preset {t.preset!r} has no {key}",
                                   f"leave it 0; {t.preset} takes ({', '.join(params)})")
             kwargs[key] = v
+    for key in ("peak_tflops", "memory_gib"):
+        v = t[key]
+        _require(isinstance(v, (int, float)) and v >= 0, f"topology.{key}",
+                 f"must be >= 0, got {v!r}", f"set --config.topology.{key}=<a positive number>")
+        if v:
+            if key not in params:
+                raise ConfigError(f"topology.{key}", f"preset {t.preset!r} takes its devices' "
+                                  "figures from the catalogue",
+                                  "leave it 0, or use --config.topology.preset=local")
+            kwargs[key] = float(v)
     return topo.preset(t.preset, **kwargs)
 
 
@@ -482,9 +513,13 @@ def validate(c) -> None:
     _require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}",
              "use 10000.0")
     _require(m.norm_eps > 0, "model.norm_eps", f"must be > 0, got {m.norm_eps}", "use 1e-5")
-    for f in ("model.dtype", "model.param_dtype"):
-        _require(_get(c, f) in DTYPES, f, f"unknown dtype {_get(c, f)!r}",
-                 f"choose one of {', '.join(DTYPES)}")
+    _require(m.dtype == "auto" or m.dtype in DTYPES, "model.dtype",
+             f"unknown dtype {m.dtype!r}", f"choose one of auto, {', '.join(DTYPES)}")
+    _require(m.param_dtype in DTYPES, "model.param_dtype",
+             f"unknown dtype {m.param_dtype!r}", f"choose one of {', '.join(DTYPES)}")
+    _require(m.attention in ATTENTION_IMPLEMENTATIONS, "model.attention",
+             f"unknown implementation {m.attention!r}",
+             f"choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     _require(m.remat in REMAT_POLICIES, "model.remat", f"unknown policy {m.remat!r}",
              f"choose one of {', '.join(REMAT_POLICIES)}")
 

@@ -24,6 +24,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"  # auto | xla | cudnn | pallas (hetjax/config.py, model.attention)
 
     @staticmethod
     def from_config(m, vocab_size: int | None = None) -> "ModelConfig":
@@ -32,8 +33,11 @@ class ModelConfig:
             vocab_size=m.vocab_size or vocab_size, d_model=m.d_model, n_layers=m.n_layers,
             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff,
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-            tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
-            remat=m.remat)
+            tie_embeddings=m.tie_embeddings,
+            # 'auto' needs the devices: callers that know them resolve it first
+            # (hetjax.config.compute_dtype); without them, float32 (the CPU default)
+            dtype="float32" if m.dtype == "auto" else m.dtype, param_dtype=m.param_dtype,
+            remat=m.remat, attention=m.get("attention", "auto"))
 
     @property
     def head_dim(self) -> int:
