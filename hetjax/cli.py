@@ -351,12 +351,18 @@ def cmd_plan(argv: list[str]) -> int:
         plan, runners_up = result.plan, result.runners_up
     else:
         plan = plan_from_config(cfg, topology)
-    model = model_from_config(cfg)
+    model = model_from_config(cfg, topology=topology)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict_for_config(
             cfg, plan, topology).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    from hetjax.planner.memory import fit_problem
+
+    problem = fit_problem(plan.predicted, plan.remat or cfg.model.remat, plan.microbatches,
+                          plan.zero.name)
+    if problem:  # the words `hetjax train` refuses this plan with
+        print(problem)
     if plan.executor == "mpmd" and plan.pp > 1:
         from hetjax.planner.worlds import world_lines
         from parallel import nic
@@ -458,7 +464,7 @@ def cmd_calibrate(argv: list[str]) -> int:
 
     seq = cfg.train.seq_len
     cal = measure.calibrate(
-        topology, model_from_config(cfg),
+        topology, model_from_config(cfg, topology=topology),
         seq_lens=_ints(opts["seq_lens"], "seq_lens") if "seq_lens" in opts
         else tuple(sorted({max(seq // 2, 8), seq})),
         batches=_ints(opts["batches"], "batches") if "batches" in opts
