@@ -297,7 +297,12 @@ class Trainer:
 
     def init_state(self):
         """Fresh parameters from train.seed, created directly in their shardings."""
-        return self.executor.init_state(self.config.train.seed)
+        try:
+            return self.executor.init_state(self.config.train.seed)
+        except jax.errors.JaxRuntimeError as e:
+            if is_out_of_memory(e):
+                raise self._out_of_memory(e) from None
+            raise
 
     @property
     def params(self):
