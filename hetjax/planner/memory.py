@@ -15,10 +15,11 @@ The optimizer update's temporaries are not priced: XLA schedules the update afte
 backward has freed the activations, so they overlap (they decide the peak only at a few
 tokens per device, where the step is far from any memory limit).
 
-Each coefficient is checked against XLA's own `compiled.memory_analysis()` over a grid of
-configurations (tests/test_memory.py). It also words the two memory failures the user sees:
-a plan predicted not to fit (`hetjax plan` prints it, `hetjax train` refuses it) and XLA
-running out of memory anyway (`oom_message`).
+Each coefficient is fitted to and checked against XLA's own `compiled.memory_analysis()` over
+a grid of configurations on CPU (tests/test_memory.py); on GPU the same terms are scaled to the
+compute dtype, which no GPU measurement has checked yet. It also words the two memory
+failures the user sees: a plan predicted not to fit (`hetjax plan` prints it, `hetjax train`
+refuses it) and XLA running out of memory anyway (`oom_message`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from layers.config import ModelConfig
 
 GIB = 2.0 ** 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FUSED_ATTENTION = ("cudnn", "pallas")
 
 
