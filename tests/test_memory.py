@@ -40,17 +40,15 @@ def check(config):
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
 
 
-# Two configurations run by default; the grid (remat x dtype x layout x ZeRO, and the model's
+# One configuration runs by default; the grid (remat x dtype x layout x ZeRO, and the model's
 # sizes) is in the slow tier: each point is a compile of a few seconds to a minute.
-@pytest.mark.parametrize("remat,dtype,zero", [("none", "float32", "ddp"),
-                                              ("full", "bfloat16", "zero3")])
-def test_memory_matches_xla(remat, dtype, zero):
-    check(memory_config(remat, dtype, zero=zero))
+def test_memory_matches_xla():
+    check(memory_config("none", "float32"))
 
 
 GRID = ([(r, d, 1, 2, 1, z, {}) for r in ("none", "dots", "full")
          for d in ("float32", "bfloat16") for z in ("ddp", "zero3")
-         if (r, d, z) not in (("none", "float32", "ddp"), ("full", "bfloat16", "zero3"))]
+         if (r, d, z) != ("none", "float32", "ddp")]
         + [(r, d, 1, 1, 2, "ddp", {}) for r in ("none", "dots", "full")
            for d in ("float32", "bfloat16")]
         + [(r, "float32", 1, 2, 1, "zero1", {}) for r in ("none", "dots", "full")]
@@ -71,8 +69,7 @@ def test_memory_grid_matches_xla(remat, dtype, pp, dp, tp, zero, extra):
 
 
 def test_the_grid_covers_what_it_claims():
-    points = [("none", "float32", 1, 2, 1, "ddp", {}), ("full", "bfloat16", 1, 2, 1, "zero3", {})]
-    points += GRID
+    points = [("none", "float32", 1, 2, 1, "ddp", {})] + GRID
     assert len(points) >= 20
     assert {p[0] for p in points} == {"none", "dots", "full"}
     assert {p[1] for p in points} == {"float32", "bfloat16"}
