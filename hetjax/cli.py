@@ -338,7 +338,7 @@ def cmd_plan(argv: list[str]) -> int:
         plan, runners_up = result.plan, result.runners_up
     else:
         plan = plan_from_config(cfg, topology)
-    model = model_from_config(cfg)
+    model = model_from_config(cfg, topology=topology)
     if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict_for_config(
             cfg, plan, topology).as_dict())
@@ -350,6 +350,12 @@ def cmd_plan(argv: list[str]) -> int:
         print(line)
     for line in _attention_lines(model, topology, plan.seq_len):
         print(line)
+    from hetjax.planner.memory import fit_problem
+
+    problem = fit_problem(plan.predicted, plan.remat or cfg.model.remat, plan.microbatches,
+                          plan.zero.name)
+    if problem:  # the words `hetjax train` refuses this plan with
+        print(problem)
     if plan.executor == "mpmd" and plan.pp > 1:
         from hetjax.planner.worlds import world_lines
         from parallel import nic
@@ -457,7 +463,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     lead = spec is None or spec.process_id == 0
     progress = measure.Progress() if lead else None
     cal = measure.calibrate(
-        topology, model_from_config(cfg),
+        topology, model_from_config(cfg, topology=topology),
         seq_lens=_ints(opts["seq_lens"], "seq_lens") if "seq_lens" in opts
         else (seq,) if quick else tuple(sorted({max(seq // 2, 8), seq})),
         batches=_ints(opts["batches"], "batches") if "batches" in opts

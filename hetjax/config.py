@@ -28,7 +28,7 @@ from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
-ATTENTION = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py IMPLEMENTATIONS
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 PIPELINE_EXECUTORS = (*EXECUTORS, "auto")  # the Plan's executors, or the planner chooses
 ROPE_TYPES = ("default", "linear", "llama3")  # hetjax.interop.hf_config's, layers/embeddings'
@@ -44,6 +44,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.topology.file = ""
     c.topology.nodes = 0
     c.topology.devices_per_node = 0
+    c.topology.peak_tflops = 0.0
+    c.topology.memory_gib = 0.0
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 0
@@ -56,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = True
-    c.model.dtype = "float32"
+    c.model.dtype = "auto"
     c.model.param_dtype = "float32"
     c.model.remat = "auto"
     c.model.attention = "auto"
@@ -169,6 +171,10 @@ DESCRIPTIONS: dict[str, str] = {
     "topology.file": "a JSON topology (Topology.to_json()); overrides preset",
     "topology.nodes": "> 0 overrides the preset's nodes per cluster",
     "topology.devices_per_node": "> 0 overrides the preset's devices per node",
+    "topology.peak_tflops": "> 0 states the devices' peak dense bf16 TFLOP/s (preset local; "
+                            "required for a device kind the catalogue lacks)",
+    "topology.memory_gib": "> 0 states the devices' memory in GiB (preset local; default: what "
+                           "the runtime reports, else the catalogue)",
     "model.vocab_size": "0: the tokenizer's vocabulary rounded up to a multiple of 128",
     "model.d_model": "width of the residual stream",
     "model.n_layers": "decoder blocks",
@@ -180,7 +186,9 @@ DESCRIPTIONS: dict[str, str] = {
     "model.rope_theta": "rotary embedding base",
     "model.norm_eps": "RMSNorm epsilon",
     "model.tie_embeddings": "share the input embedding with the output projection",
-    "model.dtype": "compute dtype; bfloat16 on accelerators",
+    "model.dtype": "compute dtype: auto (bfloat16 on accelerators with float32 master "
+                   "weights in model.param_dtype, float32 on CPU) | float32 | bfloat16 | "
+                   "float16",
     "model.param_dtype": "dtype parameters are stored (and optimized) in",
     "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
                    "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
@@ -488,6 +496,14 @@ def _get(c, dotted: str):
     return c
 
 
+def compute_dtype(c, topology: topo.Topology | None = None) -> str:
+    """model.dtype with 'auto' resolved on the config's topology (Topology.
+    default_compute_dtype: bfloat16 compute on accelerators, float32 on CPU)."""
+    if c.model.dtype != "auto":
+        return c.model.dtype
+    return (topology or build_topology(c)).default_compute_dtype
+
+
 def build_topology(c) -> topo.Topology:
     """The topology a config names (file or preset, with node/device overrides)."""
     t = c.topology
@@ -523,6 +539,16 @@ def build_topology(c) -> topo.Topology:
                 raise ConfigError(f"topology.{key}", f"preset {t.preset!r} has no {key}",
                                   f"leave it 0; {t.preset} takes ({', '.join(params)})")
             kwargs[key] = v
+    for key in ("peak_tflops", "memory_gib"):
+        v = t[key]
+        _require(isinstance(v, (int, float)) and v >= 0, f"topology.{key}",
+                 f"must be >= 0, got {v!r}", f"set --config.topology.{key}=<a positive number>")
+        if v:
+            if key not in params:
+                raise ConfigError(f"topology.{key}", f"preset {t.preset!r} takes its devices' "
+                                  "figures from the catalogue",
+                                  "leave it 0, or use --config.topology.preset=local")
+            kwargs[key] = float(v)
     return topo.preset(t.preset, **kwargs)
 
 
@@ -598,16 +624,18 @@ def validate(c) -> None:
     _require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}",
              "use 10000.0")
     _require(m.norm_eps > 0, "model.norm_eps", f"must be > 0, got {m.norm_eps}", "use 1e-5")
-    for f in ("model.dtype", "model.param_dtype"):
-        _require(_get(c, f) in DTYPES, f, f"unknown dtype {_get(c, f)!r}",
-                 f"choose one of {', '.join(DTYPES)}")
+    _require(m.dtype == "auto" or m.dtype in DTYPES, "model.dtype",
+             f"unknown dtype {m.dtype!r}", f"choose one of auto, {', '.join(DTYPES)}")
+    _require(m.param_dtype in DTYPES, "model.param_dtype",
+             f"unknown dtype {m.param_dtype!r}", f"choose one of {', '.join(DTYPES)}")
+    _require(m.attention in ATTENTION_IMPLEMENTATIONS, "model.attention",
+             f"unknown implementation {m.attention!r}",
+             f"choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     _require(m.remat in REMAT_POLICIES, "model.remat", f"unknown policy {m.remat!r}",
              f"choose one of {', '.join(REMAT_POLICIES)}")
     _require(isinstance(m.loss_chunk_tokens, int) and m.loss_chunk_tokens >= 0,
              "model.loss_chunk_tokens", f"must be an integer >= 0, got {m.loss_chunk_tokens!r}",
              "use 0 (one piece) or e.g. 4096")
-    _require(m.attention in ATTENTION, "model.attention", f"unknown implementation "
-             f"{m.attention!r}", f"choose one of {', '.join(ATTENTION)}")
 
     _require(tr.lr > 0, "train.lr", f"the learning rate must be positive, got {tr.lr}",
              "set --config.train.lr to a value > 0, e.g. 3e-4")

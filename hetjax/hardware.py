@@ -224,6 +224,13 @@ class Topology:
         return range(start, start + self.clusters[cluster].num_devices)
 
     @property
+    def default_compute_dtype(self) -> str:
+        """What model.dtype 'auto' means here: float32 when every device is a CPU (the default
+        job stays bit-identical), else bfloat16 (parameters stay in model.param_dtype)."""
+        cpu = all(c.accelerator.vendor == "cpu" for c in self.clusters)
+        return "float32" if cpu else "bfloat16"
+
+    @property
     def peak_flops(self) -> float:
         """Sum of every device's peak FLOP/s (the MFU denominator)."""
         return sum(c.num_devices * c.accelerator.peak_tflops * 1e12 for c in self.clusters)

@@ -173,7 +173,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         *([("eval loss", f"{s['eval_loss']:.4f} (held-out documents)")]
           if s.get("eval_loss") is not None else []),
         ("tokens/s", f"{s['tokens_per_s']:,.0f} (after the first step)"),
-        ("MFU", f"{s['mfu']:.2%} of the topology's peak"),
+        ("MFU", f"{s['mfu']:.2%} of the topology's peak" +
+         (f" (warning: {s['mfu_warning']})" if s.get("mfu_warning") else "")),
         *([("attention", s["attention"])] if s.get("attention") else []),
         ("compile + first step", f"{num(s['compile_and_first_step_s'], '.1f')} s"),
         ("input wait", f"{s.get('input_wait_s', 0.0) * 1e3:.2f} ms per step"),

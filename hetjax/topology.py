@@ -16,15 +16,17 @@ import inspect
 from typing import Callable
 
 from hetjax.catalogue import (ACCELERATORS, ETH_SETTINGS, IB_SETTINGS, LINKS, ROCE_SETTINGS,
-                              accelerator, make_cluster, nic_settings_for)
+                              accelerator, accelerator_for_kind, make_cluster, nic_settings_for)
 from hetjax.errors import TopologyError
+from hetjax.local_preset import local
 from hetjax.hardware import (LINK_KINDS, Accelerator, Cluster, ClusterLink, DeviceInfo, Link,
                              NicSettings, Topology)
 from hetjax.paper_presets import (DTFM_SCENARIOS, PAPER_PRESETS, cpu_hybrid, cpu_single,
                                   hethub_mixed)
 from hetjax.testbed_presets import TESTBED_PRESETS
 
-PRESETS: dict[str, Callable[..., Topology]] = {**PAPER_PRESETS, **TESTBED_PRESETS}
+# `local`: the devices the running JAX sees (hetjax/local_preset.py; JAX imported only then).
+PRESETS: dict[str, Callable[..., Topology]] = {**PAPER_PRESETS, **TESTBED_PRESETS, "local": local}
 
 
 def register_preset(fn: Callable[..., Topology]) -> Callable[..., Topology]:
@@ -49,5 +51,6 @@ __all__ = [
     "Accelerator", "Cluster", "ClusterLink", "DeviceInfo", "Link", "NicSettings", "Topology",
     "LINK_KINDS", "ACCELERATORS", "LINKS", "IB_SETTINGS", "ROCE_SETTINGS", "ETH_SETTINGS",
     "PRESETS", "preset", "register_preset", "make_cluster", "accelerator", "nic_settings_for",
+    "accelerator_for_kind", "local",
     "DTFM_SCENARIOS", "cpu_hybrid", "cpu_single", "hethub_mixed",
 ]

@@ -42,11 +42,14 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
-from hetjax.errors import ConfigError, HetjaxError, Preempted
+from hetjax.errors import ConfigError, HetjaxError, PlanError, Preempted
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
 from hetjax.plan import Plan
+from hetjax.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
+from hetjax.planner.config_plan import predict_for_config
+from hetjax.planner.memory import asked_bytes, fit_problem, is_out_of_memory, oom_message
 from hetjax.profile import StepProfiler, summarise
 from hetjax.tokenizer import tokenizer_from_config
 from hetjax.topology import Topology
@@ -183,6 +186,7 @@ class Timing:
             "tokens_per_s": tps,
             "mfu": tr.flops_per_step * steady_steps / steady / tr.topology.peak_flops
             if tps else 0.0,
+            "mfu_warning": tr.mfu_warning,
             "wall_s": time.perf_counter() - self.t_start,
             "compile_and_first_step_s": (self.t_first - self.t_start) if self.t_first else None,
             "input_wait_s": (tr.data.waited_s - self.waited_start) / max(total - self.start, 1),
@@ -231,8 +235,9 @@ class Trainer:
         self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle)
         self.workdir = workdir or config.workdir
         self.tokenizer = tokenizer_from_config(config.data)
-        self.model_cfg = ModelConfig.from_config(config.model,
-                                                 padded_vocab(self.tokenizer.vocab_size))
+        self.model_cfg = dataclasses.replace(
+            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size)),
+            dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
         # The attention kernel this process's devices run (a named one they cannot run is a
@@ -256,6 +261,11 @@ class Trainer:
         else:
             self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
                                           self.schedule, config.train.grad_clip)
+        self.predicted = self._check_memory()
+        # MFU is a fraction of the topology's peak: say so when JAX runs on other devices
+        # (a multi-world job's process sees only its own world's devices)
+        self.mfu_warning = None if worlds_job() else device_mismatch(
+            self.topology, describe_jax_devices(jax.devices()))
         self.tokens_per_step = self.plan.global_batch * self.plan.seq_len
         self.flops_per_step = self.model_cfg.flops_per_token(self.plan.seq_len) * \
             self.tokens_per_step
@@ -266,6 +276,27 @@ class Trainer:
         self._checkpointer = None
         self._last_saved = None
         self._tokenizer_saved = False
+
+    def _check_memory(self) -> dict[str, Any]:
+        """The plan's predicted memory; refuses a plan predicted not to fit, in the words
+        `hetjax plan` prints for it."""
+        predicted = self.plan.predicted
+        if "stage_memory_gib" not in predicted and not self.config.diloco.inner_steps:
+            predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
+        problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
+                              self.plan.zero.name)
+        if problem:
+            raise PlanError(problem)
+        return predicted
+
+    def _out_of_memory(self, error: BaseException) -> PlanError:
+        """The one message a run ends with when XLA runs out of device memory."""
+        need = self.predicted.get("stage_memory_gib")
+        caps = [d.memory_bytes for d in describe_jax_devices(jax.local_devices()[:1])]
+        capacity = caps[0] or self.topology.accelerator_of(0).memory_bytes
+        return PlanError(oom_message(max(need) * 2**30 if need else None, asked_bytes(error),
+                                     capacity, self.model_cfg.remat, self.plan.microbatches,
+                                     self.plan.zero.name))
 
     # --- state and data (created on first use) --------------------------------------------------
     @property
@@ -282,7 +313,12 @@ class Trainer:
         """Fresh parameters from train.seed, created directly in their shardings; with
         model.init_from, the parameters of that HuggingFace checkpoint instead (each process
         reads only the slices its devices hold)."""
-        state = self.executor.init_state(self.config.train.seed)
+        try:
+            state = self.executor.init_state(self.config.train.seed)
+        except jax.errors.JaxRuntimeError as e:
+            if is_out_of_memory(e):
+                raise self._out_of_memory(e) from None
+            raise
         if self.config.model.init_from:
             from hetjax.interop.hf_checkpoint import init_from_hf
 
@@ -360,7 +396,12 @@ class Trainer:
         """One optimizer step on `batch` (default: the next batch of the data stream)."""
         batch = (self.put_batch(next(self.data), self.data_rows) if batch is None
                  else self.put_batch(batch))
-        self.state, metrics = self.executor.step(self.state, batch)
+        try:  # the first call compiles: XLA may run out of memory then or while running
+            self.state, metrics = self.executor.step(self.state, batch)
+        except jax.errors.JaxRuntimeError as e:
+            if is_out_of_memory(e):
+                raise self._out_of_memory(e) from None
+            raise
         return metrics
 
     def evaluate(self, batch: dict[str, np.ndarray]) -> float:
@@ -584,6 +625,8 @@ class Trainer:
                             cfg.log_every, primary)
         if resumed is not None and primary and not self.quiet:
             print(f"resumed from checkpoint {resumed} in {self.checkpoint_dir}", flush=True)
+        if self.mfu_warning and primary and not self.quiet:
+            print(f"warning: {self.mfu_warning}", flush=True)
         timing = Timing(self, int(self.state.step))
         last_eval: list[float] = []
 

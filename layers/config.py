@@ -55,7 +55,10 @@ class ModelConfig:
             vocab_size=m.vocab_size or vocab_size, d_model=m.d_model, n_layers=m.n_layers,
             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff,
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-            tie_embeddings=m.tie_embeddings, dtype=m.dtype, param_dtype=m.param_dtype,
+            # dtype 'auto' needs the devices: callers that know them resolve it first
+            # (hetjax.config.compute_dtype); without them, float32 (the CPU default)
+            tie_embeddings=m.tie_embeddings,
+            dtype="float32" if m.dtype == "auto" else m.dtype, param_dtype=m.param_dtype,
             remat=m.remat, attention=m.attention, loss_chunk_tokens=m.loss_chunk_tokens,
             head_dim=m.head_dim, rope_type=m.rope_type,
             rope_factor=m.rope_factor, rope_low_freq_factor=m.rope_low_freq_factor,

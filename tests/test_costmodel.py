@@ -199,7 +199,9 @@ def test_hetjax_executor_stashes_layer_inputs_and_replicates_shared_parameters()
     assert all(c.mem_layer == 0 for c in ours)
     assert ours[0].bwd_layer == pytest.approx(1.5 * theirs[0].bwd_layer)  # 3 forwards, not 2
     embed = zr.model_state_bytes(m.embed_params, ZeroFactors(), zr.FP32)
-    assert ours[1].mem_fixed > embed and theirs[1].mem_fixed == 0.0
+    # Megatron's middle stage holds no embedding or head, only one layer's backward buffers
+    assert ours[1].mem_fixed > embed and theirs[1].mem_fixed == pytest.approx(
+        mg.temporary_bytes(layout, "none"))
     # One stage: no pipeline, the model's own remat and layout.
     single = hj.stage_costs(_layout(1, 8, M=2))[0]
     assert single.mem_layer > 0 and single.bwd_layer == pytest.approx(

@@ -104,7 +104,7 @@ def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
     the config's calibration file and memory margin (`overrides`: other CostOptions)."""
     options = dataclasses.replace(options_from_config(c),
                                   executor=PLAN_EXECUTORS[plan_.executor], **overrides)
-    return CostModel(topology, model_from_config(c), options).predict(plan_)
+    return CostModel(topology, model_from_config(c, topology=topology), options).predict(plan_)
 
 
 # Below this predicted gain `hetjax plan` does not propose int8 pipeline boundaries.
@@ -138,7 +138,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
     or when the layout is fixed) fixes M; otherwise the planner chooses. zero.preset 'auto'
     lets AMSP's enumeration choose; 'custom' uses zero.s_p / s_g / s_os; a name picks that
     point."""
-    model = model_from_config(c)
+    model = model_from_config(c, topology=topology)
     m = resolve_microbatches(c)
     layout_fixed = bool(c.parallel.pp and c.parallel.tp)  # then only ZeRO is left to choose
     fixed_m = c.pipeline.microbatches or (m if m != 1 or layout_fixed else 0)
@@ -191,7 +191,7 @@ def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | 
         return dataclasses.replace(plan_, executor=c.pipeline.executor)
     if plan_.pp == 1:
         return plan_
-    model = model_from_config(c)
+    model = model_from_config(c, topology=topology)
     priced = []
     for executor in _executors(c):
         name = PLAN_EXECUTORS[executor]

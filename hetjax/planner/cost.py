@@ -28,7 +28,7 @@ import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
 from hetjax.plan import EXECUTORS as PLAN_EXECUTOR_NAMES, Plan, ZeroFactors, effective_remat
-from hetjax.planner import collectives as coll, compute as ck, zero as zr
+from hetjax.planner import collectives as coll, compute as ck, memory as mem, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
 from hetjax.units import BYTES_PER_GBIT
@@ -398,6 +398,10 @@ class CostModel:
         self._cluster_accel = [c.accelerator for c in topology.clusters]
         self.state_bytes = zr.state_bytes_for(model.param_dtype)
         self.act_bytes = _DTYPE_BYTES.get(model.dtype, 4)
+        vendors = {c.accelerator.vendor for c in topology.clusters}
+        platform = "cpu" if vendors == {"cpu"} else \
+            "gpu" if vendors <= {"nvidia", "amd"} else "other"
+        self.attention = mem.attention_implementation(model, platform)
         # Links interned by id, so a group's link is an index into these arrays.
         self._links: list[Link] = []
         self._intra_id = np.array([self._link_id(c.intra_node) for c in topology.clusters])
@@ -665,31 +669,23 @@ class CostModel:
 
     # --- memory ----------------------------------------------------------------------------------
     def activation_bytes_per_token(self, tp: int, seq_len: int,
-                                   remat: str | None = None) -> float:
-        """Bytes one layer keeps for its backward, per token: block input and norms, q/k/v,
-        attention probabilities, MLP gate/up/activation (all but the residual stream split
-        over tp); remat 'full' keeps only the block input, 'dots' drops the probabilities."""
-        m, remat = self.model, remat or effective_remat(self.model.remat)
-        if remat == "full":
-            return m.d_model * self.act_bytes
-        kv = m.n_kv_heads * m.head_dim
-        split = 2 * m.d_model + 2 * kv + 3 * m.d_ff
-        if remat != "dots":
-            split += m.n_heads * seq_len
-        return (4 * m.d_model + split / tp) * self.act_bytes
+                                   remat: str | None = None, cpu: bool = False) -> float:
+        """Bytes one layer keeps for its backward, per token, under `remat` and the model's
+        attention implementation (hetjax/planner/memory.py owns the terms). `cpu`: XLA:CPU
+        keeps bf16 residuals in f32 (measured: a bf16 step's kept activations are as large as
+        an f32 step's), so they take 4 bytes there whatever the dtype."""
+        return mem.layer_bytes_per_token(
+            self.model, seq_len, tp, remat or effective_remat(self.model.remat),
+            self.attention, 4.0 if cpu else self.act_bytes)
 
-    def temporary_bytes(self, layout: Layout, remat: str, full_layer: float) -> float:
-        """Transient bytes per device beyond states and kept activations: the recompute
-        workspace, one layer's full activations less what it keeps, for one micro-batch.
+    def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
+        """Transient bytes per device beyond states and kept activations: the buffers of the
+        layer running its backward (its recompute under 'dots' / 'full'), one micro-batch.
         (Gradients are reduced in place in their buffer, part of the G states; the logits
         and a prefetched layer are counted where they live.)"""
-        if remat == "none":
-            return 0.0
-        # hetjax's stash of 'full' is counted with the stash (its layer inputs)
-        kept = 0.0 if self.pipelined_by_hetjax(layout) and remat == "full" else \
-            self.activation_bytes_per_token(layout.tp, layout.seq_len, remat) * \
-            layout.tokens_per_device()
-        return full_layer - kept
+        return mem.transient_bytes_per_token(  # in the compute dtype, on CPU too (measured)
+            self.model, layout.seq_len, layout.tp, remat, self.attention,
+            self.act_bytes) * layout.tokens_per_device()
 
     # --- stages ----------------------------------------------------------------------------------
     def _slots(self, layout: Layout) -> list["_Slot"]:
@@ -800,7 +796,8 @@ class CostModel:
             tp_ar = 2 * self.collective("all_reduce", tok * m.d_model * self.act_bytes, mesh[s])
             dp_groups = mesh[s].T  # [tp, dp]
             z, ze, zh = (self.zero_times(f, x, dp_groups) for x in (layer_p, embed_p, head_p))
-            full_layer = self.activation_bytes_per_token(tp, layout.seq_len, "none") * tok
+            cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
+            kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
             slots.append(_Slot(
                 fwd_layer=cf + tp_ar + exposed(z.gather, cf, o.overlap),
                 bwd_layer=cb + tp_ar + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
@@ -810,22 +807,20 @@ class CostModel:
                 # hetjax stashes each layer's residuals (its input under remat 'full') in
                 # every padded slot, plus the stage output, and with 'full' holds one layer's
                 # full activations while it recomputes.
-                stash=self.activation_bytes_per_token(tp, layout.seq_len, remat) * tok
-                if hetjax else 0.0,
+                stash=kept if hetjax else 0.0,
                 stash_out=tok * m.d_model * self.act_bytes if hetjax else 0.0,
-                act_layer=0.0 if hetjax else
-                self.activation_bytes_per_token(tp, layout.seq_len, remat) * tok,
+                act_layer=0.0 if hetjax else kept,
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
-                # (in mem_slot). Temporaries: the layer being recomputed holds its full
-                # activations (hetjax's pipeline always recomputes).
+                # (in mem_slot). Temporaries: the buffers of the layer in its backward.
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
-                          else 0.0) + self.temporary_bytes(layout, remat, full_layer),
+                          else 0.0) + self.temporary_bytes(layout, remat, cpu),
                 head_fwd=tok * hf / tp, head_bwd=tok * hb / tp,
                 embed_sync=ze.sync + ze.refresh,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
                 head_sync=zh.sync + zh.refresh,
                 head_mem=zr.step_state_bytes(head_p, f, sb, zero_as),
-                logits=2 * tok * m.vocab_size / tp * 4,  # fp32 logits and their gradient
+                # f32 logits, log-probabilities and their gradients
+                logits=tok * mem.head_bytes_per_token(m, tp, remat),
                 # folded: embedding and head only on device 0 (it runs both end chunks)
                 shared_everywhere=hetjax and not layout.folded,
                 capacity=float(self._memory[ranks].min()) * o.memory_fraction,
@@ -1009,13 +1004,17 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
     return sum(topology.accelerator_of(r).peak_tflops * 1e12 for r in ranks)
 
 
-def model_from_config(c, vocab_size: int | None = None) -> "ModelConfig":
-    """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded)."""
+def model_from_config(c, vocab_size: int | None = None,
+                      topology: Topology | None = None) -> "ModelConfig":
+    """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded); model.dtype
+    'auto' resolved on `topology` (Topology.default_compute_dtype; without one, float32)."""
     from hetjax.tokenizer import ByteTokenizer, padded_vocab
     from layers.config import ModelConfig
 
-    return ModelConfig.from_config(
-        c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
+    model = ModelConfig.from_config(c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
+    if c.model.dtype == "auto" and topology is not None:
+        model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
+    return model
 
 
 __all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile",

@@ -240,7 +240,7 @@ def price_config(c, topology: Topology, whole_plan=None) -> DilocoPricing:
 
     sites = site_clusters(topology, tuple(c.diloco.sites))
     sc = site_config(c, len(sites))
-    model = model_from_config(c)
+    model = model_from_config(c, topology=topology)
     steps = []
     for _, clusters in sites:
         sub = site_topology(topology, clusters)
