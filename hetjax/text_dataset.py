@@ -2,9 +2,13 @@
 
 `open_corpus(files, data_dir, kind)` prepares the files into `data_dir` the first time
 (`hetjax_text/<kind>_<fingerprint>/1.0.0/`) and returns a random-access source of documents
-(dicts with `text` and `path` as UTF-8 bytes). The fingerprint hashes the files' paths, sizes and
-modification times, so an edited corpus prepares anew instead of serving stale text. The
-array_record format needs no TensorFlow. The builder lives in this importable module because
+(dicts with `text` and `path` as UTF-8 bytes). The fingerprint is the corpus's content identity:
+a hash of each file's name below the corpus root, size and bytes, so an edited corpus prepares
+anew instead of serving stale text, while `touch`, `cp` without `-p`, a `git checkout` or a
+copy to node-local disk keep the identity (and a checkpoint's resume). Reading the corpus to hash
+it happens once per (paths, sizes, modification times): the result is remembered under
+`<data_dir>/hetjax_text/identity/`. Undecodable bytes are reported per file. The array_record
+format needs no TensorFlow. The builder lives in this importable module because
 tfds cannot prepare a builder defined in `__main__`.
 """
 
@@ -14,6 +18,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -51,18 +56,59 @@ class HetjaxText(tfds.core.GeneratorBasedBuilder):
     def _generate_examples(self):
         for path in self.builder_config.files:
             with open(path, "rb") as f:
-                # Undecodable bytes become U+FFFD, so every tokenizer sees valid UTF-8.
-                text = f.read().decode("utf-8", errors="replace")
+                raw = f.read()
+            # Undecodable bytes become U+FFFD, so every tokenizer sees valid UTF-8 -- said per
+            # file, not silently (a Latin-1 file loses its accented letters).
+            text = raw.decode("utf-8", errors="replace")
+            bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+            if bad:  # reported when the preparation ends (not inside tfds' progress bars)
+                self.undecodable.append((path, bad))
             yield path, {"text": text, "path": path}
 
 
-def fingerprint(files: list[str]) -> str:
-    """A short hash of the files' paths, sizes and modification times."""
+def _stat_key(files: list[str]) -> str:
     h = hashlib.sha1()
     for path in files:
         st = os.stat(path)
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def content_fingerprint(files: list[str]) -> str:
+    """A short hash of each file's name relative to the corpus root, its size and its bytes."""
+    root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
+    h = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        h.update(f"{os.path.relpath(path, root)}\0{len(data)}\0".encode())
+        h.update(hashlib.sha256(data).digest())
     return h.hexdigest()[:12]
+
+
+def fingerprint(files: list[str], data_dir: str | None = None) -> str:
+    """The corpus's content identity (`content_fingerprint`), read back from `data_dir` when
+    the files' paths, sizes and modification times are those it was computed for."""
+    memo = os.path.join(data_dir, "hetjax_text", "identity", _stat_key(files)) \
+        if data_dir else None
+    try:
+        with open(memo) as f:
+            known = f.read().strip()
+        if len(known) == 12:
+            return known
+    except (OSError, TypeError):
+        pass
+    value = content_fingerprint(files)
+    if memo:
+        try:  # whole or not at all: processes sharing the directory read it
+            os.makedirs(os.path.dirname(memo), exist_ok=True)
+            tmp = f"{memo}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(value)
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # a read-only data dir: hash again next time
+    return value
 
 
 class _DropCustomConfigWarning(logging.Filter):
@@ -87,11 +133,16 @@ def open_corpus(files: list[str], data_dir: str, kind: str):
     and the directory it was prepared in.
     """
     data_dir = os.path.expanduser(data_dir or default_data_dir())
-    config = CorpusConfig(name=f"{kind}_{fingerprint(files)}", files=tuple(files))
+    config = CorpusConfig(name=f"{kind}_{fingerprint(files, data_dir)}", files=tuple(files))
     builder = HetjaxText(config=config, data_dir=data_dir, file_format="array_record")
+    builder.undecodable = []
     if not builder.is_prepared():
         try:
             builder.download_and_prepare()
+            for path, bad in builder.undecodable:
+                print(f"hetjax: {path}: {bad} bytes are not UTF-8 and became U+FFFD; fix: "
+                      "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that "
+                      "matters", file=sys.stderr, flush=True)
         except OSError as e:
             # Another process on this machine may have prepared it first (tfds renames a
             # finished preparation into place, so a lost race fails the rename).
