@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hetjax.errors import HetjaxError, Preempted
+from hetjax.errors import HetjaxError, Preempted, os_error_message
 
 USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
@@ -69,6 +69,29 @@ def _take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, st
         rest.append(a)
         i += 1
     return opts, rest
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
+                      example: str = "out.json") -> None:
+    """An output file flag is checked before the work it saves: not a directory, in a
+    writable directory, and (for a plot) in a format we can write."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        name = f"out.{formats[0]}" if formats else example
+        raise HetjaxError(f"--{flag}={path}: is a directory; fix: give a file name, e.g. "
+                          f"--{flag}={os.path.join(path, name)}")
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise HetjaxError(f"--{flag}={path}: directory {where} does not exist or is not "
+                          f"writable; fix: create it, or give a path in an existing one")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if formats and ext not in formats:
+        raise HetjaxError(f"--{flag}={path}: cannot write a plot as "
+                          f"{'.' + ext if ext else 'a file without an extension'}; fix: end the"
+                          " name with one of "
+                          f"{', '.join('.' + f for f in formats)}")
 
 
 def default_job_path() -> str | None:
@@ -316,6 +339,7 @@ def cmd_tokenizer(argv: list[str]) -> int:
     if not opts["--vocab_size"].isdigit() or int(opts["--vocab_size"]) < 260:
         raise HetjaxError(f"--vocab_size={opts['--vocab_size']} is not a whole number >= 260 "
                           "(the 256 byte pieces and a few specials); use e.g. 4096")
+    check_output_path("out", opts["--out"], example="tok.model")  # before training, not after
     cfg = _parse("tokenizer train", rest)
     from hetjax.data import train_tokenizer
 
@@ -338,10 +362,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     opts, rest = _take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
-        where = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(where) or not os.access(where, os.W_OK):
-            raise HetjaxError(f"--{name}={path}: directory {where} does not exist or is not "
-                              f"writable; fix: create it, or give a path in an existing one")
+        check_output_path(name, path, PLOT_FORMATS if name == "plot" else ())
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
     runners_up = ()
@@ -443,6 +464,11 @@ def cmd_calibrate(argv: list[str]) -> int:
 
     opts, rest = _take_options(argv, CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
+    for name in ("out", "plot"):  # checked before the measurements, not after
+        if opts.get(name):
+            if name == "out":  # its directory is created when missing
+                os.makedirs(os.path.dirname(os.path.abspath(opts[name])), exist_ok=True)
+            check_output_path(name, opts[name], PLOT_FORMATS if name == "plot" else ())
     topology = hconfig.build_topology(cfg)
     spec = _worker_spec(cfg, topology)
     if spec is None:
@@ -499,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         return Preempted.EXIT_CODE
     except HetjaxError as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an input or output path: one line naming it, not a traceback
+        print(f"hetjax: error: {os_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hetjax: interrupted", file=sys.stderr)

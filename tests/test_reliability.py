@@ -49,7 +49,10 @@ def _topology(**accelerator_or_nic) -> str:
 
 
 TOPOLOGY_FILES = {"topo_zero_tflops.json": _topology(accelerator__peak_tflops=0),
-                  "topo_string_number.json": _topology(nic__bandwidth_gbps="ten")}
+                  "topo_string_number.json": _topology(nic__bandwidth_gbps="ten"),
+                  "topo_nan_latency.json": _topology(nic__latency_us=float("nan")),
+                  "topo_fractional_nodes.json": _topology().replace('"nodes": 1', '"nodes": 2.5'),
+                  "calibration_list.json": "[1, 2]\n"}
 
 # (what a user tried, hetjax command line, the exact error it prints)
 BAD_INPUTS = [
@@ -128,6 +131,40 @@ BAD_INPUTS = [
     ("--json into a missing directory", "plan --json={tmp}/no/plan.json",
      "--json={tmp}/no/plan.json: directory {tmp}/no does not exist or is not writable; fix: "
      "create it, or give a path in an existing one"),
+    ("--json naming a directory", "plan --json={tmp}",
+     "--json={tmp}: is a directory; fix: give a file name, e.g. --json={tmp}/out.json"),
+    ("--plot with an unsupported extension (checked before planning)",
+     "plan --plot={tmp}/plan.xyz",
+     "--plot={tmp}/plan.xyz: cannot write a plot as .xyz; fix: end the name with one of .png, "
+     ".pdf, .svg, .jpg, .jpeg"),
+    ("tokenizer train --out naming a directory (checked before training)",
+     "tokenizer train --vocab_size=300 --out={tmp}",
+     "--out={tmp}: is a directory; fix: give a file name, e.g. --out={tmp}/tok.model"),
+    ("an empty workdir", "train --config.workdir=",
+     "config.workdir: is empty\n  fix: set --config.workdir to a directory, e.g. "
+     "--config.workdir=runs/default"),
+    ("a negative seed", "train --config.train.seed=-1",
+     "config.train.seed: must be >= 0, got -1\n  fix: use 0, or any other non-negative integer "
+     "(the parameters and the data order follow it)"),
+    ("an infinite learning rate", "train --config.train.lr=inf",
+     "config.train.lr: must be a finite number, got inf\n  fix: set it like its default, e.g. "
+     "--config.train.lr=0.003"),
+    ("a NaN DiLoCo outer learning rate", "train --config.diloco.outer_lr=nan",
+     "config.diloco.outer_lr: must be a finite number, got nan\n  fix: set it like its "
+     "default, e.g. --config.diloco.outer_lr=0.7"),
+    ("a NaN latency in a topology file",
+     "topology --config.topology.file={tmp}/topo_nan_latency.json",
+     "config.topology.file: '{tmp}/topo_nan_latency.json': ethernet link latency_us must be a "
+     "finite number, got nan\n  fix: correct that entry of the file"),
+    ("a fractional node count in a topology file",
+     "topology --config.topology.file={tmp}/topo_fractional_nodes.json",
+     "config.topology.file: '{tmp}/topo_fractional_nodes.json': cluster 'a' nodes must be a "
+     "whole number, got 2.5\n  fix: correct that entry of the file"),
+    ("a calibration file of valid JSON but the wrong shape",
+     "plan --config.planner.calibration={tmp}/calibration_list.json",
+     "planner.calibration: '{tmp}/calibration_list.json': not a hetjax calibration file "
+     "(TypeError: the file holds a JSON list, not an object); write one with 'hetjax "
+     "calibrate'"),
 ]
 
 
@@ -452,6 +489,214 @@ def tensorboard_scalars(tb_dir, tag):
             pos += 16 + n
             out += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
     return sorted(out)
+
+
+# --- never lose a run: every way a run stops resumes to the losses of an uninterrupted run ----
+def _losses(workdir):
+    from hetjax.metrics import read_metrics
+
+    rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # each step once
+    return [r["loss"] for r in rows]
+
+
+def _stop_at(trainer, step, *signals):
+    """A hook that sends `signals` to this process after `step`, as a scheduler or a user."""
+    return trainer.add_hook(lambda info: [os.kill(os.getpid(), s) for s in signals]
+                            if info.step == step else None)
+
+
+def _train_expecting(trainer, error, hook=None):
+    try:
+        with pytest.raises(error) as e:
+            trainer.train()
+    finally:
+        if hook is not None:
+            trainer.hooks.remove(hook)
+    return str(e.value)
+
+
+def test_sigterm_without_periodic_checkpoints_resumes_from_its_save(trainer, saved_run, tmp_path):
+    from hetjax.errors import Preempted
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path, **{"checkpoint.every": 0})
+    try:
+        message = _train_expecting(trainer, Preempted, _stop_at(trainer, 2, signal.SIGTERM))
+        assert message.startswith("preempted (SIGTERM) after step 2: saved checkpoint 2 in ")
+        summary = fresh(trainer, tmp_path, **{"checkpoint.every": 0}).train()
+    finally:
+        fresh(trainer, tmp_path, **{"checkpoint.every": 2})
+    assert summary["resumed_from"] == 2
+    assert _losses(tmp_path) == reference
+
+
+def test_sigint_saves_the_current_step_and_exits_130(trainer, saved_run, tmp_path):
+    from hetjax.errors import Interrupted
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    message = _train_expecting(trainer, Interrupted, _stop_at(trainer, 3, signal.SIGINT))
+    assert message == (f"interrupted (SIGINT) after step 3: saved checkpoint 3 in "
+                       f"{tmp_path}/checkpoints; rerun the same command to resume (exit code 130)")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert fresh(trainer, tmp_path).train()["resumed_from"] == 3
+    assert _losses(tmp_path) == reference
+
+
+def test_a_second_sigint_stops_at_once_and_names_the_lost_steps(trainer, saved_run, tmp_path):
+    from hetjax.errors import Interrupted
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    hook = _stop_at(trainer, 3, signal.SIGINT, signal.SIGINT)
+    message = _train_expecting(trainer, Interrupted, hook)
+    assert message == ("interrupted (second SIGINT) after step 3, without saving: steps 3-3 are "
+                       "lost; rerun the same command to resume from checkpoint 2 (exit code 130)")
+    assert trainer.checkpointer.steps() == [2]
+    assert not os.path.exists(tmp_path / "hetjax.lock")  # released however the run ends
+    assert fresh(trainer, tmp_path).train()["resumed_from"] == 2
+    assert _losses(tmp_path) == reference
+
+
+@pytest.mark.parametrize("where", ["metrics", "checkpoint"])
+def test_a_full_disk_is_one_error_and_the_rerun_loses_nothing(trainer, saved_run, tmp_path,
+                                                              monkeypatch, where):
+    """ENOSPC while writing a metrics row or a checkpoint (the writer patched to fail as on a
+    full disk): one error naming the path and the kept checkpoint; the rerun resumes."""
+    import errno
+
+    from hetjax import checkpoint as hckpt
+    from hetjax import metrics as hmetrics
+    from hetjax.errors import HetjaxError
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    cls, name = ((hmetrics.MetricsWriter, "write") if where == "metrics"
+                 else (hckpt.Checkpointer, "save"))
+    real = getattr(cls, name)
+    path = str(tmp_path / ("metrics.jsonl" if where == "metrics" else "checkpoints/4"))
+
+    def full(self, step, *args, **kw):
+        if step == (3 if where == "metrics" else 4):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(self, step, *args, **kw)
+
+    monkeypatch.setattr(cls, name, full)
+    message = _train_expecting(trainer, HetjaxError)
+    assert message == (
+        f"training stopped: {path}: No space left on device; fix: free space on the disk "
+        f"holding {path} (or choose a path on another disk); then rerun the same command to "
+        f"resume (checkpoint 2 in {tmp_path}/checkpoints is kept)")
+    monkeypatch.setattr(cls, name, real)
+    assert fresh(trainer, tmp_path).train()["resumed_from"] == 2
+    assert _losses(tmp_path) == reference
+
+
+def test_a_torn_last_metrics_line_is_repaired_on_resume(trainer, saved_run, tmp_path, capsys):
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    trainer.train(steps=2)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "time": 17')  # killed mid-write
+    summary = fresh(trainer, tmp_path).train()
+    assert summary["resumed_from"] == 2
+    assert capsys.readouterr().err == \
+        f"hetjax: {tmp_path}/metrics.jsonl: repaired a torn last line\n"
+    assert _losses(tmp_path) == reference
+
+
+def test_rows_of_a_run_that_left_no_checkpoint_are_not_kept_twice(trainer, saved_run, tmp_path,
+                                                                  capsys):
+    _, reference = saved_run
+    fresh(trainer, tmp_path, **{"checkpoint.every": 0})
+    try:
+        trainer.train(steps=3)  # then lost: no checkpoint
+        fresh(trainer, tmp_path, **{"checkpoint.every": 0}).train()
+    finally:
+        fresh(trainer, tmp_path, **{"checkpoint.every": 2})
+    assert capsys.readouterr().err == (
+        f"hetjax: {tmp_path}/metrics.jsonl: dropped 3 rows after step 0 (not in a checkpoint; "
+        "trained again now)\n")
+    assert _losses(tmp_path) == reference
+
+
+def test_a_diverging_run_stops_and_saves_nothing_of_it(trainer, tmp_path):
+    """A loss far above the run's start (parameters blown up by a hook, as a too-large
+    learning rate would) stops the run with an error; no checkpoint of it is written."""
+    import jax
+
+    from hetjax.errors import HetjaxError
+
+    fresh(trainer, tmp_path, **{"checkpoint.every": 1})
+
+    def blow_up(info):
+        if info.step == 2:
+            trainer.state = trainer.state.replace(params=jax.tree.map(
+                lambda x: x * 30.0, trainer.state.params))
+
+    try:
+        message = _train_expecting(trainer, HetjaxError, trainer.add_hook(blow_up))
+        saved = trainer.checkpointer.steps()
+    finally:
+        fresh(trainer, tmp_path, **{"checkpoint.every": 2})
+    assert message.startswith("train.max_loss_ratio: the run diverged: step 3's loss "), message
+    assert message.endswith(
+        f"(limit 4x); training stopped, nothing after the latest checkpoint was saved "
+        f"(checkpoints in {tmp_path}/checkpoints); fix: lower train.lr (= 0.003) or "
+        "train.grad_clip (= 1), then rerun to resume from the latest checkpoint")
+    assert saved == [1, 2]
+
+
+# --- one run per workdir ------------------------------------------------------------------------
+def test_a_workdir_in_use_is_refused_naming_its_holder(tmp_path):
+    import socket
+
+    from hetjax.errors import HetjaxError
+    from hetjax.lock import WorkdirLock
+
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(tmp_path / "hetjax.lock", "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": holder.pid, "started":
+                       "2026-01-01 10:00:00 UTC", "command": "hetjax train"}, f)
+        with pytest.raises(HetjaxError) as e:
+            WorkdirLock(str(tmp_path)).acquire()
+        assert str(e.value) == (
+            f"{tmp_path} is in use: a hetjax run is running there (pid {holder.pid} on "
+            f"{socket.gethostname()}, started 2026-01-01 10:00:00 UTC: hetjax train); fix: wait "
+            f"for it to end, use another --config.workdir, or, if that run is gone, delete "
+            f"{tmp_path}/hetjax.lock")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_workdir_lock_is_taken_over_and_released(tmp_path, capsys):
+    import socket
+
+    from hetjax.lock import WorkdirLock
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now
+    with open(tmp_path / "hetjax.lock", "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": gone.pid, "started": "then"}, f)
+    with WorkdirLock(str(tmp_path)) as lock:
+        assert lock.holder()["pid"] == os.getpid()
+    assert capsys.readouterr().err == (
+        f"hetjax: {tmp_path}/hetjax.lock: removing the stale lock of a run that is gone "
+        f"(pid {gone.pid} on {socket.gethostname()}, started then: ?)\n")
+    assert not os.path.exists(tmp_path / "hetjax.lock")
+
+
+def test_tilde_and_variables_in_path_fields_are_expanded_once(tmp_path, monkeypatch):
+    from hetjax.config import validate
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNS", "runs")
+    c = tiny_config(workdir="~/$RUNS/a", **{"checkpoint.dir": "$HOME/ckpt"})
+    validate(c)
+    assert (c.workdir, c.checkpoint.dir) == (f"{tmp_path}/runs/a", f"{tmp_path}/ckpt")
 
 
 TINY_CLI = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.d_ff=128",

@@ -468,6 +468,8 @@ class Calibration:
         from layers.config import ModelConfig
 
         try:
+            if not isinstance(d, dict):
+                raise TypeError(f"the file holds a JSON {type(d).__name__}, not an object")
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
             return Calibration(
@@ -476,7 +478,7 @@ class Calibration:
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
                 int(d.get("processes", 1)), str(d.get("collectives", "")))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None
 
@@ -498,10 +500,14 @@ def load_calibration(path: str) -> Calibration:
 
     try:
         with open(path) as f:
-            return Calibration.from_dict(json.load(f))
+            d = json.load(f)
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read the calibration file {path!r} ({e}); write one with "
                         "'hetjax calibrate'") from None
+    try:
+        return Calibration.from_dict(d)
+    except PlanError as e:  # valid JSON of the wrong shape: name the file
+        raise PlanError(f"planner.calibration: {path!r}: {e}") from None
 
 
 def save_calibration(cal: Calibration, path: str) -> str:
