@@ -790,6 +790,67 @@ def test_an_elastic_restart_drops_the_failed_host_and_re_plans(tmp_path, capsys)
     assert len(launch.elastic_workers(cfg, args, config_args, ["p2", "p0"])) == 2
 
 
+# --- a hung worker is named, not the healthy peer that noticed -------------------------------
+def _beating_children(tmp_path):
+    """Two children that beat like workers (`start_heartbeat`) and wait; each writes its pid."""
+    code = ("import os, sys, time; from hetjax.launch import start_heartbeat; start_heartbeat(); "
+            f"open(os.path.join({str(tmp_path)!r}, sys.argv[1] + '.pid'), 'w')"
+            ".write(str(os.getpid())); time.sleep(120)")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return [(name, (sys.executable, "-c", code, name), env) for name in ("p0", "p1")]
+
+
+def _launch_in_thread(tmp_path, **kw):
+    import io
+    import threading
+
+    from hetjax import launch
+
+    out, failed, result = io.StringIO(), [], []
+    thread = threading.Thread(target=lambda: result.append(launch.run(
+        _beating_children(tmp_path), grace=1, out=out, failed=failed, **kw)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    pids = {}
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, out.getvalue()
+        for name in ("p0", "p1"):
+            path = tmp_path / f"{name}.pid"
+            if path.exists() and path.read_text():
+                pids[name] = int(path.read_text())
+        time.sleep(0.2)
+    return thread, out, failed, result, pids
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_a_stopped_worker_is_blamed_not_the_peer_that_aborted(tmp_path):
+    """`kill -STOP` p1; p0 then aborts (as JAX's heartbeat check does in the healthy
+    coordinator): the launcher names p1, so --elastic drops p1's host."""
+    thread, out, failed, result, pids = _launch_in_thread(tmp_path)
+    os.kill(pids["p1"], signal.SIGSTOP)
+    time.sleep(6)  # > STALLED_AFTER_S: p1's heartbeat is stale, p0's fresh
+    os.kill(pids["p0"], signal.SIGABRT)
+    thread.join(timeout=60)
+    log = out.getvalue()
+    assert result == [1] and failed == ["p1"], log
+    assert "hetjax launch: failed: p1 stopped making progress first" in log
+    stop = [line for line in log.splitlines() if "stopped making progress (no heartbeat" in line]
+    assert len(stop) == 1 and stop[0].startswith(
+        f"hetjax launch: p1 (pid {pids['p1']}) stopped making progress (no heartbeat for "), log
+    assert stop[0].endswith(", then p0 was killed by SIGABRT; stopping p1"), log
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_a_stopped_worker_stops_the_job_after_the_heartbeat_timeout(tmp_path):
+    thread, out, failed, result, pids = _launch_in_thread(tmp_path, hang_timeout=5)
+    os.kill(pids["p1"], signal.SIGSTOP)
+    thread.join(timeout=60)
+    log = out.getvalue()
+    assert result == [1] and failed == ["p1"], log
+    assert f"hetjax launch: p1 (pid {pids['p1']}) stopped making progress: no heartbeat for " \
+        in log and "(--heartbeat-timeout 5); stopping p0, p1" in log, log
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
