@@ -531,12 +531,20 @@ class Trainer:
             self._first_loss = loss
             return
         if ratio and loss > ratio * self._first_loss:
+            removed = ""
+            if self._last_saved == step - 1:
+                # Step N's loss is that of the parameters after step N - 1 (a DiLoCo outer
+                # step, say): the checkpoint of N - 1 holds the diverged parameters.
+                self.checkpointer.wait()
+                self.checkpointer.manager.delete(step - 1)
+                self._last_saved = None
+                removed = f"checkpoint {step - 1}, whose parameters gave this loss, was removed; "
             raise HetjaxError(
                 f"train.max_loss_ratio: the run diverged: step {step}'s loss {loss:.4g} is "
                 f"{loss / self._first_loss:.1f}x its first loss {self._first_loss:.4g} (limit "
-                f"{ratio:g}x); training stopped, nothing after the latest checkpoint was saved "
-                f"(checkpoints in {self.checkpoint_dir}); fix: {self._blame(step)}, then rerun "
-                "to resume from the latest checkpoint")
+                f"{ratio:g}x); training stopped, {removed}nothing after the latest checkpoint "
+                f"was saved (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step)}, "
+                "then rerun to resume from the latest checkpoint")
 
     def _blame(self, step: int) -> str:
         """What to lower for a blow-up first seen at `step`: DiLoCo's outer step when the step

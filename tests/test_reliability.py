@@ -491,6 +491,67 @@ def tensorboard_scalars(tb_dir, tag):
     return sorted(out)
 
 
+def test_a_calibration_from_other_hardware_is_said_once(capsys):
+    from hetjax import config as hconfig
+    from hetjax.planner.config_plan import options_from_config
+
+    c = hconfig.base_config()
+    c.planner.calibration = os.path.join(REPO, "docs/results/calibration_hetaccel_0808.json")
+    c.topology.preset = "holmes_hybrid"
+    topology = hconfig.build_topology(c)
+    options_from_config(c, topology)
+    options_from_config(c, topology)
+    assert capsys.readouterr().err == (
+        f"hetjax: warning: planner.calibration {c.planner.calibration!r}: it was measured on "
+        "topology 'testbed_hetaccel' (cpu, cpu_half; links ethernet, infiniband, nvlink, roce),"
+        " which has no a100 of this run's topology 'holmes_hybrid'; those are priced with "
+        "nominal constants. fix: run 'hetjax calibrate' on this topology\n")
+
+
+# --- SentencePiece training failures say what is wrong with the text ---------------------------
+CJK = "".join(chr(0x4E00 + i) for i in range(400))
+SENTENCEPIECE_FAILURES = [
+    ("no text", [], 300,
+     "SentencePiece training failed: the training documents hold no non-blank line; fix: train "
+     "on text files with content"),
+    ("only lines over 16,384 characters", ["x" * 20000], 300,
+     "SentencePiece training failed: all 1 lines are longer than 16,384 characters, which "
+     "SentencePiece skips; fix: break them into shorter lines"),
+    ("a vocabulary larger than the text yields", ["hello world " * 50, "y" * 17000], 5000,
+     "SentencePiece training failed: --vocab_size=5000 is more pieces than this text yields (at "
+     "most 287); 1 of its 2 lines are longer than 16,384 characters, which SentencePiece skips "
+     "(break them into shorter lines); fix: use --vocab_size=287 or less, or train on more "
+     "text"),
+    ("a vocabulary smaller than the text's characters", [CJK], 300,
+     "SentencePiece training failed: --vocab_size=300 is smaller than the 660 distinct "
+     "characters and special pieces of this text; fix: use --vocab_size=660 or more"),
+]
+
+
+@pytest.mark.parametrize("what,docs,vocab,error", SENTENCEPIECE_FAILURES,
+                         ids=[c[0] for c in SENTENCEPIECE_FAILURES])
+def test_sentencepiece_training_failures_are_accurate(tmp_path, what, docs, vocab, error):
+    from hetjax.errors import HetjaxError
+    from hetjax.tokenizer import train_sentencepiece
+
+    with pytest.raises(HetjaxError) as e:
+        train_sentencepiece(docs, vocab, str(tmp_path / "tok.model"))
+    assert str(e.value) == error
+    assert not os.path.exists(tmp_path / "tok.model")
+
+
+def test_an_empty_tokenizer_model_file_is_named_as_empty(tmp_path):
+    from hetjax.errors import HetjaxError
+    from hetjax.tokenizer import load_tokenizer
+
+    (tmp_path / "tok.model").write_bytes(b"")
+    with pytest.raises(HetjaxError) as e:
+        load_tokenizer(str(tmp_path / "tok.model"))
+    assert str(e.value) == (f"the tokenizer model '{tmp_path}/tok.model' is an empty file; set "
+                            "data.tokenizer to 'byte' or to a file written by 'hetjax tokenizer "
+                            "train'")
+
+
 # --- never lose a run: every way a run stops resumes to the losses of an uninterrupted run ----
 def _losses(workdir):
     from hetjax.metrics import read_metrics
@@ -629,23 +690,29 @@ def test_a_diverging_run_stops_and_saves_nothing_of_it(trainer, tmp_path):
     from hetjax.errors import HetjaxError
 
     fresh(trainer, tmp_path, **{"checkpoint.every": 1})
+    step = trainer.step
 
-    def blow_up(info):
-        if info.step == 2:
+    def blow_up_in_step_2(*args):  # inside the step, as a DiLoCo outer step would
+        metrics = step(*args)
+        if int(trainer.state.step) == 2:
             trainer.state = trainer.state.replace(params=jax.tree.map(
                 lambda x: x * 30.0, trainer.state.params))
+        return metrics
 
+    trainer.step = blow_up_in_step_2
     try:
-        message = _train_expecting(trainer, HetjaxError, trainer.add_hook(blow_up))
+        message = _train_expecting(trainer, HetjaxError)
         saved = trainer.checkpointer.steps()
     finally:
+        del trainer.step
         fresh(trainer, tmp_path, **{"checkpoint.every": 2})
     assert message.startswith("train.max_loss_ratio: the run diverged: step 3's loss "), message
     assert message.endswith(
-        f"(limit 4x); training stopped, nothing after the latest checkpoint was saved "
-        f"(checkpoints in {tmp_path}/checkpoints); fix: lower train.lr (= 0.003) or "
-        "train.grad_clip (= 1), then rerun to resume from the latest checkpoint")
-    assert saved == [1, 2]
+        f"(limit 4x); training stopped, checkpoint 2, whose parameters gave this loss, was "
+        f"removed; nothing after the latest checkpoint was saved (checkpoints in {tmp_path}/"
+        "checkpoints); fix: lower train.lr (= 0.003) or train.grad_clip (= 1), then rerun to "
+        "resume from the latest checkpoint")
+    assert saved == [1]
 
 
 # --- one run per workdir ------------------------------------------------------------------------
@@ -731,6 +798,44 @@ def test_sigterm_to_hetjax_train_exits_75_with_a_checkpoint(tmp_path):
     assert last == (f"hetjax: preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
                     f"{tmp_path}/checkpoints; rerun the same command to resume (exit code 75)")
     assert os.path.isdir(tmp_path / "checkpoints" / str(step))
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_takes_over_the_stale_lock_and_loses_nothing(tmp_path):
+    """`hetjax train` killed with SIGKILL (no handler runs: the lock stays, metrics.jsonl
+    holds steps past the latest checkpoint); the rerun takes the stale lock over, cuts the
+    metrics back and ends with an uninterrupted run's losses."""
+    from hetjax.metrics import read_metrics
+
+    def train(workdir, **popen):
+        return subprocess.Popen(
+            [sys.executable, "-m", "hetjax", "train", *TINY_CLI, "--config.train.steps=6",
+             "--config.checkpoint.every=2", "--config.checkpoint.async_save=False",
+             f"--config.workdir={workdir}"], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+
+    reference = train(tmp_path / "reference")
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()
+    workdir = tmp_path / "killed"
+    metrics = workdir / "metrics.jsonl"
+    proc = train(workdir)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(read_metrics(str(metrics))) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.path.exists(workdir / "hetjax.lock")
+    rerun = train(workdir)
+    assert rerun.wait(timeout=600) == 0
+    err = rerun.stderr.read()
+    assert f"hetjax: {workdir}/hetjax.lock: removing the stale lock of a run that is gone " \
+        f"(pid {proc.pid} on " in err, err
+    assert _losses(workdir) == _losses(tmp_path / "reference")
+    assert not os.path.exists(workdir / "hetjax.lock")
 
 
 # --- hetjax launch --max-restarts ---------------------------------------------------------------

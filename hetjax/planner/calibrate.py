@@ -494,6 +494,25 @@ def _alpha_beta(rows: np.ndarray) -> LinkFit:
     return LinkFit(bandwidth_gbps=8 / inv_b / 1e9, latency_us=float(a) * 1e6)
 
 
+def topology_mismatch(measured: Topology, run: Topology) -> str | None:
+    """What of `run`'s hardware a calibration measured on `measured` did not measure: its
+    accelerator kinds and link kinds (those fall back to nominal constants, and a file from
+    another machine prices this one wrongly). None when every kind was measured."""
+    def kinds(t: Topology) -> tuple[set[str], set[str]]:
+        links = {c.nic.kind for c in t.clusters} | {c.intra_node.kind for c in t.clusters}
+        if t.inter_cluster is not None:
+            links.add(t.inter_cluster.kind)
+        return {c.accelerator.name for c in t.clusters}, links
+
+    (acc_m, links_m), (acc_r, links_r) = kinds(measured), kinds(run)
+    missing = sorted(acc_r - acc_m) + sorted(links_r - links_m)
+    if not missing:
+        return None
+    return (f"it was measured on topology {measured.name!r} ({', '.join(sorted(acc_m))}; "
+            f"links {', '.join(sorted(links_m))}), which has no {', '.join(missing)} of this "
+            f"run's topology {run.name!r}")
+
+
 def load_calibration(path: str) -> Calibration:
     """A `hetjax calibrate` file (planner.calibration)."""
     import json
