@@ -4,7 +4,8 @@ Each command reads its config with ml_collections' `--config.x.y=v` overrides. B
 imported, the command builds the topology and, when no device count is forced yet, sets
 `--xla_force_host_platform_device_count` to the topology's size, so a CPU machine simulates
 exactly the devices the topology names. Errors the user can fix print as one message
-(exit code 2), not a traceback.
+(exit code 2), not a traceback; so does any OSError on an input or output path (a full disk,
+a read-only directory), naming the path (`hetjax.errors.os_error_message`).
 """
 
 from __future__ import annotations
@@ -520,9 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
-    except Preempted as e:
+    except Preempted as e:  # SIGTERM (75) or Ctrl-C (Interrupted, 130): saved, rerun resumes
         print(f"hetjax: {e}", file=sys.stderr)
-        return Preempted.EXIT_CODE
+        return e.EXIT_CODE
     except HetjaxError as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
         return 2

@@ -202,6 +202,38 @@ def test_bad_input_is_one_clear_error(inputs, what, command_line, error):
     assert err == f"hetjax: error: {error.format(tmp=inputs)}\n"
 
 
+@pytest.mark.parametrize("error,line", [
+    ((30, "Read-only file system", "/data/corpus/tokens.sp-1.ids.npy"),
+     "/data/corpus/tokens.sp-1.ids.npy: Read-only file system; fix: choose a path you can "
+     "write, or fix its permissions"),
+    ((28, "No space left on device", "/runs/a/plan.json"),
+     "/runs/a/plan.json: No space left on device; fix: free space on the disk holding "
+     "/runs/a/plan.json (or choose a path on another disk)"),
+], ids=["read-only", "full disk"])
+def test_an_os_error_in_any_command_is_one_line(monkeypatch, capsys, error, line):
+    """The CLI's error boundary: an OSError from any command (a read-only prepared corpus that
+    needs a new token cache, a full disk) is one line naming the path and the fix."""
+    from hetjax import cli
+
+    def fails(argv):
+        raise OSError(*error)
+
+    monkeypatch.setitem(cli.COMMANDS, "topology", fails)
+    assert cli.main(["hetjax", "topology"]) == 2
+    assert capsys.readouterr().err == f"hetjax: error: {line}\n"
+
+
+def test_cli_exit_codes_of_a_preemption_and_an_interrupt(monkeypatch, capsys):
+    from hetjax import cli
+    from hetjax.errors import Interrupted, Preempted
+
+    for error, code in ((Preempted, 75), (Interrupted, 130)):
+        monkeypatch.setitem(cli.COMMANDS, "train", lambda argv, e=error: (_ for _ in ()).throw(
+            e("saved checkpoint 3")))
+        assert cli.main(["hetjax", "train"]) == code
+    assert capsys.readouterr().err == "hetjax: saved checkpoint 3\n" * 2
+
+
 def test_unknown_field_set_from_python_is_refused():
     from hetjax.config import validate
     from hetjax.errors import ConfigError
