@@ -368,8 +368,8 @@ def test_max_bad_steps_in_a_row_stop_the_run(trainer, tmp_path, capsys):
     assert str(e.value) == (
         "train.max_bad_steps: 2 steps in a row (1-2) had a non-finite loss or gradient norm; "
         f"training stopped, nothing of them was saved (checkpoints in {tmp_path}/checkpoints); "
-        "fix: lower train.lr (= 0.003) or train.grad_clip, check model.vocab_size and the data, "
-        "then rerun to resume from the latest checkpoint")
+        "fix: lower train.lr (= 0.003) or train.grad_clip (= 1), check model.vocab_size and the "
+        "data, then rerun to resume from the latest checkpoint")
     assert capsys.readouterr().err.splitlines() == [
         "hetjax: step 1: loss nan, grad_norm nan: update skipped (1 in a row, "
         "train.max_bad_steps = 2)",
