@@ -17,7 +17,8 @@ orbax writes a step into a temporary directory and renames it into place when ev
 complete, so a save that is interrupted (crash, SIGKILL) never replaces a good checkpoint; its
 leftover temporary directory is removed when the next run opens the directory. A save refuses
 a state holding NaN/Inf; a restore that fails to read a checkpoint sets it aside
-(`<step>.corrupt`) and falls back to the next older one.
+(`<step>.corrupt`) and falls back to the next older one. A checkpoint of another model is
+refused from its metadata, before any array is read.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def _all_finite(xs):
 # What orbax says when a checkpoint reads fine but has another model's shapes or structure.
 _MISMATCH = ("is not compatible with the stored shape", "tree structures do not match"
 )
+
+
+def _key(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 class _Unreadable(Exception):
@@ -248,8 +253,46 @@ class Checkpointer:
                 self._set_aside(candidate, str(e))
         return None
 
+    def _stored_shapes(self, step: int) -> dict[str, tuple] | None:
+        """The array shapes checkpoint `step` holds, from its metadata alone (None if that
+        cannot be read: the restore itself then says what is wrong)."""
+        import logging
+
+        absl = logging.getLogger("absl")
+        level = absl.level
+        # orbax warns that the item directory has no step metadata file (it is one level up)
+        absl.setLevel(logging.ERROR)
+        try:
+            md = ocp.StandardCheckpointer().metadata(
+                os.path.join(self.directory, str(step), "state"))
+            tree = getattr(md, "item_metadata", md)  # a StepMetadata in newer orbax
+            return {_key(path): tuple(m.shape)
+                    for path, m in jax.tree_util.tree_leaves_with_path(tree)}
+        except Exception:  # noqa: BLE001 - orbax raises many kinds; the restore reports them
+            return None
+        finally:
+            absl.setLevel(level)
+
+    def _check_shapes(self, step: int, target) -> None:
+        """Refuse a checkpoint of another model before any array is read: orbax's reads that
+        are in flight when one fails print a traceback each after our error."""
+        stored = self._stored_shapes(step)
+        if not stored:
+            return
+        wanted = {_key(path): tuple(x.shape)
+                  for path, x in jax.tree_util.tree_leaves_with_path(target)}
+        bad = [f"{k}: stored {stored[k]}, this model {wanted[k]}" for k in wanted
+               if k in stored and stored[k] != wanted[k]]
+        if bad:
+            raise HetjaxError(
+                f"checkpoint {step} in {self.directory} does not fit this model and optimizer "
+                f"({'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}); resume with the "
+                "model config it was written with (see its meta/ item) or use another workdir")
+
     def _restore(self, layout: Layout, step: int) -> Restored:
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(layout.natural_target()),
+        target = layout.natural_target()
+        self._check_shapes(step, target)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         try:
             r = self.manager.restore(step, args=args)

@@ -4,7 +4,8 @@ Each command reads its config with ml_collections' `--config.x.y=v` overrides. B
 imported, the command builds the topology and, when no device count is forced yet, sets
 `--xla_force_host_platform_device_count` to the topology's size, so a CPU machine simulates
 exactly the devices the topology names. Errors the user can fix print as one message
-(exit code 2), not a traceback.
+(exit code 2), not a traceback; so does any OSError on an input or output path (a full disk,
+a read-only directory), naming the path (`hetjax.errors.os_error_message`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 
 from hetjax.argv import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, default_job_path, take_options
-from hetjax.errors import HetjaxError, Preempted
+from hetjax.errors import HetjaxError, Preempted, os_error_message
 
 USAGE = """usage: hetjax <command> [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
@@ -51,6 +52,29 @@ def ensure_cpu_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
+                      example: str = "out.json") -> None:
+    """An output file flag is checked before the work it saves: not a directory, in a
+    writable directory, and (for a plot) in a format we can write."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        name = f"out.{formats[0]}" if formats else example
+        raise HetjaxError(f"--{flag}={path}: is a directory; fix: give a file name, e.g. "
+                          f"--{flag}={os.path.join(path, name)}")
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise HetjaxError(f"--{flag}={path}: directory {where} does not exist or is not "
+                          f"writable; fix: create it, or give a path in an existing one")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if formats and ext not in formats:
+        raise HetjaxError(f"--{flag}={path}: cannot write a plot as "
+                          f"{'.' + ext if ext else 'a file without an extension'}; fix: end the"
+                          " name with one of "
+                          f"{', '.join('.' + f for f in formats)}")
 
 
 def _split_config_args(command: str, argv: list[str]) -> tuple[str | None, list[str]]:
@@ -290,6 +314,7 @@ def cmd_tokenizer(argv: list[str]) -> int:
     if not opts["--vocab_size"].isdigit() or int(opts["--vocab_size"]) < 260:
         raise HetjaxError(f"--vocab_size={opts['--vocab_size']} is not a whole number >= 260 "
                           "(the 256 byte pieces and a few specials); use e.g. 4096")
+    check_output_path("out", opts["--out"], example="tok.model")  # before training, not after
     cfg = _parse("tokenizer train", rest)
     from hetjax.data import train_tokenizer
 
@@ -325,10 +350,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     opts, rest = take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
-        where = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(where) or not os.access(where, os.W_OK):
-            raise HetjaxError(f"--{name}={path}: directory {where} does not exist or is not "
-                              f"writable; fix: create it, or give a path in an existing one")
+        check_output_path(name, path, PLOT_FORMATS if name == "plot" else ())
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
     topology = hconfig.build_topology(cfg)
     runners_up = ()
@@ -445,6 +467,11 @@ def cmd_calibrate(argv: list[str]) -> int:
     opts, rest = take_options([a for a in argv if a not in CALIBRATE_FLAGS],
                               CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
+    for name in ("out", "plot"):  # checked before the measurements, not after
+        if opts.get(name):
+            if name == "out":  # its directory is created when missing
+                os.makedirs(os.path.dirname(os.path.abspath(opts[name])), exist_ok=True)
+            check_output_path(name, opts[name], PLOT_FORMATS if name == "plot" else ())
     topology = hconfig.build_topology(cfg)
     spec = _worker_spec(cfg, topology)
     if spec is None:
@@ -501,7 +528,7 @@ def cmd_export(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(EXPORT_USAGE)
         return 0
-    opts, rest = _take_options(argv, ("format", "checkpoint", "out", "max_shard_mb"))
+    opts, rest = take_options(argv, ("format", "checkpoint", "out", "max_shard_mb"))
     if rest or not opts.get("checkpoint") or not opts.get("out"):
         raise HetjaxError(f"hetjax export needs --checkpoint=PATH and --out=DIR"
                           f"{' (not ' + ' '.join(rest) + ')' if rest else ''}\n{EXPORT_USAGE}")
@@ -533,11 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
-    except Preempted as e:
+    except Preempted as e:  # SIGTERM (75) or Ctrl-C (Interrupted, 130): saved, rerun resumes
         print(f"hetjax: {e}", file=sys.stderr)
-        return Preempted.EXIT_CODE
+        return e.EXIT_CODE
     except HetjaxError as e:
         print(f"hetjax: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an input or output path: one line naming it, not a traceback
+        print(f"hetjax: error: {os_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hetjax: interrupted", file=sys.stderr)

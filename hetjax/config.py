@@ -115,6 +115,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seed = 0
     c.train.log_every = 10
     c.train.max_bad_steps = 3
+    c.train.max_loss_ratio = 4.0
     c.train.progress = True
     c.train.profile_steps = 0
     c.train.profile_from = 3
@@ -142,6 +143,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_best = 0
     c.checkpoint.async_save = True
     c.checkpoint.dir = ""
+    c.checkpoint.allow_other_data = False
 
     # DiLoCo between sites (docs/diloco.md): sites train alone for inner_steps steps, then
     # exchange pseudo-gradients and take an outer optimizer step. 0: synchronous training.
@@ -259,6 +261,8 @@ DESCRIPTIONS: dict[str, str] = {
     "train.log_every": "a metrics row and log line every N steps",
     "train.max_bad_steps": "a step whose loss or gradient norm is NaN/Inf is skipped (no "
                            "update); this many in a row stop the run with an error",
+    "train.max_loss_ratio": "a loss above this many times the run's first loss is divergence: "
+                            "the run stops with an error and saves nothing of it; 0: off",
     "train.progress": "progress bar on the terminal / notebook",
     "train.profile_steps": "trace this many steps with jax.profiler (<workdir>/profile/, "
                            "summarised at the end); 0: off",
@@ -287,6 +291,9 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.keep_best": "also keep the N with the lowest eval loss (needs eval.every)",
     "checkpoint.async_save": "write in the background while training goes on",
     "checkpoint.dir": "empty: <workdir>/checkpoints",
+    "checkpoint.allow_other_data": "resume a checkpoint written for other data (another corpus, "
+                                   "tokenizer, seq_len, ...): the run goes on with the new data "
+                                   "from its start, with a warning",
     "diloco.inner_steps": "DiLoCo: sites train alone for H steps between exchanges; 0: off",
     "diloco.sites": "empty: every topology cluster a site; or ('a+b', 'c') groups clusters",
     "diloco.codec": f"pseudo-gradients on the wire: {' | '.join(DILOCO_CODECS)} (none: fp32)",
@@ -557,9 +564,31 @@ def warmup_steps(t) -> int:
     return t.steps // 10 if t.warmup_steps == -1 else t.warmup_steps
 
 
+# Every field that names a file or directory: `expand_paths` expands `~` and `$VAR` in them.
+PATH_FIELDS = ("workdir", "checkpoint.dir", "data.path", "data.dir", "data.tokenizer",
+               "topology.file", "planner.calibration")
+
+
+def expand_paths(c) -> None:
+    """Expand `~` and environment variables in every path field, in place: the one place this
+    happens, so validation, the trainer and the data see the same path (a `~` left for the
+    trainer wrote to `./~/...`)."""
+    for field in PATH_FIELDS:
+        section, _, name = field.rpartition(".")
+        node = c[section] if section else c
+        value = node.get(name)
+        if isinstance(value, str) and value:
+            expanded = os.path.expanduser(os.path.expandvars(value))
+            if expanded != value:
+                node[name] = expanded
+
+
 def validate(c) -> None:
-    """Check every field that can be checked without JAX. Raises ConfigError."""
+    """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
+    the path fields, `expand_paths`). Raises ConfigError."""
     check_fields(c)
+    expand_paths(c)
+    _validate_finite(c)
     m, tr = c.model, c.train
     for f, ex in (("model.d_model", 128), ("model.n_layers", 4), ("model.n_heads", 4),
                   ("model.n_kv_heads", 2), ("model.d_ff", 384), ("model.max_seq_len", 512),
@@ -650,10 +679,16 @@ def validate(c) -> None:
         _require(0 <= _get(c, f) < 1, f, f"must be in [0, 1), got {_get(c, f)}",
                  "use 0.9 for b1 and 0.95 for b2")
     _require(tr.eps > 0, "train.eps", f"must be > 0, got {tr.eps}", "use 1e-8")
+    _require(tr.seed >= 0, "train.seed", f"must be >= 0, got {tr.seed}",
+             "use 0, or any other non-negative integer (the parameters and the data order "
+             "follow it)")
     _require(tr.profile_steps >= 0, "train.profile_steps",
              f"must be >= 0, got {tr.profile_steps}", "use 2, or 0 to disable profiling")
     _require(tr.profile_from >= 1, "train.profile_from", f"must be >= 1, got {tr.profile_from}",
              "use 3: steps 1-2 compile and warm up")
+    _require(tr.max_loss_ratio == 0 or tr.max_loss_ratio > 1, "train.max_loss_ratio",
+             f"must be > 1 (or 0 for off), got {tr.max_loss_ratio}",
+             "use 4.0: a loss 4x its start is far worse than a uniform guess")
     _require(tr.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {tr.grad_clip}",
              "use 1.0, or 0 to disable clipping")
 
@@ -738,9 +773,24 @@ def validate(c) -> None:
                  f"give {p.pp} numbers, or set parallel.pp = {len(sl)}")
 
 
+def _validate_finite(c, ref=None, prefix: str = "") -> None:
+    """Every float field is a finite number: `train.lr=inf` skipped every update and ended
+    with exit 0, a NaN passes every `x > 0` check."""
+    ref = base_config() if ref is None else ref
+    for k, default in ref.items():
+        field, value = prefix + k, c[k]
+        if isinstance(default, ml_collections.ConfigDict):
+            _validate_finite(value, default, field + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(field, f"must be a finite number, got {value}",
+                              f"set it like its default, e.g. --config.{field}={default!r}")
+
+
 def _validate_paths(c) -> None:
     """The workdir and checkpoint directory can be created or written (checked before start-up,
     not when the first file is written)."""
+    _require(bool(c.workdir.strip()), "workdir", "is empty",
+             "set --config.workdir to a directory, e.g. --config.workdir=runs/default")
     for field in ("workdir", "checkpoint.dir"):
         path = _get(c, field)
         if not path:

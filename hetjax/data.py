@@ -50,16 +50,50 @@ def stdlib_files() -> list[str]:
     return sorted(f for f in files if "site-packages" not in f and "dist-packages" not in f)
 
 
+# Version-control directories hold object and pack files, never the corpus.
+VCS_DIRS = (".git", ".hg", ".svn", ".bzr")
+_reported: set[str] = set()  # data.path values whose skipped files were reported
+
+
+def _binary(path: str) -> bool:
+    """A NUL byte in the first 8 KiB: not a text file (as git and grep decide)."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" in f.read(8192)
+    except OSError:
+        return False
+
+
 def text_files(path: str) -> list[str]:
-    """Files named by a directory (all files below it), a glob or a file."""
+    """Files named by a directory (all files below it, but not in version-control directories),
+    a glob or a file, without binary files (record files -- .parquet, .jsonl.gz -- are read as
+    records); what was skipped is reported once, with counts."""
+    from hetjax.text_dataset import record_kind
+
+    vcs = 0
     if os.path.isdir(path):
-        files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        files = []
+        for d, dirs, fs in os.walk(path):
+            for name in [x for x in dirs if x in VCS_DIRS]:
+                dirs.remove(name)
+                vcs += sum(len(f) for _, _, f in os.walk(os.path.join(d, name)))
+            files += [os.path.join(d, f) for f in fs]
     else:
         files = glob.glob(path, recursive=True)
     files = sorted(os.path.abspath(f) for f in files if os.path.isfile(f))
+    binary = [f for f in files if record_kind(f) is None and _binary(f)]
+    files = [f for f in files if f not in set(binary)]
+    if (vcs or binary) and path not in _reported:
+        _reported.add(path)
+        parts = ([f"{vcs} files in version-control directories ({', '.join(VCS_DIRS)})"]
+                 if vcs else []) + ([f"{len(binary)} binary files (e.g. {binary[0]})"]
+                                    if binary else [])
+        print(f"hetjax: data.path {path!r}: using {len(files)} text files; skipped "
+              f"{' and '.join(parts)}", file=sys.stderr, flush=True)
     if not files:
-        raise HetjaxError(f"data.path {path!r} names no files; give a directory of text files "
-                          "or a glob such as '/data/**/*.txt'")
+        only = " but binary or version-control ones" if vcs or binary else ""
+        raise HetjaxError(f"data.path {path!r} names no files{only}; give a directory of text "
+                          "files or a glob such as '/data/**/*.txt'")
     return files
 
 

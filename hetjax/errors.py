@@ -40,3 +40,28 @@ class Preempted(HetjaxError):
     so a scheduler or `hetjax launch` can tell it from a failure."""
 
     EXIT_CODE = 75
+
+
+class Interrupted(Preempted):
+    """The user pressed Ctrl-C (SIGINT): the run saved its current step (or, at a second
+    Ctrl-C, says which steps are lost). Exit code 130, as a shell reports an interrupted
+    command."""
+
+    EXIT_CODE = 130
+
+
+def os_error_message(e: OSError, fix: str = "") -> str:
+    """One line for an OSError on a path: the path, what the system said, and the fix (a full
+    disk and a read-only file system get their own)."""
+    import errno
+
+    where = e.filename if e.filename is not None else "a file"
+    what = e.strerror or str(e)
+    if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
+        fix = f"free space on the disk holding {where} (or choose a path on another disk)" + \
+            (f"; {fix}" if fix else "")
+    elif e.errno == errno.EROFS or e.errno == errno.EACCES or e.errno == errno.EPERM:
+        fix = fix or "choose a path you can write, or fix its permissions"
+    elif e.errno == errno.EISDIR:
+        fix = fix or "give a file name, not a directory"
+    return f"{where}: {what}" + (f"; fix: {fix}" if fix else "")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,20 @@ LINK_KINDS = ("loopback", "nvlink", "pcie", "infiniband", "roce", "ethernet")
 
 
 def _number(value, what: str) -> None:
-    """A topology number read from JSON must be a number, not a string or a bool."""
+    """A topology number read from JSON must be a finite number, not a string, a bool or a
+    NaN (Python's JSON reader takes `NaN` and `Infinity`; every later check would pass it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TopologyError(f"{what} must be a number, got {value!r}; write it without quotes")
+    if not math.isfinite(value):
+        raise TopologyError(f"{what} must be a finite number, got {value}")
+
+
+def _count(value, what: str) -> int:
+    """A whole count read from JSON (`"nodes": 2.5` was truncated to 2)."""
+    _number(value, what)
+    if value != int(value):
+        raise TopologyError(f"{what} must be a whole number, got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -444,8 +456,9 @@ class Topology:
 
             clusters = tuple(
                 Cluster(
-                    name=c["name"], nodes=int(c["nodes"]),
-                    devices_per_node=int(c["devices_per_node"]),
+                    name=c["name"], nodes=_count(c["nodes"], f"cluster {c['name']!r} nodes"),
+                    devices_per_node=_count(c["devices_per_node"],
+                                            f"cluster {c['name']!r} devices_per_node"),
                     accelerator=Accelerator(**c["accelerator"]),
                     nic=link(c["nic"]), intra_node=link(c["intra_node"]),
                     nic_settings=NicSettings(**{

@@ -11,7 +11,6 @@ the end-of-run summary (the terminal table and the notebook's HTML).
 from __future__ import annotations
 
 import html
-import json
 import os
 from typing import Any
 
@@ -33,8 +32,9 @@ class History:
             path = os.path.join(path, "metrics.jsonl")
         if not os.path.exists(path):
             return History([])
-        with open(path) as f:
-            return History([json.loads(line) for line in f if line.strip()])
+        from hetjax.metrics import read_metrics  # it skips a torn last line
+
+        return History(read_metrics(path))
 
     def __len__(self) -> int:
         return len(self.rows)

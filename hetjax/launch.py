@@ -20,6 +20,14 @@ when one process fails, the others get SIGTERM and, after `--grace` seconds, SIG
 may sit in a collective with the dead one forever); the exit code is the first failure's.
 `--max-restarts N` then starts the job again (it resumes from its checkpoint), and `--elastic`
 does so without the failed process's host, re-planned on the topology left.
+
+Which process failed is decided by progress, not by the first exit code: each local worker
+touches its heartbeat file (`HETJAX_HEARTBEAT_FILE`) every second from a daemon thread. A
+worker that stops (SIGSTOP, a hang holding the interpreter) stops beating; its healthy peers
+keep beating while they wait for it in a collective, until JAX's own heartbeat check aborts
+one of them. The launcher blames the worker whose heartbeat stopped -- also when a peer's
+abort is the first exit -- and stops the job itself once a heartbeat is `--heartbeat-timeout`
+seconds old, so `--elastic` drops the host that hung, not the coordinator that noticed.
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ from hetjax.topology import Topology
 from parallel import bridge, nic
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
+ENV_HEARTBEAT_FILE = "HETJAX_HEARTBEAT_FILE"
+HEARTBEAT_INTERVAL_S = 1.0
+# A heartbeat this old means the worker has stopped (a live one beats every second).
+STALLED_AFTER_S = 4.0
 DEFAULT_RSH = "ssh -o BatchMode=yes {host}"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,9 +75,31 @@ def fingerprint(cfg, topology: Topology) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def start_heartbeat(path: str | None = None) -> threading.Thread | None:
+    """Touch `path` (default `$HETJAX_HEARTBEAT_FILE`; none: do nothing) every second from a
+    daemon thread, for as long as this process runs and is not stopped."""
+    path = path or os.environ.get(ENV_HEARTBEAT_FILE)
+    if not path:
+        return None
+
+    def beat():
+        while True:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+            except OSError:
+                pass  # the launcher removed its directory: it is gone or done
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    thread = threading.Thread(target=beat, name="hetjax-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
 def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
     """Make this process worker `spec.process_id`: complete its environment (values the
     launcher or the user already set win), join the job, and check its devices."""
+    start_heartbeat()  # from now on the launcher can tell a hung worker from a waiting one
     plan = plan_from_config(cfg, topology)
     policy = os.environ.get(ENV_NIC_POLICY, "cluster")
     if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
@@ -350,12 +384,23 @@ NOISE = (re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),)
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
         timeout: float = 0, out=None, failed: list | None = None,
-        verbose: bool = False) -> int:
+        verbose: bool = False, hang_timeout: float = 0) -> int:
     """Start `children` ((name, argv, env)), prefix each line of their output with their name
     (lines matching `NOISE` hidden unless `verbose`), and stop them all when one fails
-    (SIGTERM, then SIGKILL after `grace` s) or after `timeout` s (0: no limit). Returns 0, or
-    the exit code of the first failure (128 + signal), whose name is appended to `failed`."""
+    (SIGTERM, then SIGKILL after `grace` s), when a local child's heartbeat is `hang_timeout`
+    s old (0: never) or after `timeout` s (0: no limit). Returns 0, or the exit code of the
+    first failure (128 + signal; 1 for a hang), whose name is appended to `failed`: the child
+    whose heartbeat stopped, when one did, rather than the peer that exited first."""
+    import tempfile
+
     out = out or sys.stdout
+    beats = tempfile.mkdtemp(prefix="hetjax-heartbeat-")
+    children = list(children)
+    heartbeat = {}  # child index -> its heartbeat file (children with a local environment)
+    for i, (name, argv, env) in enumerate(children):
+        if env is not None:
+            heartbeat[i] = os.path.join(beats, name)
+            children[i] = (name, argv, {**env, ENV_HEARTBEAT_FILE: heartbeat[i]})
     lock = threading.Lock()
     hidden = [0]
 
@@ -389,8 +434,19 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
         pump.start()
 
     running = set(range(len(procs)))
-    failure = None  # (name or None for the timeout, exit code) of the first failure
+    failure = None  # (name or None for the timeout, exit code, how) of the first failure
     kill_at = float("inf")
+
+    def stalled(exclude: int = -1) -> tuple[int, float] | None:
+        """The running child whose heartbeat is oldest, if it is older than STALLED_AFTER_S."""
+        ages = []
+        for j in running - {exclude}:
+            try:
+                ages.append((time.time() - os.stat(heartbeat[j]).st_mtime, j))
+            except (KeyError, OSError):  # remote, or not beating yet (still importing)
+                pass
+        age, j = max(ages, default=(0.0, -1))
+        return (j, age) if age > STALLED_AFTER_S else None
     end = time.monotonic() + timeout if timeout else float("inf")
 
     def stop_all(reason: str) -> None:
@@ -411,10 +467,24 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
             else:
                 running.discard(i)
                 if rc != 0 and failure is None:
-                    failure = (names[i], rc)
-                    stop_all(f"{names[i]} (pid {procs[i].pid}) {_how(rc)}")
+                    hung = stalled(exclude=i)
+                    if hung is not None:  # a peer it waited for stopped first: blame that one
+                        j, age = hung
+                        failure = (names[j], 1, "stopped making progress")
+                        stop_all(f"{names[j]} (pid {procs[j].pid}) stopped making progress (no "
+                                 f"heartbeat for {age:.0f} s), then {names[i]} {_how(rc)}")
+                    else:
+                        failure = (names[i], rc, _how(rc))
+                        stop_all(f"{names[i]} (pid {procs[i].pid}) {_how(rc)}")
+            if failure is None and hang_timeout:
+                hung = stalled()
+                if hung is not None and hung[1] > hang_timeout:
+                    j, age = hung
+                    failure = (names[j], 1, "stopped making progress")
+                    stop_all(f"{names[j]} (pid {procs[j].pid}) stopped making progress: no "
+                             f"heartbeat for {age:.0f} s (--heartbeat-timeout {hang_timeout:g})")
             if failure is None and time.monotonic() > end:
-                failure = (None, 124)
+                failure = (None, 124, "")
                 stop_all(f"the job ran longer than --timeout {timeout:g} s")
             if running and time.monotonic() > kill_at:
                 say(f"hetjax launch: {', '.join(names[j] for j in sorted(running))} still "
@@ -428,13 +498,16 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
             t.join(timeout=5)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        import shutil
+
+        shutil.rmtree(beats, ignore_errors=True)
     if hidden[0]:
         say(f"hetjax launch: hid {hidden[0]} gloo connection lines (--verbose shows them)")
     if failure is None:
         return 0
-    name, rc = failure
+    name, rc, how = failure
     if name is not None:
-        say(f"hetjax launch: failed: {name} {_how(rc)} first")
+        say(f"hetjax launch: failed: {name} {how} first")
         if failed is not None:
             failed.append(name)
     return _exit_code(rc)
@@ -446,7 +519,7 @@ NO_RESTART = (0, 2, 75, 124, 130)
 
 
 def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
-                      out=None, verbose: bool = False) -> int:
+                      out=None, verbose: bool = False, hang_timeout: float = 0) -> int:
     """`run` the children `make_children(failed)` returns; after a failure, start them afresh
     up to `max_restarts` times (workers resume from the job's latest checkpoint). `failed` lists
     the names of the processes that failed first in earlier attempts. Returns the last
@@ -454,7 +527,7 @@ def run_with_restarts(make_children, grace: float, timeout: float = 0, max_resta
     out = out or sys.stdout
     failed: list[str] = []
     for attempt in range(max_restarts + 1):
-        rc = run(make_children(failed), grace, timeout, out, failed, verbose)
+        rc = run(make_children(failed), grace, timeout, out, failed, verbose, hang_timeout)
         if rc in NO_RESTART or attempt == max_restarts:
             return rc
         out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
@@ -632,7 +705,7 @@ def main(argv: list[str]) -> int:
                 for w in ws]
 
     return run_with_restarts(children, args.grace, args.timeout, args.max_restarts,
-                             verbose=args.verbose)
+                             verbose=args.verbose, hang_timeout=args.heartbeat_timeout)
 
 
 def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:

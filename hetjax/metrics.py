@@ -72,8 +72,49 @@ def rebuild_tensorboard(workdir: str) -> None:
 
 
 def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics file; a torn last line (a run killed mid-write, a full disk) is
+    left out -- `truncate_metrics` removes it when the run resumes."""
+    rows, _ = _scan(path)
+    return [row for row, _ in rows]
+
+
+def _scan(path: str) -> tuple[list[tuple[dict, int]], int | None]:
+    """(row, byte offset where its line starts) for each whole row, and the offset of a torn
+    last line (None if there is none). A bad line before the last is not a tear: it raises."""
+    with open(path, "rb") as f:
+        data = f.read()
+    rows, offset, torn = [], 0, None
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        last = i == len(lines) - 1 or (i == len(lines) - 2 and not lines[-1])
+        if line.strip():
+            try:
+                rows.append((json.loads(line), offset))
+            except ValueError:
+                if not last:
+                    raise ValueError(f"{path}: line {i + 1} is not JSON; fix: remove that line "
+                                     "(a metrics file is one JSON object per line)") from None
+                torn = offset
+        offset += len(line) + 1
+    return rows, torn
+
+
+def truncate_metrics(path: str, step: int) -> tuple[int, bool]:
+    """Cut a metrics file back to the rows up to `step` (the step training restarts after) and
+    drop a torn last line, in place: the file is only ever appended to and cut at the end, so
+    each step appears once across any number of resumes. Returns (rows dropped, whether a torn
+    line was dropped)."""
+    if not os.path.exists(path):
+        return 0, False
+    rows, torn = _scan(path)
+    later = [offset for row, offset in rows if row.get("step", 0) > step]
+    cut = min(later + ([torn] if torn is not None else []), default=None)
+    with open(path, "r+b") as f:
+        if cut is not None:
+            f.truncate(cut)
+        elif f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+            f.write(b"\n")  # a whole last row whose newline was not written: keep it
+    return len(later), torn is not None
 
 
 class Progress:

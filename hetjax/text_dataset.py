@@ -3,11 +3,15 @@ file, one per record of a `.jsonl` or `.parquet` file (its `field`).
 
 `open_corpus(files, data_dir, kind, field)` prepares the files into `data_dir` the first time
 (`hetjax_text/<kind>_<fingerprint>/1.0.0/`) and returns a random-access source of documents
-(dicts with `text` and `path` as UTF-8 bytes). The fingerprint hashes the files' paths, sizes and
-modification times (and the field, when a file has records), so an edited corpus prepares anew
-instead of serving stale text. A record file without the field is refused before anything is
-prepared, naming the fields it has. The array_record format needs no TensorFlow. The builder
-lives in this importable module because tfds cannot prepare a builder defined in `__main__`.
+(dicts with `text` and `path` as UTF-8 bytes). The fingerprint is the corpus's content identity:
+a hash of each file's name below the corpus root, size and bytes (and the field, when a file has
+records), so an edited corpus prepares anew instead of serving stale text, while `touch`, `cp`
+without `-p`, a `git checkout` or a copy to node-local disk keep the identity (and a checkpoint's
+resume). Reading the corpus to hash it happens once per (paths, sizes, modification times): the
+result is remembered under `<data_dir>/hetjax_text/identity/`. A record file without the field is
+refused before anything is prepared, naming the fields it has; undecodable bytes are reported
+per file. The array_record format needs no TensorFlow. The builder lives in this importable
+module because tfds cannot prepare a builder defined in `__main__`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -59,8 +64,13 @@ class HetjaxText(tfds.core.GeneratorBasedBuilder):
             kind = record_kind(path)
             if kind is None:
                 with open(path, "rb") as f:
-                    # Undecodable bytes become U+FFFD, so every tokenizer sees valid UTF-8.
-                    text = f.read().decode("utf-8", errors="replace")
+                    raw = f.read()
+                # Undecodable bytes become U+FFFD, so every tokenizer sees valid UTF-8 -- said
+                # per file, not silently (a Latin-1 file loses its accented letters).
+                text = raw.decode("utf-8", errors="replace")
+                bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+                if bad:  # reported when the preparation ends (not inside tfds' progress bars)
+                    self.undecodable.append((path, bad))
                 yield path, {"text": text, "path": path}
                 continue
             for i, text in enumerate(RECORD_READERS[kind](path, field)):
@@ -147,16 +157,53 @@ def check_field(path: str, field: str) -> None:
         next(iter(RECORD_READERS[kind](path, field)), None)
 
 
-def fingerprint(files: list[str], field: str = "text") -> str:
-    """A short hash of the files' paths, sizes and modification times (and of the field, when
-    a file holds records: another field is another corpus)."""
+def _stat_key(files: list[str], field: str) -> str:
     h = hashlib.sha1()
     for path in files:
         st = os.stat(path)
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    h.update(f"field\0{field}".encode())
+    return h.hexdigest()
+
+
+def content_fingerprint(files: list[str], field: str = "text") -> str:
+    """A short hash of each file's name relative to the corpus root, its size and its bytes
+    (and of the field, when a file holds records: another field is another corpus)."""
+    root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
+    h = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        h.update(f"{os.path.relpath(path, root)}\0{len(data)}\0".encode())
+        h.update(hashlib.sha256(data).digest())
     if any(record_kind(p) for p in files):
         h.update(f"field\0{field}".encode())
     return h.hexdigest()[:12]
+
+
+def fingerprint(files: list[str], data_dir: str | None = None, field: str = "text") -> str:
+    """The corpus's content identity (`content_fingerprint`), read back from `data_dir` when
+    the files' paths, sizes and modification times are those it was computed for."""
+    memo = os.path.join(data_dir, "hetjax_text", "identity", _stat_key(files, field)) \
+        if data_dir else None
+    try:
+        with open(memo) as f:
+            known = f.read().strip()
+        if len(known) == 12:
+            return known
+    except (OSError, TypeError):
+        pass
+    value = content_fingerprint(files, field)
+    if memo:
+        try:  # whole or not at all: processes sharing the directory read it
+            os.makedirs(os.path.dirname(memo), exist_ok=True)
+            tmp = f"{memo}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(value)
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # a read-only data dir: hash again next time
+    return value
 
 
 class _DropCustomConfigWarning(logging.Filter):
@@ -182,14 +229,19 @@ def open_corpus(files: list[str], data_dir: str, kind: str, field: str = "text")
     and the directory it was prepared in.
     """
     data_dir = os.path.expanduser(data_dir or default_data_dir())
-    config = CorpusConfig(name=f"{kind}_{fingerprint(files, field)}", files=tuple(files),
-                          field=field)
+    config = CorpusConfig(name=f"{kind}_{fingerprint(files, data_dir, field)}",
+                          files=tuple(files), field=field)
     builder = HetjaxText(config=config, data_dir=data_dir, file_format="array_record")
+    builder.undecodable = []
     if not builder.is_prepared():
         for path in files:
             check_field(path, field)
         try:
             builder.download_and_prepare()
+            for path, bad in builder.undecodable:
+                print(f"hetjax: {path}: {bad} bytes are not UTF-8 and became U+FFFD; fix: "
+                      "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that "
+                      "matters", file=sys.stderr, flush=True)
         except OSError as e:
             # Another process on this machine may have prepared it first (tfds renames a
             # finished preparation into place, so a lost race fails the rename).

@@ -165,6 +165,10 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             with open(path, "rb") as f:
                 proto = f.read()
+            if not proto:  # sentencepiece reads b"" as a model without pieces
+                raise HetjaxError(f"the tokenizer model {path!r} is an empty file; set "
+                                  "data.tokenizer to 'byte' or to a file written by 'hetjax "
+                                  "tokenizer train'")
             return cls(proto, path, add_bos)
         except OSError as e:
             raise HetjaxError(f"cannot read the tokenizer model {path!r} ({e.strerror}); set "
@@ -381,6 +385,10 @@ def tokenizer_from_config(data_cfg) -> Tokenizer:
     return load_tokenizer(data_cfg.tokenizer, data_cfg.add_bos)
 
 
+# SentencePiece skips longer lines (its max_sentence_length).
+MAX_LINE_CHARS = 16384
+
+
 def train_sentencepiece(documents: Iterable[str | bytes], vocab_size: int,
                         out_path: str) -> SentencePieceTokenizer:
     """Train a BPE SentencePiece model on `documents` (one sentence per non-blank line).
@@ -388,7 +396,11 @@ def train_sentencepiece(documents: Iterable[str | bytes], vocab_size: int,
     Settings suit source code and prose alike: no normalisation and whitespace kept as is
     (indentation matters), byte fallback (no unknown tokens), digits split, and id 1 = EOS.
     """
+    import re
+
     import sentencepiece as spm
+
+    seen = {"lines": 0, "long": 0}  # what the trainer was given, for an accurate failure
 
     def lines():
         for doc in documents:
@@ -396,6 +408,8 @@ def train_sentencepiece(documents: Iterable[str | bytes], vocab_size: int,
                 doc = doc.decode("utf-8", errors="replace")
             for line in doc.splitlines():
                 if line.strip():
+                    seen["lines"] += 1
+                    seen["long"] += len(line) > MAX_LINE_CHARS
                     yield line
 
     model = io.BytesIO()
@@ -406,10 +420,33 @@ def train_sentencepiece(documents: Iterable[str | bytes], vocab_size: int,
             remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
             split_digits=True, user_defined_symbols=["\t"], unk_id=0, eos_id=1, bos_id=-1,
             pad_id=-1, input_sentence_size=1_000_000, shuffle_input_sentence=True,
-            max_sentence_length=16384, num_threads=os.cpu_count() or 1, minloglevel=2)
+            max_sentence_length=MAX_LINE_CHARS, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:
-        raise HetjaxError(f"SentencePiece training failed: {e}. A vocabulary needs enough "
-                          "distinct text: lower --vocab_size or train on more text") from None
+        text = str(e)
+        high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= "
+                         r"(\d+)", text)
+        low = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", text)
+        long = (f"; {seen['long']} of its {seen['lines']} lines are longer than "
+                f"{MAX_LINE_CHARS:,} characters, which SentencePiece skips (break them into "
+                "shorter lines)") if seen["long"] else ""
+        if not seen["lines"]:
+            raise HetjaxError("SentencePiece training failed: the training documents hold no "
+                              "non-blank line; fix: train on text files with content") from None
+        if seen["long"] == seen["lines"]:
+            raise HetjaxError(f"SentencePiece training failed: all {seen['lines']} lines are "
+                              f"longer than {MAX_LINE_CHARS:,} characters, which SentencePiece "
+                              "skips; fix: break them into shorter lines") from None
+        if high:
+            raise HetjaxError(f"SentencePiece training failed: --vocab_size={high.group(1)} is "
+                              f"more pieces than this text yields (at most {high.group(2)})"
+                              f"{long}; fix: use --vocab_size={high.group(2)} or less, or "
+                              "train on more text") from None
+        if low:
+            raise HetjaxError(f"SentencePiece training failed: --vocab_size={low.group(1)} is "
+                              f"smaller than the {low.group(2)} distinct characters and special"
+                              f" pieces of this text{long}; fix: use --vocab_size="
+                              f"{low.group(2)} or more") from None
+        raise HetjaxError(f"SentencePiece training failed: {text}{long}") from None
     proto = model.getvalue()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"

@@ -19,7 +19,12 @@ metrics.
 
 Guards (docs/reliability.md): executors skip an update whose loss or gradient norm is not finite;
 the loop reports each such step and stops after `train.max_bad_steps` in a row. SIGTERM during
-a single-process `train()` saves the current step and raises `Preempted` (CLI exit code 75).
+a single-process `train()` saves the current step and raises `Preempted` (CLI exit code 75),
+SIGINT (Ctrl-C) the same as `Interrupted` (exit 130; a second Ctrl-C stops at once and says
+which steps are lost); a run resumes from any checkpoint in its directory, whatever
+`checkpoint.every`. `train()` holds the workdir lock (`hetjax.lock`) and cuts metrics.jsonl
+back to the step it starts from, so no step is logged twice. An OSError while training (a full
+disk) becomes one error naming the path, after the checkpoint in flight is drained.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.data import make_loader, padded_vocab
-from hetjax.errors import ConfigError, HetjaxError, PlanError, Preempted
+from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
+                           os_error_message)
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
-from hetjax.metrics import MetricsWriter, Progress, read_metrics, rebuild_tensorboard
+from hetjax.lock import WorkdirLock
+from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
 from hetjax.plan import Plan
 from hetjax.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
@@ -276,6 +283,7 @@ class Trainer:
         self._checkpointer = None
         self._last_saved = None
         self._tokenizer_saved = False
+        self._first_loss = None  # the run's first loss: divergence is measured against it
 
     def _check_memory(self) -> dict[str, Any]:
         """The plan's predicted memory; refuses a plan predicted not to fit, in the words
@@ -450,7 +458,7 @@ class Trainer:
                 # initialised from the seed, the data order from the seed and the data state.
                 "rng": {"seed": self.config.train.seed,
                         "prng_impl": str(jax.config.jax_default_prng_impl)},
-                "hetjax_version": __version__}
+                "hetjax_version": __version__, "first_loss": self._first_loss}
         self.checkpointer.save(step, self.state, self.layout(), self.data.get_state(), meta,
                                eval_loss=eval_loss)
         self._save_tokenizer()
@@ -480,15 +488,25 @@ class Trainer:
         if r is None:
             return None
         saved, now = r.meta.get("data") or {}, self.data_spec.to_dict()
-        if saved != now:
+        same_data = saved == now
+        if not same_data:
             diff = ", ".join(f"{k} = {saved.get(k)!r} there, {now.get(k)!r} now"
                              for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
-            raise HetjaxError(
-                f"checkpoint {r.step} in {self.checkpoint_dir} was written for other data "
-                f"({diff}); resume with the same data.*, train.seq_len, train.batch_size and "
-                "train.seed, or use another workdir")
+            if not self.config.checkpoint.allow_other_data:
+                raise HetjaxError(
+                    f"checkpoint {r.step} in {self.checkpoint_dir} was written for other data "
+                    f"({diff}); resume with the same data.*, train.seq_len, train.batch_size "
+                    "and train.seed, use another workdir, or continue this run on the new data"
+                    " with --config.checkpoint.allow_other_data=True")
+            if jax.process_index() == 0:  # said loudly: the run's data changes here
+                print(f"hetjax: WARNING: checkpoint.allow_other_data: continuing checkpoint "
+                      f"{r.step} on OTHER data ({diff}); the new data is read from its start "
+                      f"and the run's metrics before step {r.step} are of the old data",
+                      file=sys.stderr, flush=True)
         self.state = r.state
-        self.data.set_state(r.data_state)
+        if same_data:  # a data position means nothing in another stream
+            self.data.set_state(r.data_state)
+        self._first_loss = r.meta.get("first_loss", self._first_loss)
         return r.step
 
     # --- the loop -------------------------------------------------------------------------------
@@ -574,6 +592,7 @@ class Trainer:
         loss, g_norm = (float(v) for v in jax.device_get((metrics["loss"],
                                                           metrics["grad_norm"])))
         if np.isfinite(loss) and np.isfinite(g_norm):
+            self._check_diverged(step, loss)
             return 0
         bad += 1
         limit = self.config.train.max_bad_steps
@@ -585,10 +604,45 @@ class Trainer:
             raise HetjaxError(
                 f"train.max_bad_steps: {bad} steps in a row ({step - bad + 1}-{step}) had a "
                 f"non-finite loss or gradient norm; training stopped, nothing of them was saved"
-                f" (checkpoints in {self.checkpoint_dir}); fix: lower train.lr "
-                f"(= {self.config.train.lr:g}) or train.grad_clip, check model.vocab_size and "
-                "the data, then rerun to resume from the latest checkpoint")
+                f" (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step - bad + 1)}, "
+                "check model.vocab_size and the data, then rerun to resume from the latest "
+                "checkpoint")
         return bad
+
+    def _check_diverged(self, step: int, loss: float) -> None:
+        """Stop (HetjaxError) when a finite loss is train.max_loss_ratio times the run's first
+        loss: a run that blew up must not go on to exit 0, nor save its parameters."""
+        ratio = self.config.train.max_loss_ratio
+        if not np.isfinite(loss):
+            return
+        if self._first_loss is None:
+            self._first_loss = loss
+            return
+        if ratio and loss > ratio * self._first_loss:
+            removed = ""
+            if self._last_saved == step - 1:
+                # Step N's loss is that of the parameters after step N - 1 (a DiLoCo outer
+                # step, say): the checkpoint of N - 1 holds the diverged parameters.
+                self.checkpointer.wait()
+                self.checkpointer.manager.delete(step - 1)
+                self._last_saved = None
+                removed = f"checkpoint {step - 1}, whose parameters gave this loss, was removed; "
+            raise HetjaxError(
+                f"train.max_loss_ratio: the run diverged: step {step}'s loss {loss:.4g} is "
+                f"{loss / self._first_loss:.1f}x its first loss {self._first_loss:.4g} (limit "
+                f"{ratio:g}x); training stopped, {removed}nothing after the latest checkpoint "
+                f"was saved (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step)}, "
+                "then rerun to resume from the latest checkpoint")
+
+    def _blame(self, step: int) -> str:
+        """What to lower for a blow-up first seen at `step`: DiLoCo's outer step when the step
+        is the first after an exchange, else the inner learning rate."""
+        d, t = self.config.diloco, self.config.train
+        if d.inner_steps and step > 1 and (step - 1) % (d.inner_steps // d.fragments) == 0:
+            return (f"lower diloco.outer_lr (= {d.outer_lr:g}) or diloco.outer_momentum "
+                    f"(= {d.outer_momentum:g}): it came right after the outer step of step "
+                    f"{step - 1}")
+        return f"lower train.lr (= {t.lr:g}) or train.grad_clip (= {t.grad_clip:g})"
 
     @property
     def metrics_path(self) -> str:
@@ -605,21 +659,42 @@ class Trainer:
 
         A fresh trainer first resumes from the latest checkpoint in its checkpoint directory; a
         run already at `steps` trains nothing and says it is complete."""
-        cfg, ckpt = self.config.train, self.config.checkpoint
-        total = steps if steps is not None else cfg.steps
+        total = steps if steps is not None else self.config.train.steps
         # one metrics writer per job: process 0 of world 0 (every world has the loss)
         primary = jax.process_index() == 0 and os.environ.get(ENV_WORLD, "0") == "0"
-        resumed = self.restore() if ckpt.every and int(self.state.step) == 0 else None
+        lock = WorkdirLock(self.workdir)
+        if primary:  # one run per workdir: before anything in it is read or written
+            lock.acquire()
+        try:
+            return self._train(total, primary)
+        finally:
+            lock.release()
+
+    def _train(self, total: int, primary: bool) -> RunSummary:
+        cfg, ckpt = self.config.train, self.config.checkpoint
+        if int(self.state.step) == 0:  # a new run measures divergence from its own start
+            self._first_loss = None
+        # Any checkpoint resumes the run, also one a preemption saved with checkpoint.every = 0.
+        resumed = self.restore() if int(self.state.step) == 0 and (
+            ckpt.every or os.path.isdir(self.checkpoint_dir)) else None
         if int(self.state.step) >= total:
             return self._complete(total, resumed)
         if self.config.eval.every:  # opened now, so missing held-out data stops us before step 1
             self._open_eval_data()
         if primary:
             self._write_run_files()
-            if resumed is not None:  # rows logged after that checkpoint were lost with it
-                _drop_metrics_after(os.path.join(self.workdir, "metrics.jsonl"), resumed)
-                if self.config.tensorboard:  # and TensorBoard shows what the file holds
-                    rebuild_tensorboard(self.workdir)
+            # Rows logged after the step we start from were lost with that run's state (or
+            # belong to a run that left no checkpoint): cut them, so no step is logged twice.
+            start = int(self.state.step)
+            dropped, torn = truncate_metrics(self.metrics_path, start)
+            if dropped or torn:
+                print(f"hetjax: {self.metrics_path}: "
+                      + ", ".join(([f"dropped {dropped} rows after step {start} (not in a "
+                                    "checkpoint; trained again now)"] if dropped else [])
+                                  + (["repaired a torn last line"] if torn else [])),
+                      file=sys.stderr, flush=True)
+            if (resumed is not None or dropped) and self.config.tensorboard:
+                rebuild_tensorboard(self.workdir)  # TensorBoard shows what the file holds
         writer = MetricsWriter(self.workdir, self.config.tensorboard, primary)
         progress = Progress(total, int(self.state.step), cfg.progress and not self.quiet,
                             cfg.log_every, primary)
@@ -635,6 +710,7 @@ class Trainer:
             last_eval.append(info.added["eval_loss"])
 
         def checkpoint(info):
+            self._check_diverged(info.step, info.metrics["loss"])  # never save a blown-up run
             self.save(eval_loss=info.added.get("eval_loss"))
 
         rows: list[dict[str, float]] = []  # this process's log rows (process 0 has the file)
@@ -664,23 +740,46 @@ class Trainer:
         if primary:  # aside: drawing is not training time
             standard.append(Hook(plot, 0, last=True, aside=True))
         aside = 0.0
-        preempted = _SigtermFlag()
+        stop = _StopFlag()
+        done = int(self.state.step)
         profiler = (StepProfiler(self.workdir, max(cfg.profile_from, int(self.state.step) + 1),
                                  cfg.profile_steps) if cfg.profile_steps else None)
+        failed = False
         try:
             for info in self.iter_steps(total, standard + self.hooks, profiler):
-                aside = info.aside_s
-                if preempted.is_set() and not info.last:
-                    self._stop_preempted(info.step)
+                aside, done = info.aside_s, info.step
+                if stop.is_set() and not info.last:
+                    self._stop_preempted(info.step, stop.signal)
             self.executor.finish()  # worlds: peers pull our last messages first
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, say exactly what is lost
+            failed = True
+            raise self._interrupted_unsaved(max(done, int(self.state.step))) from None
+        except OSError as e:  # a full disk, a file removed under us: one line, not a traceback
+            failed = True
+            raise HetjaxError(self._os_error_message(e)) from None
+        except BaseException:
+            failed = True
+            raise
         finally:
             if profiler is not None:
                 profiler.stop()  # a run that ends inside the traced steps still writes it
-            preempted.restore()
+            stop.restore()
             progress.close()
-            writer.close()
+            try:
+                writer.close()
+            except OSError:
+                if not failed:
+                    raise
             if self._checkpointer is not None:
-                self._checkpointer.wait()  # an in-flight save completes before we return
+                # An in-flight save completes before we return. When the run already failed,
+                # the save's own error (a full disk again) must not replace the first.
+                try:
+                    self._checkpointer.wait()
+                except Exception as e:  # noqa: BLE001 - orbax raises many kinds
+                    if not failed:
+                        if isinstance(e, OSError):
+                            raise HetjaxError(self._os_error_message(e)) from None
+                        raise
         summary = timing.summary(total, aside)
         history = self.history if primary else History(rows)
         summary.update({
@@ -741,14 +840,39 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
-    def _stop_preempted(self, step: int) -> None:
-        """SIGTERM arrived: checkpoint this step (unless a hook just did) and stop."""
+    def _stop_preempted(self, step: int, signame: str = "SIGTERM") -> None:
+        """SIGTERM or SIGINT arrived: checkpoint this step (unless a hook just did) and stop."""
         if self._last_saved != step:
             self.save(wait=True)
         self.checkpointer.wait()
-        raise Preempted(f"preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
-                        f"{self.checkpoint_dir}; rerun the same command to resume (exit code "
-                        f"{Preempted.EXIT_CODE})")
+        error, what = (Interrupted, "interrupted") if signame == "SIGINT" else \
+            (Preempted, "preempted")
+        raise error(f"{what} ({signame}) after step {step}: saved checkpoint {step} in "
+                    f"{self.checkpoint_dir}; rerun the same command to resume (exit code "
+                    f"{error.EXIT_CODE})")
+
+    def _latest_saved(self) -> int | None:
+        """The newest checkpoint step on disk (None when there is none)."""
+        if self._checkpointer is None and not os.path.isdir(self.checkpoint_dir):
+            return None
+        return self.checkpointer.latest_step()
+
+    def _interrupted_unsaved(self, done: int) -> Interrupted:
+        """A second Ctrl-C stopped the run without saving: which steps are lost."""
+        last = self._latest_saved()
+        since = f"checkpoint {last}" if last is not None else "the start (no checkpoint)"
+        lost = f"steps {(last or 0) + 1}-{done} are lost" if done > (last or 0) else \
+            "no finished step is lost"
+        return Interrupted(f"interrupted (second SIGINT) after step {done}, without saving: "
+                           f"{lost}; rerun the same command to resume from {since} (exit code "
+                           f"{Interrupted.EXIT_CODE})")
+
+    def _os_error_message(self, e: OSError) -> str:
+        last = self._latest_saved()
+        keep = (f"checkpoint {last} in {self.checkpoint_dir} is kept" if last is not None
+                else "no checkpoint was saved")
+        fix = f"then rerun the same command to resume ({keep})"
+        return f"training stopped: {os_error_message(e, fix)}"
 
     def _write_run_files(self):
         os.makedirs(self.workdir, exist_ok=True)
@@ -760,33 +884,34 @@ class Trainer:
             f.write(self.config.to_json_best_effort(indent=1))
 
 
-class _SigtermFlag(threading.Event):
-    """Set by SIGTERM while a single-process `train()` runs; `restore()` puts the previous
-    handler back. (In a multi-process run the handler is not installed: every process would
-    have to stop at the same step, so SIGTERM ends it as before and the run resumes from its
-    latest periodic checkpoint.)"""
+class _StopFlag(threading.Event):
+    """Set by SIGTERM or SIGINT while a single-process `train()` runs (`signal` says which);
+    the loop saves and stops after the step in progress. The first SIGINT puts the previous
+    SIGINT handler back, so a second Ctrl-C interrupts at once. `restore()` puts both handlers
+    back. (In a multi-process run the handlers are not installed: every process would have to
+    stop at the same step, so a signal ends it as before and the run resumes from its latest
+    periodic checkpoint.)"""
 
     def __init__(self):
         super().__init__()
-        self._previous = None
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self.set())
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. SIGINT under nohup
+                    self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+        if signum == signal.SIGINT and signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
+        self.set()
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
-def _drop_metrics_after(path: str, step: int) -> None:
-    """Rewrite a metrics file without the rows after `step`."""
-    if not os.path.exists(path):
-        return
-    rows = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 __all__ = ["Trainer", "TrainState", "Hook", "StepInfo", "make_optimizer", "opt_state_specs",

@@ -385,3 +385,42 @@ def test_segment_ids_number_the_documents_of_each_packed_row(corpus, tmp_path):
     assert is_eos.any()  # the tiny corpus's documents are shorter than a row
     off, _ = data.make_loader(text_config(corpus, tmp_path), tok)
     assert "segment_ids" not in next(off)
+
+
+def test_corpus_identity_follows_content_not_modification_times(corpus, tmp_path):
+    """`touch` and a copy elsewhere (cp without -p, staging to node-local disk) keep the
+    prepared corpus and so the checkpoint's data spec; an edit does not."""
+    import shutil
+
+    files = data.text_files(str(corpus))
+    _, where = open_corpus(files, str(tmp_path / "tfds"), "files")
+    os.utime(files[0], (1, 1))
+    assert open_corpus(files, str(tmp_path / "tfds"), "files")[1] == where
+    copy = tmp_path / "staged"
+    shutil.copytree(corpus, copy)  # new modification times, new paths, same content
+    assert open_corpus(data.text_files(str(copy)), str(tmp_path / "tfds"), "files")[1] == where
+
+
+def test_vcs_directories_and_binary_files_are_skipped_with_a_count(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / ".git" / "objects" / "pack").write_bytes(b"PACK\0\1\2")
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
+    assert data.text_files(str(tmp_path)) == [str(tmp_path / "a.txt")]
+    assert capsys.readouterr().err == (
+        f"hetjax: data.path {str(tmp_path)!r}: using 1 text files; skipped 2 files in "
+        f"version-control directories (.git, .hg, .svn, .bzr) and 1 binary files (e.g. "
+        f"{tmp_path}/logo.png)\n")
+
+
+def test_undecodable_bytes_are_reported_per_file(tmp_path, capsys):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    (corpus / "utf8.txt").write_text("café")
+    docs, _ = open_corpus(data.text_files(str(corpus)), str(tmp_path / "tfds"), "files")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hetjax:")]
+    assert err == [f"hetjax: {corpus}/latin1.txt: 2 bytes are not UTF-8 and became U+FFFD; "
+                   "fix: convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that "
+                   "matters"]

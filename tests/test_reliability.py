@@ -49,7 +49,10 @@ def _topology(**accelerator_or_nic) -> str:
 
 
 TOPOLOGY_FILES = {"topo_zero_tflops.json": _topology(accelerator__peak_tflops=0),
-                  "topo_string_number.json": _topology(nic__bandwidth_gbps="ten")}
+                  "topo_string_number.json": _topology(nic__bandwidth_gbps="ten"),
+                  "topo_nan_latency.json": _topology(nic__latency_us=float("nan")),
+                  "topo_fractional_nodes.json": _topology().replace('"nodes": 1', '"nodes": 2.5'),
+                  "calibration_list.json": "[1, 2]\n"}
 
 # (what a user tried, hetjax command line, the exact error it prints)
 BAD_INPUTS = [
@@ -128,6 +131,40 @@ BAD_INPUTS = [
     ("--json into a missing directory", "plan --json={tmp}/no/plan.json",
      "--json={tmp}/no/plan.json: directory {tmp}/no does not exist or is not writable; fix: "
      "create it, or give a path in an existing one"),
+    ("--json naming a directory", "plan --json={tmp}",
+     "--json={tmp}: is a directory; fix: give a file name, e.g. --json={tmp}/out.json"),
+    ("--plot with an unsupported extension (checked before planning)",
+     "plan --plot={tmp}/plan.xyz",
+     "--plot={tmp}/plan.xyz: cannot write a plot as .xyz; fix: end the name with one of .png, "
+     ".pdf, .svg, .jpg, .jpeg"),
+    ("tokenizer train --out naming a directory (checked before training)",
+     "tokenizer train --vocab_size=300 --out={tmp}",
+     "--out={tmp}: is a directory; fix: give a file name, e.g. --out={tmp}/tok.model"),
+    ("an empty workdir", "train --config.workdir=",
+     "config.workdir: is empty\n  fix: set --config.workdir to a directory, e.g. "
+     "--config.workdir=runs/default"),
+    ("a negative seed", "train --config.train.seed=-1",
+     "config.train.seed: must be >= 0, got -1\n  fix: use 0, or any other non-negative integer "
+     "(the parameters and the data order follow it)"),
+    ("an infinite learning rate", "train --config.train.lr=inf",
+     "config.train.lr: must be a finite number, got inf\n  fix: set it like its default, e.g. "
+     "--config.train.lr=0.003"),
+    ("a NaN DiLoCo outer learning rate", "train --config.diloco.outer_lr=nan",
+     "config.diloco.outer_lr: must be a finite number, got nan\n  fix: set it like its "
+     "default, e.g. --config.diloco.outer_lr=0.7"),
+    ("a NaN latency in a topology file",
+     "topology --config.topology.file={tmp}/topo_nan_latency.json",
+     "config.topology.file: '{tmp}/topo_nan_latency.json': ethernet link latency_us must be a "
+     "finite number, got nan\n  fix: correct that entry of the file"),
+    ("a fractional node count in a topology file",
+     "topology --config.topology.file={tmp}/topo_fractional_nodes.json",
+     "config.topology.file: '{tmp}/topo_fractional_nodes.json': cluster 'a' nodes must be a "
+     "whole number, got 2.5\n  fix: correct that entry of the file"),
+    ("a calibration file of valid JSON but the wrong shape",
+     "plan --config.planner.calibration={tmp}/calibration_list.json",
+     "planner.calibration: '{tmp}/calibration_list.json': not a hetjax calibration file "
+     "(TypeError: the file holds a JSON list, not an object); write one with 'hetjax "
+     "calibrate'"),
 ]
 
 
@@ -163,6 +200,38 @@ def test_bad_input_is_one_clear_error(inputs, what, command_line, error):
     rc, err = run_cli(command_line, inputs)
     assert rc == 2
     assert err == f"hetjax: error: {error.format(tmp=inputs)}\n"
+
+
+@pytest.mark.parametrize("error,line", [
+    ((30, "Read-only file system", "/data/corpus/tokens.sp-1.ids.npy"),
+     "/data/corpus/tokens.sp-1.ids.npy: Read-only file system; fix: choose a path you can "
+     "write, or fix its permissions"),
+    ((28, "No space left on device", "/runs/a/plan.json"),
+     "/runs/a/plan.json: No space left on device; fix: free space on the disk holding "
+     "/runs/a/plan.json (or choose a path on another disk)"),
+], ids=["read-only", "full disk"])
+def test_an_os_error_in_any_command_is_one_line(monkeypatch, capsys, error, line):
+    """The CLI's error boundary: an OSError from any command (a read-only prepared corpus that
+    needs a new token cache, a full disk) is one line naming the path and the fix."""
+    from hetjax import cli
+
+    def fails(argv):
+        raise OSError(*error)
+
+    monkeypatch.setitem(cli.COMMANDS, "topology", fails)
+    assert cli.main(["hetjax", "topology"]) == 2
+    assert capsys.readouterr().err == f"hetjax: error: {line}\n"
+
+
+def test_cli_exit_codes_of_a_preemption_and_an_interrupt(monkeypatch, capsys):
+    from hetjax import cli
+    from hetjax.errors import Interrupted, Preempted
+
+    for error, code in ((Preempted, 75), (Interrupted, 130)):
+        monkeypatch.setitem(cli.COMMANDS, "train", lambda argv, e=error: (_ for _ in ()).throw(
+            e("saved checkpoint 3")))
+        assert cli.main(["hetjax", "train"]) == code
+    assert capsys.readouterr().err == "hetjax: saved checkpoint 3\n" * 2
 
 
 def test_unknown_field_set_from_python_is_refused():
@@ -299,8 +368,8 @@ def test_max_bad_steps_in_a_row_stop_the_run(trainer, tmp_path, capsys):
     assert str(e.value) == (
         "train.max_bad_steps: 2 steps in a row (1-2) had a non-finite loss or gradient norm; "
         f"training stopped, nothing of them was saved (checkpoints in {tmp_path}/checkpoints); "
-        "fix: lower train.lr (= 0.003) or train.grad_clip, check model.vocab_size and the data, "
-        "then rerun to resume from the latest checkpoint")
+        "fix: lower train.lr (= 0.003) or train.grad_clip (= 1), check model.vocab_size and the "
+        "data, then rerun to resume from the latest checkpoint")
     assert capsys.readouterr().err.splitlines() == [
         "hetjax: step 1: loss nan, grad_norm nan: update skipped (1 in a row, "
         "train.max_bad_steps = 2)",
@@ -400,8 +469,14 @@ def test_a_checkpoint_of_another_model_is_an_error_and_stays_in_place(trainer, s
     target = layout.natural_target()
     other = jax.ShapeDtypeStruct((7,), jnp.float32, sharding=target.step.sharding)
     layout.natural_target = lambda: target.replace(step=other)
-    with pytest.raises(HetjaxError, match="does not fit this model and optimizer"):
+    with pytest.raises(HetjaxError) as e:
         trainer.checkpointer.restore(layout)
+    # found in the checkpoint's metadata, before orbax starts reading arrays (whose reads in
+    # flight printed a traceback each after the error)
+    assert str(e.value) == (
+        f"checkpoint 4 in {ckpt} does not fit this model and optimizer (step: stored (), this "
+        "model (7,)); resume with the model config it was written with (see its meta/ item) or "
+        "use another workdir")
     assert trainer.checkpointer.steps() == [2, 4]
 
 
@@ -454,6 +529,281 @@ def tensorboard_scalars(tb_dir, tag):
     return sorted(out)
 
 
+def test_a_calibration_from_other_hardware_is_said_once(capsys):
+    from hetjax import config as hconfig
+    from hetjax.planner.config_plan import options_from_config
+
+    c = hconfig.base_config()
+    c.planner.calibration = os.path.join(REPO, "docs/results/calibration_hetaccel_0808.json")
+    c.topology.preset = "holmes_hybrid"
+    topology = hconfig.build_topology(c)
+    options_from_config(c, topology)
+    options_from_config(c, topology)
+    assert capsys.readouterr().err == (
+        f"hetjax: warning: planner.calibration {c.planner.calibration!r}: it was measured on "
+        "topology 'testbed_hetaccel' (cpu, cpu_half; links ethernet, infiniband, nvlink, roce),"
+        " which has no a100 of this run's topology 'holmes_hybrid'; those are priced with "
+        "nominal constants. fix: run 'hetjax calibrate' on this topology\n")
+
+
+# --- SentencePiece training failures say what is wrong with the text ---------------------------
+CJK = "".join(chr(0x4E00 + i) for i in range(400))
+SENTENCEPIECE_FAILURES = [
+    ("no text", [], 300,
+     "SentencePiece training failed: the training documents hold no non-blank line; fix: train "
+     "on text files with content"),
+    ("only lines over 16,384 characters", ["x" * 20000], 300,
+     "SentencePiece training failed: all 1 lines are longer than 16,384 characters, which "
+     "SentencePiece skips; fix: break them into shorter lines"),
+    ("a vocabulary larger than the text yields", ["hello world " * 50, "y" * 17000], 5000,
+     "SentencePiece training failed: --vocab_size=5000 is more pieces than this text yields (at "
+     "most 287); 1 of its 2 lines are longer than 16,384 characters, which SentencePiece skips "
+     "(break them into shorter lines); fix: use --vocab_size=287 or less, or train on more "
+     "text"),
+    ("a vocabulary smaller than the text's characters", [CJK], 300,
+     "SentencePiece training failed: --vocab_size=300 is smaller than the 660 distinct "
+     "characters and special pieces of this text; fix: use --vocab_size=660 or more"),
+]
+
+
+@pytest.mark.parametrize("what,docs,vocab,error", SENTENCEPIECE_FAILURES,
+                         ids=[c[0] for c in SENTENCEPIECE_FAILURES])
+def test_sentencepiece_training_failures_are_accurate(tmp_path, what, docs, vocab, error):
+    from hetjax.errors import HetjaxError
+    from hetjax.tokenizer import train_sentencepiece
+
+    with pytest.raises(HetjaxError) as e:
+        train_sentencepiece(docs, vocab, str(tmp_path / "tok.model"))
+    assert str(e.value) == error
+    assert not os.path.exists(tmp_path / "tok.model")
+
+
+def test_an_empty_tokenizer_model_file_is_named_as_empty(tmp_path):
+    from hetjax.errors import HetjaxError
+    from hetjax.tokenizer import load_tokenizer
+
+    (tmp_path / "tok.model").write_bytes(b"")
+    with pytest.raises(HetjaxError) as e:
+        load_tokenizer(str(tmp_path / "tok.model"))
+    assert str(e.value) == (f"the tokenizer model '{tmp_path}/tok.model' is an empty file; set "
+                            "data.tokenizer to 'byte' or to a file written by 'hetjax tokenizer "
+                            "train'")
+
+
+# --- never lose a run: every way a run stops resumes to the losses of an uninterrupted run ----
+def _losses(workdir):
+    from hetjax.metrics import read_metrics
+
+    rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # each step once
+    return [r["loss"] for r in rows]
+
+
+def _stop_at(trainer, step, *signals):
+    """A hook that sends `signals` to this process after `step`, as a scheduler or a user."""
+    return trainer.add_hook(lambda info: [os.kill(os.getpid(), s) for s in signals]
+                            if info.step == step else None)
+
+
+def _train_expecting(trainer, error, hook=None):
+    try:
+        with pytest.raises(error) as e:
+            trainer.train()
+    finally:
+        if hook is not None:
+            trainer.hooks.remove(hook)
+    return str(e.value)
+
+
+def test_sigterm_without_periodic_checkpoints_resumes_from_its_save(trainer, saved_run, tmp_path):
+    from hetjax.errors import Preempted
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path, **{"checkpoint.every": 0})
+    try:
+        message = _train_expecting(trainer, Preempted, _stop_at(trainer, 2, signal.SIGTERM))
+        assert message.startswith("preempted (SIGTERM) after step 2: saved checkpoint 2 in ")
+        summary = fresh(trainer, tmp_path, **{"checkpoint.every": 0}).train()
+    finally:
+        fresh(trainer, tmp_path, **{"checkpoint.every": 2})
+    assert summary["resumed_from"] == 2
+    assert _losses(tmp_path) == reference
+
+
+def test_sigint_saves_the_current_step_and_exits_130(trainer, saved_run, tmp_path):
+    from hetjax.errors import Interrupted
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    message = _train_expecting(trainer, Interrupted, _stop_at(trainer, 3, signal.SIGINT))
+    assert message == (f"interrupted (SIGINT) after step 3: saved checkpoint 3 in "
+                       f"{tmp_path}/checkpoints; rerun the same command to resume (exit code 130)")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert fresh(trainer, tmp_path).train()["resumed_from"] == 3
+    assert _losses(tmp_path) == reference
+
+
+def test_a_second_sigint_stops_at_once_and_names_the_lost_steps(trainer, saved_run, tmp_path):
+    from hetjax.errors import Interrupted
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    hook = _stop_at(trainer, 3, signal.SIGINT, signal.SIGINT)
+    message = _train_expecting(trainer, Interrupted, hook)
+    assert message == ("interrupted (second SIGINT) after step 3, without saving: steps 3-3 are "
+                       "lost; rerun the same command to resume from checkpoint 2 (exit code 130)")
+    assert trainer.checkpointer.steps() == [2]
+    assert not os.path.exists(tmp_path / "hetjax.lock")  # released however the run ends
+    assert fresh(trainer, tmp_path).train()["resumed_from"] == 2
+    assert _losses(tmp_path) == reference
+
+
+@pytest.mark.parametrize("where", ["metrics", "checkpoint"])
+def test_a_full_disk_is_one_error_and_the_rerun_loses_nothing(trainer, saved_run, tmp_path,
+                                                              monkeypatch, where):
+    """ENOSPC while writing a metrics row or a checkpoint (the writer patched to fail as on a
+    full disk): one error naming the path and the kept checkpoint; the rerun resumes."""
+    import errno
+
+    from hetjax import checkpoint as hckpt
+    from hetjax import metrics as hmetrics
+    from hetjax.errors import HetjaxError
+
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    cls, name = ((hmetrics.MetricsWriter, "write") if where == "metrics"
+                 else (hckpt.Checkpointer, "save"))
+    real = getattr(cls, name)
+    path = str(tmp_path / ("metrics.jsonl" if where == "metrics" else "checkpoints/4"))
+
+    def full(self, step, *args, **kw):
+        if step == (3 if where == "metrics" else 4):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(self, step, *args, **kw)
+
+    monkeypatch.setattr(cls, name, full)
+    message = _train_expecting(trainer, HetjaxError)
+    assert message == (
+        f"training stopped: {path}: No space left on device; fix: free space on the disk "
+        f"holding {path} (or choose a path on another disk); then rerun the same command to "
+        f"resume (checkpoint 2 in {tmp_path}/checkpoints is kept)")
+    monkeypatch.setattr(cls, name, real)
+    assert fresh(trainer, tmp_path).train()["resumed_from"] == 2
+    assert _losses(tmp_path) == reference
+
+
+def test_a_torn_last_metrics_line_is_repaired_on_resume(trainer, saved_run, tmp_path, capsys):
+    _, reference = saved_run
+    fresh(trainer, tmp_path)
+    trainer.train(steps=2)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "time": 17')  # killed mid-write
+    summary = fresh(trainer, tmp_path).train()
+    assert summary["resumed_from"] == 2
+    assert capsys.readouterr().err == \
+        f"hetjax: {tmp_path}/metrics.jsonl: repaired a torn last line\n"
+    assert _losses(tmp_path) == reference
+
+
+def test_rows_of_a_run_that_left_no_checkpoint_are_not_kept_twice(trainer, saved_run, tmp_path,
+                                                                  capsys):
+    _, reference = saved_run
+    fresh(trainer, tmp_path, **{"checkpoint.every": 0})
+    try:
+        trainer.train(steps=3)  # then lost: no checkpoint
+        fresh(trainer, tmp_path, **{"checkpoint.every": 0}).train()
+    finally:
+        fresh(trainer, tmp_path, **{"checkpoint.every": 2})
+    assert capsys.readouterr().err == (
+        f"hetjax: {tmp_path}/metrics.jsonl: dropped 3 rows after step 0 (not in a checkpoint; "
+        "trained again now)\n")
+    assert _losses(tmp_path) == reference
+
+
+def test_a_diverging_run_stops_and_saves_nothing_of_it(trainer, tmp_path):
+    """A loss far above the run's start (parameters blown up by a hook, as a too-large
+    learning rate would) stops the run with an error; no checkpoint of it is written."""
+    import jax
+
+    from hetjax.errors import HetjaxError
+
+    fresh(trainer, tmp_path, **{"checkpoint.every": 1})
+    step = trainer.step
+
+    def blow_up_in_step_2(*args):  # inside the step, as a DiLoCo outer step would
+        metrics = step(*args)
+        if int(trainer.state.step) == 2:
+            trainer.state = trainer.state.replace(params=jax.tree.map(
+                lambda x: x * 30.0, trainer.state.params))
+        return metrics
+
+    trainer.step = blow_up_in_step_2
+    try:
+        message = _train_expecting(trainer, HetjaxError)
+        saved = trainer.checkpointer.steps()
+    finally:
+        del trainer.step
+        fresh(trainer, tmp_path, **{"checkpoint.every": 2})
+    assert message.startswith("train.max_loss_ratio: the run diverged: step 3's loss "), message
+    assert message.endswith(
+        f"(limit 4x); training stopped, checkpoint 2, whose parameters gave this loss, was "
+        f"removed; nothing after the latest checkpoint was saved (checkpoints in {tmp_path}/"
+        "checkpoints); fix: lower train.lr (= 0.003) or train.grad_clip (= 1), then rerun to "
+        "resume from the latest checkpoint")
+    assert saved == [1]
+
+
+# --- one run per workdir ------------------------------------------------------------------------
+def test_a_workdir_in_use_is_refused_naming_its_holder(tmp_path):
+    import socket
+
+    from hetjax.errors import HetjaxError
+    from hetjax.lock import WorkdirLock
+
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(tmp_path / "hetjax.lock", "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": holder.pid, "started":
+                       "2026-01-01 10:00:00 UTC", "command": "hetjax train"}, f)
+        with pytest.raises(HetjaxError) as e:
+            WorkdirLock(str(tmp_path)).acquire()
+        assert str(e.value) == (
+            f"{tmp_path} is in use: a hetjax run is running there (pid {holder.pid} on "
+            f"{socket.gethostname()}, started 2026-01-01 10:00:00 UTC: hetjax train); fix: wait "
+            f"for it to end, use another --config.workdir, or, if that run is gone, delete "
+            f"{tmp_path}/hetjax.lock")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_workdir_lock_is_taken_over_and_released(tmp_path, capsys):
+    import socket
+
+    from hetjax.lock import WorkdirLock
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now
+    with open(tmp_path / "hetjax.lock", "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": gone.pid, "started": "then"}, f)
+    with WorkdirLock(str(tmp_path)) as lock:
+        assert lock.holder()["pid"] == os.getpid()
+    assert capsys.readouterr().err == (
+        f"hetjax: {tmp_path}/hetjax.lock: removing the stale lock of a run that is gone "
+        f"(pid {gone.pid} on {socket.gethostname()}, started then: ?)\n")
+    assert not os.path.exists(tmp_path / "hetjax.lock")
+
+
+def test_tilde_and_variables_in_path_fields_are_expanded_once(tmp_path, monkeypatch):
+    from hetjax.config import validate
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNS", "runs")
+    c = tiny_config(workdir="~/$RUNS/a", **{"checkpoint.dir": "$HOME/ckpt"})
+    validate(c)
+    assert (c.workdir, c.checkpoint.dir) == (f"{tmp_path}/runs/a", f"{tmp_path}/ckpt")
+
+
 TINY_CLI = ["--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.d_ff=128",
             "--config.model.max_seq_len=64", "--config.train.seq_len=16",
             "--config.train.batch_size=16", "--config.train.progress=False",
@@ -486,6 +836,44 @@ def test_sigterm_to_hetjax_train_exits_75_with_a_checkpoint(tmp_path):
     assert last == (f"hetjax: preempted (SIGTERM) after step {step}: saved checkpoint {step} in "
                     f"{tmp_path}/checkpoints; rerun the same command to resume (exit code 75)")
     assert os.path.isdir(tmp_path / "checkpoints" / str(step))
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_takes_over_the_stale_lock_and_loses_nothing(tmp_path):
+    """`hetjax train` killed with SIGKILL (no handler runs: the lock stays, metrics.jsonl
+    holds steps past the latest checkpoint); the rerun takes the stale lock over, cuts the
+    metrics back and ends with an uninterrupted run's losses."""
+    from hetjax.metrics import read_metrics
+
+    def train(workdir, **popen):
+        return subprocess.Popen(
+            [sys.executable, "-m", "hetjax", "train", *TINY_CLI, "--config.train.steps=6",
+             "--config.checkpoint.every=2", "--config.checkpoint.async_save=False",
+             f"--config.workdir={workdir}"], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+
+    reference = train(tmp_path / "reference")
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()
+    workdir = tmp_path / "killed"
+    metrics = workdir / "metrics.jsonl"
+    proc = train(workdir)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(read_metrics(str(metrics))) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.path.exists(workdir / "hetjax.lock")
+    rerun = train(workdir)
+    assert rerun.wait(timeout=600) == 0
+    err = rerun.stderr.read()
+    assert f"hetjax: {workdir}/hetjax.lock: removing the stale lock of a run that is gone " \
+        f"(pid {proc.pid} on " in err, err
+    assert _losses(workdir) == _losses(tmp_path / "reference")
+    assert not os.path.exists(workdir / "hetjax.lock")
 
 
 # --- hetjax launch --max-restarts ---------------------------------------------------------------
@@ -543,6 +931,67 @@ def test_an_elastic_restart_drops_the_failed_host_and_re_plans(tmp_path, capsys)
     assert pp * dp * tp == 6
     # A second failure (p0 of the three) leaves the roce node alone with its cluster.
     assert len(launch.elastic_workers(cfg, args, config_args, ["p2", "p0"])) == 2
+
+
+# --- a hung worker is named, not the healthy peer that noticed -------------------------------
+def _beating_children(tmp_path):
+    """Two children that beat like workers (`start_heartbeat`) and wait; each writes its pid."""
+    code = ("import os, sys, time; from hetjax.launch import start_heartbeat; start_heartbeat(); "
+            f"open(os.path.join({str(tmp_path)!r}, sys.argv[1] + '.pid'), 'w')"
+            ".write(str(os.getpid())); time.sleep(120)")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return [(name, (sys.executable, "-c", code, name), env) for name in ("p0", "p1")]
+
+
+def _launch_in_thread(tmp_path, **kw):
+    import io
+    import threading
+
+    from hetjax import launch
+
+    out, failed, result = io.StringIO(), [], []
+    thread = threading.Thread(target=lambda: result.append(launch.run(
+        _beating_children(tmp_path), grace=1, out=out, failed=failed, **kw)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    pids = {}
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, out.getvalue()
+        for name in ("p0", "p1"):
+            path = tmp_path / f"{name}.pid"
+            if path.exists() and path.read_text():
+                pids[name] = int(path.read_text())
+        time.sleep(0.2)
+    return thread, out, failed, result, pids
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_a_stopped_worker_is_blamed_not_the_peer_that_aborted(tmp_path):
+    """`kill -STOP` p1; p0 then aborts (as JAX's heartbeat check does in the healthy
+    coordinator): the launcher names p1, so --elastic drops p1's host."""
+    thread, out, failed, result, pids = _launch_in_thread(tmp_path)
+    os.kill(pids["p1"], signal.SIGSTOP)
+    time.sleep(6)  # > STALLED_AFTER_S: p1's heartbeat is stale, p0's fresh
+    os.kill(pids["p0"], signal.SIGABRT)
+    thread.join(timeout=60)
+    log = out.getvalue()
+    assert result == [1] and failed == ["p1"], log
+    assert "hetjax launch: failed: p1 stopped making progress first" in log
+    stop = [line for line in log.splitlines() if "stopped making progress (no heartbeat" in line]
+    assert len(stop) == 1 and stop[0].startswith(
+        f"hetjax launch: p1 (pid {pids['p1']}) stopped making progress (no heartbeat for "), log
+    assert stop[0].endswith(", then p0 was killed by SIGABRT; stopping p1"), log
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_a_stopped_worker_stops_the_job_after_the_heartbeat_timeout(tmp_path):
+    thread, out, failed, result, pids = _launch_in_thread(tmp_path, hang_timeout=5)
+    os.kill(pids["p1"], signal.SIGSTOP)
+    thread.join(timeout=60)
+    log = out.getvalue()
+    assert result == [1] and failed == ["p1"], log
+    assert f"hetjax launch: p1 (pid {pids['p1']}) stopped making progress: no heartbeat for " \
+        in log and "(--heartbeat-timeout 5); stopping p0, p1" in log, log
 
 
 def markdown_table(tmp: str) -> str:

@@ -545,6 +545,8 @@ class Calibration:
         from layers.config import ModelConfig
 
         try:
+            if not isinstance(d, dict):
+                raise TypeError(f"the file holds a JSON {type(d).__name__}, not an object")
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
             return Calibration(
@@ -553,7 +555,7 @@ class Calibration:
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
                 int(d.get("processes", 1)), str(d.get("collectives", "")))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None
 
@@ -659,16 +661,39 @@ def _alpha_beta(rows: np.ndarray) -> LinkFit:
     return LinkFit(bandwidth_gbps=8 / inv_b / 1e9, latency_us=float(a) * 1e6)
 
 
+def topology_mismatch(measured: Topology, run: Topology) -> str | None:
+    """What of `run`'s hardware a calibration measured on `measured` did not measure: its
+    accelerator kinds and link kinds (those fall back to nominal constants, and a file from
+    another machine prices this one wrongly). None when every kind was measured."""
+    def kinds(t: Topology) -> tuple[set[str], set[str]]:
+        links = {c.nic.kind for c in t.clusters} | {c.intra_node.kind for c in t.clusters}
+        if t.inter_cluster is not None:
+            links.add(t.inter_cluster.kind)
+        return {c.accelerator.name for c in t.clusters}, links
+
+    (acc_m, links_m), (acc_r, links_r) = kinds(measured), kinds(run)
+    missing = sorted(acc_r - acc_m) + sorted(links_r - links_m)
+    if not missing:
+        return None
+    return (f"it was measured on topology {measured.name!r} ({', '.join(sorted(acc_m))}; "
+            f"links {', '.join(sorted(links_m))}), which has no {', '.join(missing)} of this "
+            f"run's topology {run.name!r}")
+
+
 def load_calibration(path: str) -> Calibration:
     """A `hetjax calibrate` file (planner.calibration)."""
     import json
 
     try:
         with open(path) as f:
-            return Calibration.from_dict(json.load(f))
+            d = json.load(f)
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read the calibration file {path!r} ({e}); write one with "
                         "'hetjax calibrate'") from None
+    try:
+        return Calibration.from_dict(d)
+    except PlanError as e:  # valid JSON of the wrong shape: name the file
+        raise PlanError(f"planner.calibration: {path!r}: {e}") from None
 
 
 def save_calibration(cal: Calibration, path: str) -> str:

@@ -64,17 +64,30 @@ def validate_layout(c, topology: Topology) -> None:
                  f"use at most {c.model.n_layers} stages")
 
 
-def options_from_config(c) -> CostOptions:
+_WARNED: set[tuple[str, str]] = set()  # (calibration file, topology) pairs warned about
+
+
+def options_from_config(c, topology: Topology | None = None) -> CostOptions:
     """The cost options a config asks for: usable memory 1 - planner.memory_margin, and the
-    measurements of planner.calibration (a `hetjax calibrate` file) when set."""
+    measurements of planner.calibration (a `hetjax calibrate` file) when set. With the run's
+    `topology`, a calibration measured on other hardware is said once, on stderr."""
     options = CostOptions(memory_fraction=1.0 - c.planner.memory_margin,
                           boundary_codec=c.pipeline.get("boundary_codec", "none"),
                           compute=c.planner.get("compute", "flat"),
                           attention=c.model.get("attention", "auto"))
     if c.planner.calibration:
-        from hetjax.planner.calibrate import load_calibration
+        from hetjax.planner.calibrate import load_calibration, topology_mismatch
 
-        options = load_calibration(c.planner.calibration).options(options)
+        cal = load_calibration(c.planner.calibration)
+        problem = topology_mismatch(cal.topology, topology) if topology is not None else None
+        if problem and (c.planner.calibration, topology.name) not in _WARNED:
+            import sys
+
+            _WARNED.add((c.planner.calibration, topology.name))
+            print(f"hetjax: warning: planner.calibration {c.planner.calibration!r}: {problem}; "
+                  "those are priced with nominal constants. fix: run 'hetjax calibrate' on "
+                  "this topology", file=sys.stderr, flush=True)
+        options = cal.options(options)
     return options
 
 
@@ -102,7 +115,7 @@ def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
     """The cost model's Prediction for `plan_` as the config runs it: the plan's executor,
     the config's calibration file and memory margin (`overrides`: other CostOptions)."""
-    options = dataclasses.replace(options_from_config(c),
+    options = dataclasses.replace(options_from_config(c, topology),
                                   executor=PLAN_EXECUTORS[plan_.executor], **overrides)
     return CostModel(topology, model_from_config(c, topology=topology), options).predict(plan_)
 
@@ -146,7 +159,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
     zero = ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
     results = []
     for executor in _executors(c):
-        opts = dataclasses.replace(options or options_from_config(c),
+        opts = dataclasses.replace(options or options_from_config(c, topology),
                                    executor=PLAN_EXECUTORS[executor])
         r = plan(topology, model, c.train.batch_size, c.train.seq_len,
                  pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,
