@@ -40,12 +40,6 @@ LABELS = {"trainer": "hetjax Trainer", "jit-xla": "jax.jit step, XLA attention",
           "jit-fused": "jax.jit step, fused attention",
           "hf-eager": "HF LlamaForCausalLM, torch eager (SDPA)",
           "hf-compile": "HF LlamaForCausalLM, torch.compile"}
-# Dense bf16 peak TFLOP/s by device-kind substring (first match), for MFU.
-PEAK_TFLOPS = (("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-               ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("A10", 125.0),
-               ("MI300X", 1307.0), ("cpu", 0.025))
-
-
 @dataclasses.dataclass(frozen=True)
 class Shape:
     d_model: int = 2048
@@ -98,21 +92,17 @@ def hetjax_config(shape: Shape, steps: int, workdir: str, attention: str = "auto
     return c
 
 
-def device_topology(kind: str, platform: str, memory_gib: float, peak_tflops: float):
-    """One device of the kind the bench ran on (the planner's and the Trainer's MFU view)."""
-    from hetjax.catalogue import LINKS, make_cluster
-    from hetjax.hardware import Accelerator
-    from hetjax.topology import Topology
+def device_topology(peak_tflops: float = 0.0):
+    """One device of the kind the bench runs on, as hetjax's `local` preset builds it: the
+    catalogue's peak and the runtime's memory (`peak_tflops` > 0 states the peak of a kind the
+    catalogue lacks)."""
+    import jax
 
-    vendor = "cpu" if platform == "cpu" else "nvidia" if platform in ("gpu", "cuda") else "amd"
-    acc = Accelerator(kind.replace(" ", "_").lower(), peak_tflops, max(memory_gib, 1.0), vendor)
-    return Topology(name="bench", clusters=(make_cluster("bench", 1, 1, acc, "infiniband",
-                                                         intra="pcie"),),
-                    inter_cluster=LINKS["ethernet"])
+    from hetjax.local_preset import describe_jax_devices, topology_from_devices
 
-
-def peak_tflops(kind: str) -> float:
-    return next((p for k, p in PEAK_TFLOPS if k.lower() in kind.lower()), 0.025)
+    devices = describe_jax_devices(jax.devices()[:1])
+    memory_gib = devices[0].memory_bytes / 2**30 if peak_tflops else 0.0
+    return topology_from_devices(devices, peak_tflops, memory_gib or (2.0 if peak_tflops else 0))
 
 
 # --- the JAX rows --------------------------------------------------------------------------------
@@ -146,12 +136,10 @@ def run_trainer(shape: Shape, warmup: int, steps: int, peak: float,
 
     from hetjax.train import Trainer
 
-    dev, stats = _jax_device()
     with tempfile.TemporaryDirectory() as workdir:
         cfg = hetjax_config(shape, warmup + steps, workdir,
                             loss_chunk_tokens=loss_chunk_tokens)
-        topo = device_topology(dev.device_kind, dev.platform,
-                               stats.get("bytes_limit", 2**31) / 2**30, peak)
+        topo = device_topology(peak)
         trainer = Trainer(cfg, topology=topo, quiet=True)
         for _ in range(warmup):
             jax.block_until_ready(trainer.step()["loss"])
@@ -329,15 +317,17 @@ def _row_in_subprocess(row: str, args) -> dict:
     return out
 
 
-def prediction(shape: Shape, kind: str, platform: str, memory_gib: float, peak: float,
-               loss_chunk_tokens: int = 0) -> dict:
-    """`hetjax plan`'s prediction for the Trainer row's job on one such device."""
+def prediction(shape: Shape, peak: float, loss_chunk_tokens: int = 0,
+               calibration: str = "") -> dict:
+    """`hetjax plan`'s prediction for the Trainer row's job on one such device (with a
+    `hetjax calibrate` file of this device when given)."""
     try:
         from hetjax.planner import plan_from_config
         from hetjax.planner.config_plan import predict_for_config
 
         cfg = hetjax_config(shape, 1, "runs/bench_gpu", loss_chunk_tokens=loss_chunk_tokens)
-        topo = device_topology(kind, platform, memory_gib, peak)
+        cfg.planner.calibration = calibration
+        topo = device_topology(peak)
         plan = plan_from_config(cfg, topo)
         pred = predict_for_config(cfg, plan, topo).as_dict()
     except Exception as e:  # noqa: BLE001 - the table still prints without it
@@ -394,7 +384,10 @@ def parse(argv):
     ap.add_argument("--batch", type=int, default=0, help="sequences per step (0: the shape's)")
     ap.add_argument("--seq", type=int, default=0, help="tokens per sequence (0: the shape's)")
     ap.add_argument("--peak-tflops", type=float, default=0.0,
-                    help="the device's dense bf16 peak, when its kind is not in the table")
+                    help="the device's dense bf16 peak, when its kind is not in hetjax's "
+                         "hardware catalogue")
+    ap.add_argument("--calibration", default="",
+                    help="a `hetjax calibrate` file of this device for the planner's prediction")
     ap.add_argument("--loss-chunk-tokens", type=int, default=0,
                     help="the Trainer row's model.loss_chunk_tokens (0: the plain loss)")
     ap.add_argument("--row-timeout", type=int, default=240, help="seconds per row (GPU)")
@@ -416,7 +409,7 @@ def main(argv=None) -> dict:
     shape = SMOKE if smoke else Shape()
     shape = dataclasses.replace(shape, batch=args.batch or shape.batch, seq=args.seq or shape.seq)
     args.smoke = smoke
-    peak = args.peak_tflops or peak_tflops(kind)
+    peak = args.peak_tflops or device_topology().clusters[0].accelerator.peak_tflops
     if args.one_row:  # a child process: one row, its JSON to --row-out
         out = run_row(args.one_row, shape, args.warmup, args.steps, peak,
                       args.loss_chunk_tokens)
@@ -444,8 +437,7 @@ def main(argv=None) -> dict:
                       + (" (smoke shape)" if smoke else ""),
         "steps": args.steps, "warmup": args.warmup, "rows": results,
         "loss_chunk_tokens": args.loss_chunk_tokens,
-        "prediction": prediction(shape, kind, platform, memory_gib, peak,
-                                 args.loss_chunk_tokens),
+        "prediction": prediction(shape, peak, args.loss_chunk_tokens, args.calibration),
     }
     print(table(result), flush=True)
     if args.out:
