@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from layers.config import ModelConfig
 from layers.embeddings import apply_rotary, rotary_tables
+from layers.kv_cache import cached_attention
 
 
 def dense_init(scale: float = 1.0, in_axis=-2, out_axis=-1):
@@ -19,7 +20,9 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, cache=None):
+        """x [batch, length, d_model] -> same shape; with a KV `cache` (decoding,
+        layers/kv_cache.py) also returns the updated cache."""
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
 
@@ -44,6 +47,9 @@ class Attention(nn.Module):
                                        ("batch", "length", "kv_heads", "head_dim"))
         v = nn.with_logical_constraint(jnp.einsum("bld,dnh->blnh", x, wv),
                                        ("batch", "length", "kv_heads", "head_dim"))
+        if cache is not None:  # decoding: new tokens against the cache, at each row's position
+            out, cache = cached_attention(q, k, v, cache, h, cfg.rope_theta)
+            return jnp.einsum("blnh,nhd->bld", out, wo), cache
         cos, sin = rotary_tables(jnp.arange(x.shape[1]), h, cfg.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Groups query heads over the kv heads (GQA); the softmax runs in float32.

@@ -30,8 +30,10 @@ class _ScanStep(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, _):
+    def __call__(self, x, cache):
         block = DecoderBlock
+        if cache is not None:  # decoding (no gradients): the layer's slice of the KV cache
+            return block(self.cfg, name="block")(x, cache)
         if self.cfg.remat in REMAT_POLICIES:  # 'none' and 'auto' keep every intermediate
             block = nn.remat(DecoderBlock, prevent_cse=False,
                              policy=REMAT_POLICIES[self.cfg.remat])
@@ -73,6 +75,12 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens):
         return self.head(self.blocks(self.embed(tokens)))
+
+    def decode(self, tokens, cache):
+        """Logits of `tokens` [batch, L] placed at each row's cache position, and the cache
+        with their keys and values written (layers/kv_cache.py, layers/generate.py)."""
+        x, cache = self.layers(self.embed(tokens), cache)
+        return self.head(x), cache
 
 
 def block_apply(cfg: ModelConfig, layer_params, x):
