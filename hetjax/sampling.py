@@ -13,6 +13,7 @@ a Trainer is built, so the CLI can size the simulated devices first (`saved_conf
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -91,9 +92,16 @@ def open_checkpoint(path: str, overrides=(), step: int | None = None, config=Non
 
     cfg, step = config if config is not None else saved_config(path, overrides, step)
     trainer = Trainer(cfg, workdir=os.path.expanduser(path), quiet=True)
-    # A reader: it never removes the files of a run that may still be saving.
-    r = hckpt.Checkpointer(cfg.checkpoint.dir, every=1, writer=False).restore(
-        trainer.layout(), step)
+    layout = trainer.layout()
+    # A reader: it never removes the files of a run that may still be saving. orbax warns
+    # (through absl) that a reader's directory is read-only, which is the point here.
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        r = hckpt.Checkpointer(cfg.checkpoint.dir, every=1, writer=False).restore(layout, step)
+    finally:
+        absl_log.setLevel(level)
     trainer.state = r.state
     return trainer
 
