@@ -56,13 +56,12 @@ def test_cached_logits_match_the_full_forward(dtype, tol):
     """Prefill plus one-token steps (teacher-forced) give the full forward's logits."""
     model, params = model_and_params(dtype)
     seq = jnp.asarray([[5, 9, 2, 7, 1, 3, 30, 12, 40, 17]] * 2)
-    full = model.apply({"params": params}, seq)
-    cache = init_cache(model.cfg, 2, 16)
-    logits, cache = model.apply({"params": params}, seq[:, :4], cache, method=Transformer.decode)
+    full = jax.jit(model.apply)({"params": params}, seq)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, method=Transformer.decode))
+    logits, cache = step(params, seq[:, :4], init_cache(model.cfg, 2, 16))
     got = [logits]
     for t in range(4, seq.shape[1]):
-        logits, cache = model.apply({"params": params}, seq[:, t:t + 1], cache,
-                                    method=Transformer.decode)
+        logits, cache = step(params, seq[:, t:t + 1], cache)
         got.append(logits)
     got = jnp.concatenate(got, axis=1)
     scale = float(jnp.max(jnp.abs(full)))
