@@ -526,8 +526,9 @@ def _number(opts: dict[str, str], name: str, kind, default):
     try:
         return kind(opts[name])
     except ValueError:
-        raise HetjaxError(f"--{name}={opts[name]} is not a{'n integer' if kind is int else ' number'}"
-                          f"; e.g. --{name}={default if default is not None else 1}") from None
+        what = "an integer" if kind is int else "a number"
+        raise HetjaxError(f"--{name}={opts[name]} is not {what}; e.g. "
+                          f"--{name}={default if default is not None else 1}") from None
 
 
 def _open_checkpoint(opts: dict[str, str], overrides: list[str]):
@@ -569,7 +570,8 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"sample": cmd_sample, "eval": cmd_eval, "train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
+            "sample": cmd_sample, "eval": cmd_eval,
             "topology": cmd_topology, "tokenizer": cmd_tokenizer, "testbed": cmd_testbed}
 
 
