@@ -27,6 +27,8 @@ commands:
              --json PATH writes the Plan, --plot PATH a PNG of the device map and timeline
   calibrate  measure compute and collectives on this job's devices; write a calibration
              file for planner.calibration (and a measured-vs-modelled plot)
+  sample     continue a prompt with a trained checkpoint: --checkpoint WORKDIR --prompt TEXT
+  eval       loss and perplexity of a checkpoint on a dataset: --checkpoint WORKDIR
   launch     run training as several processes: --local N, --hostfile FILE or --slurm
   topology   print the topology a config describes
   tokenizer  train a SentencePiece tokenizer on the config's corpus
@@ -40,6 +42,8 @@ Examples:
   hetjax plan --config.parallel.pp=0 --json plan.json --plot plan.png
   hetjax topology --config.topology.preset=holmes_hybrid
   hetjax launch --local 4 --config.train.steps=100
+  hetjax sample --checkpoint=runs/default --prompt="def main(" --max_new_tokens=40
+  hetjax eval --checkpoint=runs/default --config.eval.batches=8
   hetjax tokenizer train --vocab_size=4096 --out=tok.model --config.data.source=stdlib
   sudo hetjax testbed measure --config.topology.nodes=2
 
@@ -545,7 +549,95 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"export": cmd_export, "train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
+SAMPLE_USAGE = """usage: hetjax sample --checkpoint=WORKDIR --prompt=TEXT [--max_new_tokens=64]
+         [--temperature=0] [--top_k=0] [--top_p=1] [--seed=0] [--step=N] [--config.x.y=v ...]
+
+Print the prompt and its continuation by a trained checkpoint (the latest, or --step), decoded
+with the run's tokenizer. The checkpoint loads under a pp = 1 plan on the run's topology,
+whatever plan trained it.
+  --max_new_tokens  tokens to generate at most (it stops earlier at the end-of-document token)
+  --temperature     0: greedy (the most likely token each step); > 0: sample, seeded by --seed
+  --top_k           sample among the k most likely tokens only (0: all)
+  --top_p           sample among the most likely tokens whose probability reaches p (1: all)
+"""
+
+EVAL_USAGE = """usage: hetjax eval --checkpoint=WORKDIR [--step=N] [--config.data.x=v ...]
+         [--config.eval.batches=N]
+
+Print the loss and perplexity of a trained checkpoint (the latest, or --step) on the held-out
+split of the run's data, or of the data the --config.data.* overrides name: the same batches
+and numbers as the eval_loss training reports.
+"""
+
+
+def _checkpoint_args(command: str, argv: list[str], names: tuple[str, ...], usage: str):
+    """(options, config overrides) of `hetjax sample|eval`; --help prints `usage`."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage)
+        raise SystemExit(0)
+    opts, rest = take_options(argv, ("checkpoint", "step") + names)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        raise HetjaxError(f"unknown argument {bad[0]!r} for hetjax {command}; see "
+                          f"'hetjax {command} --help'")
+    if "checkpoint" not in opts:
+        raise HetjaxError(f"hetjax {command} needs --checkpoint=WORKDIR, the workdir of a "
+                          "trained run (its config.workdir)")
+    return opts, rest
+
+
+def _number(opts: dict[str, str], name: str, kind, default):
+    if name not in opts:
+        return default
+    try:
+        return kind(opts[name])
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise HetjaxError(f"--{name}={opts[name]} is not {what}; e.g. "
+                          f"--{name}={default if default is not None else 1}") from None
+
+
+def _open_checkpoint(opts: dict[str, str], overrides: list[str]):
+    from hetjax import config as hconfig
+    from hetjax.sampling import saved_config
+
+    cfg, step = saved_config(opts["checkpoint"], overrides, _number(opts, "step", int, None))
+    ensure_cpu_devices(hconfig.build_topology(cfg).num_devices)
+    from hetjax.sampling import open_checkpoint
+
+    return open_checkpoint(opts["checkpoint"], config=(cfg, step)), step
+
+
+def cmd_sample(argv: list[str]) -> int:
+    opts, overrides = _checkpoint_args(
+        "sample", argv, ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"),
+        SAMPLE_USAGE)
+    if "prompt" not in opts:
+        raise HetjaxError("hetjax sample needs --prompt=TEXT, the text to continue")
+    kw = dict(max_new_tokens=_number(opts, "max_new_tokens", int, 64),
+              temperature=_number(opts, "temperature", float, 0.0),
+              top_k=_number(opts, "top_k", int, 0), top_p=_number(opts, "top_p", float, 1.0),
+              seed=_number(opts, "seed", int, 0))
+    trainer, _ = _open_checkpoint(opts, overrides)
+    print(opts["prompt"] + trainer.generate(opts["prompt"], **kw), flush=True)
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    opts, overrides = _checkpoint_args("eval", argv, (), EVAL_USAGE)
+    trainer, step = _open_checkpoint(opts, overrides)
+    from hetjax.sampling import evaluate
+
+    r = evaluate(trainer)
+    c = trainer.config
+    print(f"checkpoint {step}: eval loss {r['loss']:.6f}, perplexity {r['perplexity']:.4f} "
+          f"({c.eval.batches} batches of {c.train.batch_size} x {c.train.seq_len} tokens, "
+          f"data.source={c.data.source})", flush=True)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "calibrate": cmd_calibrate, "launch": cmd_launch,
+            "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export,
             "topology": cmd_topology, "tokenizer": cmd_tokenizer, "testbed": cmd_testbed}
 
 

@@ -315,8 +315,10 @@ DESCRIPTIONS: dict[str, str] = {
 
 
 # --- loading -----------------------------------------------------------------------------------
-def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigDict:
-    """Load a `get_config()` file (or the defaults) and apply `--config.x.y=v` overrides.
+def load_config(path: str | None = None, overrides=(),
+                base: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+    """Load a `get_config()` file (or `base`, default the defaults) and apply `--config.x.y=v`
+    overrides.
 
     Every way the file or an override can be wrong (missing file, not Python, a syntax error,
     get_config failing or returning something else, an unknown field, a value of the wrong
@@ -324,7 +326,7 @@ def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigD
     from absl import flags
     from ml_collections import config_flags
 
-    cfg = base_config() if path is None else _load_file(path)
+    cfg = _load_file(path) if path is not None else base if base is not None else base_config()
     check_fields(cfg)  # before the overrides, so a partial file is named as the culprit
     latest = {}
     for o in overrides:

@@ -428,6 +428,57 @@ class Trainer:
         return float(np.mean([self.evaluate(data.batch(k))
                               for k in range(self.config.eval.batches)]))
 
+    # --- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 64, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 stop_tokens: tuple[int, ...] | None = None, seed: int = 0) -> str | list[str]:
+        """The text the current parameters continue each prompt with (one string for one
+        prompt): a jitted KV-cache decode (layers/generate.py), greedy at temperature 0, else
+        sampled with `seed` from the top_k / top_p cut. A row stops at a stop token (default:
+        the tokenizer's end of document) or after `max_new_tokens`. A pp = 1 plan runs under
+        its mesh (parameters stay sharded over tp); a pipeline plan's parameters are gathered
+        onto one device (for large models, open the checkpoint with pp = 1: hetjax.sampling)."""
+        import contextlib
+
+        import flax.linen as nn
+
+        from layers.generate import generate
+        from layers.model import Transformer
+
+        single = isinstance(prompts, str)
+        ids = [self.tokenizer.encode(p).tolist() for p in ([prompts] if single else prompts)]
+        for name, v, ok in (("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
+                            ("temperature", temperature, temperature >= 0),
+                            ("top_k", top_k, top_k >= 0), ("top_p", top_p, 0 < top_p <= 1)):
+            if not ok:
+                raise HetjaxError(f"{name} = {v} is out of range; use max_new_tokens >= 1, "
+                                  "temperature >= 0 (0: greedy), top_k >= 0 (0: all), "
+                                  "0 < top_p <= 1 (1: all)")
+        if not all(ids):
+            raise HetjaxError("an empty prompt has nothing to continue; give at least one "
+                              "character")
+        longest = max(map(len, ids)) + max_new_tokens
+        if longest > self.model_cfg.max_seq_len:
+            raise HetjaxError(
+                f"the longest prompt ({max(map(len, ids))} tokens) plus max_new_tokens = "
+                f"{max_new_tokens} exceeds the model's model.max_seq_len = "
+                f"{self.model_cfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
+        params, ctx = self.params, contextlib.ExitStack()
+        if self.plan.pp == 1 and hasattr(self.executor, "rules"):
+            # the plan's tp sharding; the few prompts are not split over the data axes
+            rules = [(n, None if n == "batch" else a) for n, a in self.executor.rules]
+            ctx.enter_context(jax.set_mesh(self.executor.mesh))
+            ctx.enter_context(nn.logical_axis_rules(rules))
+        else:
+            params = jax.device_get(params)
+        stops = (self.tokenizer.eos_id,) if stop_tokens is None else tuple(stop_tokens)
+        with ctx:
+            out = generate(Transformer(self.model_cfg), params, ids, max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           stop_tokens=stops, seed=seed, vocab_limit=self.tokenizer.vocab_size)
+        texts = [self.tokenizer.decode(t) for t in out]
+        return texts[0] if single else texts
+
     # --- checkpoints ----------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> str:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from layers import attention_kernels
 from layers.config import ModelConfig
 from layers.embeddings import apply_rotary, rope_frequencies, rotary_tables
+from layers.kv_cache import cached_attention
 
 
 def dense_init(scale: float = 1.0, in_axis=-2, out_axis=-1):
@@ -20,9 +21,10 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None):
-        """x [batch, length, d_model]; segment_ids [batch, length] (None: one document per
-        row) confine each token's attention to its own document."""
+    def __call__(self, x, segment_ids=None, cache=None):
+        """x [batch, length, d_model] -> same shape; segment_ids [batch, length] (None: one
+        document per row) confine each token's attention to its own document; with a KV
+        `cache` (decoding, layers/kv_cache.py) also returns the updated cache."""
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
 
@@ -55,6 +57,9 @@ class Attention(nn.Module):
         inv_freq = rope_frequencies(h, cfg.rope_theta, cfg.rope_type, cfg.rope_factor,
                                     cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                     cfg.rope_original_max_len)
+        if cache is not None:  # decoding: new tokens against the cache, at each row's position
+            out, cache = cached_attention(q, k, v, cache, h, cfg.rope_theta, inv_freq)
+            return jnp.einsum("blnh,nhd->bld", out, wo), cache
         cos, sin = rotary_tables(jnp.arange(x.shape[1]), h, cfg.rope_theta, inv_freq)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # The kernel is chosen once per trace from the devices JAX runs on (model.attention);

@@ -15,11 +15,17 @@ class DecoderBlock(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None):
+    def __call__(self, x, segment_ids=None, cache=None):
+        """With a KV cache (decoding) returns (x, updated cache)."""
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="attn_norm")(x)
-        x = x + Attention(cfg, name="attn")(h, segment_ids)
+        if cache is None:
+            x = x + Attention(cfg, name="attn")(h, segment_ids)
+        else:
+            a, cache = Attention(cfg, name="attn")(h, cache=cache)
+            x = x + a
         h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="mlp_norm")(x)
         x = x + MLP(cfg, name="mlp")(h)
-        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return x if cache is None else (x, cache)

@@ -30,8 +30,10 @@ class _ScanStep(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids):
+    def __call__(self, x, segment_ids, cache):
         block = DecoderBlock
+        if cache is not None:  # decoding (no gradients): the layer's slice of the KV cache
+            return block(self.cfg, name="block")(x, cache=cache)
         if self.cfg.remat in REMAT_POLICIES:  # 'none' and 'auto' keep every intermediate
             block = nn.remat(DecoderBlock, prevent_cse=False,
                              policy=REMAT_POLICIES[self.cfg.remat])
@@ -47,7 +49,7 @@ class Transformer(nn.Module):
         self.embedder = Embed(cfg.vocab_size, cfg.d_model, dtype, pdtype)
         self.layers = nn.scan(
             _ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=nn.broadcast,  # every layer sees the same segment ids
+            in_axes=(nn.broadcast, 0),  # every layer sees the same segment ids; its own cache
             length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
         self.final_norm = RMSNorm(cfg.norm_eps, dtype, pdtype)
         if not cfg.tie_embeddings:
@@ -61,7 +63,7 @@ class Transformer(nn.Module):
         return self.embedder(tokens)
 
     def blocks(self, x, segment_ids=None):
-        x, _ = self.layers(x, segment_ids)
+        x, _ = self.layers(x, segment_ids, None)
         return x
 
     def head(self, x):
@@ -76,6 +78,12 @@ class Transformer(nn.Module):
         """Logits [batch, length, vocab] (float32) of tokens [batch, length]; with segment_ids
         (the packer's, [batch, length]) tokens attend only within their own document."""
         return self.head(self.blocks(self.embed(tokens), segment_ids))
+
+    def decode(self, tokens, cache):
+        """Logits of `tokens` [batch, L] placed at each row's cache position, and the cache
+        with their keys and values written (layers/kv_cache.py, layers/generate.py)."""
+        x, cache = self.layers(self.embed(tokens), None, cache)
+        return self.head(x), cache
 
 
 def block_apply(cfg: ModelConfig, layer_params, x, segment_ids=None):
