@@ -31,9 +31,6 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 ROWS = ("trainer", "jit-xla", "jit-fused", "hf-eager", "hf-compile")
 LABELS = {"trainer": "hetjax Trainer", "jit-xla": "jax.jit step, XLA attention",

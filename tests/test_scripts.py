@@ -4,6 +4,8 @@ in this process on its 8 simulated devices, so a change that breaks one fails th
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -68,3 +70,17 @@ def test_bench_planner_smoke(capsys):
     bench_planner.main(["smoke"])
     out = capsys.readouterr().out
     assert "All-reduce over 1,024" in out and "Holmes" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
+    """scripts/gpu_check.sh, the one command a GPU session runs, on CPU with a tiny shape:
+    calibrate, plan (flat and by kind) and bench_gpu.py all finish and leave their files."""
+    env = {**os.environ, "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for name in ("calibration.json", "plan_flat.json", "plan_kinds.json", "bench_gpu.json"):
+        assert (tmp_path / name).is_file(), (name, r.stdout[-3000:])
+    assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
