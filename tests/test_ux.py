@@ -97,6 +97,21 @@ def test_train_without_config_runs_the_default_job():
     assert cli._parse("train", []).parallel.pp == 2
 
 
+def test_plan_without_config_searches_the_layout():
+    """`hetjax plan` without --config: the default job with pp and tp left to the planner (on
+    a preset whose nodes hold one device the job's tp = 2 cannot fit); with --config the
+    file's fixed layout is priced as written, and overrides still win."""
+    from hetjax import cli
+
+    searched = cli._parse("plan", [], search_without_config=True)
+    assert (searched.parallel.pp, searched.parallel.tp) == (0, 0)
+    fixed = cli._parse("plan", ["--config=configs/default.py"], search_without_config=True)
+    assert (fixed.parallel.pp, fixed.parallel.tp) == (2, 2)
+    assert cli._parse("plan", ["--config.parallel.tp=2"],
+                      search_without_config=True).parallel.tp == 2
+    # The documented commands on the dtfm_* presets run in tests/test_docs.py.
+
+
 # --- hetjax plan: runners-up, units, large topologies, the plot -------------------------------
 def test_units_read_like_a_person_writes_them():
     from hetjax import units
