@@ -224,7 +224,8 @@ class Trainer:
         self.quiet = quiet
         self.topology = topology or hconfig.build_topology(config)
         self.plan = plan or plan_from_config(config, self.topology)
-        self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle)
+        self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle,
+                                     sites=bool(config.diloco.inner_steps))
         self.workdir = workdir or config.workdir
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.model_cfg = ModelConfig.from_config(config.model,
@@ -409,7 +410,9 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def describe(self) -> str:
-        lines = [self.topology.describe(), self.plan.describe(self.topology)]
+        lines = [self.topology.describe()]
+        if not self.config.diloco.inner_steps:  # under DiLoCo the sites' own plans (the
+            lines.append(self.plan.describe(self.topology))  # executor's lines) are what runs
         lines += [f"  note: {n}" for n in self.notes]
         if self.executor.describe():
             lines.append(self.executor.describe())
