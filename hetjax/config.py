@@ -242,7 +242,8 @@ DESCRIPTIONS: dict[str, str] = {
                   "new outer fragment (0: replace; the paper's alpha)",
     "diloco.inner_lr_scale": "the sites' learning rate is train.lr's schedule times this "
                              "(each site sees 1/n of the global batch)",
-    "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
+    "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go "
+               "(hetjax.load_config from Python: runs/python unless set)",
     "tensorboard": "also write TensorBoard event files",
 }
 
@@ -285,6 +286,22 @@ def load_config(path: str | None = None, overrides=()) -> ml_collections.ConfigD
         raise HetjaxError(f"could not read the config {path or '(defaults)'}: {detail}") from None
     check_fields(fv.config)
     return fv.config
+
+
+# From Python (hetjax.load_config) a run left at the command line's workdir goes here instead,
+# so a notebook or snippet never resumes, or writes over, the run `hetjax train` made.
+PYTHON_WORKDIR = "runs/python"
+
+
+def load_config_for_python(path: str | None = None, overrides=()) -> ml_collections.ConfigDict:
+    """`load_config` as `hetjax.load_config` offers it to Python and notebooks: the same config,
+    except that a workdir neither the file nor an override changes is PYTHON_WORKDIR rather
+    than the `hetjax` command's runs/default."""
+    cfg = load_config(path, overrides)
+    if cfg.workdir == base_config().workdir and not any(
+            o.startswith("--config.workdir=") for o in overrides):
+        cfg.workdir = PYTHON_WORKDIR
+    return cfg
 
 
 def _load_file(path: str) -> ml_collections.ConfigDict:
