@@ -140,6 +140,13 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.workdir = "runs/default"
     c.tensorboard = True
+
+    # Weights & Biases, beside metrics.jsonl and TensorBoard (hetjax/metrics.py); the optional
+    # dependency `pip install 'hetjax[wandb]'`
+    c.wandb = ml_collections.ConfigDict()
+    c.wandb.project = ""
+    c.wandb.mode = "online"
+    c.wandb.name = ""
     return c
 
 
@@ -245,6 +252,11 @@ DESCRIPTIONS: dict[str, str] = {
     "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go "
                "(hetjax.load_config from Python: runs/python unless set)",
     "tensorboard": "also write TensorBoard event files",
+    "wandb.project": "log metrics to this Weights & Biases project (empty: off; needs the "
+                     "wandb extra)",
+    "wandb.mode": "online, offline (files under <workdir>/wandb, `wandb sync` later) or "
+                  "disabled",
+    "wandb.name": "the W&B run's name (empty: the workdir's last directory)",
 }
 
 
@@ -539,6 +551,7 @@ def validate(c) -> None:
     _validate_paths(c)
     _validate_data_and_checkpoints(c)
     _validate_diloco(c)
+    _validate_wandb(c)
     _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
              f"must be in [0, 1), got {c.planner.memory_margin}",
              "use 0.1 (plans use at most 90% of device memory)")
@@ -694,6 +707,21 @@ def _validate_diloco(c) -> None:
     _require(isinstance(d.inner_lr_scale, (int, float)) and d.inner_lr_scale > 0,
              "diloco.inner_lr_scale", f"must be a number > 0, got {d.inner_lr_scale!r}",
              "use 1.0 (the sites train at train.lr's schedule)")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _validate_wandb(c) -> None:
+    """The W&B mode, and wandb importable when a project is set (before anything is built)."""
+    import importlib.util
+
+    w = c.wandb
+    _require(w.mode in WANDB_MODES, "wandb.mode", f"unknown mode {w.mode!r}",
+             f"choose one of {', '.join(WANDB_MODES)}")
+    _require(not w.project or importlib.util.find_spec("wandb") is not None, "wandb.project",
+             f"logging to W&B project {w.project!r} needs the wandb package, which is not "
+             "installed", "pip install 'hetjax[wandb]', or leave --config.wandb.project empty")
 
 
 def _common_divisors(*xs: int) -> list[int]:

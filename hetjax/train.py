@@ -536,7 +536,9 @@ class Trainer:
                 _drop_metrics_after(os.path.join(self.workdir, "metrics.jsonl"), resumed)
                 if self.config.tensorboard:  # and TensorBoard shows what the file holds
                     rebuild_tensorboard(self.workdir)
-        writer = MetricsWriter(self.workdir, self.config.tensorboard, primary)
+        writer = MetricsWriter(self.workdir, self.config.tensorboard, primary,
+                               wandb={**self.config.wandb.to_dict(),
+                                      "config": self.config.to_dict()})
         progress = Progress(total, int(self.state.step), cfg.progress and not self.quiet,
                             cfg.log_every, primary)
         if resumed is not None and primary and not self.quiet:
@@ -604,6 +606,7 @@ class Trainer:
             "workdir": os.path.abspath(self.workdir),
             "metrics": os.path.abspath(writer.path),
             "tensorboard": os.path.abspath(writer.tb_dir) if writer.tb_dir else None,
+            "wandb": writer.wandb_url,
             "plot": os.path.abspath(plot_path) if primary and os.path.exists(plot_path) else None,
         })
         if ckpt.every:
@@ -731,6 +734,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if s.get("tensorboard"):
         rows.append(("tensorboard", s["tensorboard"]))
+    if s.get("wandb"):
+        rows.append(("wandb", s["wandb"]))
     if s.get("checkpoints"):
         rows.append(("checkpoints", s["checkpoints"]))
     if s.get("plot"):
