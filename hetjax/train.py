@@ -625,11 +625,12 @@ class Trainer:
         return summary
 
     def _plot_title(self, resumed: int | None = None) -> str:
-        """The run's name and plan (the plan of the steps since `resumed`, when resumed)."""
+        """What ran: model size, topology and plan (the plan of the steps since `resumed`, when
+        resumed). Not the workdir, whose name is often a temporary directory's."""
         p = self.plan
         since = f" since step {resumed}" if resumed is not None else ""
-        return (f"{os.path.basename(os.path.abspath(self.workdir))}: pp={p.pp} dp={p.dp} "
-                f"tp={p.tp}{since}")
+        return (f"{self.model_cfg.num_params / 1e6:.2f}M parameters on {self.topology.name}: "
+                f"pp={p.pp} dp={p.dp} tp={p.tp}{since}")
 
     def _complete(self, total: int, resumed: int | None) -> RunSummary:
         """The summary of a run that is already at step `total`: from its metrics file."""

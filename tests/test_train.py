@@ -107,6 +107,14 @@ def test_a_hook_added_from_python_runs_at_its_interval_and_sees_the_metrics(tmp_
     assert seen[-1][1]["loss"] == rows[6]["loss"]
 
 
+def test_the_loss_plot_title_names_the_model_and_plan_not_a_temporary_directory(tmp_path):
+    workdir = tmp_path / "hetjax-quickstart-x1y2z3"
+    trainer = Trainer(tiny_config(**{"workdir": str(workdir)}), quiet=True)
+    title = trainer._plot_title(resumed=10)
+    assert "x1y2z3" not in title and "hetjax-quickstart" not in title
+    assert f"parameters on {trainer.topology.name}: pp=1 dp=8 tp=1 since step 10" in title
+
+
 def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
     trainer = Trainer(tiny_config(**{"train.steps": 3}), quiet=True)
     assert trainer._state is None and trainer._data is None  # nothing compiled or opened yet
