@@ -19,8 +19,9 @@ The rules that make a block small (`substitute`; the only changes made to what i
 2. a `hetjax train` or `hetjax launch` command that sets no step count gets
    `--config.train.steps=STEPS` appended (before a trailing `# comment`);
 3. every block runs in a fresh temporary directory that mirrors the repository root (a link to
-   each top-level entry but `runs/`), so `runs/...`, `plan.json` and other outputs land there
-   and never in the checkout; `hetjax` and `python` on its PATH are this interpreter's.
+   each top-level entry but `runs/`; `docs/` is copied, so a command that redraws a figure
+   there writes the copy), so `runs/...`, `plan.json` and other outputs land there and never
+   in the checkout; `hetjax` and `python` on its PATH are this interpreter's.
 
 `--skipped` runs blocks as written (no rule 1 or 2) in the checkout itself, as a user would.
 """
@@ -157,7 +158,10 @@ def mirror(root: str, into: str) -> None:
     for entry in os.listdir(root):
         if entry in ("runs", ".venv", ".git", "__pycache__", ".pytest_cache"):
             continue
-        os.symlink(os.path.join(root, entry), os.path.join(into, entry))
+        if entry == "docs":
+            shutil.copytree(os.path.join(root, entry), os.path.join(into, entry))
+        else:
+            os.symlink(os.path.join(root, entry), os.path.join(into, entry))
     shims(into)
 
 
