@@ -346,8 +346,11 @@ def failures(cases: list[Case]) -> str:
 
 def bar_plot(path: str, title: str, labels: list[str], measured: list[float | None],
              predicted: list[float | None], ylabel: str, hline: tuple[float, str] | None = None,
-             notes: list[str] | None = None) -> str:
-    """Bars of the measured values with the predicted ones as markers."""
+             notes: list[str] | None = None,
+             levels: Sequence[tuple[float, str, int, int]] = ()) -> str:
+    """Bars of the measured values with the predicted ones as markers. `hline` (value, label):
+    a reference across every bar; `levels` (value, label, first bar, last bar): references
+    over some bars only. Their labels go in the legend, never over a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,17 +364,20 @@ def bar_plot(path: str, title: str, labels: list[str], measured: list[float | No
         ax.scatter(*zip(*pts), marker="D", color="#DD8452", zorder=3, label="predicted")
     for x, m, n in zip(xs, measured, notes or [""] * len(labels)):
         ax.annotate(n if m else "failed", (x, m or 0), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+                    xytext=(0, 2), textcoords="offset points", zorder=5,  # over the levels
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5) if n or not m
+                    else None)
     if hline:
-        ax.axhline(hline[0], color="gray", ls="--", lw=1)
-        ax.annotate(hline[1], (-0.45, hline[0]), ha="left", va="bottom", fontsize=8,
-                    color="gray")
+        ax.axhline(hline[0], color="gray", ls="--", lw=1, label=hline[1])
+    for (value, label, first, last), style in zip(levels, ("--", ":", "-.")):
+        ax.hlines(value, first - 0.45, last + 0.45, colors="black", linestyles=style, lw=1.2,
+                  label=label, zorder=4)
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     # headroom above the tallest bar and its label for the legend
     ax.set_ylim(0, max(m or 0 for m in [*measured, *predicted]) * 1.35)
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    ax.legend(fontsize=8, loc="upper right", ncol=2 + bool(hline) + len(levels))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
