@@ -242,3 +242,22 @@ def test_hetjax_calibrate_under_launch_then_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["hetjax", "plan", *args, f"--config.planner.calibration={path}"]) == 0
     assert "predicted" in capsys.readouterr().out
+
+
+def test_calibration_plot_legends_sit_below_the_points(tmp_path, monkeypatch):
+    """The log-log squares fill with points: each legend goes under its axes, not over them."""
+    import matplotlib.pyplot as plt
+
+    from hetjax.planner.calibrate import load_calibration, plot_calibration
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cal = load_calibration(os.path.join(repo, "docs", "results",
+                                        "calibration_hetaccel_0808.json"))
+    plot_calibration(cal, str(tmp_path / "cal.png"))
+    (fig,) = closed
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent()
+        assert legend.y1 < ax.get_window_extent().y0  # wholly below the axes
