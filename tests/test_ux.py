@@ -282,3 +282,24 @@ def test_a_trainer_renders_its_tables_and_the_device_map_inline():
     html = trainer._repr_html_()
     assert html.count("<table>") == 2 and "data:image/png;base64," in html
     assert "parameters" in html
+
+
+def test_runners_up_show_every_column_they_differ_in():
+    """Two plans alike but for recompute (or placement, or device order) never print as
+    identical rows; columns in which no plan differs stay out of the table."""
+    import dataclasses
+
+    from hetjax.plan import Plan, comparison_table
+
+    a = Plan(pp=2, dp=2, tp=2, stage_layers=(2, 2), microbatches=4, global_batch=32,
+             seq_len=128, remat="full", predicted={"layout": "rank order"})
+    b = dataclasses.replace(a, remat="none")
+    header, row_a, row_b = comparison_table([a, b]).splitlines()
+    assert "remat" in header and row_a.split()[-1] == "full" and row_b.split()[-1] == "none"
+    assert "placement" not in header and "devices" not in header
+    c = dataclasses.replace(a, placement="folded",
+                            device_order=(4, 5, 6, 7, 0, 1, 2, 3),
+                            predicted={"layout": "DT-FM assignment"})
+    header, _, row_c = comparison_table([a, c]).splitlines()
+    assert "remat" not in header and "placement" in header and "devices" in header
+    assert row_c.rstrip().endswith("folded     DT-FM assignment")
