@@ -303,3 +303,31 @@ def test_runners_up_show_every_column_they_differ_in():
     header, _, row_c = comparison_table([a, c]).splitlines()
     assert "remat" not in header and "placement" in header and "devices" in header
     assert row_c.rstrip().endswith("folded     DT-FM assignment")
+
+
+def test_a_long_schedule_is_drawn_as_phases_not_a_barcode():
+    """128 micro-batches on 2 stages: warm-up forwards, the alternating steady state and the
+    cool-down backwards are a few bars a stage, each labelled with its task counts."""
+    import re
+
+    from matplotlib.collections import PolyCollection
+
+    from hetjax.planner import model_from_config, plan_from_config
+    from hetjax.planner.cost import CostModel
+    from hetjax.planner.plot import BWD, FWD, MIXED, phases, plan_figure
+    from hetjax.topology import preset
+
+    config = tiny_config(**{"parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,
+                            "train.batch_size": 512, "train.microbatches": 128})
+    topology = preset("cpu_hybrid")
+    plan = plan_from_config(config, topology)
+    model = model_from_config(config)
+    timeline = plan_figure(plan, topology, model).axes[1]
+    bars = [c for c in timeline.collections if isinstance(c, PolyCollection)]
+    assert len(bars) <= 4 * plan.pp  # 3 phases and the exposed sync, not 2 x 128 a stage
+    assert "purple: both (shade: busy share)" in timeline.get_title()
+    _, sim = CostModel(topology, model).predict(plan, with_events=True)
+    runs = phases(list(sim.events))
+    counted = sum(int(n) for r in runs for n in re.findall(r"(\d+) [FB]", r[4]))
+    assert counted == len(list(sim.events)) == 2 * 128 * plan.pp  # every task in one phase
+    assert [r[3] for r in runs if r[0] == 0] == [FWD, MIXED, BWD]  # warm-up, steady, cool-down
