@@ -121,3 +121,18 @@ def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
     steps = [(info.step, info.first, info.last) for info in trainer.iter_steps()]
     assert steps == [(1, True, False), (2, False, False), (3, False, True)]
     assert int(trainer.state.step) == 3
+
+
+def test_the_summary_shows_paths_under_the_working_directory_relative(tmp_path, monkeypatch):
+    from hetjax.train import summary_rows
+
+    monkeypatch.chdir(tmp_path)
+    s = {"complete": True, "message": "done", "workdir": str(tmp_path / "runs" / "default"),
+         "first_loss": 5.9, "final_loss": 1.7, "metrics": str(tmp_path / "runs" / "default" /
+                                                             "metrics.jsonl"),
+         "plot": "/elsewhere/loss.png"}
+    rows = dict(summary_rows(s))
+    assert rows["workdir"] == os.path.join("runs", "default")
+    assert rows["metrics"] == os.path.join("runs", "default", "metrics.jsonl")
+    assert rows["loss curve"] == "/elsewhere/loss.png"  # outside: as it is
+    assert s["metrics"].startswith(str(tmp_path))  # the summary itself keeps absolute paths
