@@ -374,8 +374,13 @@ class Trainer:
     def save(self, *, eval_loss: float | None = None, wait: bool = False) -> int:
         """Checkpoint the current step (state, data position, config, plan); returns the step.
 
-        The save is asynchronous unless checkpoint.async_save is off or `wait` is set."""
+        The save is asynchronous unless checkpoint.async_save is off or `wait` is set. A step
+        already checkpointed (train() saves its last one) is not written again."""
         step = int(self.state.step)
+        if step in self.checkpointer.steps():
+            if wait:
+                self.checkpointer.wait()
+            return step
         meta = {"step": step, "config": json.loads(self.config.to_json_best_effort()),
                 "plan": self.plan.to_dict(), "data": self.data_spec.to_dict(),
                 # All randomness is a function of the seed and the step: parameters are
