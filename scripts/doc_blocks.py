@@ -215,7 +215,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--list":
         for b in blocks:
             mark = f"skip ({b.skip})" if b.skip else ("slow" if b.slow else "suite")
-            print(f"{b.name:28s} {b.lang:6s} {mark}: {b.code.splitlines()[0] if b.code.strip() else ''}")
+            first = b.code.splitlines()[0] if b.code.strip() else ""
+            print(f"{b.name:28s} {b.lang:6s} {mark}: {first}")
         print(f"{len(blocks)} blocks: {sum(not b.skip for b in blocks)} run by the suite "
               f"({sum(b.slow and not b.skip for b in blocks)} slow), "
               f"{sum(bool(b.skip) for b in blocks)} marked skip")

@@ -325,7 +325,8 @@ def test_gloo_connection_lines_are_hidden_even_interleaved_and_counted_truly():
     them is hidden, the count says how many lines that was, --verbose shows them, and a line
     with anything else in it is kept."""
     garbled = [
-        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
+        "is : 1",
         "[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
         "peer ranks is : 1",
         "0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
