@@ -1,12 +1,14 @@
 """hetjax: train language models with JAX on heterogeneous clusters.
 
 The public API is small: `Topology` and `preset` describe hardware, `Plan` is a training
-layout, `load_config` reads a config file, and `Trainer` trains. Names that need JAX are
-imported lazily, so `import hetjax` does not start JAX (the CLI sizes the simulated CPU device
+layout, `load_config` reads a config file (its workdir defaulting to runs/python, apart from
+the `hetjax` command's runs/default), and `Trainer` trains. Names that need JAX are imported
+lazily, so `import hetjax` does not start JAX (the CLI sizes the simulated CPU device
 count from the topology first).
 """
 
-from hetjax.config import base_config, load_config, validate
+from hetjax.config import base_config, validate
+from hetjax.config import load_config_for_python as load_config
 from hetjax.errors import ConfigError, HetjaxError, PlanError, TopologyError
 from hetjax.plan import Plan, ZeroFactors
 from hetjax.topology import Topology, preset

@@ -23,7 +23,8 @@ Train language models with JAX on heterogeneous clusters.
 commands:
   train      train a model (without --config: configs/default.py, the default job)
   plan       print the layout training would use (the planner's, when parallel.pp or
-             parallel.tp is 0) with predicted step time, memory, tokens/s, MFU and bubble;
+             parallel.tp is 0; without --config the default job with pp and tp searched)
+             with predicted step time, memory, tokens/s, MFU and bubble;
              --json PATH writes the Plan, --plot PATH a PNG of the device map and timeline
   calibrate  measure compute and collectives on this job's devices; write a calibration
              file for planner.calibration (and a measured-vs-modelled plot)
@@ -39,7 +40,7 @@ commands:
 
 Examples:
   hetjax train --config=configs/default.py --config.train.steps=100
-  hetjax plan --config.parallel.pp=0 --json plan.json --plot plan.png
+  hetjax plan --json plan.json --plot plan.png
   hetjax topology --config.topology.preset=holmes_hybrid
   hetjax launch --local 4 --config.train.steps=100
   hetjax sample --checkpoint=runs/default --prompt="def main(" --max_new_tokens=40
@@ -94,12 +95,20 @@ def _split_config_args(command: str, argv: list[str]) -> tuple[str | None, list[
     return path or default_job_path(), overrides
 
 
-def _parse(command: str, argv: list[str], extra: str = ""):
+# `hetjax plan` without --config: the default job's model, data and batch on whatever topology
+# the flags name, with the layout searched (the job's own pp = 2, tp = 2 fit only its topology).
+PLAN_SEARCH_OVERRIDES = ("--config.parallel.pp=0", "--config.parallel.tp=0")
+
+
+def _parse(command: str, argv: list[str], extra: str = "", search_without_config: bool = False):
     """Split --config / --config.* flags from the rest; load and validate the config. Without
-    --config, the default job (configs/default.py)."""
+    --config, the default job (configs/default.py); with `search_without_config`, that job with
+    its layout left to the planner (overrides given still win)."""
     from hetjax import config as hconfig
 
     path, overrides = _split_config_args(command, argv)
+    if search_without_config and not any(a.startswith("--config=") for a in argv):
+        overrides = [*PLAN_SEARCH_OVERRIDES, *overrides]
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(command, path, overrides, extra))
         raise SystemExit(0)
@@ -355,7 +364,7 @@ def cmd_plan(argv: list[str]) -> int:
     opts, rest = take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
         check_output_path(name, path, PLOT_FORMATS if name == "plot" else ())
-    cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]")
+    cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]", search_without_config=True)
     topology = hconfig.build_topology(cfg)
     runners_up = ()
     if not cfg.parallel.pp or not cfg.parallel.tp or cfg.zero.preset == "auto":

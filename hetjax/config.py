@@ -162,6 +162,13 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.workdir = "runs/default"
     c.tensorboard = True
+
+    # Weights & Biases, beside metrics.jsonl and TensorBoard (hetjax/metrics.py); the optional
+    # dependency `pip install 'hetjax[wandb]'`
+    c.wandb = ml_collections.ConfigDict()
+    c.wandb.project = ""
+    c.wandb.mode = "online"
+    c.wandb.name = ""
     return c
 
 
@@ -309,8 +316,14 @@ DESCRIPTIONS: dict[str, str] = {
                   "new outer fragment (0: replace; the paper's alpha)",
     "diloco.inner_lr_scale": "the sites' learning rate is train.lr's schedule times this "
                              "(each site sees 1/n of the global batch)",
-    "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go",
+    "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go "
+               "(hetjax.load_config from Python: runs/python unless set)",
     "tensorboard": "also write TensorBoard event files",
+    "wandb.project": "log metrics to this Weights & Biases project (empty: off; needs the "
+                     "wandb extra)",
+    "wandb.mode": "online, offline (files under <workdir>/wandb, `wandb sync` later) or "
+                  "disabled",
+    "wandb.name": "the W&B run's name (empty: the workdir's last directory)",
 }
 
 
@@ -379,6 +392,22 @@ def apply_model_source(c, keep=()) -> None:
     for k, v in fields.items():
         if f"model.{k}" not in keep:
             m[k] = v
+
+
+# From Python (hetjax.load_config) a run left at the command line's workdir goes here instead,
+# so a notebook or snippet never resumes, or writes over, the run `hetjax train` made.
+PYTHON_WORKDIR = "runs/python"
+
+
+def load_config_for_python(path: str | None = None, overrides=()) -> ml_collections.ConfigDict:
+    """`load_config` as `hetjax.load_config` offers it to Python and notebooks: the same config,
+    except that a workdir neither the file nor an override changes is PYTHON_WORKDIR rather
+    than the `hetjax` command's runs/default."""
+    cfg = load_config(path, overrides)
+    if cfg.workdir == base_config().workdir and not any(
+            o.startswith("--config.workdir=") for o in overrides):
+        cfg.workdir = PYTHON_WORKDIR
+    return cfg
 
 
 def _load_file(path: str) -> ml_collections.ConfigDict:
@@ -704,6 +733,7 @@ def validate(c) -> None:
     _validate_paths(c)
     _validate_data_and_checkpoints(c)
     _validate_diloco(c)
+    _validate_wandb(c)
     _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
              f"must be in [0, 1), got {c.planner.memory_margin}",
              "use 0.1 (plans use at most 90% of device memory)")
@@ -906,6 +936,21 @@ def _validate_diloco(c) -> None:
     _require(isinstance(d.inner_lr_scale, (int, float)) and d.inner_lr_scale > 0,
              "diloco.inner_lr_scale", f"must be a number > 0, got {d.inner_lr_scale!r}",
              "use 1.0 (the sites train at train.lr's schedule)")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _validate_wandb(c) -> None:
+    """The W&B mode, and wandb importable when a project is set (before anything is built)."""
+    import importlib.util
+
+    w = c.wandb
+    _require(w.mode in WANDB_MODES, "wandb.mode", f"unknown mode {w.mode!r}",
+             f"choose one of {', '.join(WANDB_MODES)}")
+    _require(not w.project or importlib.util.find_spec("wandb") is not None, "wandb.project",
+             f"logging to W&B project {w.project!r} needs the wandb package, which is not "
+             "installed", "pip install 'hetjax[wandb]', or leave --config.wandb.project empty")
 
 
 def _common_divisors(*xs: int) -> list[int]:

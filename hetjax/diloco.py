@@ -417,11 +417,7 @@ class DilocoExecutor(Executor):
             if self.local is not None and s != self.local:
                 continue
             sub = site_topology(topology, clusters)
-            plan = plan_from_config(sc, sub)
-            if plan.pp != 1:
-                raise ConfigError("parallel.pp", f"site {name!r} would pipeline (pp = {plan.pp})"
-                                  "; DiLoCo sites run pp = 1 plans for now",
-                                  "set --config.parallel.pp=1")
+            plan = plan_from_config(sc, sub)  # pp = 1 (site_config)
             placed = _PlacedTopology(sub.name, sub.clusters, sub.inter_cluster,
                                      sub.cluster_links, placed=tuple(devices[r] for r in ranks))
             self.site_plans.append(plan)

@@ -153,10 +153,20 @@ class RunSummary(dict):
         return out
 
 
+def _shown_path(path: str) -> str:
+    """A path as the summary shows it: relative when under the working directory (the summary
+    dict keeps it absolute), so a log reads runs/default/... rather than this machine's tree."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The summary as (label, text) rows, for the terminal table and the notebook's HTML."""
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
+
+    s = {**s, **{k: _shown_path(s[k]) for k in ("workdir", "metrics", "tensorboard", "plot")
+                 if s.get(k)}}
 
     if s.get("complete"):
         rows = [("status", s["message"]), ("workdir", s["workdir"]),
@@ -183,6 +193,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if s.get("tensorboard"):
         rows.append(("tensorboard", s["tensorboard"]))
+    if s.get("wandb"):
+        rows.append(("wandb", s["wandb"]))
     if s.get("checkpoints"):
         rows.append(("checkpoints", s["checkpoints"]))
     if s.get("plot"):

@@ -15,7 +15,7 @@ every task computes its own from the allocation.
 
 The launcher supervises what it starts: each line a process prints (stdout and stderr read
 apart, so a library's C++ log line never lands inside a Python one) is prefixed with its id;
-third-party noise (gloo's per-rank connection lines, `NOISE`) is hidden unless `--verbose`;
+third-party noise (gloo's per-rank connection lines, `is_noise`) is hidden unless `--verbose`;
 when one process fails, the others get SIGTERM and, after `--grace` seconds, SIGKILL (a peer
 may sit in a collective with the dead one forever); the exit code is the first failure's.
 `--max-restarts N` then starts the job again (it resumes from its checkpoint), and `--elastic`
@@ -378,15 +378,24 @@ def _how(rc: int) -> str:
 
 
 # Worker output lines hidden unless --verbose: third-party logs that say nothing the launcher
-# does not (gloo prints one line per rank when its connections are up).
-NOISE = (re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),)
+# does not. gloo prints "[Gloo] Rank N is connected to M peer ranks. Expected number of
+# connected peer ranks is : M" once per rank, from several threads without a lock, so its
+# messages arrive cut and interleaved ("[Gloo] Rank [Gloo] Rank 1 is connected ..."): a line
+# is gloo's when nothing is left of it once these pieces are taken out.
+GLOO_PIECES = re.compile(r"\[Gloo\] Rank|\d+ is connected to \d+ peer ranks|"
+                         r"Expected number of connected peer ranks is\s*:\s*\d+")
+
+
+def is_noise(text: str) -> bool:
+    """A worker output line (without its [pN] prefix) made only of gloo's connection lines."""
+    return bool(GLOO_PIECES.search(text)) and not GLOO_PIECES.sub("", text).strip(" .\t")
 
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
         timeout: float = 0, out=None, failed: list | None = None,
         verbose: bool = False, hang_timeout: float = 0) -> int:
     """Start `children` ((name, argv, env)), prefix each line of their output with their name
-    (lines matching `NOISE` hidden unless `verbose`), and stop them all when one fails
+    (gloo noise, `is_noise`, hidden unless `verbose`), and stop them all when one fails
     (SIGTERM, then SIGKILL after `grace` s), when a local child's heartbeat is `hang_timeout`
     s old (0: never) or after `timeout` s (0: no limit). Returns 0, or the exit code of the
     first failure (128 + signal; 1 for a hang), whose name is appended to `failed`: the child
@@ -405,7 +414,7 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     hidden = [0]
 
     def say(line: str, worker: bool = False) -> None:
-        if worker and not verbose and any(p.search(line.split("] ", 1)[-1]) for p in NOISE):
+        if worker and not verbose and is_noise(line.split("] ", 1)[-1]):
             hidden[0] += 1
             return
         with lock:

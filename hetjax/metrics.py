@@ -1,4 +1,5 @@
-"""Where training metrics go: a JSON-lines file, TensorBoard event files, and a progress bar.
+"""Where training metrics go: a JSON-lines file, TensorBoard event files, Weights & Biases (when
+`wandb.project` is set), and a progress bar.
 
 Only the primary process (process 0) writes files, so a multi-host run leaves one copy. The
 progress bar is a tqdm widget in notebooks that have ipywidgets, tqdm's text bar in notebooks
@@ -16,12 +17,17 @@ import time
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, tensorboard: bool = True, primary: bool = True):
+    def __init__(self, workdir: str, tensorboard: bool = True, primary: bool = True,
+                 wandb: dict | None = None):
+        """`wandb`: {"project", "mode", "name", "config"} to log to Weights & Biases too (the
+        config dict is stored with the W&B run); None or an empty project: off."""
         self.primary = primary
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tensorboard") if tensorboard else None
         self._file = None
         self._tb = None
+        self._wandb = None
+        self.wandb_url = None
         if primary:
             os.makedirs(workdir, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -29,6 +35,9 @@ class MetricsWriter:
                 from tensorboardX import SummaryWriter
 
                 self._tb = SummaryWriter(self.tb_dir)
+            if wandb and wandb.get("project"):
+                self._wandb = _start_wandb(workdir, wandb)
+                self.wandb_url = getattr(self._wandb, "url", None)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.primary:
@@ -39,6 +48,9 @@ class MetricsWriter:
             for k, v in clean.items():
                 if math.isfinite(v):
                     self._tb.add_scalar(f"train/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in clean.items() if math.isfinite(v)},
+                            step=step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -47,6 +59,27 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(workdir: str, spec: dict):
+    """A W&B run for this workdir. Its id is kept in <workdir>/wandb_id, so a resumed run
+    continues the same W&B run (resume="allow"); offline runs write under <workdir>/wandb."""
+    import wandb
+
+    id_path = os.path.join(workdir, "wandb_id")
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_path, "w") as f:
+            f.write(run_id + "\n")
+    name = spec.get("name") or os.path.basename(os.path.abspath(workdir))
+    return wandb.init(project=spec["project"], name=name, mode=spec.get("mode", "online"),
+                      dir=workdir, id=run_id, resume="allow", config=spec.get("config"))
 
 
 def rebuild_tensorboard(workdir: str) -> None:

@@ -284,7 +284,15 @@ def _fmt_ranks(ranks: list[int]) -> str:
 
 
 def comparison_rows(plans: list["Plan"]) -> list[dict[str, str]]:
-    """One row per plan (e.g. the planner's choice and its runners-up): layout and prediction."""
+    """One row per plan (e.g. the planner's choice and its runners-up): layout and prediction.
+    Recompute, placement and device order get a column only where the plans differ in them,
+    so two rows never look alike while their predictions differ."""
+    extra = {"remat": lambda p: p.remat or "model's",
+             "placement": lambda p: p.placement,
+             "devices": lambda p: p.predicted.get("layout") or (
+                 "rank order" if p.device_order == tuple(range(len(p.device_order)))
+                 else "reordered")}
+    shown = [k for k, f in extra.items() if len({f(p) for p in plans}) > 1]
     rows = []
     for i, p in enumerate(plans):
         pr = p.predicted
@@ -293,6 +301,7 @@ def comparison_rows(plans: list["Plan"]) -> list[dict[str, str]]:
                "micro-batches": str(p.microbatches), "zero": p.zero.name,
                "layers/stage": ",".join(map(str, p.stage_layers))
                if p.pp <= 8 else f"{min(p.stage_layers)}-{max(p.stage_layers)}"}
+        row.update({k: extra[k](p) for k in shown})
         if "step_time_s" in pr:
             row.update({"step": seconds(pr["step_time_s"]),
                         "tokens/s": f"{pr['tokens_per_s']:,.0f}",

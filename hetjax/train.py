@@ -239,7 +239,8 @@ class Trainer:
         self.quiet = quiet
         self.topology = topology or hconfig.build_topology(config)
         self.plan = plan or plan_from_config(config, self.topology)
-        self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle)
+        self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle,
+                                     sites=bool(config.diloco.inner_steps))
         self.workdir = workdir or config.workdir
         self.tokenizer = tokenizer_from_config(config.data)
         self.model_cfg = dataclasses.replace(
@@ -501,8 +502,13 @@ class Trainer:
     def save(self, *, eval_loss: float | None = None, wait: bool = False) -> int:
         """Checkpoint the current step (state, data position, config, plan); returns the step.
 
-        The save is asynchronous unless checkpoint.async_save is off or `wait` is set."""
+        The save is asynchronous unless checkpoint.async_save is off or `wait` is set. A step
+        already checkpointed (train() saves its last one) is not written again."""
         step = int(self.state.step)
+        if step in self.checkpointer.steps():
+            if wait:
+                self.checkpointer.wait()
+            return step
         meta = {"step": step, "config": json.loads(self.config.to_json_best_effort()),
                 "plan": self.plan.to_dict(), "data": self.data_spec.to_dict(),
                 # All randomness is a function of the seed and the step: parameters are
@@ -562,7 +568,9 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def describe(self) -> str:
-        lines = [self.topology.describe(), self.plan.describe(self.topology)]
+        lines = [self.topology.describe()]
+        if not self.config.diloco.inner_steps:  # under DiLoCo the sites' own plans (the
+            lines.append(self.plan.describe(self.topology))  # executor's lines) are what runs
         lines += [f"  note: {n}" for n in self.notes]
         if self.executor.describe():
             lines.append(self.executor.describe())
@@ -746,7 +754,9 @@ class Trainer:
                       file=sys.stderr, flush=True)
             if (resumed is not None or dropped) and self.config.tensorboard:
                 rebuild_tensorboard(self.workdir)  # TensorBoard shows what the file holds
-        writer = MetricsWriter(self.workdir, self.config.tensorboard, primary)
+        writer = MetricsWriter(self.workdir, self.config.tensorboard, primary,
+                               wandb={**self.config.wandb.to_dict(),
+                                      "config": self.config.to_dict()})
         progress = Progress(total, int(self.state.step), cfg.progress and not self.quiet,
                             cfg.log_every, primary)
         if resumed is not None and primary and not self.quiet:
@@ -840,6 +850,7 @@ class Trainer:
             "workdir": os.path.abspath(self.workdir),
             "metrics": os.path.abspath(writer.path),
             "tensorboard": os.path.abspath(writer.tb_dir) if writer.tb_dir else None,
+            "wandb": writer.wandb_url,
             "plot": os.path.abspath(plot_path) if primary and os.path.exists(plot_path) else None,
         })
         if ckpt.every:
@@ -858,11 +869,12 @@ class Trainer:
         return summary
 
     def _plot_title(self, resumed: int | None = None) -> str:
-        """The run's name and plan (the plan of the steps since `resumed`, when resumed)."""
+        """What ran: model size, topology and plan (the plan of the steps since `resumed`, when
+        resumed). Not the workdir, whose name is often a temporary directory's."""
         p = self.plan
         since = f" since step {resumed}" if resumed is not None else ""
-        return (f"{os.path.basename(os.path.abspath(self.workdir))}: pp={p.pp} dp={p.dp} "
-                f"tp={p.tp}{since}")
+        return (f"{self.model_cfg.num_params / 1e6:.2f}M parameters on {self.topology.name}: "
+                f"pp={p.pp} dp={p.dp} tp={p.tp}{since}")
 
     def _complete(self, total: int, resumed: int | None) -> RunSummary:
         """The summary of a run that is already at step `total`: from its metrics file."""

@@ -695,9 +695,9 @@ def format_table(schedule: Schedule) -> str:
 
 
 def plot_timeline(events: list[Event], path: str, title: str = "",
-                  stage_labels: Sequence[str] = ()) -> str:
+                  stage_labels: Sequence[str] = (), time_unit: str = "s") -> str:
     """Draw a timeline (one row per stage, F blue / B or I orange / W green, labelled by
-    micro-batch and chunk) as PNG."""
+    micro-batch and chunk) as PNG; `time_unit` names the events' unit on the time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -724,7 +724,7 @@ def plot_timeline(events: list[Event], path: str, title: str = "",
     labels = list(stage_labels) or [f"stage {s}" for s in range(stages)]
     ax.set_yticklabels(labels[::-1])
     ax.set_xlim(0, end)
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({time_unit})")
     busy = sum(e.end - e.start for e in events)
     ax.set_title(title or f"bubble {1 - busy / (stages * end):.0%}", loc="left", fontsize=10)
     fig.tight_layout()

@@ -152,7 +152,8 @@ def plots(outdir: str = os.path.join(REPO, "docs", "img"), stages: int = 4,
         held = ", ".join(f"{s.activation_share(st):g}" for st in range(stages))
         path = sch.plot_timeline(events, os.path.join(outdir, f"{name}.png"),
                                  title=f"{name}: {stages} stages, {microbatches} micro-batches, "
-                                       f"B = 2F; micro-batches held per stage: {held}")
+                                       f"B = 2F; micro-batches held per stage: {held}",
+                                 time_unit="one stage's forward = 1")
         print(f"wrote {os.path.relpath(path, REPO)}")
 
 

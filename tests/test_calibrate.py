@@ -326,3 +326,22 @@ def test_plausibility_guard_states_the_fit_and_warns_only_far_outside_it(capsys)
     assert "predicted MFU" in out and "fitted on Holmes Table 1" in out
     assert "warning: this prediction extrapolates far outside that fit: a model of" in out
     assert "accelerator cpu never fitted" in out
+
+
+def test_calibration_plot_legends_sit_below_the_points(tmp_path, monkeypatch):
+    """The log-log squares fill with points: each legend goes under its axes, not over them."""
+    import matplotlib.pyplot as plt
+
+    from hetjax.planner.calibrate import load_calibration, plot_calibration
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cal = load_calibration(os.path.join(repo, "docs", "results",
+                                        "calibration_hetaccel_0808.json"))
+    plot_calibration(cal, str(tmp_path / "cal.png"))
+    (fig,) = closed
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent()
+        assert legend.y1 < ax.get_window_extent().y0  # wholly below the axes

@@ -157,3 +157,15 @@ def test_cli_trains_default_config_for_five_steps(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "topology 'cpu_hybrid'" in r.stdout and "summary" in r.stdout
     assert os.path.exists(tmp_path / "metrics.jsonl") and os.path.exists(tmp_path / "plan.json")
+
+
+def test_python_load_config_never_shares_the_commands_workdir():
+    """hetjax.load_config (Python, notebooks) puts a run left at the default workdir in
+    runs/python, never the `hetjax` command's runs/default; a workdir set anywhere is kept."""
+    import hetjax
+
+    assert load_config(DEFAULT).workdir == "runs/default"  # what the CLI reads
+    assert hetjax.load_config(DEFAULT).workdir == "runs/python"
+    assert hetjax.load_config(DEFAULT, ["--config.workdir=runs/mine"]).workdir == "runs/mine"
+    assert hetjax.load_config(DEFAULT, ["--config.workdir=runs/default"]).workdir == \
+        "runs/default"

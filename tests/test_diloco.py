@@ -115,6 +115,28 @@ def test_sites_and_their_errors():
         site_clusters(t, ("paris",))
 
 
+def test_sites_run_pp_1_whatever_the_jobs_pipeline_and_no_note_says_otherwise():
+    """The default job pipelines across its clusters (pp = 2); under DiLoCo each site plans
+    pp = 1 inside its own clusters, with no flag to add, and the placement notes do not call
+    the sites' exchange across clusters a problem a pipeline would fix."""
+    from hetjax.config import build_topology, load_config
+    from hetjax.planner import check_placement, plan_from_config
+    from hetjax.planner.diloco import site_clusters, site_config, site_topology
+
+    cfg = load_config("configs/default.py", ["--config.diloco.inner_steps=50"])
+    assert cfg.parallel.pp == 2
+    topology = build_topology(cfg)
+    sc = site_config(cfg, 2)
+    for _, clusters in site_clusters(topology):
+        plan = plan_from_config(sc, site_topology(topology, clusters))
+        assert (plan.pp, plan.tp, plan.dp) == (1, 2, 2)
+    whole = plan_from_config(load_config("configs/default.py", ["--config.parallel.pp=1"]),
+                             topology)
+    assert any("would keep them inside one cluster" in n
+               for n in check_placement(whole, topology))
+    assert check_placement(whole, topology, sites=True) == []
+
+
 def test_pricing_follows_the_ring_formulas():
     from hetjax.hardware import Link
     from hetjax.planner.cost import ring_time

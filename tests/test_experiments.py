@@ -396,3 +396,26 @@ def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
         repredict.experiment_cases(json.load(open(bad)))
     with pytest.raises(HetjaxError, match="is a calibration file.*--calibration"):
         repredict.Run.load(kept)
+
+
+def test_hetaccel_replot_draws_each_executors_t_ub_over_its_own_bars(tmp_path, monkeypatch):
+    """From a saved results file: the SPMD and MPMD T_UB each over their own bars (labels in
+    the legend, not over a bar), every '% of T_UB' note against a drawn line."""
+    seen = {}
+    real = hetaccel.bar_plot
+
+    def capture(out, title, labels, measured, predicted, ylabel, **kw):
+        seen.update(kw, labels=labels)
+        return real(out, title, labels, measured, predicted, ylabel, **kw)
+
+    monkeypatch.setattr(hetaccel, "bar_plot", capture)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = hetaccel.replot(os.path.join(repo, "docs", "results", "bench_hetaccel_0604.json"),
+                           str(tmp_path / "h.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    (spmd, _, s0, s1), (mpmd, _, m0, m1) = seen["levels"]
+    assert (s0, s1, m0, m1) == (0, 4, 5, 8)
+    assert round(spmd) == 544 and round(mpmd) == 653  # the tables' T_UB (docs/results)
+    assert [n for n in seen["notes"] if n] == ["75% of T_UB", "94% of T_UB", "102% of T_UB",
+                                               "102% of T_UB", "92% of T_UB"]
+    assert "hline" not in seen

@@ -39,15 +39,15 @@ ROOTS = ("hetjax", "layers", "parallel")
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("hetjax.errors", "hetjax.units"),
     "core": ("hetjax.hardware", "hetjax.catalogue", "hetjax.paper_presets",
-             "hetjax.testbed_presets", "hetjax.topology", "hetjax.plan", "layers", "layers.config",
+             "hetjax.testbed_presets", "hetjax.topology", "hetjax.local_preset", "hetjax.plan", "layers", "layers.config",
              "parallel", "parallel.schedules", "parallel.hlo", "parallel.wire"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
-                 "hetjax.linkcheck", "hetjax.interop", "hetjax.interop.*"),
+                 "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*"),
     "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
     "model": ("layers.*",),
     "execution": ("parallel.*", "hetjax.profile", "hetjax.measure", "hetjax.interop.hf_checkpoint"),
-    "training": ("hetjax.train", "hetjax.diloco", "hetjax.hooks"),
+    "training": ("hetjax.train", "hetjax.diloco", "hetjax.hooks", "hetjax.sampling"),
     "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}

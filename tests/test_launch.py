@@ -320,6 +320,31 @@ def test_supervisor_stops_everyone_and_returns_the_first_failure():
     assert "ran longer than --timeout 1 s" in slow.getvalue()
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_gloo_connection_lines_are_hidden_even_interleaved_and_counted_truly():
+    """gloo's per-rank lines arrive cut and mixed from its threads; every line made only of
+    them is hidden, the count says how many lines that was, --verbose shows them, and a line
+    with anything else in it is kept."""
+    garbled = [
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
+        "is : 1",
+        "[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
+        "peer ranks is : 1",
+        "0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+        "[Gloo] Rank ",
+    ]
+    kept = "step 1: loss 5.0 (Rank 0 is ready)"
+    code = ("import sys\n" + "".join(f"print({line!r}, file=sys.stderr, flush=True)\n"
+                                     for line in garbled) + f"print({kept!r}, flush=True)\n")
+    quiet, loud = io.StringIO(), io.StringIO()
+    assert launch.run([("p0", _python(code), None)], grace=1, out=quiet) == 0
+    assert launch.run([("p0", _python(code), None)], grace=1, out=loud, verbose=True) == 0
+    assert "Gloo" not in quiet.getvalue() and "peer ranks" not in quiet.getvalue()
+    assert f"[p0] {kept}" in quiet.getvalue()
+    assert f"hid {len(garbled)} gloo connection lines (--verbose shows them)" in quiet.getvalue()
+    assert loud.getvalue().count("[p0] ") == len(garbled) + 1 and "hid " not in loud.getvalue()
+
+
 class _FakeSharding:
     """The batch sharding as a process of a 2-process dp=8 job sees it: 4 local devices."""
 

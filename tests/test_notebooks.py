@@ -19,6 +19,29 @@ def test_notebook_is_stored_without_outputs(name):
     assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
 
 
+def _code_cells(name):
+    with open(os.path.join(REPO, "notebooks", name)) as f:
+        return ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_installs_itself_on_colab_and_needs_no_path_tricks(name):
+    """The first cell installs hetjax only where it does not import (Colab); nothing reaches
+    into the checkout through sys.path."""
+    code = _code_cells(name)
+    assert 'importlib.util.find_spec("hetjax") is None' in code[0] and '"pip", "install"' in code[0]
+    assert not any("sys.path" in c for c in code)
+
+
+def test_quickstart_checks_its_devices_and_trains_on_real_text():
+    """1 GPU, a TPU or 8 simulated CPU devices: the layout follows what JAX sees; the data is
+    the default corpus (Python's own sources), not synthetic tokens."""
+    code = "\n".join(_code_cells("quickstart.ipynb"))
+    assert 'jax.config.update("jax_num_cpu_devices", 8)' in code and "jax.devices()" in code
+    assert 'platform == "cpu"' in code and "*layout" in code
+    assert "synthetic" not in code and "data.source" not in code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_in_a_fresh_kernel(name, monkeypatch):

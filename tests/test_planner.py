@@ -198,7 +198,8 @@ def test_cli_plan_prints_writes_json_and_plots(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_plan_prices_a_fixed_layout_and_reports_bad_flags(capsys, monkeypatch):
-    assert run_cli(monkeypatch, "plan", "--config.parallel.pp=2") == 0
+    # (without --config the layout is searched: a fixed one names both degrees)
+    assert run_cli(monkeypatch, "plan", "--config.parallel.pp=2", "--config.parallel.tp=2") == 0
     assert "plan (config)" in capsys.readouterr().out
     assert run_cli(monkeypatch, "plan", "--json") == 2
     assert "--json needs a value" in capsys.readouterr().err

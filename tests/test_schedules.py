@@ -123,10 +123,16 @@ def test_unknown_schedule_is_refused():
         sch.make_schedule("zigzag", 2, 2)
 
 
-def test_plot_timeline_writes_png(tmp_path):
+def test_plot_timeline_writes_png_with_the_time_unit_on_its_axis(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)  # keep the figure to read its axis
     s = sch.make_schedule("gpipe", 2, 2)
     path = sch.plot_timeline(sch.timeline(s, [1, 1], [2, 2]), str(tmp_path / "t.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    sch.plot_timeline(sch.timeline(s, [1, 1], [2, 2]), str(tmp_path / "u.png"), time_unit="ms")
+    assert [f.axes[0].get_xlabel() for f in closed] == ["time (s)", "time (ms)"]
 
 
 def run_tick_program(prog: sch.TickProgram) -> list[int]:

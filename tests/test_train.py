@@ -107,6 +107,14 @@ def test_a_hook_added_from_python_runs_at_its_interval_and_sees_the_metrics(tmp_
     assert seen[-1][1]["loss"] == rows[6]["loss"]
 
 
+def test_the_loss_plot_title_names_the_model_and_plan_not_a_temporary_directory(tmp_path):
+    workdir = tmp_path / "hetjax-quickstart-x1y2z3"
+    trainer = Trainer(tiny_config(**{"workdir": str(workdir)}), quiet=True)
+    title = trainer._plot_title(resumed=10)
+    assert "x1y2z3" not in title and "hetjax-quickstart" not in title
+    assert f"parameters on {trainer.topology.name}: pp=1 dp=8 tp=1 since step 10" in title
+
+
 def test_iter_steps_yields_every_step_and_builds_nothing_before_it_is_needed():
     trainer = Trainer(tiny_config(**{"train.steps": 3}), quiet=True)
     assert trainer._state is None and trainer._data is None  # nothing compiled or opened yet
@@ -166,3 +174,18 @@ def test_chunked_cross_entropy_gives_the_same_steps():
     _, chunked, p2 = run_steps(tiny_config(**layout, **{"model.loss_chunk_tokens": 24}), steps=2)
     np.testing.assert_allclose(chunked, plain, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6), p2, p1)
+
+
+def test_the_summary_shows_paths_under_the_working_directory_relative(tmp_path, monkeypatch):
+    from hetjax.train import summary_rows
+
+    monkeypatch.chdir(tmp_path)
+    s = {"complete": True, "message": "done", "workdir": str(tmp_path / "runs" / "default"),
+         "first_loss": 5.9, "final_loss": 1.7, "metrics": str(tmp_path / "runs" / "default" /
+                                                             "metrics.jsonl"),
+         "plot": "/elsewhere/loss.png"}
+    rows = dict(summary_rows(s))
+    assert rows["workdir"] == os.path.join("runs", "default")
+    assert rows["metrics"] == os.path.join("runs", "default", "metrics.jsonl")
+    assert rows["loss curve"] == "/elsewhere/loss.png"  # outside: as it is
+    assert s["metrics"].startswith(str(tmp_path))  # the summary itself keeps absolute paths

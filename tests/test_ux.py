@@ -97,6 +97,21 @@ def test_train_without_config_runs_the_default_job():
     assert cli._parse("train", []).parallel.pp == 2
 
 
+def test_plan_without_config_searches_the_layout():
+    """`hetjax plan` without --config: the default job with pp and tp left to the planner (on
+    a preset whose nodes hold one device the job's tp = 2 cannot fit); with --config the
+    file's fixed layout is priced as written, and overrides still win."""
+    from hetjax import cli
+
+    searched = cli._parse("plan", [], search_without_config=True)
+    assert (searched.parallel.pp, searched.parallel.tp) == (0, 0)
+    fixed = cli._parse("plan", ["--config=configs/default.py"], search_without_config=True)
+    assert (fixed.parallel.pp, fixed.parallel.tp) == (2, 2)
+    assert cli._parse("plan", ["--config.parallel.tp=2"],
+                      search_without_config=True).parallel.tp == 2
+    # The documented commands on the dtfm_* presets run in tests/test_docs.py.
+
+
 # --- hetjax plan: runners-up, units, large topologies, the plot -------------------------------
 def test_units_read_like_a_person_writes_them():
     from hetjax import units
@@ -267,3 +282,52 @@ def test_a_trainer_renders_its_tables_and_the_device_map_inline():
     html = trainer._repr_html_()
     assert html.count("<table>") == 2 and "data:image/png;base64," in html
     assert "parameters" in html
+
+
+def test_runners_up_show_every_column_they_differ_in():
+    """Two plans alike but for recompute (or placement, or device order) never print as
+    identical rows; columns in which no plan differs stay out of the table."""
+    import dataclasses
+
+    from hetjax.plan import Plan, comparison_table
+
+    a = Plan(pp=2, dp=2, tp=2, stage_layers=(2, 2), microbatches=4, global_batch=32,
+             seq_len=128, remat="full", predicted={"layout": "rank order"})
+    b = dataclasses.replace(a, remat="none")
+    header, row_a, row_b = comparison_table([a, b]).splitlines()
+    assert "remat" in header and row_a.split()[-1] == "full" and row_b.split()[-1] == "none"
+    assert "placement" not in header and "devices" not in header
+    c = dataclasses.replace(a, placement="folded",
+                            device_order=(4, 5, 6, 7, 0, 1, 2, 3),
+                            predicted={"layout": "DT-FM assignment"})
+    header, _, row_c = comparison_table([a, c]).splitlines()
+    assert "remat" not in header and "placement" in header and "devices" in header
+    assert row_c.rstrip().endswith("folded     DT-FM assignment")
+
+
+def test_a_long_schedule_is_drawn_as_phases_not_a_barcode():
+    """128 micro-batches on 2 stages: warm-up forwards, the alternating steady state and the
+    cool-down backwards are a few bars a stage, each labelled with its task counts."""
+    import re
+
+    from matplotlib.collections import PolyCollection
+
+    from hetjax.planner import model_from_config, plan_from_config
+    from hetjax.planner.cost import CostModel
+    from hetjax.planner.plot import BWD, FWD, MIXED, phases, plan_figure
+    from hetjax.topology import preset
+
+    config = tiny_config(**{"parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,
+                            "train.batch_size": 512, "train.microbatches": 128})
+    topology = preset("cpu_hybrid")
+    plan = plan_from_config(config, topology)
+    model = model_from_config(config)
+    timeline = plan_figure(plan, topology, model).axes[1]
+    bars = [c for c in timeline.collections if isinstance(c, PolyCollection)]
+    assert len(bars) <= 4 * plan.pp  # 3 phases and the exposed sync, not 2 x 128 a stage
+    assert "purple: both (shade: busy share)" in timeline.get_title()
+    _, sim = CostModel(topology, model).predict(plan, with_events=True)
+    runs = phases(list(sim.events))
+    counted = sum(int(n) for r in runs for n in re.findall(r"(\d+) [FB]", r[4]))
+    assert counted == len(list(sim.events)) == 2 * 128 * plan.pp  # every task in one phase
+    assert [r[3] for r in runs if r[0] == 0] == [FWD, MIXED, BWD]  # warm-up, steady, cool-down

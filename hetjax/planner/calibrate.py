@@ -712,7 +712,7 @@ def plot_calibration(cal: Calibration, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(11, 4.8))
+    fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(11, 6))
     comp = cal.compute_table()
     for k, colour in (("fwd", "tab:blue"), ("bwd", "tab:orange")):
         x = [r[f"{k}_s"] * 1e3 for r in comp]
@@ -743,7 +743,9 @@ def plot_calibration(cal: Calibration, path: str) -> str:
         ax.set_xlabel("measured ms")
         ax.set_ylabel("modelled ms")
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
+        # below the axes: inside, it covers points (they fill the whole log-log square)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3,
+                  frameon=False)
     fig.suptitle("hetjax calibrate: measured vs modelled", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -221,14 +221,18 @@ def _fragmented(label: str, q: float, n: int, flows: int, link: Link, t_inner: f
 
 
 def site_config(c, n_sites: int):
-    """The config a site plans with: the global batch split evenly over the sites, dp left to
-    the site (the other degrees as configured)."""
+    """The config a site plans with: the global batch split evenly over the sites, pp = 1 (a
+    site trains alone inside its own clusters; a pipeline across clusters is what DiLoCo
+    replaces, so the job's parallel.pp applies to synchronous training only), dp left to the
+    site, tp as configured (0: the planner's)."""
     sc = c.copy_and_resolve_references()
     if c.train.batch_size % n_sites:
         raise ConfigError("train.batch_size", f"{c.train.batch_size} sequences do not split "
                           f"evenly over {n_sites} DiLoCo sites",
                           f"make train.batch_size a multiple of {n_sites}")
     sc.train.batch_size = c.train.batch_size // n_sites
+    sc.parallel.pp = 1
+    sc.pipeline.stage_layers = ()
     sc.parallel.dp = 0
     return sc
 

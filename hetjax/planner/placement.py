@@ -50,11 +50,13 @@ def refuse_straddle(problems: list[str]) -> None:
                         "cluster, or set --config.parallel.allow_straddle=True to accept it.")
 
 
-def check_placement(plan: Plan, topology: Topology, allow_straddle: bool = False) -> list[str]:
+def check_placement(plan: Plan, topology: Topology, allow_straddle: bool = False,
+                    sites: bool = False) -> list[str]:
     """Raise PlanError for a TP group across nodes or a stage across clusters.
 
     With `allow_straddle`, warn instead. Also returns notes on unavoidable crossings (pp = 1
-    on a multi-cluster topology puts DP across clusters).
+    on a multi-cluster topology puts DP across clusters), except under DiLoCo (`sites`), where
+    sites exchange across clusters by design and each trains pp = 1 inside its own.
     """
     problems = placement_problems(plan, topology)
     if not allow_straddle:
@@ -62,7 +64,7 @@ def check_placement(plan: Plan, topology: Topology, allow_straddle: bool = False
     for p in problems:
         warnings.warn(f"hetjax: allowed by parallel.allow_straddle: {p}", stacklevel=2)
     notes = list(problems)
-    if plan.pp < len(topology.clusters) and len(topology.clusters) > 1:
+    if plan.pp < len(topology.clusters) and len(topology.clusters) > 1 and not sites:
         crossing = [g for g in plan.dp_groups()
                     if len({topology.devices[r].cluster for r in g}) > 1]
         if crossing:

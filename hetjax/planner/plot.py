@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from layers.config import ModelConfig
 
 FWD, BWD, SYNC = "#4C72B0", "#DD8452", "#9a9a9a"
+MIXED = "#8172B3"  # an aggregated run of alternating forwards and backwards
+# Beyond this many tasks per stage a timeline is drawn as phases (warm-up, steady state,
+# cool-down) rather than one bar per task: 128 micro-batches would otherwise be a barcode.
+MAX_BARS_PER_STAGE = 32
 
 
 def plot_plan(plan: Plan, topology: Topology, model: "ModelConfig", path: str,
@@ -127,26 +131,59 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
                   loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7, frameon=False)
 
 
+def phases(events) -> list[tuple[int, float, float, str, str, float]]:
+    """A stage's tasks as up to three phases: the forwards before its first backward (warm-up,
+    blue), the forwards and backwards that alternate (steady state, purple), the backwards
+    after its last forward (cool-down, orange). (stage, start, end, colour, label, busy share
+    of the phase's span)."""
+    out = []
+    by_stage: dict[int, list] = {}
+    for e in sorted(events, key=lambda e: (e.stage, e.start)):
+        by_stage.setdefault(e.stage, []).append(e)
+    for s, evs in sorted(by_stage.items()):
+        fwd = [e.action.kind == "F" for e in evs]
+        first_b = fwd.index(False) if False in fwd else len(evs)
+        after_f = len(evs) - fwd[::-1].index(True) if True in fwd else 0
+        cuts = sorted({0, first_b, max(first_b, after_f), len(evs)})
+        for a, b in zip(cuts, cuts[1:]):
+            run = evs[a:b]
+            n_f = sum(fwd[a:b])
+            n_b = len(run) - n_f
+            colour = FWD if not n_b else BWD if not n_f else MIXED
+            label = " + ".join(f"{n} {k}" for n, k in ((n_f, "F"), (n_b, "B")) if n)
+            span = run[-1].end - run[0].start
+            busy = sum(e.end - e.start for e in run) / span if span > 0 else 1.0
+            out.append((s, run[0].start, run[-1].end, colour, label, busy))
+    return out
+
+
 def timeline(ax, plan: Plan, pred, sim) -> None:
     """One row per stage: forward (blue) and backward (orange) per micro-batch, then the
-    gradient sync the stage could not hide (grey); the axis ends at the step time."""
+    gradient sync the stage could not hide (grey); the axis ends at the step time. A long
+    schedule (more than MAX_BARS_PER_STAGE tasks a stage) is drawn as its phases instead."""
     events = list(sim.events)
     step = pred.step_time
     unit, scale = _time_unit(step)
+    aggregated = len(events) > MAX_BARS_PER_STAGE * max(plan.pp, 1)
     # Separators between bars only while bars are wide: on a long schedule they would paint
     # the thin bars white.
-    edge = "white" if len(events) <= 24 * max(plan.pp, 1) else "none"
-    for e in events:
-        color = FWD if e.action.kind == "F" else BWD
-        x, w = e.start * scale, (e.end - e.start) * scale
-        ax.broken_barh([(x, w)], (e.stage - 0.4, 0.8), facecolors=color, edgecolors=edge,
+    edge = "white" if len(events) <= 24 * max(plan.pp, 1) or aggregated else "none"
+    # An aggregated phase is shaded by how busy the stage is in it (its idle gaps are part of
+    # the bubble); its label counts its tasks.
+    bars = (phases(events) if aggregated else
+            [(e.stage, e.start, e.end, FWD if e.action.kind == "F" else BWD, str(e.action), 1.0)
+             for e in events])
+    for s, start, end, colour, _, busy in bars:
+        ax.broken_barh([(start * scale, (end - start) * scale)], (s - 0.4, 0.8),
+                       facecolors=colour, alpha=0.35 + 0.65 * busy, edgecolors=edge,
                        linewidth=0.5)
     ax.set_xlim(0, step * scale)
     ax.set_ylim(plan.pp - 0.5, -0.5)
-    for e in events:  # after the limits are set, so the fit test knows the scale
-        label = str(e.action)
-        if _fits(ax, label, (e.end - e.start) * scale, 7):
-            ax.text((e.start + e.end) / 2 * scale, e.stage, label, ha="center",
+    for s, start, end, _, label, busy in bars:  # after the limits: the fit test knows the scale
+        if aggregated:
+            label += f", {busy:.0%} busy"
+        if _fits(ax, label, (end - start) * scale, 7):
+            ax.text((start + end) / 2 * scale, s, label, ha="center",
                     va="center", fontsize=7, color="white")
     for s in range(plan.pp):
         ends = [e.end for e in events if e.stage == s]
@@ -163,8 +200,9 @@ def timeline(ax, plan: Plan, pred, sim) -> None:
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(f"simulated step: {units.seconds(step)} ({plan.schedule}, "
                  f"{units.count(plan.microbatches, 'micro-batch', 'micro-batches')}), bubble "
-                 f"{units.percent(pred.bubble, 3)} -- blue: forward, orange: backward, grey: "
-                 "gradient sync not hidden", fontsize=10)
+                 f"{units.percent(pred.bubble, 3)} -- blue: forward, orange: backward, "
+                 + ("purple: both (shade: busy share), " if aggregated else "")
+                 + "grey: gradient sync not hidden", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
 
 

@@ -348,8 +348,11 @@ def failures(cases: list[Case]) -> str:
 
 def bar_plot(path: str, title: str, labels: list[str], measured: list[float | None],
              predicted: list[float | None], ylabel: str, hline: tuple[float, str] | None = None,
-             notes: list[str] | None = None) -> str:
-    """Bars of the measured values with the predicted ones as markers."""
+             notes: list[str] | None = None,
+             levels: Sequence[tuple[float, str, int, int]] = ()) -> str:
+    """Bars of the measured values with the predicted ones as markers. `hline` (value, label):
+    a reference across every bar; `levels` (value, label, first bar, last bar): references
+    over some bars only. Their labels go in the legend, never over a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,17 +366,20 @@ def bar_plot(path: str, title: str, labels: list[str], measured: list[float | No
         ax.scatter(*zip(*pts), marker="D", color="#DD8452", zorder=3, label="predicted")
     for x, m, n in zip(xs, measured, notes or [""] * len(labels)):
         ax.annotate(n if m else "failed", (x, m or 0), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+                    xytext=(0, 2), textcoords="offset points", zorder=5,  # over the levels
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5) if n or not m
+                    else None)
     if hline:
-        ax.axhline(hline[0], color="gray", ls="--", lw=1)
-        ax.annotate(hline[1], (-0.45, hline[0]), ha="left", va="bottom", fontsize=8,
-                    color="gray")
+        ax.axhline(hline[0], color="gray", ls="--", lw=1, label=hline[1])
+    for (value, label, first, last), style in zip(levels, ("--", ":", "-.")):
+        ax.hlines(value, first - 0.45, last + 0.45, colors="black", linestyles=style, lw=1.2,
+                  label=label, zorder=4)
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     # headroom above the tallest bar and its label for the legend
     ax.set_ylim(0, max(m or 0 for m in [*measured, *predicted]) * 1.35)
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    ax.legend(fontsize=8, loc="upper right", ncol=2 + bool(hline) + len(levels))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -413,9 +419,9 @@ _BUSY_OK = False
 
 
 def bench_args(argv, name: str, doc: str, steps: int, cpus_help: str,
-               timeout: float) -> argparse.Namespace:
+               timeout: float, replot: bool = False) -> argparse.Namespace:
     """The flags both testbed benches take (`name`: bench_hetnet or bench_hetaccel), parsed;
-    --busy-ok takes effect here."""
+    --busy-ok takes effect here. `replot`: the bench can redraw its plot from its JSON."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--steps", type=int, default=steps, help="steps per run (first 2 not timed)")
     ap.add_argument("--cpus", type=float, default=0.4, help=cpus_help)
@@ -430,6 +436,9 @@ def bench_args(argv, name: str, doc: str, steps: int, cpus_help: str,
     ap.add_argument("--busy-ok", action="store_true",
                     help="do not wait for a quiet machine nor repeat disturbed runs (a quick "
                          "functional look; timings then carry the machine's load)")
+    if replot:
+        ap.add_argument("--replot", metavar="JSON",
+                        help="draw --out again from a results file this bench wrote; run nothing")
     args = ap.parse_args(argv)
     if args.busy_ok:
         allow_busy()

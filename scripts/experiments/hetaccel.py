@@ -36,6 +36,7 @@ sequences of 256) so that compute, not the once-per-step gradient sync, dominate
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -146,9 +147,50 @@ def per_device(c: Case, seconds: float | None) -> float | None:
                              seconds)
 
 
+def plot(out: str, cpus: float, names: list[str], executors: list[str], t: dict, tp: dict,
+         t_ub: dict) -> str:
+    """Measured (bars) and predicted (markers) tokens/s per device; each executor's T_UB drawn
+    over its own bars, and each heterogeneous bar's share of its executor's T_UB on it."""
+    levels = []
+    for x in ("spmd", "mpmd"):
+        bars = [i for i, e in enumerate(executors) if e == x]
+        if bars and t_ub.get(x):
+            levels.append((t_ub[x], f"T_UB, {x.upper()} runs ({t_ub[x]:,.0f})", bars[0],
+                           bars[-1]))
+    notes = [f"{t[n] / t_ub[x]:.0%} of T_UB" if t.get(n) and t_ub.get(x) and
+             n.startswith("heterogeneous") else "" for n, x in zip(names, executors)]
+    return bar_plot(out, f"Heterogeneous accelerators on the testbed\ncpu hosts {cpus:g} CPU, "
+                    f"cpu_half hosts {cpus / 2:g} CPU",
+                    [n.replace(", ", ",\n").replace(" (", "\n(") for n in names],
+                    [t.get(n) for n in names], [tp.get(n) for n in names],
+                    "tokens / s per device", notes=notes, levels=levels)
+
+
+def replot(json_path: str, out: str) -> str:
+    """The plot again from a results file the bench wrote (`--replot JSON`): nothing runs."""
+    with open(json_path) as f:
+        d = json.load(f)
+    devices = preset("testbed_hetaccel").num_devices
+
+    def tokens(case, seconds):
+        p = case["plan"]
+        return hethub_throughput(p["seq_len"], p["global_batch"], devices, seconds) \
+            if seconds and p else None
+
+    cases = d["cases"]
+    t = {c["name"]: tokens(c, c["mean_s"]) for c in cases}
+    tp = {c["name"]: tokens(c, c["predicted_s"]) for c in cases}
+    t_ub = {x: d["t_ub_by_executor"].get(f"{x} measured") for x in ("spmd", "mpmd")}
+    return plot(out, d["cpus"], [c["name"] for c in cases], [c["executor"] for c in cases],
+                t, tp, t_ub)
+
+
 def main(argv=None) -> int:
     args = harness.bench_args(argv, "bench_hetaccel", __doc__, WORKLOAD.steps,
-                              "CPU cap of a `cpu` host", 600)
+                              "CPU cap of a `cpu` host", 600, replot=True)
+    if args.replot:
+        print(f"plot: {replot(args.replot, args.out)}")
+        return 0
     work = dataclasses.replace(WORKLOAD, steps=args.steps)
     cases = select(hetaccel_cases(work, args.cpus), args.only)
     log = start("bench_hetaccel")
@@ -203,17 +245,8 @@ def main(argv=None) -> int:
     print(ACCURACY_NOTE)
     if failures(cases):
         print("\n" + failures(cases))
-    path = bar_plot(args.out, f"Heterogeneous accelerators on the testbed\ncpu hosts "
-                    f"{args.cpus:g} CPU, cpu_half hosts {args.cpus / 2:g} CPU",
-                    [c.name.replace(", ", ",\n").replace(" (", "\n(") for c in cases],
-                    [t[c.name] for c in cases], [tp[c.name] for c in cases],
-                    "tokens / s per device",
-                    hline=(t_ub, "T_UB" + (" (SPMD; each bar's note: vs its executor's)"
-                                           if len({c.executor for c in cases}) > 1 else ""))
-                    if t_ub else None,
-                    notes=[f"{t[c.name] / t_ubs[c.executor, 'measured']:.0%} of T_UB"
-                           if t[c.name] and t_ubs.get((c.executor, "measured")) and
-                           c.name.startswith("heterogeneous") else "" for c in cases])
+    path = plot(args.out, args.cpus, [c.name for c in cases], [c.executor for c in cases], t,
+                tp, {x: t_ubs.get((x, "measured")) for x in ("spmd", "mpmd")})
     print(f"\nplot: {path}")
     save_json(args.json, {"command": " ".join(sys.argv), "workload": dataclasses.asdict(work),
                           "cpus": args.cpus, "scale": args.scale, "load_end": end_load,

@@ -1,0 +1,124 @@
+"""Every fenced ```bash / ```python block of README.md and docs/**/*.md runs and succeeds.
+
+The extraction, the marks (`<!-- doc-test: skip (why) -->`, `<!-- doc-test: slow -->`) and the
+three substitution rules (a small step count, a fresh mirror of the repository root as the
+working directory, this interpreter as `hetjax`/`python`) are scripts/doc_blocks.py's; one test
+per block, so pytest-xdist spreads them. Skipped blocks show in the summary with their reason
+(`-rs`) and run with `python scripts/doc_blocks.py --skipped`.
+"""
+
+import importlib.util
+import os
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO
+
+
+def _load_doc_blocks():
+    spec = importlib.util.spec_from_file_location(
+        "doc_blocks", os.path.join(REPO, "scripts", "doc_blocks.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["doc_blocks"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+db = _load_doc_blocks()
+BLOCKS = db.all_blocks()
+
+
+def _param(b):
+    marks = []
+    if b.skip:
+        marks.append(pytest.mark.skip(reason=f"doc-test skip {b.name}: {b.skip}"))
+    elif b.slow:
+        marks.append(pytest.mark.slow)
+    return pytest.param(b, id=b.name, marks=marks)
+
+
+def _explain(b, r) -> str:
+    tail = (r.stdout[-3000:] + "\n--- stderr ---\n" + r.stderr[-4000:]).strip()
+    return (f"the documented {b.lang} block at {b.name} failed (exit {r.returncode}); "
+            f"run as:\n{textwrap.indent(db.substitute(b), '    ')}\n{tail}")
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
+def test_documented_block_runs(block):
+    r = db.run(block, timeout=600)
+    assert r.returncode == 0, _explain(block, r)
+
+
+def test_docs_have_blocks_and_every_skip_says_why():
+    assert len(BLOCKS) >= 10, [b.name for b in BLOCKS]
+    assert all(b.skip and len(b.skip) > 8 for b in BLOCKS if b.skip is not None)
+    print(f"\n{len(BLOCKS)} documented blocks: {sum(not b.skip for b in BLOCKS)} run here, "
+          f"{sum(bool(b.skip) for b in BLOCKS)} marked skip:")
+    for b in BLOCKS:
+        if b.skip:
+            print(f"  {b.name}: {b.skip}")
+
+
+SYNTHETIC = """# A page
+
+Text, then an output block that is never run:
+
+```
+$ hetjax train --config.train.stepz=1
+```
+
+<!-- doc-test: skip (why: needs root) -->
+```bash
+sudo hetjax testbed measure
+```
+
+<!-- doc-test: slow -->
+```bash
+hetjax train --config=configs/default.py   # the default job
+hetjax plan --config.parallel.pp=0 --config.train.steps=500
+```
+
+```python
+import hetjax
+config = hetjax.load_config("configs/default.py", ["--config.train.steps=50"])
+```
+"""
+
+
+def test_parse_reads_marks_and_ignores_other_fences():
+    blocks = db.parse(SYNTHETIC, "page.md")
+    assert [(b.line, b.lang, b.skip, b.slow) for b in blocks] == [
+        (10, "bash", "why: needs root", False), (15, "bash", None, True),
+        (20, "python", None, False)]
+
+
+def test_substitution_rules_are_the_documented_ones():
+    _, slow, py = db.parse(SYNTHETIC, "page.md")
+    assert db.substitute(slow).splitlines() == [
+        f"hetjax train --config=configs/default.py --config.train.steps={db.STEPS}"
+        "   # the default job",
+        f"hetjax plan --config.parallel.pp=0 --config.train.steps={db.STEPS}"]
+    assert f'"--config.train.steps={db.STEPS}"' in db.substitute(py)
+    chain = db.Block("x.md", 1, "bash", "pip install -e . && .venv/bin/hetjax launch \\\n"
+                     "    --local 2 && echo done\n")
+    assert db.substitute(chain) == (f"pip install -e . && .venv/bin/hetjax launch \\\n"
+                                    f"    --local 2 --config.train.steps={db.STEPS} && echo done\n")
+
+
+def test_a_renamed_flag_fails_the_doc_test(tmp_path):
+    """The same documented command passes as written and fails once a flag is renamed."""
+    good = "```bash\nhetjax plan --config.topology.preset=cpu_single --config.parallel.pp=1\n```\n"
+    renamed = good.replace("parallel.pp=", "parallel.ppp=")
+    (ok,), (bad,) = db.parse(good, "good.md"), db.parse(renamed, "renamed.md")
+    assert db.run(ok).returncode == 0
+    r = db.run(bad)
+    assert r.returncode != 0
+    assert "parallel.ppp" in r.stderr and "parallel.pp" in r.stderr.replace("ppp", "")
+
+
+def test_a_failing_python_block_fails(tmp_path):
+    (b,) = db.parse("```python\nimport hetjax\nhetjax.load_config(None, ['--config.x.y=1'])\n```\n")
+    r = db.run(b)
+    assert r.returncode != 0 and "config.x" in r.stderr
