@@ -18,10 +18,11 @@ The rules that make a block small (`substitute`; the only changes made to what i
 1. `--config.train.steps=N` becomes `--config.train.steps=STEPS` when N is larger, in any block;
 2. a `hetjax train` or `hetjax launch` command that sets no step count gets
    `--config.train.steps=STEPS` appended (before a trailing `# comment`);
-3. every block runs in a fresh temporary directory that mirrors the repository root (a link to
-   each top-level entry but `runs/`; `docs/` is copied, so a command that redraws a figure
-   there writes the copy), so `runs/...`, `plan.json` and other outputs land there and never
-   in the checkout; `hetjax` and `python` on its PATH are this interpreter's.
+3. every page's blocks run in order in one fresh temporary directory that mirrors the
+   repository root (a link to each top-level entry but `runs/`; `docs/` is copied, so a
+   command that redraws a figure there writes the copy), so a block can use what an earlier
+   block of its page made (`runs/...`, `plan.json`), and nothing lands in the checkout;
+   `hetjax` and `python` on its PATH are this interpreter's.
 
 `--skipped` runs blocks as written (no rule 1 or 2) in the checkout itself, as a user would.
 """
@@ -180,16 +181,18 @@ def shims(into: str) -> str:
 
 
 def run(block: Block, *, root: str = REPO, as_written: bool = False, timeout: float = 600,
-        capture: bool = True) -> subprocess.CompletedProcess:
-    """Run one block: in a mirror of root with rules 1-3, or (as_written) in root itself."""
+        capture: bool = True, into: str | None = None) -> subprocess.CompletedProcess:
+    """Run one block: in a mirror of root with rules 1-3 (`into`: a mirror made by an earlier
+    block of the same page, kept), or (as_written) in root itself."""
     code = block.code if as_written else substitute(block)
-    tmp = tempfile.mkdtemp(prefix="hetjax-doc-")
+    tmp = into or tempfile.mkdtemp(prefix="hetjax-doc-")
     try:
         cwd = root if as_written else tmp
         if as_written:
             bindir = shims(tmp)
         else:
-            mirror(root, tmp)
+            if into is None:
+                mirror(root, tmp)
             bindir = os.path.join(tmp, ".doc-test-bin")
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # a user's shell: hetjax gives itself its simulated devices
@@ -203,6 +206,23 @@ def run(block: Block, *, root: str = REPO, as_written: bool = False, timeout: fl
             argv = [sys.executable, script]
         return subprocess.run(argv, cwd=cwd, env=env, timeout=timeout, text=True,
                               capture_output=capture)
+    finally:
+        if into is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_page(blocks: list[Block], *, root: str = REPO, timeout: float = 600
+             ) -> tuple[Block, subprocess.CompletedProcess] | None:
+    """Run a page's blocks in order in one mirror (rule 3); the first that fails, with its
+    result, or None when all pass."""
+    tmp = tempfile.mkdtemp(prefix="hetjax-doc-")
+    try:
+        mirror(root, tmp)
+        for b in blocks:
+            r = run(b, root=root, timeout=timeout, into=tmp)
+            if r.returncode:
+                return b, r
+        return None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -3,8 +3,10 @@
 The extraction, the marks (`<!-- doc-test: skip (why) -->`, `<!-- doc-test: slow -->`) and the
 three substitution rules (a small step count, a fresh mirror of the repository root as the
 working directory, this interpreter as `hetjax`/`python`) are scripts/doc_blocks.py's; one test
-per block, so pytest-xdist spreads them. Skipped blocks show in the summary with their reason
-(`-rs`) and run with `python scripts/doc_blocks.py --skipped`.
+per page, so pytest-xdist spreads them. Skipped blocks show in the summary with their reason
+(`-rs`) and run with `python scripts/doc_blocks.py --skipped`. A page's blocks run in order in one
+directory (a block may use what an earlier one made): the default tier runs its blocks not
+marked slow, the slow tier the whole page when it has slow blocks.
 """
 
 import importlib.util
@@ -30,13 +32,19 @@ db = _load_doc_blocks()
 BLOCKS = db.all_blocks()
 
 
-def _param(b):
-    marks = []
-    if b.skip:
-        marks.append(pytest.mark.skip(reason=f"doc-test skip {b.name}: {b.skip}"))
-    elif b.slow:
-        marks.append(pytest.mark.slow)
-    return pytest.param(b, id=b.name, marks=marks)
+PAGES: dict[str, list] = {}
+for _b in BLOCKS:
+    PAGES.setdefault(_b.path, []).append(_b)
+
+
+def _page_params():
+    for path, blocks in PAGES.items():
+        runnable = [b for b in blocks if not b.skip]
+        fast = [b for b in runnable if not b.slow]
+        if fast:
+            yield pytest.param(fast, id=path)
+        if len(fast) < len(runnable):
+            yield pytest.param(runnable, id=f"{path}[whole page]", marks=pytest.mark.slow)
 
 
 def _explain(b, r) -> str:
@@ -45,10 +53,10 @@ def _explain(b, r) -> str:
             f"run as:\n{textwrap.indent(db.substitute(b), '    ')}\n{tail}")
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
-def test_documented_block_runs(block):
-    r = db.run(block, timeout=600)
-    assert r.returncode == 0, _explain(block, r)
+@pytest.mark.parametrize("blocks", list(_page_params()))
+def test_documented_page_runs(blocks):
+    failed = db.run_page(blocks, timeout=600)
+    assert failed is None, _explain(*failed)
 
 
 def test_docs_have_blocks_and_every_skip_says_why():
