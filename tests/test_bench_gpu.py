@@ -1,23 +1,16 @@
 """scripts/bench_gpu.py on CPU: its smoke shape runs every row that can run here, and its FLOPs
 count agrees with the model's parameter count."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
-from conftest import REPO
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_gpu", os.path.join(REPO, "scripts", "bench_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    from scripts import bench_gpu
+
+    return bench_gpu
 
 
 def test_matmul_parameters_are_the_models_without_embedding_and_norms():

@@ -9,26 +9,13 @@ directory (a block may use what an earlier one made): the default tier runs its 
 marked slow, the slow tier the whole page when it has slow blocks.
 """
 
-import importlib.util
-import os
-import sys
 import textwrap
 
 import pytest
 
-from conftest import REPO
 
 
-def _load_doc_blocks():
-    spec = importlib.util.spec_from_file_location(
-        "doc_blocks", os.path.join(REPO, "scripts", "doc_blocks.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["doc_blocks"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-db = _load_doc_blocks()
+from scripts import doc_blocks as db  # noqa: E402
 BLOCKS = db.all_blocks()
 
 
