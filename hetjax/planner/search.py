@@ -196,20 +196,20 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     floors = [s.cm.step_floor(lay) for lay, _, _ in todo]
     ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top) if prune else math.inf
     cands, broken = [], set()
-    for (lay, orders, tag), floor in zip(todo, floors):
+    for i, ((lay, orders, tag), floor) in enumerate(zip(todo, floors)):
         if floor >= ceiling:  # no candidate of this layout can enter the top
             s.pruned += 1
             continue
         key = (lay.pp, lay.dp, lay.tp, lay.device_order, lay.microbatches)
         if key in broken:
             continue
-        try:
-            c = s.evaluate(lay, orders, tag, zero, tuple(stage_layers))
-        except MissingLinkError as e:
-            s.rejected.append(f"pp={lay.pp} dp={lay.dp} tp={lay.tp} ({tag}): {e}")
+        c, notes = s.probed.pop(i, None) or s.evaluate_noted(lay, orders, tag, zero,
+                                                             tuple(stage_layers))
+        s.replay(notes)  # in the search's order, so messages and counts are as exhaustive
+        if isinstance(c, MissingLinkError):
+            s.rejected.append(f"pp={lay.pp} dp={lay.dp} tp={lay.tp} ({tag}): {c}")
             broken.add(key)
-            continue
-        if c is not None:
+        elif c is not None:
             cands.append(c)
     if not cands:
         raise s.infeasible()
@@ -296,6 +296,7 @@ class _Search:
         self.refused_layouts = 0  # layouts no ZeRO point fits, and the fastest of them
         self.refused_best: tuple[float, Layout, float, float] | None = None
         self.pruned = 0
+        self.probed: dict[int, tuple] = {}  # layout index -> evaluate_noted's result
         self._predictions: dict[tuple[Layout, tuple[int, ...]], Plan] = {}
 
     # --- the choices ---------------------------------------------------------------------------
@@ -605,25 +606,45 @@ class _Search:
               top: int, most: int = 24) -> float:
         """A ceiling no skipped layout's candidate could beat into the top: the top-th best
         simulated step time among the best-estimated candidates of the `most` layouts with the
-        lowest floors (those confirm simulates first anyway). What the probe notes on the way
-        (memory shortfalls, refusals) is forgotten, so messages and counts come from the
-        search itself. inf if fewer than `top` fit."""
-        saved = (self.shortfall, len(self.rejected), self.refused_layouts, self.refused_best)
+        lowest floors (those confirm simulates first anyway). Their evaluations are kept in
+        `probed` for the search, which replays their notes in its own order. inf if fewer than
+        `top` fit."""
         found = []
         for i in sorted(range(len(todo)), key=floors.__getitem__)[:most]:
             lay, orders, tag = todo[i]
-            try:
-                c = self.evaluate(lay, orders, tag, zero, stage_layers)
-            except MissingLinkError:
-                continue
-            if c is not None:
-                found.append(c)
-        self.shortfall, self.refused_layouts, self.refused_best = saved[0], saved[2], saved[3]
-        del self.rejected[saved[1]:]
+            self.probed[i] = self.evaluate_noted(lay, orders, tag, zero, stage_layers)
+            if isinstance(self.probed[i][0], _Candidate):
+                found.append(self.probed[i][0])
         if len(found) < top:
             return math.inf
         best = sorted(found, key=lambda c: c.estimate)[:top]
         return max(self.simulate(c).predicted["step_time_s"] for c in best)
+
+    def evaluate_noted(self, layout: Layout, orders, tag: str, zero,
+                       stage_layers: tuple[int, ...]):
+        """`evaluate` with what it notes (memory shortfalls, refusals, rejections) kept apart
+        for `replay`: (the candidate, None, or the MissingLinkError it raised; the notes)."""
+        saved = (self.shortfall, self.rejected, self.refused_layouts, self.refused_best)
+        self.shortfall, self.rejected, self.refused_layouts, self.refused_best = (
+            _Shortfall(), [], 0, None)
+        try:
+            try:
+                out = self.evaluate(layout, orders, tag, zero, stage_layers)
+            except MissingLinkError as e:
+                out = e
+            return out, (self.shortfall, self.rejected, self.refused_layouts, self.refused_best)
+        finally:
+            self.shortfall, self.rejected, self.refused_layouts, self.refused_best = saved
+
+    def replay(self, notes) -> None:
+        """Add one evaluation's notes to the search's, as if it had just run."""
+        shortfall, rejected, refused, best = notes
+        if shortfall.ratio < math.inf:
+            self._note(shortfall.ratio, shortfall.text)
+        self.rejected.extend(rejected)
+        self.refused_layouts += refused
+        if best is not None and (self.refused_best is None or best[0] < self.refused_best[0]):
+            self.refused_best = best
 
     def simulate(self, c: _Candidate) -> Plan:
         """The candidate's Plan with the event simulator's prediction (each simulated once)."""
