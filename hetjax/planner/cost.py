@@ -676,7 +676,7 @@ class CostModel:
         an f32 step's), so they take 4 bytes there whatever the dtype."""
         return mem.layer_bytes_per_token(
             self.model, seq_len, tp, remat or effective_remat(self.model.remat),
-            self.attention, 4.0 if cpu else self.act_bytes)
+            self.attention, 4.0 if cpu else self.act_bytes, cpu=cpu)
 
     def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
         """Transient bytes per device beyond states and kept activations: the buffers of the

@@ -86,28 +86,37 @@ TERMS = {
 }
 # Softmax statistics a fused kernel keeps per query and head (row max and sum, f32).
 FUSED_STATS_BYTES = 8.0
+# Off CPU, XLA keeps twice the score rows the CPU fit finds under 'none' (the f32 logits and
+# the probabilities, where XLA:CPU fuses one away). Measured once: one H200, jax 0.11.2, a
+# TinyLlama-1.1B-shaped step at 4 x 2048 with XLA attention needed 144 GiB; the CPU terms give
+# 94.5 GiB, with this factor 143.1 (-1%). The 'dots' (30.9 vs 28.5 GiB) and 'full' (24.9 vs
+# 23.7) steps of the same run keep no scores and are within 9% as fitted on CPU.
+GPU_KEPT_SCORE_FACTOR = 2.0
 
 
 def _bytes(w: Widths, model: "ModelConfig", seq_len: int, tp: int, attention: str,
-           act_bytes: float) -> float:
+           act_bytes: float, score_factor: float = 1.0) -> float:
     """Bytes per token of widths `w`: the activations scale with the compute dtype (off
     CPU), XLA's score rows are f32 whatever it is, a fused kernel keeps only statistics."""
     # the residual-width values a layer keeps are mostly the residual stream and its norms,
     # which tp replicates (measured: priced split, a tp = 2 step came out 11% under XLA's)
     width = model.d_model + model.n_kv_heads * model.head_dim
     heads = model.n_heads / tp
-    scores = (w.attention * heads * seq_len if attention not in FUSED_ATTENTION
+    scores = (score_factor * w.attention * heads * seq_len if attention not in FUSED_ATTENTION
               else FUSED_STATS_BYTES * heads * (w.attention > 0))
     return act_bytes / 4.0 * (w.width * width + w.ffn * model.d_ff / tp) + scores
 
 
 def layer_bytes_per_token(model: "ModelConfig", seq_len: int, tp: int, remat: str,
-                          attention: str = "xla", act_bytes: float = 4.0) -> float:
+                          attention: str = "xla", act_bytes: float = 4.0,
+                          cpu: bool = True) -> float:
     """Bytes per token one layer keeps for its backward under `remat`, split over tp
-    ('full': its input, the residual stream, replicated over tp)."""
+    ('full': its input, the residual stream, replicated over tp); `cpu` False: as XLA keeps
+    score rows on a GPU (GPU_KEPT_SCORE_FACTOR)."""
     if remat == "full":
         return model.d_model * act_bytes
-    return _bytes(TERMS[remat].kept, model, seq_len, tp, attention, act_bytes)
+    return _bytes(TERMS[remat].kept, model, seq_len, tp, attention, act_bytes,
+                  1.0 if cpu else GPU_KEPT_SCORE_FACTOR)
 
 
 def transient_bytes_per_token(model: "ModelConfig", seq_len: int, tp: int, remat: str,

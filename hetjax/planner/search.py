@@ -419,9 +419,9 @@ class _Search:
         # (states and activations), every stage at least one layer's activations.
         L = math.ceil(layers)
         live = in_flight(layout.schedule, layout.pp, layout.microbatches)
-        act = (self.cm.activation_bytes_per_token(layout.tp, layout.seq_len,
-                                                  layout.remat or None) *
-               layout.tokens_per_device())
+        act = min(self.cm.activation_bytes_per_token(layout.tp, layout.seq_len,
+                                                     layout.remat or None, cpu)
+                  for cpu in (True, False)) * layout.tokens_per_device()  # any device's
         acts = max(act * L * min(live), act * max(live))
         need = {f: zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L + acts
                 for f, _ in self._zero_cache[key]}
