@@ -187,7 +187,7 @@ class Checkpointer:
         """Start saving `step` (returns while an async save writes in the background).
 
         Refuses (HetjaxError) a state holding a NaN or Inf: a checkpoint is always one a run
-        can resume from."""
+        can resume from. A step already checkpointed is not written again."""
         natural = layout.to_natural(state)
         if not self.writer:
             return
@@ -198,6 +198,8 @@ class Checkpointer:
                 f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; the latest good "
                 f"checkpoint in {self.directory} is kept; fix: rerun to resume from it, with a "
                 "lower train.lr")
+        if step in self.steps():
+            return
         self._in_flight.append(step)
         args = ocp.args.Composite(state=ocp.args.StandardSave(natural),
                                   data=ocp.args.JsonSave(data_state),

@@ -339,6 +339,9 @@ def tokenizer_kind(path: str) -> str:
     except OSError as e:
         raise HetjaxError(f"cannot read the tokenizer {path!r} ({e.strerror}); set "
                           "data.tokenizer to 'byte' or a tokenizer file") from None
+    if not head:  # sentencepiece would read b"" as a model without pieces
+        raise HetjaxError(f"the tokenizer model {path!r} is an empty file; set data.tokenizer "
+                          "to 'byte' or to a file written by 'hetjax tokenizer train'")
     if head.lstrip()[:1] == b"{":
         return "hf"
     first = head.split(b"\n", 1)[0].strip()

@@ -248,10 +248,6 @@ class Trainer:
             dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
-        # The attention kernel this process's devices run (a named one they cannot run is a
-        # ConfigError here, before anything compiles); shown in `describe` and the summary.
-        self.attention = choose_local(self.model_cfg.attention, self.model_cfg.dtype,
-                                      self.model_cfg.head_dim, self.plan.seq_len)
         if config.data.document_mask and self.plan.pp > 1 and self.plan.executor != "spmd":
             raise ConfigError("data.document_mask", f"the MPMD pipeline executor (here pp = "
                               f"{self.plan.pp}) does not pass segment ids to its stages",
@@ -269,6 +265,12 @@ class Trainer:
         else:
             self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
                                           self.schedule, config.train.grad_clip)
+        # The attention kernel this process's devices run (a named one they cannot run is a
+        # ConfigError here, before anything compiles); shown in `describe` and the summary.
+        # After the executor: it asks JAX for the topology's devices (simulated CPU devices
+        # must be requested before JAX starts, and this looks at the devices).
+        self.attention = choose_local(self.model_cfg.attention, self.model_cfg.dtype,
+                                      self.model_cfg.head_dim, self.plan.seq_len)
         self.predicted = self._check_memory()
         # MFU is a fraction of the topology's peak: say so when JAX runs on other devices
         # (a multi-world job's process sees only its own world's devices)
@@ -505,10 +507,6 @@ class Trainer:
         The save is asynchronous unless checkpoint.async_save is off or `wait` is set. A step
         already checkpointed (train() saves its last one) is not written again."""
         step = int(self.state.step)
-        if step in self.checkpointer.steps():
-            if wait:
-                self.checkpointer.wait()
-            return step
         meta = {"step": step, "config": json.loads(self.config.to_json_best_effort()),
                 "plan": self.plan.to_dict(), "data": self.data_spec.to_dict(),
                 # All randomness is a function of the seed and the step: parameters are

@@ -25,6 +25,7 @@ def tiny_config(**overrides):
     c.model.n_kv_heads = 2
     c.model.d_ff = 128
     c.model.max_seq_len = 64
+    c.model.dtype = "float32"  # 'auto' would compute in bf16 on the paper presets' GPUs
     c.train.seq_len = 16
     c.train.batch_size = 16
     c.train.steps = 3

@@ -128,7 +128,7 @@ def test_fallback_is_said_once(caplog):
 def test_config_names_match_the_kernels():
     from hetjax import config as hconfig
 
-    assert hconfig.ATTENTION == ak.IMPLEMENTATIONS
+    assert hconfig.ATTENTION_IMPLEMENTATIONS == ak.IMPLEMENTATIONS
 
 
 def test_hetjax_plan_shows_the_kernel_each_accelerator_takes(capsys):

@@ -198,7 +198,7 @@ def test_hetjax_plan_prints_the_diloco_comparison_on_slow_sites(capsys):
     from hetjax.cli import main
 
     assert main(["hetjax", "plan", "--config.topology.preset=dtfm_multi_university",
-                 "--config.topology.nodes=2", "--config.train.batch_size=8",
+                 "--config.topology.nodes=2", "--config.train.batch_size=16",
                  "--config.diloco.inner_steps=10", "--config.diloco.codec=int4",
                  "--config.parallel.pp=0", "--config.parallel.tp=0"]) == 0
     out = capsys.readouterr().out
