@@ -178,6 +178,7 @@ def test_processes_of_one_kind_merge_to_their_mean_not_their_slowest():
         assert got[k] == pytest.approx(want[k], rel=1e-12)
 
 
+@pytest.mark.slow  # measures every link class on 8 simulated devices (~1 min)
 def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     """On the 8 simulated CPU devices (cpu_hybrid: 2 clusters x 2 nodes x 2): every link
     class, every operation and each accelerator kind is measured, with positive times."""

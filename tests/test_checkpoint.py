@@ -128,8 +128,8 @@ def pp_config(workdir, root, plan):
                     "(parallel.pipeline, stage-stacked parameters), which has not landed yet")
 @pytest.mark.parametrize("plan", [
     {"parallel.pp": 1, "parallel.dp": 8, "parallel.tp": 1},
-    {"parallel.pp": 4, "pipeline.stage_layers": (1, 1, 1, 1), "parallel.dp": 2,
-     "parallel.tp": 1}], ids=["pp1-dp8", "pp4-even"])
+    pytest.param({"parallel.pp": 4, "pipeline.stage_layers": (1, 1, 1, 1), "parallel.dp": 2,
+                  "parallel.tp": 1}, marks=pytest.mark.slow)], ids=["pp1-dp8", "pp4-even"])
 def test_pipeline_checkpoint_restores_under_another_split(pp_runs, plan):
     root = pp_runs["root"]
     other = root / ("other-" + "-".join(map(str, plan.values())))

@@ -158,6 +158,7 @@ def pp_collective_bytes(trainer) -> list[int]:
     return [op.nbytes for op in ops if "pp" in op.axes]
 
 
+@pytest.mark.slow  # reads the compiled program's transfers (~1 min)
 def test_folded_embedding_gradient_never_crosses_the_pipeline_axis(folded_run):
     """Folded, the tied embedding and the head live on device 0 and so do their gradients:
     nothing the size of the embedding's shard moves over 'pp' (only activations, gradients of
