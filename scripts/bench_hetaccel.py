@@ -8,7 +8,10 @@ predicted); this file is its command line.
 """
 
 import sys
+from pathlib import Path
 
+if not __package__:  # run as a file (python scripts/NAME.py): its experiment lives in scripts/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetjax.errors import HetjaxError  # noqa: E402
 from scripts.experiments.hetaccel import main  # noqa: E402

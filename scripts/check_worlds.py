@@ -7,7 +7,10 @@ the same losses as one process on the same devices: `scripts.experiments.worlds`
 """
 
 import sys
+from pathlib import Path
 
+if not __package__:  # run as a file (python scripts/NAME.py): its experiment lives in scripts/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.experiments.worlds import main  # noqa: E402
 
