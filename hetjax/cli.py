@@ -48,6 +48,9 @@ Examples:
   hetjax tokenizer train --vocab_size=4096 --out=tok.model --config.data.source=stdlib
   sudo hetjax testbed measure --config.topology.nodes=2
 
+Every command takes --verbose: also show what third-party libraries print (tfds's dataset
+preparation banners and progress bars, absl warnings; under launch, gloo's connection lines).
+
 Run 'hetjax <command> --help' for a command's flags.
 """
 
@@ -656,6 +659,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[1], argv[2:]
+    if command != "launch" and "--verbose" in rest:  # launch has its own, passed to its workers
+        from hetjax import noise
+
+        noise.set_verbose(True)
+        rest = [a for a in rest if a != "--verbose"]
     if command not in COMMANDS:
         print(f"hetjax: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -638,7 +638,7 @@ def parser() -> argparse.ArgumentParser:
                         "calibrate' (writes <workdir>/calibration.json)")
     p.add_argument("--verbose", action="store_true",
                    help="also show third-party noise in the workers' output (gloo's "
-                        "connection lines)")
+                        "connection lines; tfds's and absl's, as 'hetjax train --verbose')")
     p.add_argument("--dry-run", action="store_true",
                    help="print each process's command line and environment; start nothing")
     return p
@@ -651,6 +651,8 @@ def main(argv: list[str]) -> int:
         opts, config_args = take_options([a for a in config_args if a not in flags],
                                          CALIBRATE_OPTIONS)
         args.worker_options = flags + tuple(f"--{k}={v}" for k, v in opts.items())
+    if args.verbose:  # the workers show their own third-party noise too (tfds, absl)
+        args.worker_options = (*getattr(args, "worker_options", ()), "--verbose")
     stray = [a for a in config_args if not a.startswith("--config")]
     if stray:
         raise HetjaxError(f"hetjax launch does not know {stray}; its own flags are listed by "

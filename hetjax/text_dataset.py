@@ -26,6 +26,7 @@ import sys
 import tensorflow_datasets as tfds
 from etils import epath
 
+from hetjax import noise
 from hetjax.errors import HetjaxError
 
 
@@ -54,6 +55,16 @@ class HetjaxText(tfds.core.GeneratorBasedBuilder):
                                                  "path": tfds.features.Text()}),
             description="Local text files (one document per file) and .jsonl/.parquet records "
                         "(one document per record) (hetjax).")
+
+    # tfds announces a "download" of "Unknown size" and the finished preparation in bold on
+    # stdout; open_corpus says what happens in one line of its own (`hetjax.noise`).
+    def _log_download_bytes(self) -> None:
+        if noise.verbose():
+            super()._log_download_bytes()
+
+    def _log_download_done(self) -> None:
+        if noise.verbose():
+            super()._log_download_done()
 
     def _split_generators(self, dl_manager):
         return {"train": self._generate_examples()}
@@ -215,6 +226,7 @@ class _DropCustomConfigWarning(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropCustomConfigWarning())
+noise.install()
 
 
 def default_data_dir() -> str:
@@ -236,8 +248,11 @@ def open_corpus(files: list[str], data_dir: str, kind: str, field: str = "text")
     if not builder.is_prepared():
         for path in files:
             check_field(path, field)
+        print(f"hetjax: preparing the corpus ({len(files)} files) once into "
+              f"{builder.data_dir}", file=sys.stderr, flush=True)
         try:
-            builder.download_and_prepare()
+            with noise.quiet_tfds_progress():
+                builder.download_and_prepare()
             for path, bad in builder.undecodable:
                 print(f"hetjax: {path}: {bad} bytes are not UTF-8 and became U+FFFD; fix: "
                       "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that "

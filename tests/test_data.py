@@ -420,7 +420,28 @@ def test_undecodable_bytes_are_reported_per_file(tmp_path, capsys):
     (corpus / "latin1.txt").write_bytes("café crème".encode("latin-1"))
     (corpus / "utf8.txt").write_text("café")
     docs, _ = open_corpus(data.text_files(str(corpus)), str(tmp_path / "tfds"), "files")
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hetjax:")]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hetjax:")
+           and not line.startswith("hetjax: preparing the corpus")]
     assert err == [f"hetjax: {corpus}/latin1.txt: 2 bytes are not UTF-8 and became U+FFFD; "
                    "fix: convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) if that "
                    "matters"]
+
+
+def test_preparing_a_corpus_hides_tfds_noise_unless_verbose(corpus, tmp_path, capfd, caplog,
+                                                            monkeypatch):
+    from hetjax.noise import ENV_VERBOSE
+
+    noise = ("Downloading and preparing dataset", "Generating splits", "has no dataset_info.json",
+             "downloaded and prepared to")
+    files = data.text_files(str(corpus))
+    for verbose in ("0", "1"):
+        monkeypatch.setenv(ENV_VERBOSE, verbose)
+        open_corpus(files, str(tmp_path / f"tfds{verbose}"), "files")  # prepared anew each
+        out, err = capfd.readouterr()
+        text = out + err + caplog.text  # absl's records reach pytest's handler, not stderr
+        caplog.clear()
+        assert f"hetjax: preparing the corpus (5 files) once into {tmp_path}/tfds" in text
+        if verbose == "1":
+            assert all(n in text for n in noise), text
+        else:
+            assert not [n for n in noise if n in text], text

@@ -220,6 +220,57 @@ def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
 
 
 # --- notebook display -------------------------------------------------------------------------
+# What tfds prints while preparing files that are already on disk, and absl's warning about it.
+TFDS_NOISE = ("Downloading and preparing dataset", "Generating splits", "has no dataset_info.json",
+              "downloaded and prepared to")
+
+
+@pytest.mark.slow  # two trainings, each compiling its step (the noise itself: test_data.py)
+def test_a_training_on_files_hides_tfds_noise_unless_verbose(tmp_path, capfd, caplog,
+                                                             monkeypatch):
+    from hetjax import cli
+    from hetjax.noise import ENV_VERBOSE
+
+    monkeypatch.setenv(ENV_VERBOSE, "0")  # restored after the test (--verbose sets it)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "some words to train on " * 20)
+    tiny = ["--config.topology.preset=cpu_single", "--config.topology.nodes=1",
+            "--config.topology.devices_per_node=1", "--config.model.d_model=32", "--config.model.n_layers=1", "--config.model.d_ff=64",
+            "--config.model.n_heads=2", "--config.model.n_kv_heads=1", "--config.parallel.pp=1",
+            "--config.parallel.tp=1", "--config.train.microbatches=1", "--config.train.steps=1",
+            "--config.train.seq_len=16", "--config.train.batch_size=8", "--config.eval.every=0",
+            "--config.checkpoint.every=0", "--config.tensorboard=false",
+            "--config.model.dtype=float32", "--config.data.source=files",
+            f"--config.data.path={corpus}"]
+    outputs = {}
+    for verbose in (False, True):  # a fresh data.dir each: the corpus is prepared each time
+        flags = [f"--config.data.dir={tmp_path / f'tfds{verbose}'}",
+                 f"--config.workdir={tmp_path / f'run{verbose}'}"] + ["--verbose"] * verbose
+        assert cli.main(["hetjax", "train", *tiny, *flags]) == 0
+        out, err = capfd.readouterr()
+        outputs[verbose] = out + err + caplog.text  # absl's records reach pytest's handler
+        caplog.clear()
+    quiet, loud = outputs[False], outputs[True]
+    assert not [n for n in TFDS_NOISE if n in quiet], quiet
+    assert all(n in loud for n in TFDS_NOISE), loud
+    for out in (quiet, loud):  # hetjax's own lines say what happens, either way
+        assert "hetjax: preparing the corpus (4 files) once into" in out
+        assert "step      1/1" in out and "summary" in out
+
+
+def test_launch_verbose_makes_its_workers_verbose_too(capsys):
+    from hetjax import launch
+
+    for verbose in (False, True):
+        assert launch.main(["--local", "2", "--dry-run", "--config.parallel.pp=1",
+                            "--config.parallel.tp=1"] + ["--verbose"] * verbose) == 0
+        commands = [line for line in capsys.readouterr().out.splitlines() if " -m hetjax " in line]
+        assert len(commands) == 2
+        assert all((" -m hetjax train --verbose " in c) == verbose for c in commands), commands
+
+
 def test_topology_plan_and_history_render_as_html_tables(finished_run):
     from hetjax.planner import plan_from_config
     from hetjax.topology import preset
