@@ -27,7 +27,6 @@ from __future__ import annotations
 import glob
 import os
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,6 +34,7 @@ from typing import Sequence
 import grain
 import numpy as np
 
+from hetjax.corpus_size import VCS_DIRS, record_kind, stdlib_files  # noqa: F401 - re-exported
 from hetjax.errors import HetjaxError
 from hetjax.tokenizer import ByteTokenizer  # noqa: F401 - the default tokenizer, re-exported
 from hetjax.tokenizer import padded_vocab  # noqa: F401 - re-exported (the planner reads it there)
@@ -43,15 +43,6 @@ SYNTHETIC_ROWS = 4096  # distinct synthetic rows (an epoch); fixed so runs of an
 
 
 # --- corpora -------------------------------------------------------------------------------------
-def stdlib_files() -> list[str]:
-    """The Python standard library's .py files (without site-packages), sorted."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-    return sorted(f for f in files if "site-packages" not in f and "dist-packages" not in f)
-
-
-# Version-control directories hold object and pack files, never the corpus.
-VCS_DIRS = (".git", ".hg", ".svn", ".bzr")
 _reported: set[str] = set()  # data.path values whose skipped files were reported
 
 
@@ -68,8 +59,6 @@ def text_files(path: str) -> list[str]:
     """Files named by a directory (all files below it, but not in version-control directories),
     a glob or a file, without binary files (record files -- .parquet, .jsonl.gz -- are read as
     records); what was skipped is reported once, with counts."""
-    from hetjax.text_dataset import record_kind
-
     vcs = 0
     if os.path.isdir(path):
         files = []

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from hetjax import config as hconfig
 from hetjax.argv import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, default_job_path, take_options
+from hetjax.corpus_size import check_corpus_size
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, DistributedError,
@@ -671,6 +672,7 @@ def main(argv: list[str]) -> int:
                                     if a.startswith("--config=")), None) or default_job_path(),
                               [a for a in config_args if a.startswith("--config.")])
     hconfig.validate(cfg)
+    check_corpus_size(cfg)  # a corpus too small fails here too, not once per worker
     topology = hconfig.build_topology(cfg)
     plan = plan_from_config(cfg, topology)  # a bad layout fails here, before any process starts
 

@@ -27,6 +27,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from hetjax import noise
+from hetjax.corpus_size import record_kind
 from hetjax.errors import HetjaxError
 
 
@@ -89,17 +90,6 @@ class HetjaxText(tfds.core.GeneratorBasedBuilder):
 
 
 # --- record files ----------------------------------------------------------------------------
-def record_kind(path: str) -> str | None:
-    """'jsonl' (.jsonl, .jsonl.gz) or 'parquet' for a file of records, None for a text file
-    (one document)."""
-    name = path.lower()
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return None
-
-
 def _no_field(path: str, field: str, fields, where: str = "") -> HetjaxError:
     have = ", ".join(repr(f) for f in fields) or "none"
     return HetjaxError(f"{path}{where} has no field {field!r} (its fields: {have}); set "

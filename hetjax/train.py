@@ -46,6 +46,7 @@ import optax
 
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
+from hetjax.corpus_size import check_corpus_size
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
@@ -235,6 +236,7 @@ class Trainer:
     def __init__(self, config, *, topology: Topology | None = None, plan: Plan | None = None,
                  workdir: str | None = None, quiet: bool = False):
         hconfig.validate(config)
+        check_corpus_size(config)  # from the files alone, before anything is built
         self.config = config
         self.quiet = quiet
         self.topology = topology or hconfig.build_topology(config)

@@ -44,7 +44,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
                  "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*",
-                 "hetjax.noise"),
+                 "hetjax.corpus_size", "hetjax.noise"),
     "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
     "model": ("layers.*",),
     "execution": ("parallel.*", "hetjax.profile", "hetjax.measure", "hetjax.interop.hf_checkpoint"),
