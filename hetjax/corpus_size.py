@@ -6,9 +6,10 @@ Each otherwise fails only after the corpus is prepared and tokenized (or the mod
 Every number here is an upper bound, so a refusal is certain to match a later failure: a text
 file is one document; a Parquet file's rows come from its footer; a .jsonl file has at most one
 document a line. A document of b bytes is at most 3 b + 3 tokens (undecodable bytes become the
-3-byte U+FFFD; BOS, EOS and a tokenizer's word prefix), and when that loose bound already fails,
-the small files are read for their exact UTF-8 length (a token is at least one byte). Compressed
-files (.jsonl.gz, Parquet text) have no cheap size bound and leave their rule unchecked.
+3-byte U+FFFD; BOS, EOS and a tokenizer's word prefix); when that loose bound is within 3x of
+failing, the files are read for their exact UTF-8 lengths (a token is at least one byte). A
+corpus over EXACT_READ_LIMIT bytes is only listed, never read. Compressed files (.jsonl.gz,
+Parquet's text) have no cheap size bound and leave their batch rules to the loader.
 JAX-free, like config validation: `Trainer` and `hetjax launch` call `check_corpus_size` first.
 """
 
@@ -106,7 +107,8 @@ def source_size(files: list[str], field: str, exact: bool = False) -> SourceSize
     """Bounds for the documents of `files`: loose ones from sizes and footers, or (`exact`,
     when they hold at most EXACT_READ_LIMIT bytes) each text or plain .jsonl file read for its
     documents' exact UTF-8 lengths."""
-    exact = exact and sum(os.path.getsize(p) for p in files) <= EXACT_READ_LIMIT
+    small = sum(os.path.getsize(p) for p in files) <= EXACT_READ_LIMIT
+    exact = exact and small
     docs: int | None = 0
     tokens: list[int] | None = []
     for path in files:
@@ -120,10 +122,13 @@ def source_size(files: list[str], field: str, exact: bool = False) -> SourceSize
         if kind == "jsonl":
             lengths = _jsonl_texts(path, field) if exact else None
             if lengths is None:  # at most one document a line, all of the file's bytes
-                with open(path, "rb") as f:
-                    lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(2**20), b""))
-                n, bound = lines + 1, [LOOSE_TOKENS_PER_BYTE * size + PER_DOCUMENT_TOKENS * (
-                    lines + 1)]
+                if small:
+                    with open(path, "rb") as f:
+                        n = 1 + sum(chunk.count(b"\n")
+                                    for chunk in iter(lambda: f.read(2**20), b""))
+                else:  # not read: each record is at least {"FIELD":""} and a newline
+                    n = (size + 1) // (len(field.encode()) + 8)
+                bound = [LOOSE_TOKENS_PER_BYTE * size + PER_DOCUMENT_TOKENS * n]
             else:
                 n, bound = len(lengths), [b + PER_DOCUMENT_TOKENS for b in lengths]
         else:

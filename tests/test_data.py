@@ -472,6 +472,20 @@ def test_record_files_count_their_documents_without_preparing_them(tmp_path):
     assert e.field == "data.eval_fraction"
 
 
+def test_a_large_jsonl_corpus_is_bounded_from_its_size_without_reading_it(tmp_path, monkeypatch):
+    from hetjax import corpus_size
+
+    path = write_jsonl(tmp_path / "j" / "a.jsonl", RECORDS)
+    monkeypatch.setattr(corpus_size, "EXACT_READ_LIMIT", 0)  # as if it were hundreds of GB
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: pytest.fail(f"read {f}")
+                        if str(f) == str(path) else real_open(f, *a, **k))
+    size = corpus_size.source_size([str(path)], "text", exact=True)
+    # each record is at least {"text":""} and a newline: a bound, and above the 6 records
+    assert size.documents == (os.path.getsize(path) + 1) // 12 >= len(RECORDS)
+    corpus_size.check_corpus_size(text_config(tmp_path / "j", tmp_path, **{
+        "data.eval_fraction": 0.1, "eval.every": 1}))  # not refused on a bound it cannot prove
+
 def test_a_batch_larger_than_the_corpus_is_refused_with_a_bound_that_holds(corpus, tmp_path):
     config = text_config(corpus, tmp_path, **{"train.batch_size": 64})
     e = _refusal(config)
