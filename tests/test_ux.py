@@ -271,6 +271,20 @@ def test_launch_verbose_makes_its_workers_verbose_too(capsys):
         assert all((" -m hetjax train --verbose " in c) == verbose for c in commands), commands
 
 
+def test_launch_refuses_a_corpus_too_small_before_starting_a_worker(tmp_path, capsys):
+    from hetjax import launch
+    from hetjax.errors import ConfigError
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(13):
+        (corpus / f"{i}.txt").write_text("text " * 100)
+    with pytest.raises(ConfigError, match="data.eval_fraction=0.077"):
+        launch.main(["--local", "2", "--config.data.source=files", f"--config.data.path={corpus}",
+                     "--config.eval.every=10"])
+    assert "started p0" not in capsys.readouterr().out
+
+
 def test_topology_plan_and_history_render_as_html_tables(finished_run):
     from hetjax.planner import plan_from_config
     from hetjax.topology import preset
