@@ -609,11 +609,16 @@ def _number(opts: dict[str, str], name: str, kind, default):
                           f"--{name}={default if default is not None else 1}") from None
 
 
-def _open_checkpoint(opts: dict[str, str], overrides: list[str]):
+def _open_checkpoint(opts: dict[str, str], overrides: list[str], eval_data: bool = False):
+    """A Trainer holding the checkpoint; with `eval_data`, the held-out split's size rules are
+    checked first (`hetjax eval` reads it whatever eval.every says)."""
     from hetjax import config as hconfig
+    from hetjax.corpus_size import check_corpus_size
     from hetjax.sampling import saved_config
 
     cfg, step = saved_config(opts["checkpoint"], overrides, _number(opts, "step", int, None))
+    if eval_data:
+        check_corpus_size(cfg, eval_needed=True)
     ensure_cpu_devices(hconfig.build_topology(cfg).num_devices)
     from hetjax.sampling import open_checkpoint
 
@@ -637,7 +642,7 @@ def cmd_sample(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     opts, overrides = _checkpoint_args("eval", argv, (), EVAL_USAGE)
-    trainer, step = _open_checkpoint(opts, overrides)
+    trainer, step = _open_checkpoint(opts, overrides, eval_data=True)
     from hetjax.sampling import evaluate
 
     r = evaluate(trainer)

@@ -285,6 +285,25 @@ def test_launch_refuses_a_corpus_too_small_before_starting_a_worker(tmp_path, ca
     assert "started p0" not in capsys.readouterr().out
 
 
+def test_eval_of_a_checkpoint_checks_the_held_out_split_before_opening_it(tmp_path, capsys):
+    import json
+
+    from hetjax import cli
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(13):
+        (corpus / f"{i}.txt").write_text("text " * 100)
+    meta = tmp_path / "run" / "checkpoints" / "5" / "meta"
+    meta.mkdir(parents=True)  # what saved_config reads: the run's config (eval.every = 0)
+    config = tiny_config(**{"data.source": "files", "data.path": str(corpus)})
+    (meta / "metadata").write_text(json.dumps({"config": config.to_dict()}))
+    assert cli.main(["hetjax", "eval", f"--checkpoint={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "config.data.eval_fraction: 0.01 of the 13 documents" in err
+    assert "--config.data.eval_fraction=0.077" in err
+
+
 def test_topology_plan_and_history_render_as_html_tables(finished_run):
     from hetjax.planner import plan_from_config
     from hetjax.topology import preset
