@@ -939,7 +939,7 @@ def _beating_children(tmp_path):
     code = ("import os, sys, time; from hetjax.launch import start_heartbeat; start_heartbeat(); "
             f"open(os.path.join({str(tmp_path)!r}, sys.argv[1] + '.pid'), 'w')"
             ".write(str(os.getpid())); time.sleep(120)")
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO, "HETJAX_HEARTBEAT": "1"}
     return [(name, (sys.executable, "-c", code, name), env) for name in ("p0", "p1")]
 
 
@@ -992,6 +992,147 @@ def test_a_stopped_worker_stops_the_job_after_the_heartbeat_timeout(tmp_path):
     assert result == [1] and failed == ["p1"], log
     assert f"hetjax launch: p1 (pid {pids['p1']}) stopped making progress: no heartbeat for " \
         in log and "(--heartbeat-timeout 5); stopping p0, p1" in log, log
+
+
+
+def test_heartbeats_of_srun_tasks_are_read_from_their_labels():
+    """srun carries every task's output in one stream, each line after its `--label`: the
+    launcher takes each task's heartbeat from it, names the task that stopped beating (p1),
+    and joins again a line a heartbeat cut before its newline."""
+    import io
+
+    from hetjax import launch
+
+    code = ("import sys, time\n"
+            "w = sys.stderr.write\n"
+            "w('0: training' + '\\n'); w('0: cut <hetjax heartbeat>' + '\\n'); w('0: ' + '\\n')\n"
+            "for i in range(60):\n"
+            "    w('0: <hetjax heartbeat>\\n' + ('1: <hetjax heartbeat>\\n' if i < 2 else ''))\n"
+            "    sys.stderr.flush(); time.sleep(0.5)\n")
+    out, failed = io.StringIO(), []
+    rc = launch.run([("srun", (sys.executable, "-c", code), None)], grace=1, out=out,
+                    failed=failed, hang_timeout=3, labelled=True)
+    log = out.getvalue()
+    assert rc == 1 and failed == ["p1"], log
+    assert "hetjax launch: p1 (srun task 1) stopped making progress: no heartbeat for " in log
+    assert "[srun] 0: training\n[srun] 0: cut \n" in log and "heartbeat>" not in log, log
+
+
+def _launched(args: list[str], cwd=REPO, path: str | None = None):
+    """`hetjax launch *args` in the background: (process, its output lines so far)."""
+    import threading
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO
+    if path:
+        env["PATH"] = path + os.pathsep + env["PATH"]
+    proc = subprocess.Popen([sys.executable, "-m", "hetjax", "launch", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                     daemon=True).start()
+    return proc, lines
+
+
+def _wait_for_rows(proc, lines, metrics, n: int, timeout: float = 300) -> None:
+    from hetjax.metrics import read_metrics
+
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(read_metrics(str(metrics))) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+
+
+# The launched jobs' model: tiny, on the default topology's 8 CPU devices (2 processes x 4).
+LAUNCH_TINY = ["--config.model.d_model=32", "--config.model.n_layers=2",
+               "--config.model.n_heads=4", "--config.model.n_kv_heads=2",
+               "--config.model.d_ff=64", "--config.model.max_seq_len=64",
+               "--config.train.seq_len=16", "--config.train.batch_size=16",
+               "--config.train.warmup_steps=1", "--config.train.log_every=1",
+               "--config.train.progress=False", "--config.data.source=synthetic",
+               "--config.tensorboard=False", "--config.parallel.pp=1", "--config.parallel.dp=0",
+               "--config.parallel.tp=1", "--config.train.microbatches=1", "--config.eval.every=0"]
+
+FAKE_SSH = """#!/bin/sh
+# A stand-in for ssh: run the remote command (the last argument) on this machine.
+for last; do :; done
+exec sh -c "$last"
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_over_ssh_is_named_and_dropped_by_elastic(tmp_path):
+    """`hetjax launch --hostfile` through an ssh on PATH that runs the command here; after
+    training has begun, `kill -STOP` p1 (its whole remote session, as a frozen host). The
+    launcher reads the heartbeats from ssh's stderr, names p1 (not p0, whose JAX heartbeat
+    check aborts it), and --elastic restarts without p1's host; the run completes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\nlocalhost\n")
+    workdir = tmp_path / "run"
+    from test_launch import free_port
+
+    proc, lines = _launched(
+        ["--hostfile", str(hosts), "--port", str(free_port()), "--max-restarts", "1",
+         "--elastic", "--heartbeat-timeout", "10", "--grace", "2", "--timeout", "400",
+         *LAUNCH_TINY, "--config.train.steps=24", "--config.checkpoint.every=2",
+         f"--config.workdir={workdir}"], path=str(bin_dir))
+    try:
+        _wait_for_rows(proc, lines, workdir / "metrics.jsonl", 2)
+        started = next(line for line in lines if line.startswith("hetjax launch: started p1 "))
+        p1 = int(started.split("(pid ")[1].rstrip(")\n"))
+        os.killpg(p1, signal.SIGSTOP)  # ssh and the worker it runs: that host froze
+        rc = proc.wait(timeout=500)
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    assert rc == 0, log[-6000:]
+    assert f"hetjax launch: p1 (pid {p1}) stopped making progress" in log, log[-6000:]
+    assert "hetjax launch: failed: p1 stopped making progress first" in log
+    assert "hetjax launch: --elastic: dropped p1; re-planned on 4 devices" in log
+    assert "dropped p0" not in log and "failed: p0" not in log
+    from hetjax.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == list(
+        range(1, 25))
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing(tmp_path):
+    """SIGINT to `hetjax launch --local 2` (what Ctrl-C sends it): both workers agree on a
+    step, save it and exit 130 (with `checkpoint.every=0`, nothing else is saved); the rerun
+    resumes from it, and the losses equal an uninterrupted run's."""
+    from hetjax.metrics import read_metrics
+
+    args = ["--local", "2", "--timeout", "400", *LAUNCH_TINY, "--config.train.steps=12",
+            "--config.checkpoint.every=0"]
+    reference, lines = _launched([*args, f"--config.workdir={tmp_path / 'reference'}"])
+    assert reference.wait(timeout=500) == 0, "".join(lines)
+    workdir = tmp_path / "run"
+    proc, lines = _launched([*args, f"--config.workdir={workdir}"])
+    try:
+        _wait_for_rows(proc, lines, workdir / "metrics.jsonl", 2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    assert rc == 130, log[-6000:]
+    saved = [line for line in lines if "hetjax: interrupted (SIGINT) after step " in line]
+    assert len(saved) == 2, log[-6000:]  # both workers
+    step = int(saved[0].split("after step ")[1].split(":")[0])
+    assert all(f"saved checkpoint {step} in {workdir}/checkpoints" in line for line in saved)
+    assert step < 12 and sorted(os.listdir(workdir / "checkpoints")) == [str(step), "tokenizer"]
+    assert "hetjax launch: interrupted: asking p0, p1 to save the step they agree on" in log
+    rerun, lines = _launched([*args, f"--config.workdir={workdir}"])
+    assert rerun.wait(timeout=500) == 0, "".join(lines)
+    assert any(f"resumed from checkpoint {step}" in line for line in lines), "".join(lines)
+    ours = [r["loss"] for r in read_metrics(str(workdir / "metrics.jsonl"))]
+    want = [r["loss"] for r in read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))]
+    assert len(ours) == 12 and ours == pytest.approx(want, rel=1e-6)
 
 
 def markdown_table(tmp: str) -> str:
