@@ -658,12 +658,16 @@ class Trainer:
                   f"({bad} in a row, train.max_bad_steps = {limit})", file=sys.stderr,
                   flush=True)
         if bad >= limit:
+            first = step - bad + 1
+            # After a DiLoCo outer step, the parameters it made (and saved) are what failed.
+            removed = self._remove_checkpoint_before(first, "them") if self._after_outer_step(
+                first) else ""
             raise HetjaxError(
-                f"train.max_bad_steps: {bad} steps in a row ({step - bad + 1}-{step}) had a "
-                f"non-finite loss or gradient norm; training stopped, nothing of them was saved"
-                f" (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step - bad + 1)}, "
-                "check model.vocab_size and the data, then rerun to resume from the latest "
-                "checkpoint")
+                f"train.max_bad_steps: {bad} steps in a row ({first}-{step}) had a "
+                f"non-finite loss or gradient norm; training stopped, {removed}nothing of them "
+                f"was saved (checkpoints in {self.checkpoint_dir}); fix: {self._blame(first)}, "
+                + ("" if removed else "check model.vocab_size and the data, ")
+                + "then rerun to resume from the latest checkpoint")
         return bad
 
     def _check_diverged(self, step: int, loss: float) -> None:
@@ -676,14 +680,7 @@ class Trainer:
             self._first_loss = loss
             return
         if ratio and loss > ratio * self._first_loss:
-            removed = ""
-            if self._last_saved == step - 1:
-                # Step N's loss is that of the parameters after step N - 1 (a DiLoCo outer
-                # step, say): the checkpoint of N - 1 holds the diverged parameters.
-                self.checkpointer.wait()
-                self.checkpointer.manager.delete(step - 1)
-                self._last_saved = None
-                removed = f"checkpoint {step - 1}, whose parameters gave this loss, was removed; "
+            removed = self._remove_checkpoint_before(step, "this loss")
             raise HetjaxError(
                 f"train.max_loss_ratio: the run diverged: step {step}'s loss {loss:.4g} is "
                 f"{loss / self._first_loss:.1f}x its first loss {self._first_loss:.4g} (limit "
@@ -691,11 +688,28 @@ class Trainer:
                 f"was saved (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step)}, "
                 "then rerun to resume from the latest checkpoint")
 
+    def _remove_checkpoint_before(self, step: int, what: str) -> str:
+        """Step N's loss is that of the parameters after step N - 1 (a DiLoCo outer step, say):
+        when N - 1 was just saved, that checkpoint holds the parameters that gave `what`, so it
+        is removed. Returns the words saying so (empty when nothing was removed)."""
+        if self._last_saved != step - 1:
+            return ""
+        self.checkpointer.wait()
+        self.checkpointer.manager.delete(step - 1)
+        self._last_saved = None
+        return f"checkpoint {step - 1}, whose parameters gave {what}, was removed; "
+
+    def _after_outer_step(self, step: int) -> bool:
+        """Whether `step` is the first step after a DiLoCo exchange (an outer step)."""
+        d = self.config.diloco
+        return bool(d.inner_steps) and step > 1 and (step - 1) % (d.inner_steps //
+                                                                  d.fragments) == 0
+
     def _blame(self, step: int) -> str:
         """What to lower for a blow-up first seen at `step`: DiLoCo's outer step when the step
         is the first after an exchange, else the inner learning rate."""
         d, t = self.config.diloco, self.config.train
-        if d.inner_steps and step > 1 and (step - 1) % (d.inner_steps // d.fragments) == 0:
+        if self._after_outer_step(step):
             return (f"lower diloco.outer_lr (= {d.outer_lr:g}) or diloco.outer_momentum "
                     f"(= {d.outer_momentum:g}): it came right after the outer step of step "
                     f"{step - 1}")
@@ -770,6 +784,10 @@ class Trainer:
 
         def checkpoint(info):
             self._check_diverged(info.step, info.metrics["loss"])  # never save a blown-up run
+            if not (np.isfinite(info.metrics["loss"]) and np.isfinite(info.metrics["grad_norm"])):
+                # A skipped update: the state is the last step's, or (a DiLoCo outer step
+                # after a blow-up) worse; `_check_finite` reports it a step later.
+                return
             self.save(eval_loss=info.added.get("eval_loss"))
 
         rows: list[dict[str, float]] = []  # this process's log rows (process 0 has the file)

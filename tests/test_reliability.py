@@ -753,6 +753,48 @@ def test_a_diverging_run_stops_and_saves_nothing_of_it(trainer, tmp_path):
     assert saved == [1]
 
 
+
+# (diloco.outer_lr, the error's words between "training stopped, " and the fix)
+OUTER_BLOWUPS = [
+    (1e30, "train.max_bad_steps: 3 steps in a row (3-5) had a non-finite loss or gradient norm;"
+           " training stopped, checkpoint 2, whose parameters gave them, was removed; nothing of"
+           " them was saved"),
+    pytest.param(1000.0, "train.max_loss_ratio: the run diverged: step 3's loss {loss} is "
+                 "{ratio}x its first loss {first} (limit 4x); training stopped, checkpoint 2, "
+                 "whose parameters gave this loss, was removed; nothing after the latest "
+                 "checkpoint was saved", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("outer_lr, stopped", OUTER_BLOWUPS, ids=["non-finite", "diverged"])
+def test_a_diloco_outer_lr_that_blows_up_is_blamed_and_leaves_no_checkpoint(tmp_path, outer_lr,
+                                                                           stopped):
+    """One-process DiLoCo, 2 sites, an exchange and a checkpoint every 2 steps: the outer step
+    of step 2 blows the parameters up (to Inf-producing: every later update is skipped; or to a
+    finite loss 30x the first). The run stops naming diloco.outer_lr, not train.lr, and no
+    checkpoint of the blown-up parameters is left (checkpoint 2 was written after the outer
+    step; step 4's, whose update was skipped, is not written)."""
+    from hetjax.errors import HetjaxError
+    from hetjax.metrics import read_metrics
+    from hetjax.train import Trainer
+
+    cfg = tiny_config(**{"topology.nodes": 1, "topology.devices_per_node": 2,
+                         "diloco.inner_steps": 2, "diloco.outer_lr": outer_lr,
+                         "train.batch_size": 8, "checkpoint.every": 2,
+                         "checkpoint.async_save": False, "train.steps": 8,
+                         "train.log_every": 1, "workdir": str(tmp_path)})
+    trainer = Trainer(cfg, quiet=True)
+    with pytest.raises(HetjaxError) as e:
+        trainer.train()
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    loss, first = rows[2]["loss"], rows[0]["loss"]
+    assert str(e.value) == stopped.format(loss=f"{loss:.4g}", ratio=f"{loss / first:.1f}",
+                                          first=f"{first:.4g}") + (
+        f" (checkpoints in {tmp_path}/checkpoints); fix: lower diloco.outer_lr (= {outer_lr:g})"
+        " or diloco.outer_momentum (= 0.9): it came right after the outer step of step 2, then"
+        " rerun to resume from the latest checkpoint")
+    assert trainer.checkpointer.steps() == []
+
+
 # --- one run per workdir ------------------------------------------------------------------------
 def test_a_workdir_in_use_is_refused_naming_its_holder(tmp_path):
     import socket
