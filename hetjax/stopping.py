@@ -12,7 +12,9 @@ happens in daemon threads or at a step boundary, never inside a step, so no proc
 peer blocked in a collective to agree. A peer that never answers (stopped, dead) ends the wait
 after `HETJAX_HEARTBEAT_TIMEOUT` s; the run then stops without saving and says which steps are
 lost. In a multi-process job SIGTERM keeps its default (the launcher stops a failed job's
-workers with it); SIGINT and the launcher's line are handled.
+workers with it); SIGINT and the launcher's line are handled. A job of several JAX worlds (MPMD
+across clusters) has one key-value store per world, so it cannot agree: it stops at once,
+without saving, and says which steps are lost.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 from typing import Any
 
 from hetjax.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT
+from parallel.nic import ENV_WORLDS
 
 STOP_LINE = "hetjax: stop"  # one line on a worker's stdin: stop like Ctrl-C
 POLL_MS = 250  # how long a daemon thread's key-value read waits before it looks again
@@ -159,6 +162,9 @@ class StopFlag(threading.Event):
         Raises `NoAgreement` when the job's processes could not agree in time."""
         if not self._multi:
             return self.is_set()
+        if self.is_set() and int(os.environ.get(ENV_WORLDS, "1")) > 1:
+            raise NoAgreement("the worlds of a multi-world job share no key-value store to "
+                              "agree on a step")
         with self._lock:
             self._current = step
             heard = self._heard
