@@ -1177,6 +1177,57 @@ def test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing(tmp_p
     assert len(ours) == 12 and ours == pytest.approx(want, rel=1e-6)
 
 
+# (how the run stopped, what hetjax does, the test): the table "Never lose a run" in
+# docs/reliability.md (`python tests/test_reliability.py` prints it). Each test ends with a
+# run whose losses equal an uninterrupted run's.
+NEVER_LOSE = [
+    ("SIGTERM, any `checkpoint.every` (also 0)",
+     "saves the current step, exit 75; the rerun restores whatever checkpoint the directory "
+     "holds", "test_sigterm_without_periodic_checkpoints_resumes_from_its_save"),
+    ("SIGINT (Ctrl-C)",
+     "the same, as `interrupted (SIGINT) after step N: saved checkpoint N ...`, exit 130",
+     "test_sigint_saves_the_current_step_and_exits_130"),
+    ("a second Ctrl-C",
+     "stops at once without saving and names the lost steps: `interrupted (second SIGINT) "
+     "after step 3, without saving: steps 3-3 are lost; rerun the same command to resume from "
+     "checkpoint 2 (exit code 130)`",
+     "test_a_second_sigint_stops_at_once_and_names_the_lost_steps"),
+    ("Ctrl-C at `hetjax launch` (several processes)",
+     "the launcher writes a stop line on every worker's stdin (ssh carries it too); the workers "
+     "agree on a step, each saves it (`[p0] hetjax: interrupted (SIGINT) after step 4: saved "
+     "checkpoint 4 in ...`) and exits 130, and so does the launcher; a second Ctrl-C stops them "
+     "at once", "test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing"),
+    ("SIGKILL",
+     "nothing runs; the rerun takes the stale workdir lock over, cuts metrics.jsonl back to the "
+     "checkpoint and trains on",
+     "test_sigkill_then_rerun_takes_over_the_stale_lock_and_loses_nothing"),
+    ("a full disk (ENOSPC writing a metrics row or a checkpoint)",
+     "one line, `training stopped: <path>: No space left on device; fix: free space on the disk "
+     "holding <path> (or choose a path on another disk); then rerun the same command to resume "
+     "(checkpoint 2 in ... is kept)`; a save still in flight is drained without a second "
+     "traceback", "test_a_full_disk_is_one_error_and_the_rerun_loses_nothing"),
+    ("killed while writing a metrics row",
+     "the torn last line is dropped on resume (`repaired a torn last line`)",
+     "test_a_torn_last_metrics_line_is_repaired_on_resume"),
+]
+
+
+def never_lose_table() -> str:
+    rows = ["| how the run stopped | what hetjax does | test |", "|---|---|---|"]
+    for how, what, test in NEVER_LOSE:
+        marks = getattr(globals()[test], "pytestmark", [])
+        cases = [len(m.args[1]) for m in marks if m.name == "parametrize"]
+        note = (f" ({cases[0]} cases)" if cases else "") + (
+            " (slow)" if any(m.name == "slow" for m in marks) else "")
+        rows.append(f"| {how} | {what} | {test}{note} |")
+    return "\n".join(rows)
+
+
+def test_the_never_lose_table_in_the_docs_is_generated_from_its_tests():
+    with open(os.path.join(REPO, "docs", "reliability.md")) as f:
+        assert never_lose_table() in f.read()  # and every test it names exists
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
@@ -1194,3 +1245,5 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         _write_inputs(d)
         print(markdown_table(d))
+    print()
+    print(never_lose_table())
