@@ -32,9 +32,9 @@ peer's abort is the first exit -- and stops the job itself once a heartbeat is
 `--heartbeat-timeout` seconds old, so `--elastic` drops the host that hung, not the coordinator
 that noticed.
 
-Ctrl-C (SIGINT to the launcher) is passed on to every worker as SIGINT; the workers agree on a
-step to stop at (`hetjax.stopping`), each saves it, and the launcher waits for them (a second
-Ctrl-C stops them at once).
+Ctrl-C (SIGINT) or SIGTERM to the launcher reaches every worker as a stop line on its stdin
+(what ssh and srun forward); the workers agree on a step to stop at (`hetjax.stopping`), each
+saves it, and the launcher waits for them (a second signal stops them at once).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ import time
 from dataclasses import dataclass
 
 from hetjax import config as hconfig
+from hetjax import stopping
 from hetjax.argv import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, default_job_path, take_options
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, DistributedError,
                                 ProcessSlot, WorkerSpec, free_port, free_port_block, initialize,
                                 process_slots)
-from hetjax import stopping
 from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.planner import plan_from_config
@@ -424,8 +424,9 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     output lines begin with the task's `--label`; task N is the worker pN. Returns 0, or the
     exit code of the first failure (128 + signal; 1 for a hang), whose name is appended to
     `failed`: the worker whose heartbeat stopped, when one did, rather than the peer that exited
-    first. Ctrl-C (KeyboardInterrupt) sends each child `STOP_LINE` on its stdin (the workers
-    save an agreed step and exit 130) and waits for them; a second Ctrl-C stops them at once."""
+    first. Ctrl-C (KeyboardInterrupt) or SIGTERM sends each child `STOP_LINE` and the signal's
+    name on its stdin (the workers save an agreed step and exit 130, or 75) and waits for them;
+    a second signal stops them at once."""
     out = out or sys.stdout
     children = list(children)
     lock = threading.Lock()
@@ -476,7 +477,8 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     running = set(range(len(procs)))
     failure = None  # (name or None for the timeout, exit code, how) of the first failure
     kill_at = float("inf")
-    interrupted = False  # Ctrl-C was passed on: the workers are saving and stopping
+    stopping_on = None  # "SIGINT"/"SIGTERM" once passed on: the workers save and stop
+    stopped: list[str] = []  # the workers that then saved and stopped
 
     def stalled(exited: int = -1) -> tuple[str, float] | None:
         """The worker whose heartbeat is oldest, if older than STALLED_AFTER_S: of the running
@@ -512,7 +514,9 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
                     pass
                 else:
                     running.discard(i)
-                    if rc != 0 and failure is None and not (interrupted and rc == 130):
+                    if stopping_on and rc in (75, 130):  # saved and stopped, as asked
+                        stopped.append(names[i])
+                    elif rc != 0 and failure is None:
                         hung = stalled(exited=i)
                         if hung is not None:  # a peer it waited for stopped first: blame it
                             w, age = hung
@@ -538,15 +542,16 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
                     _signal([procs[j] for j in running], signal.SIGKILL)
                     kill_at = float("inf")
             except KeyboardInterrupt as e:
-                if interrupted or isinstance(e, _Terminated) or failure is not None:
-                    raise  # a second Ctrl-C, or SIGTERM: the finally stops them at once
-                interrupted = True
+                if stopping_on or failure is not None:
+                    raise  # a second signal: the finally stops them at once
+                stopping_on = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
                 rest = ", ".join(names[j] for j in sorted(running))
-                say(f"hetjax launch: interrupted: asking {rest} to save the step they agree on "
-                    "and stop (Ctrl-C again stops them at once, losing the steps since the "
-                    "latest checkpoint)")
+                how = "interrupted" if stopping_on == "SIGINT" else "preempted (SIGTERM)"
+                say(f"hetjax launch: {how}: asking {rest} to save the step they agree on "
+                    f"and stop ({'Ctrl-C' if stopping_on == 'SIGINT' else 'SIGTERM'} again "
+                    "stops them at once, losing the steps since the latest checkpoint)")
                 for j in running:
-                    _tell(procs[j], STOP_LINE)
+                    _tell(procs[j], f"{STOP_LINE} {stopping_on}")
     finally:
         if running:  # interrupted again, SIGTERM to the launcher: take the children along
             _stop([procs[j] for j in running], grace)
@@ -557,10 +562,10 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     if hidden[0]:
         say(f"hetjax launch: hid {hidden[0]} gloo connection lines (--verbose shows them)")
     if failure is None:
-        if interrupted:
-            say("hetjax launch: interrupted; the workers stopped as they said above; rerun the "
-                "same command to resume")
-            return 130
+        if stopping_on and stopped:  # (the job may have completed before the stop step)
+            say(f"hetjax launch: {'interrupted' if stopping_on == 'SIGINT' else 'preempted'}; "
+                "the workers stopped as they said above; rerun the same command to resume")
+            return 130 if stopping_on == "SIGINT" else 75
         return 0
     name, rc, how = failure
     if name is not None:

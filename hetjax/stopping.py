@@ -1,20 +1,20 @@
 """Stopping a training run on request, at a step every process of the job agrees on.
 
-A stop is requested by SIGTERM or SIGINT to the process (the handlers run in its main thread),
-or by `STOP_LINE` on its stdin: what `hetjax launch` writes to every worker on Ctrl-C (over ssh
-too; a daemon thread reads it). A single process saves the step in flight and stops. The
-processes of a multi-process job must stop at the same step -- a checkpoint save is collective
--- so they agree through jax.distributed's key-value store: the process that hears the request
-publishes it; each process's daemon thread, waiting on that key, answers with the step its loop
-last reached; the stop step is the largest answer + 1. No loop can be past it: from its next
-step boundary on, a loop that knows of the request waits there for the stop step. All waiting
-happens in daemon threads or at a step boundary, never inside a step, so no process needs a
-peer blocked in a collective to agree. A peer that never answers (stopped, dead) ends the wait
-after `HETJAX_HEARTBEAT_TIMEOUT` s; the run then stops without saving and says which steps are
-lost. In a multi-process job SIGTERM keeps its default (the launcher stops a failed job's
-workers with it); SIGINT and the launcher's line are handled. A job of several JAX worlds (MPMD
-across clusters) has one key-value store per world, so it cannot agree: it stops at once,
-without saving, and says which steps are lost.
+A stop is requested by SIGTERM or SIGINT to the process (the handlers run in its main
+thread), or by `STOP_LINE` on its stdin: what `hetjax launch` writes to every worker when it
+gets Ctrl-C or SIGTERM (over ssh too; a daemon thread reads it). A single process saves the
+step in flight and stops. The processes of a multi-process job must stop at the same step -- a
+checkpoint save is collective -- so they agree through jax.distributed's key-value store: the
+process that hears the request publishes it; each process's daemon thread, waiting on that
+key, answers with the step its loop last reached; the stop step is the largest answer + 1. No
+loop can be past it: from its next step boundary on, a loop that knows of the request waits
+there for the stop step. All waiting happens in daemon threads or at a step boundary, never
+inside a step, so no process needs a peer blocked in a collective to agree. A peer that never
+answers (stopped, dead) ends the wait after `HETJAX_HEARTBEAT_TIMEOUT` s; the run then stops
+without saving and says which steps are lost. In a multi-process job SIGTERM to a worker keeps
+its default (the launcher stops a failed job's workers with it); SIGINT and the launcher's line
+are handled. A job of several JAX worlds (MPMD across clusters) has one key-value store per
+world, so it cannot agree: it stops at once, without saving, and says which steps are lost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 from hetjax.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT
 from parallel.nic import ENV_WORLDS
 
-STOP_LINE = "hetjax: stop"  # one line on a worker's stdin: stop like Ctrl-C
+# One line on a worker's stdin: stop like Ctrl-C (or, followed by " SIGTERM", like SIGTERM).
+STOP_LINE = "hetjax: stop"
 POLL_MS = 250  # how long a daemon thread's key-value read waits before it looks again
 
 _lock = threading.Lock()
@@ -53,9 +54,10 @@ def listen(stream=None) -> threading.Thread:
 
     def read():
         try:
-            for line in stream:
-                if line.strip() == STOP_LINE:
-                    request("SIGINT")
+            for line in stream:  # "hetjax: stop" or "hetjax: stop SIGTERM"
+                words = line.split()
+                if " ".join(words[:2]) == STOP_LINE:
+                    request(words[2] if len(words) > 2 else "SIGINT")
         except (OSError, ValueError):
             pass  # stdin closed: nothing more will come
 

@@ -1060,6 +1060,44 @@ def test_heartbeats_of_srun_tasks_are_read_from_their_labels():
     assert "[srun] 0: training\n[srun] 0: cut \n" in log and "heartbeat>" not in log, log
 
 
+@pytest.mark.parametrize("sig, word, rc", [(signal.SIGINT, "interrupted", 130),
+                                           (signal.SIGTERM, "preempted", 75)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_the_launcher_passes_ctrl_c_and_sigterm_on_as_a_stop_line(tmp_path, sig, word, rc):
+    """`launch.run` in its own process, two children that answer the stop line as workers do
+    (save, exit 130 for Ctrl-C, 75 for SIGTERM): the launcher tells both, waits for them and
+    exits with their code; nothing is counted as a failure."""
+    import threading
+
+    child = ("import sys; print('ready', flush=True); line = sys.stdin.readline(); "
+             "print('got', line.strip(), flush=True); "
+             "raise SystemExit(75 if 'SIGTERM' in line else 130)")
+    code = ("import sys; from hetjax import launch; sys.exit(launch.run([(n, (sys.executable, "
+            f"'-c', {child!r}), None) for n in ('p0', 'p1')], grace=5))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": REPO}, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum(line.endswith("] ready\n") for line in lines) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, lines
+            time.sleep(0.05)
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=60) == rc, lines
+    finally:
+        launcher.kill()
+        reader.join()
+    how = "interrupted" if sig == signal.SIGINT else "preempted (SIGTERM)"
+    assert f"hetjax launch: {how}: asking p0, p1 to save the step they agree on and stop" \
+        in "".join(lines)
+    assert sorted(line for line in lines if "] got " in line) == [
+        f"[p{i}] got hetjax: stop {sig.name}\n" for i in (0, 1)]
+    assert lines[-1] == (f"hetjax launch: {word}; the workers stopped as they said above; rerun "
+                         "the same command to resume\n")
+    assert not any("failed" in line for line in lines)
+
 def _launched(args: list[str], cwd=REPO, path: str | None = None):
     """`hetjax launch *args` in the background: (process, its output lines so far)."""
     import threading
