@@ -416,7 +416,8 @@ def is_noise(text: str) -> bool:
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
         timeout: float = 0, out=None, failed: list | None = None,
-        verbose: bool = False, hang_timeout: float = 0, labelled: bool = False) -> int:
+        verbose: bool = False, hang_timeout: float = 0, labelled: bool = False,
+        stop_line: bool = True) -> int:
     """Start `children` ((name, argv, env)), prefix each line of their output with their name
     (gloo noise, `is_noise`, hidden unless `verbose`), and stop them all when one fails
     (SIGTERM, then SIGKILL after `grace` s), when a worker's heartbeat is `hang_timeout` s old
@@ -424,9 +425,10 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     output lines begin with the task's `--label`; task N is the worker pN. Returns 0, or the
     exit code of the first failure (128 + signal; 1 for a hang), whose name is appended to
     `failed`: the worker whose heartbeat stopped, when one did, rather than the peer that exited
-    first. Ctrl-C (KeyboardInterrupt) or SIGTERM sends each child `STOP_LINE` and the signal's
-    name on its stdin (the workers save an agreed step and exit 130, or 75) and waits for them;
-    a second signal stops them at once."""
+    first. With `stop_line` (training workers), Ctrl-C (KeyboardInterrupt) or SIGTERM sends each
+    child `STOP_LINE` and the signal's name on its stdin (the workers save an agreed step and
+    exit 130, or 75) and waits for them; a second signal (or the first, without `stop_line`)
+    stops them at once."""
     out = out or sys.stdout
     children = list(children)
     lock = threading.Lock()
@@ -542,7 +544,7 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
                     _signal([procs[j] for j in running], signal.SIGKILL)
                     kill_at = float("inf")
             except KeyboardInterrupt as e:
-                if stopping_on or failure is not None:
+                if stopping_on or failure is not None or not stop_line:
                     raise  # a second signal: the finally stops them at once
                 stopping_on = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
                 rest = ", ".join(names[j] for j in sorted(running))
@@ -582,7 +584,7 @@ NO_RESTART = (0, 2, 75, 124, 130)
 
 def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
                       out=None, verbose: bool = False, hang_timeout: float = 0,
-                      labelled: bool = False) -> int:
+                      labelled: bool = False, stop_line: bool = True) -> int:
     """`run` the children `make_children(failed)` returns; after a failure, start them afresh
     up to `max_restarts` times (workers resume from the job's latest checkpoint). `failed` lists
     the names of the processes that failed first in earlier attempts. Returns the last
@@ -591,7 +593,7 @@ def run_with_restarts(make_children, grace: float, timeout: float = 0, max_resta
     failed: list[str] = []
     for attempt in range(max_restarts + 1):
         rc = run(make_children(failed), grace, timeout, out, failed, verbose, hang_timeout,
-                 labelled)
+                 labelled, stop_line)
         if rc in NO_RESTART or attempt == max_restarts:
             return rc
         out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
@@ -771,7 +773,7 @@ def main(argv: list[str]) -> int:
         return run_with_restarts(lambda _: [("srun", tuple(cmd), {**os.environ, **env})],
                                  args.grace, args.timeout, args.max_restarts,
                                  verbose=args.verbose, hang_timeout=args.heartbeat_timeout,
-                                 labelled=True)
+                                 labelled=True, stop_line=args.command == "train")
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
@@ -798,7 +800,8 @@ def main(argv: list[str]) -> int:
                 for w in ws]
 
     return run_with_restarts(children, args.grace, args.timeout, args.max_restarts,
-                             verbose=args.verbose, hang_timeout=args.heartbeat_timeout)
+                             verbose=args.verbose, hang_timeout=args.heartbeat_timeout,
+                             stop_line=args.command == "train")  # calibrate: stop at once
 
 
 def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
