@@ -159,6 +159,11 @@ class StopFlag(threading.Event):
         self._stop_at = max(steps) + 1
         self._agreed.set()
 
+    @property
+    def stop_step(self) -> int | None:
+        """The step the job's processes agreed to stop at (None: no agreement yet)."""
+        return self._stop_at if self._agreed.is_set() else None
+
     def due(self, step: int) -> bool:
         """Called at each step boundary: True when this process should save `step` and stop.
         Raises `NoAgreement` when the job's processes could not agree in time."""

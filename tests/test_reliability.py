@@ -1060,6 +1060,82 @@ def test_heartbeats_of_srun_tasks_are_read_from_their_labels():
     assert "[srun] 0: training\n[srun] 0: cut \n" in log and "heartbeat>" not in log, log
 
 
+class _FakeKeyValueStore:
+    """jax.distributed's key-value client as `hetjax.stopping` uses it, in memory."""
+
+    def __init__(self):
+        import threading
+
+        self.values, self.changed = {}, threading.Condition()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.changed:
+            assert allow_overwrite or key not in self.values, key
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_in_ms / 1e3):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+
+def _stop_flags(monkeypatch, n: int, answering: int, start: int):
+    """`answering` StopFlags of an `n`-process job at step `start`, on one fake store."""
+    import jax
+    from jax._src import distributed
+
+    from hetjax import stopping
+
+    store = _FakeKeyValueStore()
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(jax, "process_count", lambda: n)
+    flags = []
+    for me in range(answering):
+        monkeypatch.setattr(jax, "process_index", lambda me=me: me)
+        stopping._generation[0] = 0  # each process counts its own train() calls
+        flags.append(stopping.StopFlag(start))
+    return flags
+
+
+def test_the_processes_agree_on_the_step_after_the_furthest_one(monkeypatch):
+    """Process 1 hears the stop (the launcher's line) while process 0 is a step ahead: both
+    stop at the step after the furthest process's, so neither has passed it."""
+    flags = _stop_flags(monkeypatch, n=2, answering=2, start=5)
+    try:
+        assert not flags[0].due(7) and not flags[1].due(6)
+        flags[1].request("SIGINT")
+        deadline = time.monotonic() + 10
+        while not all(flag.stop_step for flag in flags):  # the daemon threads answer
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [flag.stop_step for flag in flags] == [8, 8]
+        assert not flags[1].due(7) and flags[1].due(8) and flags[0].due(8)
+        assert flags[0].signal == flags[1].signal == "SIGINT"
+    finally:
+        for flag in reversed(flags):  # each put back the handler the one before it set
+            flag.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_process_that_never_answers_ends_the_wait_with_no_agreement(monkeypatch):
+    from hetjax.stopping import NoAgreement
+
+    monkeypatch.setenv("HETJAX_HEARTBEAT_TIMEOUT", "1")
+    flags = _stop_flags(monkeypatch, n=3, answering=2, start=0)  # process 2 is stopped
+    try:
+        flags[0].request("SIGINT")
+        deadline = time.monotonic() + 10
+        with pytest.raises(NoAgreement, match="not every process answered the stop request "
+                                              "within 1 s"):
+            for step in range(1, 10**6):  # until its daemon thread has heard the request
+                assert not flags[1].due(step) and time.monotonic() < deadline
+                time.sleep(0.01)
+    finally:
+        for flag in reversed(flags):  # each put back the handler the one before it set
+            flag.restore()
+
 @pytest.mark.parametrize("sig, word, rc", [(signal.SIGINT, "interrupted", 130),
                                            (signal.SIGTERM, "preempted", 75)],
                          ids=["SIGINT", "SIGTERM"])
