@@ -21,13 +21,20 @@ may sit in a collective with the dead one forever); the exit code is the first f
 `--max-restarts N` then starts the job again (it resumes from its checkpoint), and `--elastic`
 does so without the failed process's host, re-planned on the topology left.
 
-Which process failed is decided by progress, not by the first exit code: each local worker
-touches its heartbeat file (`HETJAX_HEARTBEAT_FILE`) every second from a daemon thread. A
-worker that stops (SIGSTOP, a hang holding the interpreter) stops beating; its healthy peers
-keep beating while they wait for it in a collective, until JAX's own heartbeat check aborts
-one of them. The launcher blames the worker whose heartbeat stopped -- also when a peer's
-abort is the first exit -- and stops the job itself once a heartbeat is `--heartbeat-timeout`
-seconds old, so `--elastic` drops the host that hung, not the coordinator that noticed.
+Which process failed is decided by progress, not by the first exit code: each worker writes a
+heartbeat line (`HEARTBEAT`) to its stderr every second from a daemon thread, and the launcher
+takes it out of the output it already reads -- through the pipe of a local worker, ssh's
+stdout/stderr of a remote one, or srun's `--label`led stream (the label names the task). A
+worker that stops (SIGSTOP, a hang holding the interpreter, a frozen host) stops beating; its
+healthy peers keep beating while they wait for it in a collective, until JAX's own heartbeat
+check aborts one of them. The launcher blames the worker whose heartbeat stopped -- also when a
+peer's abort is the first exit -- and stops the job itself once a heartbeat is
+`--heartbeat-timeout` seconds old, so `--elastic` drops the host that hung, not the coordinator
+that noticed.
+
+Ctrl-C (SIGINT) or SIGTERM to the launcher reaches every worker as a stop line on its stdin
+(what ssh and srun forward); the workers agree on a step to stop at (`hetjax.stopping`), each
+saves it, and the launcher waits for them (a second signal stops them at once).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import time
 from dataclasses import dataclass
 
 from hetjax import config as hconfig
+from hetjax import stopping
 from hetjax.argv import CALIBRATE_FLAGS, CALIBRATE_OPTIONS, default_job_path, take_options
 from hetjax.corpus_size import check_corpus_size
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
@@ -61,7 +69,15 @@ from hetjax.topology import Topology
 from parallel import bridge, nic
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
-ENV_HEARTBEAT_FILE = "HETJAX_HEARTBEAT_FILE"
+ENV_HEARTBEAT = "HETJAX_HEARTBEAT"  # "1": beat on stderr for the launcher
+# The line a worker writes every second, and once more as it exits normally (so a worker that
+# finished early is not taken for a hung one). One write(2) each: never torn, though it may land
+# between a line's text and its newline (`_pump` joins such a line again).
+HEARTBEAT = "<hetjax heartbeat>"
+HEARTBEAT_DONE = "<hetjax heartbeat: done>"
+_HEARTBEAT_RE = re.compile(r"<hetjax heartbeat(: done)?>")
+# srun --label puts the task number before each line of a task's output.
+_SRUN_LABEL = re.compile(r"^\s*(\d+): ")
 HEARTBEAT_INTERVAL_S = 1.0
 # A heartbeat this old means the worker has stopped (a live one beats every second).
 STALLED_AFTER_S = 4.0
@@ -76,22 +92,28 @@ def fingerprint(cfg, topology: Topology) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def start_heartbeat(path: str | None = None) -> threading.Thread | None:
-    """Touch `path` (default `$HETJAX_HEARTBEAT_FILE`; none: do nothing) every second from a
-    daemon thread, for as long as this process runs and is not stopped."""
-    path = path or os.environ.get(ENV_HEARTBEAT_FILE)
-    if not path:
+def start_heartbeat(env=None) -> threading.Thread | None:
+    """When `$HETJAX_HEARTBEAT` is 1 (the launcher sets it), write `HEARTBEAT` to stderr every
+    second from a daemon thread, for as long as this process runs and is not stopped, and
+    `HEARTBEAT_DONE` when it exits normally. Otherwise do nothing."""
+    env = os.environ if env is None else env
+    if env.get(ENV_HEARTBEAT) != "1":
         return None
+
+    def write(line: str) -> None:
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:
+            pass  # the launcher is gone: nobody is listening
 
     def beat():
         while True:
-            try:
-                with open(path, "a"):
-                    os.utime(path)
-            except OSError:
-                pass  # the launcher removed its directory: it is gone or done
+            write(HEARTBEAT)
             time.sleep(HEARTBEAT_INTERVAL_S)
 
+    import atexit
+
+    atexit.register(write, HEARTBEAT_DONE)
     thread = threading.Thread(target=beat, name="hetjax-heartbeat", daemon=True)
     thread.start()
     return thread
@@ -100,7 +122,8 @@ def start_heartbeat(path: str | None = None) -> threading.Thread | None:
 def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
     """Make this process worker `spec.process_id`: complete its environment (values the
     launcher or the user already set win), join the job, and check its devices."""
-    start_heartbeat()  # from now on the launcher can tell a hung worker from a waiting one
+    if start_heartbeat():  # from now on the launcher can tell a hung worker from a waiting one
+        stopping.listen()  # and its Ctrl-C reaches us as a line on stdin
     plan = plan_from_config(cfg, topology)
     policy = os.environ.get(ENV_NIC_POLICY, "cluster")
     if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
@@ -216,7 +239,7 @@ def world_worker_env(topology: Topology, plan: Plan, worlds, slot: ProcessSlot,
     spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
                       init_timeout, heartbeat_timeout)
     env = {**nic.world_environment(topology, plan, w, slot, policy, len(worlds)),
-           **spec.environ(), ENV_NIC_POLICY: policy}
+           **spec.environ(), ENV_NIC_POLICY: policy, ENV_HEARTBEAT: "1"}
     if len(worlds) > 1:
         env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
         # a world that never comes up is named by its bridge peers after the init timeout
@@ -310,7 +333,7 @@ def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict
         raise HetjaxError("--slurm needs a SLURM allocation (SLURM_JOB_ID and "
                           "SLURM_JOB_NUM_NODES are not set): run it inside sbatch or salloc")
     slots = process_slots(topology, int(nodes))
-    env = {ENV_CLUSTER: "slurm", ENV_INIT_TIMEOUT: str(args.init_timeout),
+    env = {ENV_HEARTBEAT: "1", ENV_CLUSTER: "slurm", ENV_INIT_TIMEOUT: str(args.init_timeout),
            ENV_HEARTBEAT_TIMEOUT: str(args.heartbeat_timeout), ENV_NIC_POLICY: args.nic_policy}
     if args.port:
         env["JAX_COORDINATOR_PORT"] = str(args.port)  # JAX's SLURM detection honours it
@@ -394,25 +417,26 @@ def is_noise(text: str) -> bool:
 
 def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grace: float,
         timeout: float = 0, out=None, failed: list | None = None,
-        verbose: bool = False, hang_timeout: float = 0) -> int:
+        verbose: bool = False, hang_timeout: float = 0, labelled: bool = False,
+        stop_line: bool = True) -> int:
     """Start `children` ((name, argv, env)), prefix each line of their output with their name
     (gloo noise, `is_noise`, hidden unless `verbose`), and stop them all when one fails
-    (SIGTERM, then SIGKILL after `grace` s), when a local child's heartbeat is `hang_timeout`
-    s old (0: never) or after `timeout` s (0: no limit). Returns 0, or the exit code of the
-    first failure (128 + signal; 1 for a hang), whose name is appended to `failed`: the child
-    whose heartbeat stopped, when one did, rather than the peer that exited first."""
-    import tempfile
-
+    (SIGTERM, then SIGKILL after `grace` s), when a worker's heartbeat is `hang_timeout` s old
+    (0: never) or after `timeout` s (0: no limit). `labelled`: the one child is srun, whose
+    output lines begin with the task's `--label`; task N is the worker pN. Returns 0, or the
+    exit code of the first failure (128 + signal; 1 for a hang), whose name is appended to
+    `failed`: the worker whose heartbeat stopped, when one did, rather than the peer that exited
+    first. With `stop_line` (training workers), Ctrl-C (KeyboardInterrupt) or SIGTERM sends each
+    child `STOP_LINE` and the signal's name on its stdin (the workers save an agreed step and
+    exit 130, or 75) and waits for them; a second signal (or the first, without `stop_line`)
+    stops them at once."""
     out = out or sys.stdout
-    beats = tempfile.mkdtemp(prefix="hetjax-heartbeat-")
     children = list(children)
-    heartbeat = {}  # child index -> its heartbeat file (children with a local environment)
-    for i, (name, argv, env) in enumerate(children):
-        if env is not None:
-            heartbeat[i] = os.path.join(beats, name)
-            children[i] = (name, argv, {**env, ENV_HEARTBEAT_FILE: heartbeat[i]})
     lock = threading.Lock()
     hidden = [0]
+    last_beat: dict[str, float] = {}  # worker -> time.monotonic() of its latest heartbeat
+    finished: set[str] = set()  # workers that said they exit normally
+    owner: dict[str, int] = {}  # worker -> the child whose output carries its heartbeat
 
     def say(line: str, worker: bool = False) -> None:
         if worker and not verbose and is_noise(line.split("] ", 1)[-1]):
@@ -422,12 +446,20 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
             out.write(line + "\n")
             out.flush()
 
+    def beat(child: int, worker: str, done: bool) -> None:
+        with lock:
+            owner[worker] = child
+            if done:
+                finished.add(worker)
+            else:
+                last_beat[worker] = time.monotonic()
+
     names = [name for name, _, _ in children]
     procs: list[subprocess.Popen] = []
     try:
         for name, argv, env in children:
             procs.append(subprocess.Popen(
-                _guarded(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                _guarded(argv), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True))
             say(f"hetjax launch: started {name} (pid {procs[-1].pid})")
     except OSError as e:
@@ -435,8 +467,10 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
         raise HetjaxError(f"could not start {children[len(procs)][1][0]!r}: {e.strerror}") from None
     # Threads start only after every fork: forking while other threads run is unsafe.
     exits: queue.Queue = queue.Queue()
-    pumps = [threading.Thread(target=_pump, args=(stream, f"[{n}] ", say), daemon=True)
-             for n, p in zip(names, procs) for stream in (p.stdout, p.stderr)]
+    pumps = [threading.Thread(target=_pump, args=(stream, f"[{n}] ", say,
+                                                  lambda w, d, i=i: beat(i, w, d), labelled, n),
+                              daemon=True)
+             for i, (n, p) in enumerate(zip(names, procs)) for stream in (p.stdout, p.stderr)]
     for i, p in enumerate(procs):
         threading.Thread(target=lambda i, p: exits.put((i, p.wait())), args=(i, p),
                          daemon=True).start()
@@ -446,17 +480,23 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     running = set(range(len(procs)))
     failure = None  # (name or None for the timeout, exit code, how) of the first failure
     kill_at = float("inf")
+    stopping_on = None  # "SIGINT"/"SIGTERM" once passed on: the workers save and stop
+    stopped: list[str] = []  # the workers that then saved and stopped
 
-    def stalled(exclude: int = -1) -> tuple[int, float] | None:
-        """The running child whose heartbeat is oldest, if it is older than STALLED_AFTER_S."""
-        ages = []
-        for j in running - {exclude}:
-            try:
-                ages.append((time.time() - os.stat(heartbeat[j]).st_mtime, j))
-            except (KeyError, OSError):  # remote, or not beating yet (still importing)
-                pass
-        age, j = max(ages, default=(0.0, -1))
-        return (j, age) if age > STALLED_AFTER_S else None
+    def stalled(exited: int = -1) -> tuple[str, float] | None:
+        """The worker whose heartbeat is oldest, if older than STALLED_AFTER_S: of the running
+        children's workers (and of those `exited` carried, other than itself: srun's tasks)."""
+        now = time.monotonic()
+        with lock:
+            ages = [(now - t, w) for w, t in last_beat.items() if w not in finished
+                    and (owner[w] in running or owner[w] == exited)
+                    and (exited < 0 or w != names[exited])]
+        age, w = max(ages, default=(0.0, ""))
+        return (w, age) if age > STALLED_AFTER_S else None
+
+    def where(worker: str) -> str:
+        j = owner[worker]
+        return f"srun task {worker[1:]}" if worker != names[j] else f"pid {procs[j].pid}"
     end = time.monotonic() + timeout if timeout else float("inf")
 
     def stop_all(reason: str) -> None:
@@ -466,54 +506,69 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
         _signal([procs[j] for j in running], signal.SIGTERM)
         kill_at = time.monotonic() + grace
 
-    previous = (signal.signal(signal.SIGTERM, _interrupt)  # stop the children like on Ctrl-C
+    previous = (signal.signal(signal.SIGTERM, _terminate)  # stop the children, like Ctrl-C
                 if threading.current_thread() is threading.main_thread() else None)
     try:
         while running:
             try:
-                i, rc = exits.get(timeout=0.2)
-            except queue.Empty:
-                pass
-            else:
-                running.discard(i)
-                if rc != 0 and failure is None:
-                    hung = stalled(exclude=i)
-                    if hung is not None:  # a peer it waited for stopped first: blame that one
-                        j, age = hung
-                        failure = (names[j], 1, "stopped making progress")
-                        stop_all(f"{names[j]} (pid {procs[j].pid}) stopped making progress (no "
-                                 f"heartbeat for {age:.0f} s), then {names[i]} {_how(rc)}")
-                    else:
-                        failure = (names[i], rc, _how(rc))
-                        stop_all(f"{names[i]} (pid {procs[i].pid}) {_how(rc)}")
-            if failure is None and hang_timeout:
-                hung = stalled()
-                if hung is not None and hung[1] > hang_timeout:
-                    j, age = hung
-                    failure = (names[j], 1, "stopped making progress")
-                    stop_all(f"{names[j]} (pid {procs[j].pid}) stopped making progress: no "
-                             f"heartbeat for {age:.0f} s (--heartbeat-timeout {hang_timeout:g})")
-            if failure is None and time.monotonic() > end:
-                failure = (None, 124, "")
-                stop_all(f"the job ran longer than --timeout {timeout:g} s")
-            if running and time.monotonic() > kill_at:
-                say(f"hetjax launch: {', '.join(names[j] for j in sorted(running))} still "
-                    f"running {grace:g} s after SIGTERM; sending SIGKILL")
-                _signal([procs[j] for j in running], signal.SIGKILL)
-                kill_at = float("inf")
+                try:
+                    i, rc = exits.get(timeout=0.2)
+                except queue.Empty:
+                    pass
+                else:
+                    running.discard(i)
+                    if stopping_on and rc in (75, 130):  # saved and stopped, as asked
+                        stopped.append(names[i])
+                    elif rc != 0 and failure is None:
+                        hung = stalled(exited=i)
+                        if hung is not None:  # a peer it waited for stopped first: blame it
+                            w, age = hung
+                            failure = (w, 1, "stopped making progress")
+                            stop_all(f"{w} ({where(w)}) stopped making progress (no heartbeat "
+                                     f"for {age:.0f} s), then {names[i]} {_how(rc)}")
+                        else:
+                            failure = (names[i], rc, _how(rc))
+                            stop_all(f"{names[i]} (pid {procs[i].pid}) {_how(rc)}")
+                if failure is None and hang_timeout:
+                    hung = stalled()
+                    if hung is not None and hung[1] > hang_timeout:
+                        w, age = hung
+                        failure = (w, 1, "stopped making progress")
+                        stop_all(f"{w} ({where(w)}) stopped making progress: no heartbeat for "
+                                 f"{age:.0f} s (--heartbeat-timeout {hang_timeout:g})")
+                if failure is None and time.monotonic() > end:
+                    failure = (None, 124, "")
+                    stop_all(f"the job ran longer than --timeout {timeout:g} s")
+                if running and time.monotonic() > kill_at:
+                    say(f"hetjax launch: {', '.join(names[j] for j in sorted(running))} still "
+                        f"running {grace:g} s after SIGTERM; sending SIGKILL")
+                    _signal([procs[j] for j in running], signal.SIGKILL)
+                    kill_at = float("inf")
+            except KeyboardInterrupt as e:
+                if stopping_on or failure is not None or not stop_line:
+                    raise  # a second signal: the finally stops them at once
+                stopping_on = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+                rest = ", ".join(names[j] for j in sorted(running))
+                how = "interrupted" if stopping_on == "SIGINT" else "preempted (SIGTERM)"
+                say(f"hetjax launch: {how}: asking {rest} to save the step they agree on "
+                    f"and stop ({'Ctrl-C' if stopping_on == 'SIGINT' else 'SIGTERM'} again "
+                    "stops them at once, losing the steps since the latest checkpoint)")
+                for j in running:
+                    _tell(procs[j], f"{STOP_LINE} {stopping_on}")
     finally:
-        if running:  # interrupted (Ctrl-C, SIGTERM to the launcher): take the children along
+        if running:  # interrupted again, SIGTERM to the launcher: take the children along
             _stop([procs[j] for j in running], grace)
         for t in pumps:
             t.join(timeout=5)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        import shutil
-
-        shutil.rmtree(beats, ignore_errors=True)
     if hidden[0]:
         say(f"hetjax launch: hid {hidden[0]} gloo connection lines (--verbose shows them)")
     if failure is None:
+        if stopping_on and stopped:  # (the job may have completed before the stop step)
+            say(f"hetjax launch: {'interrupted' if stopping_on == 'SIGINT' else 'preempted'}; "
+                "the workers stopped as they said above; rerun the same command to resume")
+            return 130 if stopping_on == "SIGINT" else 75
         return 0
     name, rc, how = failure
     if name is not None:
@@ -529,7 +584,8 @@ NO_RESTART = (0, 2, 75, 124, 130)
 
 
 def run_with_restarts(make_children, grace: float, timeout: float = 0, max_restarts: int = 0,
-                      out=None, verbose: bool = False, hang_timeout: float = 0) -> int:
+                      out=None, verbose: bool = False, hang_timeout: float = 0,
+                      labelled: bool = False, stop_line: bool = True) -> int:
     """`run` the children `make_children(failed)` returns; after a failure, start them afresh
     up to `max_restarts` times (workers resume from the job's latest checkpoint). `failed` lists
     the names of the processes that failed first in earlier attempts. Returns the last
@@ -537,7 +593,8 @@ def run_with_restarts(make_children, grace: float, timeout: float = 0, max_resta
     out = out or sys.stdout
     failed: list[str] = []
     for attempt in range(max_restarts + 1):
-        rc = run(make_children(failed), grace, timeout, out, failed, verbose, hang_timeout)
+        rc = run(make_children(failed), grace, timeout, out, failed, verbose, hang_timeout,
+                 labelled, stop_line)
         if rc in NO_RESTART or attempt == max_restarts:
             return rc
         out.write(f"hetjax launch: restarting the job ({attempt + 1} of --max-restarts "
@@ -547,16 +604,44 @@ def run_with_restarts(make_children, grace: float, timeout: float = 0, max_resta
     return rc
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher: stop the children now (a scheduler wants the job gone)."""
 
 
-def _pump(stream, prefix: str, say) -> None:
+def _terminate(signum, frame):
+    raise _Terminated
+
+
+# What the launcher writes on a worker's stdin on Ctrl-C (over ssh too; should only one worker
+# read it, as under `srun --input=0`, the workers' agreement tells the others).
+STOP_LINE = stopping.STOP_LINE
+
+
+def _tell(proc: subprocess.Popen, line: str) -> None:
+    try:
+        proc.stdin.write((line + "\n").encode())
+        proc.stdin.flush()
+    except (OSError, ValueError):  # it has exited (a broken pipe) or closed its stdin
+        pass
+
+
+def _pump(stream, prefix: str, say, beat, labelled: bool = False, name: str = "") -> None:
     """One prefixed line per line of `stream`; of a line redrawn with carriage returns (a
-    progress bar), its last state."""
+    progress bar), its last state. Heartbeat lines are taken out and reported as
+    `beat(worker, done)`: the worker is `name`, or with `labelled` (srun) p<its task label>."""
+    cut: dict[str, str] = {}  # label -> text a heartbeat landed after, before its newline
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n").rsplit("\r", 1)[-1]
-        say(prefix + line, worker=True)
+        label, m = "", _SRUN_LABEL.match(line) if labelled else None
+        if m:
+            label, line = m.group(0), line[m.end():]
+        h = _HEARTBEAT_RE.search(line)
+        if h:
+            beat(f"p{int(m.group(1))}" if m else name, bool(h.group(1)))
+            if h.start():  # it cut a line: the rest of that line is the next line
+                cut[label] = cut.get(label, "") + line[:h.start()]
+            continue
+        say(prefix + label + cut.pop(label, "") + line, worker=True)
     stream.close()
 
 
@@ -691,7 +776,8 @@ def main(argv: list[str]) -> int:
             return 0
         return run_with_restarts(lambda _: [("srun", tuple(cmd), {**os.environ, **env})],
                                  args.grace, args.timeout, args.max_restarts,
-                                 verbose=args.verbose)
+                                 verbose=args.verbose, hang_timeout=args.heartbeat_timeout,
+                                 labelled=True, stop_line=args.command == "train")
 
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
@@ -718,7 +804,8 @@ def main(argv: list[str]) -> int:
                 for w in ws]
 
     return run_with_restarts(children, args.grace, args.timeout, args.max_restarts,
-                             verbose=args.verbose, hang_timeout=args.heartbeat_timeout)
+                             verbose=args.verbose, hang_timeout=args.heartbeat_timeout,
+                             stop_line=args.command == "train")  # calibrate: stop at once
 
 
 def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:

@@ -21,9 +21,10 @@ Guards (docs/reliability.md): executors skip an update whose loss or gradient no
 the loop reports each such step and stops after `train.max_bad_steps` in a row. SIGTERM during
 a single-process `train()` saves the current step and raises `Preempted` (CLI exit code 75),
 SIGINT (Ctrl-C) the same as `Interrupted` (exit 130; a second Ctrl-C stops at once and says
-which steps are lost); a run resumes from any checkpoint in its directory, whatever
-`checkpoint.every`. `train()` holds the workdir lock (`hetjax.lock`) and cuts metrics.jsonl
-back to the step it starts from, so no step is logged twice. An OSError while training (a full
+which steps are lost); the processes of a multi-process job agree on the step to save at SIGINT
+or the launcher's stop line (`hetjax.stopping`). A run resumes from any checkpoint in its
+directory, whatever `checkpoint.every`. `train()` holds the workdir lock (`hetjax.lock`) and
+cuts metrics.jsonl back to the step it starts from, so no step is logged twice. An OSError while training (a full
 disk) becomes one error naming the path, after the checkpoint in flight is drained.
 """
 
@@ -33,9 +34,7 @@ import dataclasses
 
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -59,6 +58,7 @@ from hetjax.planner import check_placement, plan_from_config
 from hetjax.planner.config_plan import predict_for_config
 from hetjax.planner.memory import asked_bytes, fit_problem, is_out_of_memory, oom_message
 from hetjax.profile import StepProfiler, summarise
+from hetjax.stopping import NoAgreement, StopFlag
 from hetjax.tokenizer import tokenizer_from_config
 from hetjax.topology import Topology
 from layers import ModelConfig
@@ -660,12 +660,16 @@ class Trainer:
                   f"({bad} in a row, train.max_bad_steps = {limit})", file=sys.stderr,
                   flush=True)
         if bad >= limit:
+            first = step - bad + 1
+            # After a DiLoCo outer step, the parameters it made (and saved) are what failed.
+            removed = self._remove_checkpoint_before(first, "them") if self._after_outer_step(
+                first) else ""
             raise HetjaxError(
-                f"train.max_bad_steps: {bad} steps in a row ({step - bad + 1}-{step}) had a "
-                f"non-finite loss or gradient norm; training stopped, nothing of them was saved"
-                f" (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step - bad + 1)}, "
-                "check model.vocab_size and the data, then rerun to resume from the latest "
-                "checkpoint")
+                f"train.max_bad_steps: {bad} steps in a row ({first}-{step}) had a "
+                f"non-finite loss or gradient norm; training stopped, {removed}nothing of them "
+                f"was saved (checkpoints in {self.checkpoint_dir}); fix: {self._blame(first)}, "
+                + ("" if removed else "check model.vocab_size and the data, ")
+                + "then rerun to resume from the latest checkpoint")
         return bad
 
     def _check_diverged(self, step: int, loss: float) -> None:
@@ -678,14 +682,7 @@ class Trainer:
             self._first_loss = loss
             return
         if ratio and loss > ratio * self._first_loss:
-            removed = ""
-            if self._last_saved == step - 1:
-                # Step N's loss is that of the parameters after step N - 1 (a DiLoCo outer
-                # step, say): the checkpoint of N - 1 holds the diverged parameters.
-                self.checkpointer.wait()
-                self.checkpointer.manager.delete(step - 1)
-                self._last_saved = None
-                removed = f"checkpoint {step - 1}, whose parameters gave this loss, was removed; "
+            removed = self._remove_checkpoint_before(step, "this loss")
             raise HetjaxError(
                 f"train.max_loss_ratio: the run diverged: step {step}'s loss {loss:.4g} is "
                 f"{loss / self._first_loss:.1f}x its first loss {self._first_loss:.4g} (limit "
@@ -693,11 +690,28 @@ class Trainer:
                 f"was saved (checkpoints in {self.checkpoint_dir}); fix: {self._blame(step)}, "
                 "then rerun to resume from the latest checkpoint")
 
+    def _remove_checkpoint_before(self, step: int, what: str) -> str:
+        """Step N's loss is that of the parameters after step N - 1 (a DiLoCo outer step, say):
+        when N - 1 was just saved, that checkpoint holds the parameters that gave `what`, so it
+        is removed. Returns the words saying so (empty when nothing was removed)."""
+        if self._last_saved != step - 1:
+            return ""
+        self.checkpointer.wait()
+        self.checkpointer.manager.delete(step - 1)
+        self._last_saved = None
+        return f"checkpoint {step - 1}, whose parameters gave {what}, was removed; "
+
+    def _after_outer_step(self, step: int) -> bool:
+        """Whether `step` is the first step after a DiLoCo exchange (an outer step)."""
+        d = self.config.diloco
+        return bool(d.inner_steps) and step > 1 and (step - 1) % (d.inner_steps //
+                                                                  d.fragments) == 0
+
     def _blame(self, step: int) -> str:
         """What to lower for a blow-up first seen at `step`: DiLoCo's outer step when the step
         is the first after an exchange, else the inner learning rate."""
         d, t = self.config.diloco, self.config.train
-        if d.inner_steps and step > 1 and (step - 1) % (d.inner_steps // d.fragments) == 0:
+        if self._after_outer_step(step):
             return (f"lower diloco.outer_lr (= {d.outer_lr:g}) or diloco.outer_momentum "
                     f"(= {d.outer_momentum:g}): it came right after the outer step of step "
                     f"{step - 1}")
@@ -772,6 +786,10 @@ class Trainer:
 
         def checkpoint(info):
             self._check_diverged(info.step, info.metrics["loss"])  # never save a blown-up run
+            if not (np.isfinite(info.metrics["loss"]) and np.isfinite(info.metrics["grad_norm"])):
+                # A skipped update: the state is the last step's, or (a DiLoCo outer step
+                # after a blow-up) worse; `_check_finite` reports it a step later.
+                return
             self.save(eval_loss=info.added.get("eval_loss"))
 
         rows: list[dict[str, float]] = []  # this process's log rows (process 0 has the file)
@@ -801,7 +819,7 @@ class Trainer:
         if primary:  # aside: drawing is not training time
             standard.append(Hook(plot, 0, last=True, aside=True))
         aside = 0.0
-        stop = _StopFlag()
+        stop = StopFlag(int(self.state.step))
         done = int(self.state.step)
         profiler = (StepProfiler(self.workdir, max(cfg.profile_from, int(self.state.step) + 1),
                                  cfg.profile_steps) if cfg.profile_steps else None)
@@ -809,12 +827,15 @@ class Trainer:
         try:
             for info in self.iter_steps(total, standard + self.hooks, profiler):
                 aside, done = info.aside_s, info.step
-                if stop.is_set() and not info.last:
+                if stop.due(info.step) and not info.last:
                     self._stop_preempted(info.step, stop.signal)
             self.executor.finish()  # worlds: peers pull our last messages first
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, say exactly what is lost
             failed = True
             raise self._interrupted_unsaved(max(done, int(self.state.step))) from None
+        except NoAgreement as e:  # a peer never answered: a save would wait for it forever
+            failed = True
+            raise self._interrupted_unsaved(done, f"{stop.signal}, {e}") from None
         except OSError as e:  # a full disk, a file removed under us: one line, not a traceback
             failed = True
             raise HetjaxError(self._os_error_message(e)) from None
@@ -920,13 +941,14 @@ class Trainer:
             return None
         return self.checkpointer.latest_step()
 
-    def _interrupted_unsaved(self, done: int) -> Interrupted:
-        """A second Ctrl-C stopped the run without saving: which steps are lost."""
+    def _interrupted_unsaved(self, done: int, why: str = "second SIGINT") -> Interrupted:
+        """A second Ctrl-C (or a stop the processes could not agree on) stopped the run
+        without saving: which steps are lost."""
         last = self._latest_saved()
         since = f"checkpoint {last}" if last is not None else "the start (no checkpoint)"
         lost = f"steps {(last or 0) + 1}-{done} are lost" if done > (last or 0) else \
             "no finished step is lost"
-        return Interrupted(f"interrupted (second SIGINT) after step {done}, without saving: "
+        return Interrupted(f"interrupted ({why}) after step {done}, without saving: "
                            f"{lost}; rerun the same command to resume from {since} (exit code "
                            f"{Interrupted.EXIT_CODE})")
 
@@ -945,36 +967,6 @@ class Trainer:
             f.write(self.topology.to_json(indent=1))
         with open(os.path.join(self.workdir, "config.json"), "w") as f:
             f.write(self.config.to_json_best_effort(indent=1))
-
-
-class _StopFlag(threading.Event):
-    """Set by SIGTERM or SIGINT while a single-process `train()` runs (`signal` says which);
-    the loop saves and stops after the step in progress. The first SIGINT puts the previous
-    SIGINT handler back, so a second Ctrl-C interrupts at once. `restore()` puts both handlers
-    back. (In a multi-process run the handlers are not installed: every process would have to
-    stop at the same step, so a signal ends it as before and the run resumes from its latest
-    periodic checkpoint.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.signal: str | None = None
-        self._previous: dict[int, Any] = {}
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. SIGINT under nohup
-                    self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is None:
-            self.signal = signal.Signals(signum).name
-        if signum == signal.SIGINT and signal.SIGINT in self._previous:
-            signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
-        self.set()
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
 
 
 __all__ = ["Trainer", "TrainState", "Hook", "StepInfo", "make_optimizer", "opt_state_specs",

@@ -753,6 +753,48 @@ def test_a_diverging_run_stops_and_saves_nothing_of_it(trainer, tmp_path):
     assert saved == [1]
 
 
+
+# (diloco.outer_lr, the error's words between "training stopped, " and the fix)
+OUTER_BLOWUPS = [
+    (1e30, "train.max_bad_steps: 3 steps in a row (3-5) had a non-finite loss or gradient norm;"
+           " training stopped, checkpoint 2, whose parameters gave them, was removed; nothing of"
+           " them was saved"),
+    pytest.param(1000.0, "train.max_loss_ratio: the run diverged: step 3's loss {loss} is "
+                 "{ratio}x its first loss {first} (limit 4x); training stopped, checkpoint 2, "
+                 "whose parameters gave this loss, was removed; nothing after the latest "
+                 "checkpoint was saved", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("outer_lr, stopped", OUTER_BLOWUPS, ids=["non-finite", "diverged"])
+def test_a_diloco_outer_lr_that_blows_up_is_blamed_and_leaves_no_checkpoint(tmp_path, outer_lr,
+                                                                           stopped):
+    """One-process DiLoCo, 2 sites, an exchange and a checkpoint every 2 steps: the outer step
+    of step 2 blows the parameters up (to Inf-producing: every later update is skipped; or to a
+    finite loss 30x the first). The run stops naming diloco.outer_lr, not train.lr, and no
+    checkpoint of the blown-up parameters is left (checkpoint 2 was written after the outer
+    step; step 4's, whose update was skipped, is not written)."""
+    from hetjax.errors import HetjaxError
+    from hetjax.metrics import read_metrics
+    from hetjax.train import Trainer
+
+    cfg = tiny_config(**{"topology.nodes": 1, "topology.devices_per_node": 2,
+                         "diloco.inner_steps": 2, "diloco.outer_lr": outer_lr,
+                         "train.batch_size": 8, "checkpoint.every": 2,
+                         "checkpoint.async_save": False, "train.steps": 8,
+                         "train.log_every": 1, "workdir": str(tmp_path)})
+    trainer = Trainer(cfg, quiet=True)
+    with pytest.raises(HetjaxError) as e:
+        trainer.train()
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    loss, first = rows[2]["loss"], rows[0]["loss"]
+    assert str(e.value) == stopped.format(loss=f"{loss:.4g}", ratio=f"{loss / first:.1f}",
+                                          first=f"{first:.4g}") + (
+        f" (checkpoints in {tmp_path}/checkpoints); fix: lower diloco.outer_lr (= {outer_lr:g})"
+        " or diloco.outer_momentum (= 0.9): it came right after the outer step of step 2, then"
+        " rerun to resume from the latest checkpoint")
+    assert trainer.checkpointer.steps() == []
+
+
 # --- one run per workdir ------------------------------------------------------------------------
 def test_a_workdir_in_use_is_refused_naming_its_holder(tmp_path):
     import socket
@@ -939,7 +981,7 @@ def _beating_children(tmp_path):
     code = ("import os, sys, time; from hetjax.launch import start_heartbeat; start_heartbeat(); "
             f"open(os.path.join({str(tmp_path)!r}, sys.argv[1] + '.pid'), 'w')"
             ".write(str(os.getpid())); time.sleep(120)")
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO, "HETJAX_HEARTBEAT": "1"}
     return [(name, (sys.executable, "-c", code, name), env) for name in ("p0", "p1")]
 
 
@@ -994,6 +1036,312 @@ def test_a_stopped_worker_stops_the_job_after_the_heartbeat_timeout(tmp_path):
         in log and "(--heartbeat-timeout 5); stopping p0, p1" in log, log
 
 
+
+def test_heartbeats_of_srun_tasks_are_read_from_their_labels():
+    """srun carries every task's output in one stream, each line after its `--label`: the
+    launcher takes each task's heartbeat from it, names the task that stopped beating (p1),
+    and joins again a line a heartbeat cut before its newline."""
+    import io
+
+    from hetjax import launch
+
+    code = ("import sys, time\n"
+            "w = sys.stderr.write\n"
+            "w('0: training' + '\\n'); w('0: cut <hetjax heartbeat>' + '\\n'); w('0: ' + '\\n')\n"
+            "for i in range(60):\n"
+            "    w('0: <hetjax heartbeat>\\n' + ('1: <hetjax heartbeat>\\n' if i < 2 else ''))\n"
+            "    sys.stderr.flush(); time.sleep(0.5)\n")
+    out, failed = io.StringIO(), []
+    rc = launch.run([("srun", (sys.executable, "-c", code), None)], grace=1, out=out,
+                    failed=failed, hang_timeout=3, labelled=True)
+    log = out.getvalue()
+    assert rc == 1 and failed == ["p1"], log
+    assert "hetjax launch: p1 (srun task 1) stopped making progress: no heartbeat for " in log
+    assert "[srun] 0: training\n[srun] 0: cut \n" in log and "heartbeat>" not in log, log
+
+
+class _FakeKeyValueStore:
+    """jax.distributed's key-value client as `hetjax.stopping` uses it, in memory."""
+
+    def __init__(self):
+        import threading
+
+        self.values, self.changed = {}, threading.Condition()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.changed:
+            assert allow_overwrite or key not in self.values, key
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_in_ms / 1e3):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+
+def _stop_flags(monkeypatch, n: int, answering: int, start: int):
+    """`answering` StopFlags of an `n`-process job at step `start`, on one fake store."""
+    import jax
+    from jax._src import distributed
+
+    from hetjax import stopping
+
+    store = _FakeKeyValueStore()
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(jax, "process_count", lambda: n)
+    flags = []
+    for me in range(answering):
+        monkeypatch.setattr(jax, "process_index", lambda me=me: me)
+        stopping._generation[0] = 0  # each process counts its own train() calls
+        flags.append(stopping.StopFlag(start))
+    return flags
+
+
+def test_the_processes_agree_on_the_step_after_the_furthest_one(monkeypatch):
+    """Process 1 hears the stop (the launcher's line) while process 0 is a step ahead: both
+    stop at the step after the furthest process's, so neither has passed it."""
+    flags = _stop_flags(monkeypatch, n=2, answering=2, start=5)
+    try:
+        assert not flags[0].due(7) and not flags[1].due(6)
+        flags[1].request("SIGINT")
+        deadline = time.monotonic() + 10
+        while not all(flag.stop_step for flag in flags):  # the daemon threads answer
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [flag.stop_step for flag in flags] == [8, 8]
+        assert not flags[1].due(7) and flags[1].due(8) and flags[0].due(8)
+        assert flags[0].signal == flags[1].signal == "SIGINT"
+    finally:
+        for flag in reversed(flags):  # each put back the handler the one before it set
+            flag.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_process_that_never_answers_ends_the_wait_with_no_agreement(monkeypatch):
+    from hetjax.stopping import NoAgreement
+
+    monkeypatch.setenv("HETJAX_HEARTBEAT_TIMEOUT", "1")
+    flags = _stop_flags(monkeypatch, n=3, answering=2, start=0)  # process 2 is stopped
+    try:
+        flags[0].request("SIGINT")
+        deadline = time.monotonic() + 10
+        with pytest.raises(NoAgreement, match="not every process answered the stop request "
+                                              "within 1 s"):
+            for step in range(1, 10**6):  # until its daemon thread has heard the request
+                assert not flags[1].due(step) and time.monotonic() < deadline
+                time.sleep(0.01)
+    finally:
+        for flag in reversed(flags):  # each put back the handler the one before it set
+            flag.restore()
+
+@pytest.mark.parametrize("sig, word, rc", [(signal.SIGINT, "interrupted", 130),
+                                           (signal.SIGTERM, "preempted", 75)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_the_launcher_passes_ctrl_c_and_sigterm_on_as_a_stop_line(tmp_path, sig, word, rc):
+    """`launch.run` in its own process, two children that answer the stop line as workers do
+    (save, exit 130 for Ctrl-C, 75 for SIGTERM): the launcher tells both, waits for them and
+    exits with their code; nothing is counted as a failure."""
+    import threading
+
+    child = ("import sys; print('ready', flush=True); line = sys.stdin.readline(); "
+             "print('got', line.strip(), flush=True); "
+             "raise SystemExit(75 if 'SIGTERM' in line else 130)")
+    code = ("import sys; from hetjax import launch; sys.exit(launch.run([(n, (sys.executable, "
+            f"'-c', {child!r}), None) for n in ('p0', 'p1')], grace=5))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": REPO}, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum(line.endswith("] ready\n") for line in lines) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, lines
+            time.sleep(0.05)
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=60) == rc, lines
+    finally:
+        launcher.kill()
+        reader.join()
+    how = "interrupted" if sig == signal.SIGINT else "preempted (SIGTERM)"
+    assert f"hetjax launch: {how}: asking p0, p1 to save the step they agree on and stop" \
+        in "".join(lines)
+    assert sorted(line for line in lines if "] got " in line) == [
+        f"[p{i}] got hetjax: stop {sig.name}\n" for i in (0, 1)]
+    assert lines[-1] == (f"hetjax launch: {word}; the workers stopped as they said above; rerun "
+                         "the same command to resume\n")
+    assert not any("failed" in line for line in lines)
+
+def _launched(args: list[str], cwd=REPO, path: str | None = None):
+    """`hetjax launch *args` in the background: (process, its output lines so far)."""
+    import threading
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO
+    if path:
+        env["PATH"] = path + os.pathsep + env["PATH"]
+    proc = subprocess.Popen([sys.executable, "-m", "hetjax", "launch", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                     daemon=True).start()
+    return proc, lines
+
+
+def _wait_for_rows(proc, lines, metrics, n: int, timeout: float = 300) -> None:
+    from hetjax.metrics import read_metrics
+
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(read_metrics(str(metrics))) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+
+
+# The launched jobs' model: tiny, on the default topology's 8 CPU devices (2 processes x 4).
+LAUNCH_TINY = ["--config.model.d_model=32", "--config.model.n_layers=2",
+               "--config.model.n_heads=4", "--config.model.n_kv_heads=2",
+               "--config.model.d_ff=64", "--config.model.max_seq_len=64",
+               "--config.train.seq_len=16", "--config.train.batch_size=16",
+               "--config.train.warmup_steps=1", "--config.train.log_every=1",
+               "--config.train.progress=False", "--config.data.source=synthetic",
+               "--config.tensorboard=False", "--config.parallel.pp=1", "--config.parallel.dp=0",
+               "--config.parallel.tp=1", "--config.train.microbatches=1", "--config.eval.every=0"]
+
+FAKE_SSH = """#!/bin/sh
+# A stand-in for ssh: run the remote command (the last argument) on this machine.
+for last; do :; done
+exec sh -c "$last"
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_over_ssh_is_named_and_dropped_by_elastic(tmp_path):
+    """`hetjax launch --hostfile` through an ssh on PATH that runs the command here; after
+    training has begun, `kill -STOP` p1 (its whole remote session, as a frozen host). The
+    launcher reads the heartbeats from ssh's stderr, names p1 (not p0, whose JAX heartbeat
+    check aborts it), and --elastic restarts without p1's host; the run completes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\nlocalhost\n")
+    workdir = tmp_path / "run"
+    from test_launch import free_port
+
+    proc, lines = _launched(
+        ["--hostfile", str(hosts), "--port", str(free_port()), "--max-restarts", "1",
+         "--elastic", "--heartbeat-timeout", "10", "--grace", "2", "--timeout", "400",
+         *LAUNCH_TINY, "--config.train.steps=24", "--config.checkpoint.every=2",
+         f"--config.workdir={workdir}"], path=str(bin_dir))
+    try:
+        _wait_for_rows(proc, lines, workdir / "metrics.jsonl", 2)
+        started = next(line for line in lines if line.startswith("hetjax launch: started p1 "))
+        p1 = int(started.split("(pid ")[1].rstrip(")\n"))
+        os.killpg(p1, signal.SIGSTOP)  # ssh and the worker it runs: that host froze
+        rc = proc.wait(timeout=500)
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    assert rc == 0, log[-6000:]
+    assert f"hetjax launch: p1 (pid {p1}) stopped making progress" in log, log[-6000:]
+    assert "hetjax launch: failed: p1 stopped making progress first" in log
+    assert "hetjax launch: --elastic: dropped p1; re-planned on 4 devices" in log
+    assert "dropped p0" not in log and "failed: p0" not in log
+    from hetjax.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == list(
+        range(1, 25))
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing(tmp_path):
+    """SIGINT to `hetjax launch --local 2` (what Ctrl-C sends it): both workers agree on a
+    step, save it and exit 130 (with `checkpoint.every=0`, nothing else is saved); the rerun
+    resumes from it, and the losses equal an uninterrupted run's."""
+    from hetjax.metrics import read_metrics
+
+    args = ["--local", "2", "--timeout", "400", *LAUNCH_TINY, "--config.train.steps=12",
+            "--config.checkpoint.every=0"]
+    reference, lines = _launched([*args, f"--config.workdir={tmp_path / 'reference'}"])
+    assert reference.wait(timeout=500) == 0, "".join(lines)
+    workdir = tmp_path / "run"
+    proc, lines = _launched([*args, f"--config.workdir={workdir}"])
+    try:
+        _wait_for_rows(proc, lines, workdir / "metrics.jsonl", 2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    assert rc == 130, log[-6000:]
+    saved = [line for line in lines if "hetjax: interrupted (SIGINT) after step " in line]
+    assert len(saved) == 2, log[-6000:]  # both workers
+    step = int(saved[0].split("after step ")[1].split(":")[0])
+    assert all(f"saved checkpoint {step} in {workdir}/checkpoints" in line for line in saved)
+    assert step < 12 and sorted(os.listdir(workdir / "checkpoints")) == [str(step), "tokenizer"]
+    assert "hetjax launch: interrupted: asking p0, p1 to save the step they agree on" in log
+    rerun, lines = _launched([*args, f"--config.workdir={workdir}"])
+    assert rerun.wait(timeout=500) == 0, "".join(lines)
+    assert any(f"resumed from checkpoint {step}" in line for line in lines), "".join(lines)
+    ours = [r["loss"] for r in read_metrics(str(workdir / "metrics.jsonl"))]
+    want = [r["loss"] for r in read_metrics(str(tmp_path / "reference" / "metrics.jsonl"))]
+    assert len(ours) == 12 and ours == pytest.approx(want, rel=1e-6)
+
+
+# (how the run stopped, what hetjax does, the test): the table "Never lose a run" in
+# docs/reliability.md (`python tests/test_reliability.py` prints it). Each test ends with a
+# run whose losses equal an uninterrupted run's.
+NEVER_LOSE = [
+    ("SIGTERM, any `checkpoint.every` (also 0)",
+     "saves the current step, exit 75; the rerun restores whatever checkpoint the directory "
+     "holds", "test_sigterm_without_periodic_checkpoints_resumes_from_its_save"),
+    ("SIGINT (Ctrl-C)",
+     "the same, as `interrupted (SIGINT) after step N: saved checkpoint N ...`, exit 130",
+     "test_sigint_saves_the_current_step_and_exits_130"),
+    ("a second Ctrl-C",
+     "stops at once without saving and names the lost steps: `interrupted (second SIGINT) "
+     "after step 3, without saving: steps 3-3 are lost; rerun the same command to resume from "
+     "checkpoint 2 (exit code 130)`",
+     "test_a_second_sigint_stops_at_once_and_names_the_lost_steps"),
+    ("Ctrl-C at `hetjax launch` (several processes)",
+     "the launcher writes a stop line on every worker's stdin (ssh carries it too); the workers "
+     "agree on a step, each saves it (`[p0] hetjax: interrupted (SIGINT) after step 4: saved "
+     "checkpoint 4 in ...`) and exits 130, and so does the launcher; a second Ctrl-C stops them "
+     "at once", "test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing"),
+    ("SIGKILL",
+     "nothing runs; the rerun takes the stale workdir lock over, cuts metrics.jsonl back to the "
+     "checkpoint and trains on",
+     "test_sigkill_then_rerun_takes_over_the_stale_lock_and_loses_nothing"),
+    ("a full disk (ENOSPC writing a metrics row or a checkpoint)",
+     "one line, `training stopped: <path>: No space left on device; fix: free space on the disk "
+     "holding <path> (or choose a path on another disk); then rerun the same command to resume "
+     "(checkpoint 2 in ... is kept)`; a save still in flight is drained without a second "
+     "traceback", "test_a_full_disk_is_one_error_and_the_rerun_loses_nothing"),
+    ("killed while writing a metrics row",
+     "the torn last line is dropped on resume (`repaired a torn last line`)",
+     "test_a_torn_last_metrics_line_is_repaired_on_resume"),
+]
+
+
+def never_lose_table() -> str:
+    rows = ["| how the run stopped | what hetjax does | test |", "|---|---|---|"]
+    for how, what, test in NEVER_LOSE:
+        marks = getattr(globals()[test], "pytestmark", [])
+        cases = [len(m.args[1]) for m in marks if m.name == "parametrize"]
+        note = (f" ({cases[0]} cases)" if cases else "") + (
+            " (slow)" if any(m.name == "slow" for m in marks) else "")
+        rows.append(f"| {how} | {what} | {test}{note} |")
+    return "\n".join(rows)
+
+
+def test_the_never_lose_table_in_the_docs_is_generated_from_its_tests():
+    with open(os.path.join(REPO, "docs", "reliability.md")) as f:
+        assert never_lose_table() in f.read()  # and every test it names exists
+
+
 def markdown_table(tmp: str) -> str:
     rows = ["| bad input | command | outcome |", "|---|---|---|"]
     for what, command_line, _ in BAD_INPUTS:
@@ -1011,3 +1359,5 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         _write_inputs(d)
         print(markdown_table(d))
+    print()
+    print(never_lose_table())
