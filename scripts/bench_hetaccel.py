@@ -8,13 +8,12 @@ predicted); this file is its command line.
 """
 
 import sys
-from pathlib import Path
 
-if not __package__:  # run as a file (python scripts/NAME.py): its experiment lives in scripts/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hetjax.errors import HetjaxError  # noqa: E402
-from scripts.experiments.hetaccel import main  # noqa: E402
+from hetjax.errors import HetjaxError
+if __package__:  # python -m scripts.bench_hetaccel
+    from .experiments.hetaccel import main
+else:  # python scripts/bench_hetaccel.py: Python puts scripts/ first on sys.path
+    from experiments.hetaccel import main
 
 if __name__ == "__main__":
     try:

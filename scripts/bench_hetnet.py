@@ -8,12 +8,11 @@ predicted); this file is its command line.
 """
 
 import sys
-from pathlib import Path
 
-if not __package__:  # run as a file (python scripts/NAME.py): its experiment lives in scripts/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.experiments.hetnet import main  # noqa: E402
+if __package__:  # python -m scripts.bench_hetnet
+    from .experiments.hetnet import main
+else:  # python scripts/bench_hetnet.py: Python puts scripts/ first on sys.path
+    from experiments.hetnet import main
 
 if __name__ == "__main__":
     sys.exit(main())

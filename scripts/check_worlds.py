@@ -7,12 +7,11 @@ the same losses as one process on the same devices: `scripts.experiments.worlds`
 """
 
 import sys
-from pathlib import Path
 
-if not __package__:  # run as a file (python scripts/NAME.py): its experiment lives in scripts/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.experiments.worlds import main  # noqa: E402
+if __package__:  # python -m scripts.check_worlds
+    from .experiments.worlds import main
+else:  # python scripts/check_worlds.py: Python puts scripts/ first on sys.path
+    from experiments.worlds import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -6,13 +6,12 @@ run to run (scripts/experiments/repredict.py says what and why).
 """
 
 import sys
-from pathlib import Path
 
-if not __package__:  # run as a file (python scripts/NAME.py): its experiment lives in scripts/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hetjax.errors import HetjaxError  # noqa: E402
-from scripts.experiments.repredict import main  # noqa: E402
+from hetjax.errors import HetjaxError
+if __package__:  # python -m scripts.repredict
+    from .experiments.repredict import main
+else:  # python scripts/repredict.py: Python puts scripts/ first on sys.path
+    from experiments.repredict import main
 
 if __name__ == "__main__":
     try:

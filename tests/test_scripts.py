@@ -84,3 +84,17 @@ def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     for name in ("calibration.json", "plan_flat.json", "plan_kinds.json", "bench_gpu.json"):
         assert (tmp_path / name).is_file(), (name, r.stdout[-3000:])
     assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("name", ["bench_hetaccel", "bench_hetnet", "check_worlds", "repredict"])
+@pytest.mark.parametrize("how", ["file", "module"])
+def test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module(name, how, tmp_path):
+    """An installed hetjax does not include scripts/: run as a file, from another directory, the
+    entry point still finds its experiment; run with -m from the repository root, too."""
+    argv = ([sys.executable, os.path.join(SCRIPTS, f"{name}.py"), "--help"] if how == "file"
+            else [sys.executable, "-m", f"scripts.{name}", "--help"])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(argv, cwd=tmp_path if how == "file" else REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout

@@ -40,8 +40,8 @@ import json
 import os
 import sys
 
-from scripts.experiments import harness
-from scripts.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
+from . import harness
+from .harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
                                         Workload, accuracy_table, bar_plot, case_record,
                                         cpus_text, failures, fmt, link_table, load_line,
                                         calibrate_testbed, run_case, save_json, select,

@@ -51,8 +51,8 @@ import dataclasses
 import os
 import sys
 
-from scripts.experiments import harness
-from scripts.experiments.harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
+from . import harness
+from .harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
                                         Workload, accuracy_table, bar_plot, bridge_bytes,
                                         case_record, cpus_text, failures, fmt, link_table,
                                         calibrate_testbed, load_line, run_case, save_json, select,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetjax.errors import HetjaxError
-from scripts.experiments.harness import (Case, Workload, fmt, kept_calibration_path,
+from .harness import (Case, Workload, fmt, kept_calibration_path,
                                         predict_case, table)
 from hetjax.plan import Plan
 from hetjax.planner.calibrate import prediction_errors
@@ -31,7 +31,7 @@ from hetjax.planner.calibrate import prediction_errors
 def experiment_cases(record: dict) -> dict[str, Case]:
     """The configurations of the bench that wrote `record`, by name (their topologies and
     extra flags; the layouts come from the record)."""
-    from scripts.experiments import hetaccel, hetnet
+    from . import hetaccel, hetnet
 
     work, cpus = Workload(**record["workload"]), record["cpus"]
     command = record.get("command", "")

@@ -24,6 +24,9 @@ import time
 
 import numpy as np
 
+# Workers and the reference run this file by path, so that they start from any directory.
+THIS_FILE = os.path.abspath(__file__)
+
 DEFAULTS = [  # a tiny fp32 model on cpu_hybrid (two clusters x 2 nodes x 2 CPU devices)
     "--config.topology.preset=cpu_hybrid", "--config.model.d_model=32",
     "--config.model.d_ff=64", "--config.model.n_layers=4", "--config.model.n_heads=4",
@@ -129,7 +132,7 @@ def launch_worlds(overrides, steps: int, processes: int = 4, die: str = "",
         env = nic.merge_environment(os.environ, w.env, override=True)
         if die:
             env[ENV_DIE] = die
-        argv = (sys.executable, "-u", "-m", "scripts.experiments.worlds", "worker",
+        argv = (sys.executable, "-u", THIS_FILE, "worker",
                 "--steps", str(steps), *overrides)
         children.append((f"p{w.index}/world{w.env[nic.ENV_WORLD]}", argv, env))
     out = _Stamped()
@@ -161,7 +164,7 @@ def reference_in_subprocess(overrides, steps: int) -> list[float]:
     _, topology, *_ = build(overrides)
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={topology.num_devices}"}
-    res = subprocess.run([sys.executable, "-u", "-m", "scripts.experiments.worlds", "reference",
+    res = subprocess.run([sys.executable, "-u", THIS_FILE, "reference",
                           "--steps", str(steps), *overrides], env=env, capture_output=True,
                          text=True)
     if res.returncode:
