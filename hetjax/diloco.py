@@ -57,8 +57,8 @@ from parallel import bridge as hbridge
 from parallel import sharding as shd
 from parallel.codec import dequantize, pack4, quantize, quantize_rows, unpack4
 from parallel.codec import rows as _rows
-from parallel.executor import SingleProgramExecutor
-from parallel.train_state import Executor, TrainState, opt_state_specs
+from parallel.executor import make_executor
+from parallel.train_state import Executor, Optimizer, TrainState, opt_state_specs
 
 
 # --- the codec on pytrees (per-row quantization: parallel/codec.py) --------------------------
@@ -421,8 +421,8 @@ class DilocoExecutor(Executor):
             placed = _PlacedTopology(sub.name, sub.clusters, sub.inter_cluster,
                                      sub.cluster_links, placed=tuple(devices[r] for r in ranks))
             self.site_plans.append(plan)
-            self.site_execs.append(SingleProgramExecutor(plan, placed, model_cfg, inner,
-                                                         lr_schedule))
+            self.site_execs.append(make_executor(plan, placed, model_cfg,
+                                                 Optimizer(inner, lr_schedule)))
         super().__init__(self.site_plans[0], topology, model_cfg, inner, lr_schedule)
         self.rows_per_site = sc.train.batch_size
         self.n_sites = n

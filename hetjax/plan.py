@@ -7,7 +7,8 @@ model states are ZeRO-sharded. It may carry the planner's predictions. Everythin
 (mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan and a Topology; a Plan
 is saved as JSON next to checkpoints.
 
-This module is a leaf: it imports only the topology and the errors. Turning a config into a
+This module is a leaf: it imports only the topology, the errors, the units and the executor
+registry's names (`parallel.registry`, no JAX). Turning a config into a
 Plan is the planner's (`hetjax.planner.plan_from_config`).
 """
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from hetjax.units import gib, percent, seconds
 from hetjax.topology import Topology
+from parallel.registry import EXECUTORS  # the pipeline executors a Plan can name
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
 # data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p') for ZeRO, with
@@ -30,7 +32,6 @@ MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "tp")
 DP_AXES = ("dp", "dp_os", "dp_p")
 
 
-EXECUTORS = ("spmd", "mpmd")  # pipeline executors a Plan can name (parallel/executor.py)
 # Where a pipeline's model chunks live (parallel/pipeline.py): "looped", one chunk per stage in
 # model order; "folded", two chunks per device in a V (DHelix's W, ZB-V's V): layers go down the
 # devices and back up, so device 0 holds the first chunk (embedding) and the last (head).

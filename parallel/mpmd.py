@@ -443,6 +443,12 @@ class MpmdExecutor(Executor):
         self.local = list(range(plan.pp))  # the stages this process's state holds
         self._rows = None
 
+    @classmethod
+    def create(cls, plan, topology, model_cfg, optimizer, runtime):
+        """Clipping by the global norm spans the stages' programs: the executor applies it."""
+        return cls(plan, topology, model_cfg, optimizer.tx, optimizer.lr_schedule,
+                   optimizer.grad_clip)
+
     def chunks_of(self, s: int) -> list[Chunk]:
         """The model chunks stage s runs, in its chunk order."""
         return sorted((c for c in self.chunks if c.stage == s), key=lambda c: c.position)

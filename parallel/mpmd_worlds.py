@@ -153,6 +153,13 @@ class WorldsExecutor(MpmdExecutor):
         # and tells the others which step to restore.
         self.writes_checkpoints = self.group.index == 0
 
+    @classmethod
+    def create(cls, plan, topology, model_cfg, optimizer, runtime):
+        """This process's world of `runtime.worlds`, over `runtime.bridge`."""
+        return cls(plan, topology, model_cfg, optimizer.tx, optimizer.lr_schedule,
+                   optimizer.grad_clip, runtime.worlds, runtime.world, runtime.owner,
+                   runtime.bridge)
+
     def describe(self) -> str:
         return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "
                 f"stages {list(self.local)} here; the bridge carries the rest")
