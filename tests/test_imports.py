@@ -211,15 +211,16 @@ def test_the_units_are_a_leaf():
 
 
 def test_the_plan_is_a_leaf():
-    """hetjax/plan.py: the standard library, numpy, the topology, the errors, the units and the
-    executor registry's names only."""
+    """hetjax/plan.py: the standard library, numpy, the topology, the errors, the units, the
+    schedule registry and the executor registry's names only."""
     with open(os.path.join(REPO, MODULES["hetjax.plan"])) as f:
         tree = ast.parse(f.read())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     ours = {m for m in modules if m.split(".")[0] in ("hetjax", "parallel", "layers")}
     others = {m.split(".")[0] for m in modules - ours} - set(sys.stdlib_module_names)
-    assert ours <= {"hetjax.topology", "hetjax.errors", "hetjax.units", "parallel.registry"}, ours
+    assert ours <= {"hetjax.topology", "hetjax.errors", "hetjax.units", "parallel.registry",
+                    "parallel.schedules"}, ours
     assert others <= {"numpy"}, others
 
 
