@@ -64,6 +64,7 @@ from layers import ModelConfig
 from layers.attention_kernels import choose_local
 from parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
 from parallel.nic import ENV_WORLD, ENV_WORLDS
+from parallel.registry import EXECUTORS
 
 
 def learning_rate_schedule(t) -> optax.Schedule:
@@ -243,10 +244,12 @@ class Trainer:
             dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
-        if config.data.document_mask and self.plan.pp > 1 and self.plan.executor != "spmd":
-            raise ConfigError("data.document_mask", f"the MPMD pipeline executor (here pp = "
-                              f"{self.plan.pp}) does not pass segment ids to its stages",
-                              "--config.pipeline.executor=spmd, or "
+        if (config.data.document_mask and self.plan.pp > 1
+                and not EXECUTORS[self.plan.executor].document_masks):
+            masks = [k.name for k in EXECUTORS.values() if k.document_masks]
+            raise ConfigError("data.document_mask", f"the {self.plan.executor} pipeline executor "
+                              f"(here pp = {self.plan.pp}) does not pass segment ids to its "
+                              "stages", f"--config.pipeline.executor={' or '.join(masks)}, or "
                               "--config.data.document_mask=false")
         self.tx, self.schedule = make_optimizer(config.train)
         optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)

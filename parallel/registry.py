@@ -26,7 +26,8 @@ class ExecutorKind:
     `worlds` the one that runs one world of a multi-world job, "" when this executor cannot.
     `priced_as` is the cost model's executor (`hetjax.planner.cost.EXECUTORS`) that prices it;
     `tick_grid_only`: it runs only the schedules of the SPMD tick grid
-    (`parallel.schedules.spmd_schedules`). `help` is its line in `--help`."""
+    (`parallel.schedules.spmd_schedules`); `document_masks`: it passes the packer's segment
+    ids to its stages (`data.document_mask`). `help` is its line in `--help`."""
 
     name: str
     build: str
@@ -34,6 +35,7 @@ class ExecutorKind:
     priced_as: str
     tick_grid_only: bool = False
     worlds: str = ""
+    document_masks: bool = False
 
 
 # A plan of one stage runs as one program whatever executor it names (there is no pipeline).
@@ -52,7 +54,7 @@ def register(kind: ExecutorKind) -> ExecutorKind:
 register(ExecutorKind(
     "spmd", "parallel.executor:SpmdPipelineExecutor",
     "one shard_map program, stages in lockstep ticks", priced_as="hetjax",
-    tick_grid_only=True))
+    tick_grid_only=True, document_masks=True))
 register(ExecutorKind(
     "mpmd", "parallel.mpmd:MpmdExecutor",
     "one program per stage, stages run asynchronously", priced_as="mpmd",

@@ -40,6 +40,16 @@ def test_every_registered_executor_is_an_executor_the_plan_config_and_cost_model
         registry.register(registry.EXECUTORS["mpmd"])
 
 
+def test_the_document_mask_rule_comes_from_the_registry():
+    from hetjax.train import Trainer
+
+    c = pipe_config((1, 1), "1f1b", 4, 1, 2, **{"pipeline.executor": "mpmd",
+                                                "data.document_mask": True})
+    with pytest.raises(ConfigError, match="(?s)the mpmd pipeline executor .* does not pass "
+                                          "segment ids.*pipeline.executor=spmd, or"):
+        Trainer(c, quiet=True)
+
+
 def test_the_tick_grid_rule_comes_from_the_registry():
     with pytest.raises(ConfigError, match="(?s)the spmd executor cannot run 'zb-h1'.*"
                                           "pipeline.executor=mpmd"):
