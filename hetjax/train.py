@@ -203,12 +203,15 @@ class Timing:
 
 def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Runtime:
     """What this process's environment says about its job (`parallel.train_state.Runtime`),
-    read once: for one world of a multi-world job (`hetjax launch` set HETJAX_WORLDS > 1),
-    the plan's worlds (`hetjax.planner.worlds`), which process runs which rank, this world's
-    index and its bridge to the others; else the single-world default."""
+    read once: the launcher's init timeout, and for one world of a multi-world job (`hetjax
+    launch` set HETJAX_WORLDS > 1) the plan's worlds (`hetjax.planner.worlds`), which process
+    runs which rank, this world's index and its bridge to the others."""
+    from hetjax.distributed import ENV_INIT_TIMEOUT
+
     env = os.environ if env is None else env
+    timeout = float(env[ENV_INIT_TIMEOUT]) if env.get(ENV_INIT_TIMEOUT) else None
     if int(env.get(ENV_WORLDS, "1")) <= 1:
-        return Runtime()
+        return Runtime(init_timeout_s=timeout)
     from hetjax.distributed import process_slots
     from hetjax.planner.worlds import plan_worlds
     from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
@@ -217,7 +220,8 @@ def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Ru
     worlds = plan_worlds(plan, topology, slots)
     owner = {r: slot.index for slot in slots for r in slot.ranks}
     return Runtime(worlds=tuple(worlds), world=int(env[ENV_WORLD]), owner=owner,
-                   bridge=bridge_from_environ(env, codec=config.pipeline.boundary_codec))
+                   bridge=bridge_from_environ(env, codec=config.pipeline.boundary_codec),
+                   init_timeout_s=timeout)
 
 
 class Trainer:
@@ -255,12 +259,13 @@ class Trainer:
         optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
         self.runtime = runtime_from_environ(config, self.plan, self.topology)
         if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
-            # Not a Plan's executor yet: it plans each site itself from the config, and each
-            # site's executor comes from make_executor.
+            # Not a Plan's executor yet: it runs the planner's DiLoCo plan (each site's plan),
+            # and each site's executor comes from make_executor.
             from hetjax.diloco import DilocoExecutor
+            from hetjax.planner.diloco import plan_sites
 
-            self.executor = DilocoExecutor(config, self.topology, self.model_cfg, self.tx,
-                                           self.schedule)
+            self.executor = DilocoExecutor(plan_sites(config, self.topology), self.topology,
+                                           self.model_cfg, self.tx, self.schedule, self.runtime)
         else:
             self.executor = make_executor(self.plan, self.topology, self.model_cfg, optimizer,
                                           self.runtime)

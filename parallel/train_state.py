@@ -88,12 +88,15 @@ class Runtime:
     `worlds`: the job's worlds (`hetjax.planner.worlds.World`), empty unless the launcher
     started this process as one world of a multi-world job; `world` this
     process's index among them, `owner[rank]` the process (bridge rank) that runs topology rank
-    `rank`, `bridge` this process's `parallel.bridge.Bridge` to the other worlds."""
+    `rank`, `bridge` this process's `parallel.bridge.Bridge` to the other worlds;
+    `init_timeout_s` how long the launcher lets processes wait for their peers (None: not
+    launched)."""
 
     worlds: tuple = ()
     world: int = 0
     owner: Mapping[int, int] = field(default_factory=dict)
     bridge: Any = None
+    init_timeout_s: float | None = None
 
     @property
     def multi_world(self) -> bool:

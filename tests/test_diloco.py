@@ -179,7 +179,7 @@ def test_inner_lr_scale_scales_adamw_like_its_learning_rate():
 
     cfg = tiny_config(**{"diloco.inner_lr_scale": 0.25, "train.weight_decay": 0.1})
     tx, sched = make_optimizer(cfg.train)
-    scaled, scaled_sched = inner_optimizer(cfg, tx, sched)
+    scaled, scaled_sched = inner_optimizer(cfg.diloco, tx, sched)
     ref_cfg = tiny_config(**{"train.lr": 0.25 * cfg.train.lr, "train.weight_decay": 0.1})
     ref, ref_sched = make_optimizer(ref_cfg.train)
     rng = np.random.default_rng(0)
