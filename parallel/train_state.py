@@ -234,4 +234,5 @@ class Executor(abc.ABC):
         return cross_entropy(logits, targets)
 
 
-__all__ = ["Executor", "Optimizer", "Runtime", "TrainState", "batch_rows", "opt_state_specs", "skip_unless_finite"]
+__all__ = ["Executor", "Optimizer", "Runtime", "TrainState", "batch_rows", "opt_state_specs",
+           "skip_unless_finite"]
