@@ -22,7 +22,8 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
-from hetjax.plan import EXECUTORS, PLACEMENTS
+from hetjax.plan import PLACEMENTS
+from parallel.registry import EXECUTORS, executor_help
 from parallel.schedules import SCHEDULES, spmd_schedules
 from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
 
@@ -30,7 +31,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-PIPELINE_EXECUTORS = (*EXECUTORS, "auto")  # the Plan's executors, or the planner chooses
+
+
+def pipeline_executors() -> tuple[str, ...]:
+    """What pipeline.executor may say: a registered executor, or 'auto' (the planner chooses)."""
+    return (*EXECUTORS, "auto")
+
+
 ROPE_TYPES = ("default", "linear", "llama3")  # hetjax.interop.hf_config's, layers/embeddings'
 
 
@@ -229,9 +236,7 @@ DESCRIPTIONS: dict[str, str] = {
     "pipeline.stage_layers": "layers per stage, e.g. (3, 1); empty: even split",
     "pipeline.schedule": f"{' | '.join(SCHEDULES)} (executor spmd runs "
                          f"{', '.join(spmd_schedules())}; strands: two strands per tick)",
-    "pipeline.executor": "spmd: one shard_map program, stages in lockstep ticks; mpmd: one "
-                         "program per stage, stages run asynchronously; auto: the one the "
-                         "planner predicts faster",
+    "pipeline.executor": executor_help(),
     "pipeline.placement": "looped: one model chunk per stage in order | folded: two chunks per "
                           "device in a V (down, then back up; device 0 holds embedding and "
                           "head), each device's stage_layers split ceil/floor down/up | auto: "
@@ -749,18 +754,21 @@ def validate(c) -> None:
         v = _get(c, f)
         _require(isinstance(v, int) and v >= 0, f, f"must be >= 1 (or 0 for automatic), got {v!r}",
                  f"set --config.{f}=1")
-    _require(c.pipeline.executor in PIPELINE_EXECUTORS, "pipeline.executor",
+    _require(c.pipeline.executor in pipeline_executors(), "pipeline.executor",
              f"unknown executor {c.pipeline.executor!r}",
-             f"choose one of {', '.join(PIPELINE_EXECUTORS)}")
+             f"choose one of {', '.join(pipeline_executors())}")
     _require(c.pipeline.boundary_codec in BOUNDARY_CODECS, "pipeline.boundary_codec",
              f"unknown codec {c.pipeline.boundary_codec!r}",
              f"choose one of {', '.join(BOUNDARY_CODECS)}")
     _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
              f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
-    _require(c.pipeline.executor != "spmd" or c.pipeline.schedule in spmd_schedules(),
-             "pipeline.schedule", f"the SPMD executor cannot run {c.pipeline.schedule!r} (several "
-             f"chunks per stage or a split backward)",
-             f"set --config.pipeline.executor=mpmd, or use one of {', '.join(spmd_schedules())}")
+    kind = EXECUTORS.get(c.pipeline.executor)
+    _require(not (kind and kind.tick_grid_only) or c.pipeline.schedule in spmd_schedules(),
+             "pipeline.schedule", f"the {c.pipeline.executor} executor cannot run "
+             f"{c.pipeline.schedule!r} (several chunks per stage or a split backward)",
+             "set --config.pipeline.executor=" + " or ".join(
+                 k.name for k in EXECUTORS.values() if not k.tick_grid_only) +
+             f", or use one of {', '.join(spmd_schedules())}")
     _require(c.pipeline.placement in PLACEMENTS + ("auto",), "pipeline.placement",
              f"unknown placement {c.pipeline.placement!r}",
              f"choose one of {', '.join(PLACEMENTS + ('auto',))}")

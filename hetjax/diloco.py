@@ -34,7 +34,6 @@ single-device reference.
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,15 +49,13 @@ from hetjax import checkpoint as hckpt
 from hetjax.distributed import free_port
 from hetjax.errors import ConfigError
 from hetjax.hardware import Topology
-from hetjax.planner.config_plan import plan_from_config
-from hetjax.planner.diloco import (BITS, site_clusters, site_config, site_first_ranks,
-                                   site_topology)
+from hetjax.planner.diloco import BITS, DilocoPlan, site_first_ranks
 from parallel import bridge as hbridge
 from parallel import sharding as shd
 from parallel.codec import dequantize, pack4, quantize, quantize_rows, unpack4
 from parallel.codec import rows as _rows
-from parallel.executor import SingleProgramExecutor
-from parallel.train_state import Executor, TrainState, opt_state_specs
+from parallel.executor import make_executor
+from parallel.train_state import Executor, Optimizer, Runtime, TrainState, opt_state_specs
 
 
 # --- the codec on pytrees (per-row quantization: parallel/codec.py) --------------------------
@@ -101,17 +98,18 @@ def outer_optimizer(d) -> optax.GradientTransformation:
     return optax.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=True)
 
 
-def inner_optimizer(c, tx, schedule) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def inner_optimizer(d, tx, schedule) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The sites' optimizer and learning rate schedule: the trainer's (AdamW) or plain SGD at
-    train.lr's schedule, times `diloco.inner_lr_scale` (a site sees 1/n of the global batch,
-    so its best rate need not be the synchronous run's)."""
-    k = float(c.diloco.inner_lr_scale)
+    train.lr's schedule, times `d.inner_lr_scale` (`d`: the config's diloco section or a
+    DilocoPlan; a site sees 1/n of the global batch, so its best rate need not be the
+    synchronous run's)."""
+    k = float(d.inner_lr_scale)
     if k != 1.0:
         base = schedule
         schedule = lambda step: k * base(step)  # noqa: E731
         # AdamW's update is -lr (adam + wd p): scaling the update scales lr (decay included)
         tx = optax.chain(tx, optax.scale(k))
-    return (tx if c.diloco.inner_optimizer == "adamw" else optax.sgd(schedule)), schedule
+    return (tx if d.inner_optimizer == "adamw" else optax.sgd(schedule)), schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +122,7 @@ class _PlacedTopology(Topology):
         return list(self.placed)
 
 
-def _local_site(sites, site_ranks, devices, config) -> int | None:
+def _local_site(sites, site_ranks, devices) -> int | None:
     """None in one process; under `hetjax launch`, the site this process runs (each site must
     be exactly one process's devices: one world per site, the exchange between them)."""
     if jax.process_count() == 1:
@@ -388,10 +386,13 @@ class SitesLayout:
 
 class DilocoExecutor(Executor):
     """Sites as device groups of one process, each a `SingleProgramExecutor` on its own plan;
-    an outer step every `diloco.inner_steps` steps."""
+    an outer step every `diloco.inner_steps` steps. It receives the planner's `DilocoPlan`
+    (hetjax/planner/diloco.py: the sites and their plans), never the config, and the
+    process's `Runtime` (the init timeout its overlap transport waits)."""
 
-    def __init__(self, config, topology: Topology, model_cfg, tx, lr_schedule):
-        d = config.diloco
+    def __init__(self, dplan: DilocoPlan, topology: Topology, model_cfg, tx, lr_schedule,
+                 runtime: Runtime = Runtime()):
+        d = dplan
         self.H, self.codec = d.inner_steps, d.codec
         self.F = d.fragments  # streaming: fragment f is exchanged at step f H / F of a round
         self.offsets = [f * self.H // self.F for f in range(self.F)]
@@ -401,30 +402,25 @@ class DilocoExecutor(Executor):
         self.tau, self.mix = d.overlap_steps, float(d.mix)
         self._inflight = {}  # fragment -> its exchange under way (wires, or a Future of them)
         self.transport = None
-        self.sites = site_clusters(topology, tuple(d.sites))
+        self.sites = list(d.sites)
         n = len(self.sites)
-        if n < 2:
-            raise ConfigError("diloco.sites", f"topology {topology.name!r} gives one site",
-                              "use a topology with two clusters or more, or diloco.inner_steps=0")
-        sc = site_config(config, n)
         devices = topology.jax_devices()
         site_ranks = site_first_ranks(topology, self.sites)
         # Multi-process (hetjax launch): this process runs one site; the others are peers.
-        self.local = _local_site(self.sites, site_ranks, devices, config)
+        self.local = _local_site(self.sites, site_ranks, devices)
         self.site_plans, self.site_execs = [], []
-        inner, lr_schedule = inner_optimizer(config, tx, lr_schedule)
-        for s, ((name, clusters), ranks) in enumerate(zip(self.sites, site_ranks)):
+        inner, lr_schedule = inner_optimizer(d, tx, lr_schedule)
+        for s, (sub, plan, ranks) in enumerate(zip(d.site_topologies, d.site_plans,
+                                                   site_ranks)):
             if self.local is not None and s != self.local:
                 continue
-            sub = site_topology(topology, clusters)
-            plan = plan_from_config(sc, sub)  # pp = 1 (site_config)
             placed = _PlacedTopology(sub.name, sub.clusters, sub.inter_cluster,
                                      sub.cluster_links, placed=tuple(devices[r] for r in ranks))
             self.site_plans.append(plan)
-            self.site_execs.append(SingleProgramExecutor(plan, placed, model_cfg, inner,
-                                                         lr_schedule))
+            self.site_execs.append(make_executor(plan, placed, model_cfg,
+                                                 Optimizer(inner, lr_schedule)))
         super().__init__(self.site_plans[0], topology, model_cfg, inner, lr_schedule)
-        self.rows_per_site = sc.train.batch_size
+        self.rows_per_site = d.rows_per_site
         self.n_sites = n
         self.outer_tx = outer_optimizer(d)
         self.outer_name = d.outer_optimizer
@@ -435,14 +431,14 @@ class DilocoExecutor(Executor):
         if self.local is not None:
             # the sites' mean loss is logged on the steps the trainer logs (one tiny
             # all-gather); on the others a process reports its own site's loss
-            self.log_every, self.last_step = config.train.log_every, config.train.steps
+            self.log_every, self.last_step = d.log_every, d.steps
             self._first = True
             self.cross = CrossSiteExchange([devices[r[0]] for r in site_ranks], self.local,
                                            self.codec)
             if self.tau:
-                timeout = float(os.environ.get("HETJAX_INIT_TIMEOUT", hbridge.DEFAULT_TIMEOUT))
-                self.transport = OverlapTransport(self.local, n, self.cross.device,
-                                                  max(timeout, hbridge.DEFAULT_TIMEOUT))
+                self.transport = OverlapTransport(
+                    self.local, n, self.cross.device,
+                    max(runtime.init_timeout_s or 0.0, hbridge.DEFAULT_TIMEOUT))
 
     def _build(self):
         self._frag_fns = {}  # (site, fragment) -> its jitted outer step

@@ -7,7 +7,10 @@ model states are ZeRO-sharded. It may carry the planner's predictions. Everythin
 (mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan and a Topology; a Plan
 is saved as JSON next to checkpoints.
 
-This module is a leaf: it imports only the topology and the errors. Turning a config into a
+`resolve_schedule` is the one place a plan becomes a schedule object (of the registry in
+`parallel.schedules`). This module is a leaf: it imports only the topology, the errors, the
+units, the schedule registry and the executor registry's names (`parallel.registry`; none of
+them imports JAX). Turning a config into a
 Plan is the planner's (`hetjax.planner.plan_from_config`).
 """
 
@@ -20,8 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from hetjax.errors import PlanError
 from hetjax.units import gib, percent, seconds
 from hetjax.topology import Topology
+from parallel.schedules import Schedule, folded, make_schedule
+from parallel.registry import EXECUTORS  # the pipeline executors a Plan can name
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
 # data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p') for ZeRO, with
@@ -30,7 +36,6 @@ MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "tp")
 DP_AXES = ("dp", "dp_os", "dp_p")
 
 
-EXECUTORS = ("spmd", "mpmd")  # pipeline executors a Plan can name (parallel/executor.py)
 # Where a pipeline's model chunks live (parallel/pipeline.py): "looped", one chunk per stage in
 # model order; "folded", two chunks per device in a V (DHelix's W, ZB-V's V): layers go down the
 # devices and back up, so device 0 holds the first chunk (embedding) and the last (head).
@@ -337,6 +342,32 @@ def batch_split_problem(global_batch: int, microbatches: int, dp: int
                 f"sequences, not divisible by dp = {dp}",
                 f"make train.batch_size a multiple of microbatches x dp = {microbatches * dp}")
     return None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The fields of a Plan that pick its schedule object, for callers without a Plan (the
+    simulator prices schedules by name and size)."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    placement: str = "looped"
+
+
+def resolve_schedule(plan: "Plan | ScheduleSpec") -> Schedule:
+    """The schedule object `plan` runs: the registered schedule for its stages and
+    micro-batches, wrapped for the folded placement when it asks (`folded`). The one
+    place a plan becomes a schedule (the MPMD executors, the SPMD pipeline, the simulator); a
+    plan it cannot run is one PlanError naming the fields to change."""
+    try:
+        if plan.placement == "folded":
+            return folded(plan.schedule, plan.pp, plan.microbatches)
+        return make_schedule(plan.schedule, plan.pp, plan.microbatches)
+    except ValueError as e:
+        fields = "pipeline.microbatches or pipeline.schedule" + (
+            " or pipeline.placement" if plan.placement == "folded" else "")
+        raise PlanError(f"{e}. Fix: change {fields}") from None
 
 
 def even_split(n_layers: int, stages: int) -> tuple[int, ...]:

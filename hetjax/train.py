@@ -63,8 +63,9 @@ from hetjax.tokenizer import tokenizer_from_config
 from hetjax.topology import Topology
 from layers import ModelConfig
 from layers.attention_kernels import choose_local
-from parallel.executor import TrainState, make_executor, opt_state_specs
+from parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
 from parallel.nic import ENV_WORLD, ENV_WORLDS
+from parallel.registry import EXECUTORS
 
 
 def learning_rate_schedule(t) -> optax.Schedule:
@@ -201,28 +202,27 @@ class Timing:
         }
 
 
-def worlds_job() -> bool:
-    """Whether this process is one world of a multi-world MPMD job (`hetjax launch` set it)."""
-    return int(os.environ.get(ENV_WORLDS, "1")) > 1
+def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Runtime:
+    """What this process's environment says about its job (`parallel.train_state.Runtime`),
+    read once: the launcher's init timeout, and for one world of a multi-world job (`hetjax
+    launch` set HETJAX_WORLDS > 1) the plan's worlds (`hetjax.planner.worlds`), which process
+    runs which rank, this world's index and its bridge to the others."""
+    from hetjax.distributed import ENV_INIT_TIMEOUT
 
-
-def make_worlds_executor(config, plan: Plan, topology: Topology, model_cfg, tx, schedule):
-    """This world's `parallel.mpmd_worlds.WorldsExecutor`: the plan's worlds
-    (`hetjax.planner.worlds`), this process's bridge, which process runs which rank."""
+    env = os.environ if env is None else env
+    timeout = float(env[ENV_INIT_TIMEOUT]) if env.get(ENV_INIT_TIMEOUT) else None
+    if int(env.get(ENV_WORLDS, "1")) <= 1:
+        return Runtime(init_timeout_s=timeout)
     from hetjax.distributed import process_slots
     from hetjax.planner.worlds import plan_worlds
     from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
-    from parallel.mpmd_worlds import WorldsExecutor
 
-    if plan.executor != "mpmd":
-        raise HetjaxError(f"{ENV_WORLDS} > 1 needs the MPMD executor; set "
-                          "--config.pipeline.executor=mpmd")
-    slots = process_slots(topology, len(os.environ[ENV_BRIDGE_HOSTS].split(",")))
+    slots = process_slots(topology, len(env[ENV_BRIDGE_HOSTS].split(",")))
     worlds = plan_worlds(plan, topology, slots)
     owner = {r: slot.index for slot in slots for r in slot.ranks}
-    return WorldsExecutor(plan, topology, model_cfg, tx, schedule, config.train.grad_clip,
-                          worlds, int(os.environ[ENV_WORLD]), owner,
-                          bridge_from_environ(codec=config.pipeline.boundary_codec))
+    return Runtime(worlds=tuple(worlds), world=int(env[ENV_WORLD]), owner=owner,
+                   bridge=bridge_from_environ(env, codec=config.pipeline.boundary_codec),
+                   init_timeout_s=timeout)
 
 
 class Trainer:
@@ -250,23 +250,27 @@ class Trainer:
             dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
-        if config.data.document_mask and self.plan.pp > 1 and self.plan.executor != "spmd":
-            raise ConfigError("data.document_mask", f"the MPMD pipeline executor (here pp = "
-                              f"{self.plan.pp}) does not pass segment ids to its stages",
-                              "--config.pipeline.executor=spmd, or "
+        if (config.data.document_mask and self.plan.pp > 1
+                and not EXECUTORS[self.plan.executor].document_masks):
+            masks = [k.name for k in EXECUTORS.values() if k.document_masks]
+            raise ConfigError("data.document_mask", f"the {self.plan.executor} pipeline executor "
+                              f"(here pp = {self.plan.pp}) does not pass segment ids to its "
+                              "stages", f"--config.pipeline.executor={' or '.join(masks)}, or "
                               "--config.data.document_mask=false")
         self.tx, self.schedule = make_optimizer(config.train)
+        optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
+        self.runtime = runtime_from_environ(config, self.plan, self.topology)
         if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
+            # Not a Plan's executor yet: it runs the planner's DiLoCo plan (each site's plan),
+            # and each site's executor comes from make_executor.
             from hetjax.diloco import DilocoExecutor
+            from hetjax.planner.diloco import plan_sites
 
-            self.executor = DilocoExecutor(config, self.topology, self.model_cfg, self.tx,
-                                           self.schedule)
-        elif worlds_job():
-            self.executor = make_worlds_executor(config, self.plan, self.topology,
-                                                 self.model_cfg, self.tx, self.schedule)
+            self.executor = DilocoExecutor(plan_sites(config, self.topology), self.topology,
+                                           self.model_cfg, self.tx, self.schedule, self.runtime)
         else:
-            self.executor = make_executor(self.plan, self.topology, self.model_cfg, self.tx,
-                                          self.schedule, config.train.grad_clip)
+            self.executor = make_executor(self.plan, self.topology, self.model_cfg, optimizer,
+                                          self.runtime)
         # The attention kernel this process's devices run (a named one they cannot run is a
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
@@ -276,7 +280,7 @@ class Trainer:
         self.predicted = self._check_memory()
         # MFU is a fraction of the topology's peak: say so when JAX runs on other devices
         # (a multi-world job's process sees only its own world's devices)
-        self.mfu_warning = None if worlds_job() else device_mismatch(
+        self.mfu_warning = None if self.runtime.multi_world else device_mismatch(
             self.topology, describe_jax_devices(jax.devices()))
         self.tokens_per_step = self.plan.global_batch * self.plan.seq_len
         self.flops_per_step = self.model_cfg.flops_per_token(self.plan.seq_len) * \
@@ -445,8 +449,6 @@ class Trainer:
         onto one device (for large models, open the checkpoint with pp = 1: hetjax.sampling)."""
         import contextlib
 
-        import flax.linen as nn
-
         from layers.generate import generate
         from layers.model import Transformer
 
@@ -468,14 +470,9 @@ class Trainer:
                 f"the longest prompt ({max(map(len, ids))} tokens) plus max_new_tokens = "
                 f"{max_new_tokens} exceeds the model's model.max_seq_len = "
                 f"{self.model_cfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
-        params, ctx = self.params, contextlib.ExitStack()
-        if self.plan.pp == 1 and hasattr(self.executor, "rules"):
-            # the plan's tp sharding; the few prompts are not split over the data axes
-            rules = [(n, None if n == "batch" else a) for n, a in self.executor.rules]
-            ctx.enter_context(jax.set_mesh(self.executor.mesh))
-            ctx.enter_context(nn.logical_axis_rules(rules))
-        else:
-            params = jax.device_get(params)
+        params, ctx = self.params, self.executor.generation_context()
+        if ctx is None:  # a pipeline's stages: its parameters are gathered onto one device
+            params, ctx = jax.device_get(params), contextlib.nullcontext()
         stops = (self.tokenizer.eos_id,) if stop_tokens is None else tuple(stop_tokens)
         with ctx:
             out = generate(Transformer(self.model_cfg), params, ids, max_new_tokens,
@@ -532,7 +529,7 @@ class Trainer:
     def _save_tokenizer(self) -> None:
         """Copy the tokenizer beside the checkpoints once per run, so a resume, an export or a
         sample of any of them finds the exact tokenizer it was trained with."""
-        if self._tokenizer_saved or not getattr(self.executor, "writes_checkpoints", True) \
+        if self._tokenizer_saved or not self.executor.writes_checkpoints \
                 or jax.process_index() != 0:
             return
         self.tokenizer.save(self.tokenizer_dir)
@@ -734,7 +731,7 @@ class Trainer:
         run already at `steps` trains nothing and says it is complete."""
         total = steps if steps is not None else self.config.train.steps
         # one metrics writer per job: process 0 of world 0 (every world has the loss)
-        primary = jax.process_index() == 0 and os.environ.get(ENV_WORLD, "0") == "0"
+        primary = jax.process_index() == 0 and self.runtime.world == 0
         lock = WorkdirLock(self.workdir)
         if primary:  # one run per workdir: before anything in it is read or written
             lock.acquire()

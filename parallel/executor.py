@@ -3,24 +3,28 @@
 The Trainer (hetjax/train.py) owns the loop, the data and the hooks; it asks an `Executor` for
 everything that depends on how the step is executed: the initial train state in its shardings,
 one optimizer step on a batch, the parameters in the model's natural layout, the checkpoint
-layout, how a host batch becomes device arrays, and the loss of a batch. `make_executor`
-chooses the implementation a Plan asks for:
+layout, how a host batch becomes device arrays, and the loss of a batch. `make_executor` is
+the one place that chooses the implementation, from the Plan, the executor registry
+(`parallel.registry`) and the process's `Runtime`:
 
 - `SingleProgramExecutor` -- the whole step is one jitted SPMD program over the plan's mesh.
   With pp = 1 the loss and gradients come from the ZeRO micro-batch loop
   (`parallel.zero.accumulate_gradients`).
 - `SpmdPipelineExecutor` -- the same single program, with the loss and gradients of the
   shard_map pipeline (`parallel.pipeline.Pipeline`), parameters in the stage-stacked layout.
-- the MPMD pipeline executor (`parallel.mpmd`) -- one program per stage.
+- the MPMD pipeline executor (`parallel.mpmd`) -- one program per stage; across JAX worlds
+  `parallel.mpmd_worlds`.
 
-Executors get the optimizer (an optax transform and its learning-rate schedule) from the
-Trainer, so nothing below the Plan reads the config. The interface itself and the train state
+Executors get the optimizer (`Optimizer`: an optax transform, its learning-rate schedule and
+clipping threshold) and the process's `Runtime` from the caller, so nothing below the Plan
+reads the config or the environment. The interface itself and the train state
 are in `parallel.train_state`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import flax.linen as nn
 import jax
@@ -30,13 +34,16 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
+from hetjax.errors import PlanError
 from hetjax.plan import Plan
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel import sharding as shd
 from parallel import zero
 from parallel.mesh import build_mesh
-from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
+from parallel.registry import EXECUTORS, SINGLE_PROGRAM
+from parallel.train_state import (Executor, Optimizer, Runtime, TrainState, opt_state_specs,
+                                  skip_unless_finite)
 
 
 class SingleProgramExecutor(Executor):
@@ -106,6 +113,17 @@ class SingleProgramExecutor(Executor):
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(nn.logical_axis_rules(self.rules))
+        return stack
+
+    def generation_context(self):
+        """One stage: decode under the plan's mesh, its tp sharding kept; the few prompts are not
+        split over the data axes."""
+        if self.plan.pp != 1:
+            return None
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(
+            [(n, None if n == "batch" else a) for n, a in self.rules]))
         return stack
 
     def init_state(self, seed: int) -> TrainState:
@@ -201,23 +219,36 @@ class SpmdPipelineExecutor(SingleProgramExecutor):
         return self.pipeline.describe()
 
 
+def _load(target: str) -> type[Executor]:
+    """The Executor subclass a registry entry names as "module:Class"."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def make_executor(plan: Plan, topology: Topology, model_cfg: ModelConfig,
-                  tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
-                  grad_clip: float = 0.0) -> Executor:
-    """The executor `plan` asks for: one program for pp = 1, otherwise the plan's pipeline
-    executor ('spmd': the shard_map pipeline; 'mpmd': one program per stage, which needs the
-    global-norm clipping threshold `grad_clip` of `tx` to clip across its stages)."""
-    if plan.pp == 1:
-        return SingleProgramExecutor(plan, topology, model_cfg, tx, lr_schedule)
-    kind = plan.executor
-    if kind == "spmd":
-        return SpmdPipelineExecutor(plan, topology, model_cfg, tx, lr_schedule)
-    if kind == "mpmd":
-        from parallel.mpmd import MpmdExecutor
+                  optimizer: Optimizer, runtime: Runtime = Runtime()) -> Executor:
+    """The executor that runs `plan`: the only place that chooses one.
 
-        return MpmdExecutor(plan, topology, model_cfg, tx, lr_schedule, grad_clip)
-    raise ValueError(f"plan.executor = {kind!r}: choose 'spmd' or 'mpmd'")
+    A multi-world job (`runtime.worlds`) runs the world executor of the plan's executor
+    (`ExecutorKind.worlds`); a plan of one stage runs as one program (`SINGLE_PROGRAM`); a
+    pipeline runs the executor the plan names (`parallel.registry.EXECUTORS`)."""
+    kind = EXECUTORS.get(plan.executor)
+    if kind is None:
+        raise PlanError(f"plan executor {plan.executor!r} is not registered. Fix: set "
+                        f"pipeline.executor to one of {', '.join(EXECUTORS)}")
+    if runtime.multi_world:
+        if not kind.worlds:
+            runs = [k.name for k in EXECUTORS.values() if k.worlds]
+            raise PlanError(f"a multi-world job needs an executor that runs worlds, not "
+                            f"{kind.name!r}. Fix: set --config.pipeline.executor="
+                            f"{' or '.join(runs)}")
+        target = kind.worlds
+    elif plan.pp == 1:
+        target = SINGLE_PROGRAM
+    else:
+        target = kind.build
+    return _load(target).create(plan, topology, model_cfg, optimizer, runtime)
 
 
-__all__ = ["Executor", "SingleProgramExecutor", "SpmdPipelineExecutor", "TrainState",
-           "make_executor", "opt_state_specs"]
+__all__ = ["Executor", "Optimizer", "Runtime", "SingleProgramExecutor", "SpmdPipelineExecutor",
+           "TrainState", "make_executor", "opt_state_specs"]

@@ -62,8 +62,7 @@ from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unl
 from parallel.mesh import DP_AXES, build_mesh
 from parallel.pipeline import check_plan, onehot_cross_entropy
 from parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
-from hetjax.errors import PlanError
-from hetjax.plan import even_split
+from hetjax.plan import even_split, resolve_schedule
 
 @flax.struct.dataclass
 class MpmdState:
@@ -425,7 +424,7 @@ class MpmdExecutor(Executor):
         check_plan(plan, model_cfg.n_layers)
         self.grad_clip = grad_clip
         self.tied = model_cfg.tie_embeddings
-        self.schedule = schedule_for(plan)
+        self.schedule = resolve_schedule(plan)
         self.order = issue_order(self.schedule)
         self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.mesh = build_mesh(plan, topology)  # all stages: checkpoints pass through it
@@ -442,6 +441,12 @@ class MpmdExecutor(Executor):
         self.batch_sharding = {"inputs": first.batch, "targets": last.batch}
         self.local = list(range(plan.pp))  # the stages this process's state holds
         self._rows = None
+
+    @classmethod
+    def create(cls, plan, topology, model_cfg, optimizer, runtime):
+        """Clipping by the global norm spans the stages' programs: the executor applies it."""
+        return cls(plan, topology, model_cfg, optimizer.tx, optimizer.lr_schedule,
+                   optimizer.grad_clip)
 
     def chunks_of(self, s: int) -> list[Chunk]:
         """The model chunks stage s runs, in its chunk order."""
@@ -640,19 +645,6 @@ def _timed(stage: Stage, key, times: dict, fn, *args):
     out = jax.block_until_ready(stage.run(fn, *args))
     times.setdefault(key, []).append(time.perf_counter() - t)
     return out
-
-
-def schedule_for(plan) -> sch.Schedule:
-    """The plan's schedule from the registry (on the folded placement when the plan asks:
-    `schedules.folded`); PlanError if it cannot run this plan."""
-    try:
-        if getattr(plan, "placement", "looped") == "folded":
-            schedule = sch.folded(plan.schedule, plan.pp, plan.microbatches)
-        else:
-            schedule = sch.make_schedule(plan.schedule, plan.pp, plan.microbatches)
-    except ValueError as e:
-        raise PlanError(f"{e}. Fix: change pipeline.microbatches or pipeline.schedule") from None
-    return schedule
 
 
 def issue_order(schedule: sch.Schedule) -> list[tuple[int, sch.Task]]:

@@ -44,11 +44,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.errors import HetjaxError
+from hetjax.plan import resolve_schedule
 from parallel import schedules as sch
 from parallel.bridge import Bridge, message_key
 from parallel.mesh import AXES, DP_AXES, mesh_shape
 from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, _map_param_trees, issue_order,
-                           merge_trees, model_chunks, schedule_for, stage_tree)
+                           merge_trees, model_chunks, stage_tree)
 from parallel.pipeline import check_plan
 from parallel.train_state import Executor, TrainState
 
@@ -104,7 +105,7 @@ class WorldsExecutor(MpmdExecutor):
         check_plan(plan, model_cfg.n_layers)
         self.grad_clip = grad_clip
         self.tied = model_cfg.tie_embeddings
-        self.schedule = schedule_for(plan)
+        self.schedule = resolve_schedule(plan)
         self.order = issue_order(self.schedule)
         self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.worlds, self.world = list(worlds), worlds[world]
@@ -152,6 +153,13 @@ class WorldsExecutor(MpmdExecutor):
         # Group 0 (world 0) writes the checkpoints (the others send it their stages' states)
         # and tells the others which step to restore.
         self.writes_checkpoints = self.group.index == 0
+
+    @classmethod
+    def create(cls, plan, topology, model_cfg, optimizer, runtime):
+        """This process's world of `runtime.worlds`, over `runtime.bridge`."""
+        return cls(plan, topology, model_cfg, optimizer.tx, optimizer.lr_schedule,
+                   optimizer.grad_clip, runtime.worlds, runtime.world, runtime.owner,
+                   runtime.bridge)
 
     def describe(self) -> str:
         return (super().describe() + f"\nworld {self.world.index} of {len(self.worlds)}: "

@@ -76,7 +76,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, batch_split_problem
+from hetjax.plan import Plan, batch_split_problem, resolve_schedule
 from layers import ModelConfig, Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
@@ -286,8 +286,8 @@ class Pipeline:
         # Folded: the schedule's grid for a virtual pipeline of 2 pp stages (chunks); device d
         # runs virtual stages d (down) and 2 pp - 1 - d (up) in every tick.
         self.folded = plan.placement == "folded"
-        self.schedule = sch.make_schedule(plan.schedule, plan.pp * (2 if self.folded else 1),
-                                          plan.microbatches)
+        schedule = resolve_schedule(plan)
+        self.schedule = schedule.base if self.folded else schedule
         if not self.schedule.spmd_compatible:
             raise PlanError(f"the SPMD pipeline executor cannot run the {plan.schedule} schedule "
                             f"(several chunks per stage or a split backward). Fix: set "

@@ -3,13 +3,19 @@
 `TrainState` is the pytree one program's step updates (step, parameters, optimizer state);
 `Executor` is what the Trainer asks of any executor (parallel/executor.py chooses one):
 the initial state, one optimizer step, natural parameters, the checkpoint layout, batches and
-evaluation. `opt_state_specs` maps parameter PartitionSpecs through an optax state tree.
+evaluation. What an executor is built from besides the Plan comes in two small records:
+`Optimizer` (the optax transform, its learning rate, its clipping threshold) and `Runtime`
+(what the process's environment says: the worlds of a multi-world job and this process's
+place in them), which the caller builds once. `opt_state_specs` maps parameter PartitionSpecs
+through an optax state tree.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import flax.struct
 import jax
@@ -19,6 +25,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
+from hetjax.errors import HetjaxError
 from hetjax.plan import Plan
 from hetjax.topology import Topology
 from layers import ModelConfig, Transformer, cross_entropy
@@ -61,15 +68,63 @@ def batch_rows(plan: Plan, inputs_sharding) -> np.ndarray:
     return np.flatnonzero(held)
 
 
+@dataclass(frozen=True)
+class Optimizer:
+    """The optimizer an executor applies: `tx`, its learning rate per step `lr_schedule`
+    (reported as a metric), and `grad_clip`, the global-norm clipping threshold inside `tx`
+    (0: none), which an executor whose gradients live on several programs applies itself."""
+
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    grad_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What an executor learns from its process rather than from the Plan. The caller builds it
+    once from the environment the launcher set (`hetjax.train.runtime_from_environ`); the
+    default is a single-world job.
+
+    `worlds`: the job's worlds (`hetjax.planner.worlds.World`), empty unless the launcher
+    started this process as one world of a multi-world job; `world` this
+    process's index among them, `owner[rank]` the process (bridge rank) that runs topology rank
+    `rank`, `bridge` this process's `parallel.bridge.Bridge` to the other worlds;
+    `init_timeout_s` how long the launcher lets processes wait for their peers (None: not
+    launched)."""
+
+    worlds: tuple = ()
+    world: int = 0
+    owner: Mapping[int, int] = field(default_factory=dict)
+    bridge: Any = None
+    init_timeout_s: float | None = None
+
+    @property
+    def multi_world(self) -> bool:
+        return bool(self.worlds)
+
+
 class Executor(abc.ABC):
     """Runs training steps of `model_cfg` under `plan` on `topology`'s devices.
 
     `tx` is the optimizer and `lr_schedule` its learning rate per step (reported as a metric).
-    Everything the Trainer calls is declared here; the optional parts have defaults.
+    Everything the Trainer calls is declared here; the optional parts have defaults (the
+    introspection of a single program -- mesh, shardings, the compiled step -- is None or a
+    clear error for executors that run several programs).
     """
 
     pipeline = None  # the SPMD pipeline executor's shard_map `Pipeline`; None elsewhere
     writes_checkpoints = True  # False where another process of the job writes them (worlds)
+    mesh = None  # the single program's mesh; None where there are several programs
+    zero_specs = None  # its ZeRO PartitionSpecs (parallel.zero.ZeroSpecs)
+    state_sharding = None  # its train state's shardings
+
+    @classmethod
+    def create(cls, plan: Plan, topology: Topology, model_cfg: ModelConfig,
+               optimizer: Optimizer, runtime: Runtime) -> "Executor":
+        """The executor for `plan` (what `parallel.executor.make_executor` calls): by default
+        the optimizer's transform and learning rate; an executor that needs more (the clipping
+        threshold, the runtime's worlds) overrides this."""
+        return cls(plan, topology, model_cfg, optimizer.tx, optimizer.lr_schedule)
 
     def __init__(self, plan: Plan, topology: Topology, model_cfg: ModelConfig,
                  tx: optax.GradientTransformation, lr_schedule: optax.Schedule):
@@ -144,6 +199,28 @@ class Executor(abc.ABC):
         """Lines about the execution (schedule, stages) for `Trainer.describe`; may be ''."""
         return ""
 
+    def context(self):
+        """The context tracing runs under (a single program: its mesh and logical-axis rules).
+        Nothing by default."""
+        return contextlib.nullcontext()
+
+    def generation_context(self):
+        """A context under which the natural parameters (`params`) decode where they are, or
+        None (the default): gather them onto one device first."""
+        return None
+
+    def loss_and_grads(self, params, batch):
+        """The loss and gradients of one batch without an update (HLO audits, tests)."""
+        raise HetjaxError(f"the {type(self).__name__} has no loss_and_grads of its own; use a "
+                          "plan with pp = 1 or pipeline.executor=spmd or mpmd")
+
+    def compiled_step(self, state, segments: bool = False):
+        """The compiled train step, for reading its HLO and analyses: only where the step is one
+        program."""
+        raise HetjaxError(f"the {type(self).__name__} runs its step as several programs, so "
+                          "there is no single compiled step; use a plan with pp = 1 or "
+                          "pipeline.executor=spmd")
+
     def loss_fn(self, params, inputs, targets, segment_ids=None):
         """The model's mean next-token loss on natural-layout parameters (segment_ids: the
         packer's documents, which attention does not cross; None: one per row)."""
@@ -157,4 +234,5 @@ class Executor(abc.ABC):
         return cross_entropy(logits, targets)
 
 
-__all__ = ["Executor", "TrainState", "batch_rows", "opt_state_specs", "skip_unless_finite"]
+__all__ = ["Executor", "Optimizer", "Runtime", "TrainState", "batch_rows", "opt_state_specs",
+           "skip_unless_finite"]

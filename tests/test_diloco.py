@@ -121,15 +121,19 @@ def test_sites_run_pp_1_whatever_the_jobs_pipeline_and_no_note_says_otherwise():
     the sites' exchange across clusters a problem a pipeline would fix."""
     from hetjax.config import build_topology, load_config
     from hetjax.planner import check_placement, plan_from_config
-    from hetjax.planner.diloco import site_clusters, site_config, site_topology
+    from hetjax.planner.diloco import plan_sites
+    from hetjax.topology import preset
 
     cfg = load_config("configs/default.py", ["--config.diloco.inner_steps=50"])
     assert cfg.parallel.pp == 2
     topology = build_topology(cfg)
-    sc = site_config(cfg, 2)
-    for _, clusters in site_clusters(topology):
-        plan = plan_from_config(sc, site_topology(topology, clusters))
-        assert (plan.pp, plan.tp, plan.dp) == (1, 2, 2)
+    dplan = plan_sites(cfg, topology)  # what the executor runs (it reads no config)
+    assert [name for name, _ in dplan.sites] == [c.name for c in topology.clusters]
+    assert dplan.rows_per_site == cfg.train.batch_size // 2 and dplan.inner_steps == 50
+    for plan, sub in zip(dplan.site_plans, dplan.site_topologies):
+        assert (plan.pp, plan.tp, plan.dp) == (1, 2, 2) and sub.num_devices == 4
+    with pytest.raises(ConfigError, match="diloco.sites.*gives one site"):
+        plan_sites(cfg, preset("cpu_single"))
     whole = plan_from_config(load_config("configs/default.py", ["--config.parallel.pp=1"]),
                              topology)
     assert any("would keep them inside one cluster" in n
@@ -179,7 +183,7 @@ def test_inner_lr_scale_scales_adamw_like_its_learning_rate():
 
     cfg = tiny_config(**{"diloco.inner_lr_scale": 0.25, "train.weight_decay": 0.1})
     tx, sched = make_optimizer(cfg.train)
-    scaled, scaled_sched = inner_optimizer(cfg, tx, sched)
+    scaled, scaled_sched = inner_optimizer(cfg.diloco, tx, sched)
     ref_cfg = tiny_config(**{"train.lr": 0.25 * cfg.train.lr, "train.weight_decay": 0.1})
     ref, ref_sched = make_optimizer(ref_cfg.train)
     rng = np.random.default_rng(0)

@@ -6,6 +6,7 @@ the layers below it, and no import circle exists anywhere:
     core        the hardware topology (hardware, catalogue,       plain data and rules, no JAX
                 presets, topology), the Plan, layers/config.py,
                 parallel/schedules.py (the schedule registry),
+                parallel/registry.py (the executor registry),
                 parallel/hlo.py (collective byte formulas)
     services    distributed, checkpoint, tokenizer, data,         used by everything above;
                 history, metrics, argv, linkcheck                  import no layout logic
@@ -40,7 +41,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("hetjax.errors", "hetjax.units"),
     "core": ("hetjax.hardware", "hetjax.catalogue", "hetjax.paper_presets",
              "hetjax.testbed_presets", "hetjax.topology", "hetjax.local_preset", "hetjax.plan", "layers", "layers.config",
-             "parallel", "parallel.schedules", "parallel.hlo", "parallel.wire"),
+             "parallel", "parallel.schedules", "parallel.hlo", "parallel.wire",
+             "parallel.registry"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
                  "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*",
@@ -211,15 +213,16 @@ def test_the_units_are_a_leaf():
 
 
 def test_the_plan_is_a_leaf():
-    """hetjax/plan.py: the standard library, numpy, the topology, the errors and the units
-    only."""
+    """hetjax/plan.py: the standard library, numpy, the topology, the errors, the units, the
+    schedule registry and the executor registry's names only."""
     with open(os.path.join(REPO, MODULES["hetjax.plan"])) as f:
         tree = ast.parse(f.read())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     ours = {m for m in modules if m.split(".")[0] in ("hetjax", "parallel", "layers")}
     others = {m.split(".")[0] for m in modules - ours} - set(sys.stdlib_module_names)
-    assert ours <= {"hetjax.topology", "hetjax.errors", "hetjax.units"}, ours
+    assert ours <= {"hetjax.topology", "hetjax.errors", "hetjax.units", "parallel.registry",
+                    "parallel.schedules"}, ours
     assert others <= {"numpy"}, others
 
 
@@ -232,11 +235,12 @@ def test_parallel_never_imports_the_planner_or_the_config(module):
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) == "planner"))
 def test_planning_uses_only_the_jax_free_modules_of_parallel(module):
-    """The planner may read parallel/'s jax-free modules (schedules, hlo, wire: the core), nothing
-    else."""
+    """The planner may read parallel/'s jax-free modules (schedules, hlo, wire, the executor
+    registry: the core), nothing else."""
     from_parallel = {n.split(".")[1] for n in all_names(module)
                      if n.startswith("parallel.")}
-    assert from_parallel <= {"schedules", "hlo", "wire"}, f"{MODULES[module]}: {from_parallel}"
+    assert from_parallel <= {"schedules", "hlo", "wire", "registry"}, \
+        f"{MODULES[module]}: {from_parallel}"
 
 
 def test_importing_the_planner_and_the_config_does_not_start_jax():

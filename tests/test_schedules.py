@@ -276,3 +276,39 @@ def test_a_schedule_defined_in_a_test_runs_in_simulator_plot_and_executor(toy_sc
     trainer = check_against_reference(pipe_config((1, 2), toy_schedule, 2, 2, 4))
     assert trainer.plan.schedule == toy_schedule
     np.testing.assert_array_equal(trainer.pipeline.program.microbatch[-1], [0, 0])
+
+
+# --- a plan becomes a schedule in one place -----------------------------------------------------
+def test_resolve_schedule_is_the_one_way_a_plan_becomes_a_schedule(monkeypatch):
+    import inspect
+
+    from hetjax.errors import PlanError
+    from hetjax.plan import Plan, ScheduleSpec, resolve_schedule
+    from hetjax.planner import simulate as sim
+    from parallel import mpmd, mpmd_worlds, pipeline
+
+    plan = Plan(pp=2, dp=4, tp=1, stage_layers=(1, 1), microbatches=4, global_batch=8,
+                seq_len=16, schedule="1f1b")
+    s = resolve_schedule(plan)
+    assert type(s) is sch.OneFOneB and (s.stages, s.microbatches) == (2, 4)
+    v = resolve_schedule(ScheduleSpec("gpipe", 2, 4, "folded"))
+    assert isinstance(v, sch.Folded) and v.base.stages == 4
+    # one error, naming the fields, whoever asks: the simulator, the executors
+    with pytest.raises(PlanError, match=r"needs the micro-batches \(3\).*Fix: change "
+                                        r"pipeline.microbatches or pipeline.schedule$"):
+        resolve_schedule(ScheduleSpec("interleaved", 2, 3))
+    with pytest.raises(PlanError, match="Fix: change .* or pipeline.placement$"):
+        resolve_schedule(ScheduleSpec("zb-h1", 2, 4, "folded"))
+    sim.schedule_table.cache_clear()
+    with pytest.raises(PlanError, match=r"Fix: change pipeline.microbatches"):
+        sim.schedule_table("interleaved", 2, 3)
+    # the simulator and the pipeline executors call it; none builds a schedule itself
+    asked = []
+    monkeypatch.setattr(sim, "resolve_schedule", lambda p: asked.append(p) or s)
+    sim.schedule_table.cache_clear()
+    assert sim.schedule_table("1f1b", 2, 4) is s and asked == [ScheduleSpec("1f1b", 2, 4)]
+    sim.schedule_table.cache_clear()
+    for owner in (mpmd.MpmdExecutor.__init__, mpmd_worlds.WorldsExecutor.__init__,
+                  pipeline.Pipeline.__init__):
+        src = inspect.getsource(owner)
+        assert "resolve_schedule(plan)" in src and "make_schedule" not in src

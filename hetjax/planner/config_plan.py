@@ -198,8 +198,10 @@ def _note_executor_choice(best: Plan, priced: list[Plan]) -> None:
 
 
 def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | None) -> Plan:
-    """A fixed layout's executor: the configured one, or for 'auto' the one the cost model
-    predicts faster for this layout (a single-stage plan needs no pipeline executor)."""
+    """A fixed layout's executor name: the configured one, or for 'auto' the one the cost model
+    predicts faster for this layout (a single-stage plan needs no pipeline executor). This is
+    the planner pricing the registered executors (`parallel.registry`); which executor object
+    runs the Plan is `parallel.executor.make_executor`'s choice alone."""
     if c.pipeline.executor != "auto":
         return dataclasses.replace(plan_, executor=c.pipeline.executor)
     if plan_.pp == 1:

@@ -22,16 +22,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
-from hetjax.plan import EXECUTORS as PLAN_EXECUTOR_NAMES, Plan, ZeroFactors, effective_remat
+from hetjax.plan import Plan, ZeroFactors, effective_remat
 from hetjax.planner import collectives as coll, compute as ck, memory as mem, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
 from hetjax.units import BYTES_PER_GBIT
+from parallel.registry import EXECUTORS as REGISTERED
 from parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
@@ -60,16 +61,34 @@ _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node
 #   model.remat, the embedding lives on the first stage and the head on the last (a tied
 #   embedding's gradient is all-reduced between the two), the sync may overlap the backward.
 EXECUTORS = ("hetjax", "mpmd", "megatron")
-# The cost model's name for each pipeline executor a Plan can name (hetjax.plan.EXECUTORS):
-# the SPMD executor is priced as "hetjax", the others under their own names.
-PLAN_EXECUTORS = {e: {"spmd": "hetjax"}.get(e, e) for e in PLAN_EXECUTOR_NAMES}
+
+
+class _PricedAs(Mapping):
+    """Each pipeline executor a Plan can name (`parallel.registry.EXECUTORS`) -> the cost
+    model's executor that prices it (`ExecutorKind.priced_as`: the SPMD executor is priced as
+    "hetjax"), read from the registry at each use, so a registered executor is priced too."""
+
+    def __getitem__(self, name: str) -> str:
+        return REGISTERED[name].priced_as
+
+    def __iter__(self):
+        return iter(REGISTERED)
+
+    def __len__(self) -> int:
+        return len(REGISTERED)
+
+
+PLAN_EXECUTORS: Mapping[str, str] = _PricedAs()
 
 
 def runs_schedule(executor: str, schedule: str) -> bool:
     """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
-    schedule: the SPMD executor only runs the tick-grid schedules (parallel/schedules.py)."""
-    spmd = PLAN_EXECUTORS.get(executor, executor) == "hetjax"
-    return not spmd or SCHEDULES[schedule].spmd_compatible
+    schedule: one that runs only the tick grid (`ExecutorKind.tick_grid_only`: the SPMD
+    executor, priced as "hetjax") runs only the tick-grid schedules (parallel/schedules.py)."""
+    kind = REGISTERED.get(executor)
+    grid_only = kind.tick_grid_only if kind else any(
+        k.tick_grid_only for k in REGISTERED.values() if k.priced_as == executor)
+    return not grid_only or SCHEDULES[schedule].spmd_compatible
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,56 @@ def site_config(c, n_sites: int):
     return sc
 
 
+@dataclass(frozen=True)
+class DilocoPlan:
+    """What the DiLoCo executor (hetjax/diloco.py) runs, decided here from the config so the
+    executor never reads it: the sites (name, cluster indices), each site's sub-topology and
+    Plan (pp = 1, its share `rows_per_site` of the global batch), the exchange (`inner_steps`
+    H, `codec`, `fragments`, `overlap_steps`, `mix`), the outer optimizer and the inner one's
+    settings, and the logging cadence (`log_every`, `steps`: on those steps the sites' mean
+    loss is gathered across processes). Field names are the config's `diloco.*` ones."""
+
+    sites: tuple
+    site_topologies: tuple
+    site_plans: tuple
+    rows_per_site: int
+    inner_steps: int
+    codec: str
+    fragments: int
+    overlap_steps: int
+    mix: float
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
+    inner_optimizer: str
+    inner_lr_scale: float
+    log_every: int
+    steps: int
+
+
+def plan_sites(c, topology: Topology) -> DilocoPlan:
+    """The DiLoCo plan of config `c` on `topology`: its sites and each site's plan (the
+    planner's, for the site's sub-topology and `site_config`)."""
+    from hetjax.planner.config_plan import plan_from_config
+
+    d = c.diloco
+    sites = site_clusters(topology, tuple(d.sites))
+    if len(sites) < 2:
+        raise ConfigError("diloco.sites", f"topology {topology.name!r} gives one site",
+                          "use a topology with two clusters or more, or diloco.inner_steps=0")
+    sc = site_config(c, len(sites))
+    subs = tuple(site_topology(topology, clusters) for _, clusters in sites)
+    return DilocoPlan(
+        sites=tuple(sites), site_topologies=subs,
+        site_plans=tuple(plan_from_config(sc, sub) for sub in subs),
+        rows_per_site=sc.train.batch_size, inner_steps=d.inner_steps, codec=d.codec,
+        fragments=d.fragments, overlap_steps=d.overlap_steps, mix=float(d.mix),
+        outer_optimizer=d.outer_optimizer, outer_lr=d.outer_lr,
+        outer_momentum=d.outer_momentum, inner_optimizer=d.inner_optimizer,
+        inner_lr_scale=float(d.inner_lr_scale), log_every=c.train.log_every,
+        steps=c.train.steps)
+
+
 def price_config(c, topology: Topology, whole_plan=None) -> DilocoPricing:
     """`price` for a hetjax config: site plans from the planner, the model's size."""
     from hetjax.planner import model_from_config, predict

@@ -23,10 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from hetjax.errors import PlanError
-from parallel.schedules import (Action, Event, Schedule, cell_tasks, make_schedule,
-                                tick_codes, tick_table, timeline)
-from parallel.schedules import folded, folded_lockstep_ticks
+from hetjax.plan import ScheduleSpec, resolve_schedule
+from parallel.schedules import (Action, Event, Schedule, cell_tasks, tick_codes, tick_table,
+                                timeline)
+from parallel.schedules import folded_lockstep_ticks
 from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
 
@@ -48,10 +48,7 @@ class Simulation:
 
 @functools.lru_cache(maxsize=256)
 def schedule_table(name: str, stages: int, microbatches: int) -> Schedule:
-    try:
-        return make_schedule(name, stages, microbatches)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
+    return resolve_schedule(ScheduleSpec(name, stages, microbatches))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -125,10 +122,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
     sync = list(sync) or [0.0] * S
     update = list(update) or [0.0] * S
     if placement == "folded" and not lockstep:  # per-stage orders from the virtual grid
-        try:
-            table = folded(schedule, S, microbatches)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
+        table = resolve_schedule(ScheduleSpec(schedule, S, microbatches, "folded"))
         events = timeline(table, fwd, bwd, send_fwd, send_bwd)
         last = [0.0] * S
         for e in events:
