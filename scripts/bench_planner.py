@@ -188,7 +188,7 @@ def speed(args) -> None:
         runs = {}
         for prune in (True, False):  # the search as it runs, and exhaustively, side by side
             for cached in (simulate.schedule_table, simulate.in_flight,
-                           simulate.in_flight_folded, simulate._ticks):
+                           simulate.in_flight_folded, simulate._ticks, simulate.grid_codes):
                 cached.cache_clear()  # each search builds its schedule tables afresh
             t0 = time.perf_counter()
             runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune),

@@ -276,3 +276,22 @@ def test_a_schedule_defined_in_a_test_runs_in_simulator_plot_and_executor(toy_sc
     trainer = check_against_reference(pipe_config((1, 2), toy_schedule, 2, 2, 4))
     assert trainer.plan.schedule == toy_schedule
     np.testing.assert_array_equal(trainer.pipeline.program.microbatch[-1], [0, 0])
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "strands"])
+def test_closed_form_grids_and_stash_peaks_equal_the_played_ones(name):
+    """The planner prices grids from `grid_codes` / `stash_peaks` without building tasks:
+    every closed form must be the grid and stash the played schedule gives (and the base
+    class's played default is that by definition)."""
+    cls = sch.SCHEDULES[name]
+    for stages in range(1, 9):
+        for mb in (1, 2, 3, stages - 1, stages, stages + 1, 2 * stages + 3, 17):
+            if mb < 1:
+                continue
+            played = sch.make_schedule(name, stages, mb)
+            want = sch.tick_codes(sch.tick_table(played))
+            got = cls.grid_codes(stages, mb)
+            assert got.shape == want.shape and (got == want).all(), (stages, mb)
+            assert cls.stash_peaks(stages, mb) == tuple(
+                played.activation_share(s) for s in range(stages)), (stages, mb)
+            assert sch.Schedule.grid_codes.__func__(cls, stages, mb).tolist() == want.tolist()

@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from parallel.schedules import (Action, Event, Schedule, cell_tasks, make_schedule,
-                                tick_codes, tick_table, timeline)
+from parallel.schedules import (SCHEDULES, Action, Event, Schedule, cell_tasks,
+                                make_schedule, tick_codes, tick_table, timeline)
 from parallel.schedules import folded, folded_lockstep_ticks
 from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
@@ -67,8 +67,11 @@ def in_flight(name: str, stages: int, microbatches: int) -> tuple[float, ...]:
         return (microbatches,) * stages
     if name == "1f1b":
         return tuple(min(stages - s, microbatches) for s in range(stages))
-    table = schedule_table(name, stages, microbatches)
-    return tuple(table.activation_share(s) for s in range(stages))
+    try:  # closed form where the schedule has one (strands), else played from its table
+        return SCHEDULES[name].stash_peaks(stages, microbatches)
+    except (ValueError, KeyError) as e:
+        schedule_table(name, stages, microbatches)  # raises the PlanError that says why
+        raise PlanError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -84,9 +87,23 @@ def in_flight_folded(name: str, stages: int, microbatches: int) -> tuple[float, 
 @functools.lru_cache(maxsize=256)
 def _ticks(name: str, stages: int, microbatches: int
            ) -> tuple[list[list[Action | None]], np.ndarray]:
-    """The tick grid and its codes [ticks, stages]: 0 idle, 1 forward, 2 backward."""
+    """The tick grid and its codes [ticks, stages]: 0 idle, 1 forward, 2 backward (for the
+    events of `simulate`; the estimates need only `grid_codes`)."""
     table = tick_table(schedule_table(name, stages, microbatches))
     return table, tick_codes(table)
+
+
+@functools.lru_cache(maxsize=1024)
+def grid_codes(name: str, stages: int, microbatches: int) -> np.ndarray:
+    """The codes of `_ticks`, from the schedule's closed form where it has one (the search
+    prices every (schedule, pp, M) it meets; building their Task tables cost a quarter of a
+    4,096-device search)."""
+    try:
+        codes = SCHEDULES[name].grid_codes(stages, microbatches)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    codes.flags.writeable = False  # shared by every caller through the cache
+    return codes
 
 
 def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
@@ -94,7 +111,7 @@ def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                    send_bwd: Sequence[float] = ()) -> np.ndarray:
     """Duration of each tick of the named schedule's grid run in lockstep
     (`parallel.schedules.lockstep_ticks`, with the grid cached)."""
-    codes = _ticks(schedule, len(fwd), microbatches)[1]
+    codes = grid_codes(schedule, len(fwd), microbatches)
     return schedules_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd)
 
 
@@ -104,7 +121,7 @@ def folded_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                  ) -> np.ndarray:
     """Duration of each tick of a folded pipeline in lockstep: the named schedule's grid for
     2 pp virtual stages, priced per device (`parallel.schedules.folded_lockstep_ticks`)."""
-    codes = _ticks(schedule, 2 * len(fwd), microbatches)[1]
+    codes = grid_codes(schedule, 2 * len(fwd), microbatches)
     return folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share)
 
 
@@ -207,4 +224,5 @@ def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     return best
 
 
-__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded", "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table"]
+__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded", "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table",
+           "grid_codes"]
