@@ -260,6 +260,14 @@ class Interleaved(Schedule):
         return [warm_up_then_alternate(min(2 * (p - 1 - s) + (v - 1) * p, total), total, task)
                 for s in range(p)]
 
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        # w warm-up forwards, then each (F, B) pair peaks at w + 1, in units of 1 / v
+        cls.check(stages, microbatches)
+        p, v, total = stages, cls.virtual, microbatches * cls.virtual
+        return tuple(min(min(2 * (p - 1 - s) + (v - 1) * p, total) + 1, total) / v
+                     for s in range(p))
+
     def bubble_slot(self, fwd, bwd):
         return (fwd + bwd) / self.virtual
 
@@ -293,6 +301,14 @@ class ZeroBubbleH1(Schedule):
             order += [Task("W", m) for m in range(w, M)]
             orders.append(order)
         return orders
+
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        # A stash lives from F to W: by the F of iteration b, min(w + b + 1, M) forwards ran
+        # and max(0, b - s) W tasks, which peaks at b = min(s, M - 1).
+        M = microbatches
+        return tuple(float(min(min(stages - 1 - s, M) + min(s, M - 1) + 1, M))
+                     for s in range(stages))
 
     def bubble_slot(self, fwd, bwd):
         return fwd  # F + I - W, with I = W = B / 2

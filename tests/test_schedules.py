@@ -295,3 +295,20 @@ def test_closed_form_grids_and_stash_peaks_equal_the_played_ones(name):
             assert cls.stash_peaks(stages, mb) == tuple(
                 played.activation_share(s) for s in range(stages)), (stages, mb)
             assert sch.Schedule.grid_codes.__func__(cls, stages, mb).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("name", ["interleaved", "zb-h1"])
+def test_closed_form_stash_peaks_of_the_mpmd_schedules_equal_the_played_ones(name):
+    cls = sch.SCHEDULES[name]
+    for stages in range(1, 9):
+        for mb in sorted({1, 2, 3, stages - 1, stages, stages + 1, 2 * stages, 3 * stages, 17}):
+            if mb < 1:
+                continue
+            try:
+                played = sch.make_schedule(name, stages, mb)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    cls.stash_peaks(stages, mb)
+                continue
+            assert cls.stash_peaks(stages, mb) == tuple(
+                played.activation_share(s) for s in range(stages)), (stages, mb)

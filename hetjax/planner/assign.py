@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from hetjax.errors import PlanError
 from hetjax.topology import Topology
@@ -90,23 +92,33 @@ def twin_classes(*mats: np.ndarray) -> np.ndarray:
     labels = np.arange(n)
     if not all(np.array_equal(m, m.T) for m in mats):
         return labels
-    keys = np.concatenate([np.sort(m, axis=1) for m in mats], axis=1)
-    _, bucket = np.unique(keys, axis=0, return_inverse=True)
-    reps: dict[int, list[int]] = {}
+    # Twins have equal sorted rows: bucket by them (hashing the rows' bytes: np.unique over
+    # rows of thousands of columns took seconds), then compare each device with its bucket's
+    # representatives all at once, the first twin found giving its class.
+    keys = np.ascontiguousarray(np.concatenate([np.sort(m, axis=1) for m in mats], axis=1))
+    bucket: dict[bytes, list[int]] = {}
     for d in range(n):
-        for r in reps.setdefault(int(bucket[d]), []):
-            if all(_twins(m, d, r) for m in mats):
-                labels[d] = labels[r]
-                break
+        reps = bucket.setdefault(keys[d].tobytes(), [])
+        twin = _first_twin(mats, d, reps) if reps else -1
+        if twin >= 0:
+            labels[d] = labels[twin]
         else:
-            reps[int(bucket[d])].append(d)
+            reps.append(d)
     return labels
 
 
-def _twins(m: np.ndarray, a: int, b: int) -> bool:
-    same = m[a] == m[b]
-    same[[a, b]] = True
-    return bool(same.all())
+def _first_twin(mats: tuple[np.ndarray, ...], d: int, reps: list[int]) -> int:
+    """The first of `reps` whose rows equal d's in every matrix except at d and at itself
+    (their costs to each other), or -1."""
+    r = np.asarray(reps)
+    ok = np.ones(len(r), dtype=bool)
+    for m in mats:
+        same = m[r] == m[d][None, :]
+        same[:, d] = True
+        same[np.arange(len(r)), r] = True
+        ok &= same.all(axis=1)
+    hit = np.flatnonzero(ok)
+    return int(r[hit[0]]) if len(hit) else -1
 
 
 def _perfect_matching(adj: np.ndarray, start: list[int] | None = None) -> list[int] | None:
@@ -209,13 +221,27 @@ def matching_lower_bound(w: np.ndarray) -> float:
     return float(max(w.min(axis=1).max(), w.min(axis=0).max()))
 
 
-def bottleneck_matching(w: np.ndarray) -> tuple[float, list[int]]:
+def bottleneck_matching(w: np.ndarray, want_matching: bool = True
+                        ) -> tuple[float, list[int] | None]:
     """The perfect matching minimising its largest cost w[i, match[i]], and that cost.
 
     Binary search over the distinct costs for the smallest threshold with a perfect matching;
-    the returned matching achieves the returned bottleneck (a trap DT-FM's notes warn about)."""
+    the returned matching achieves the returned bottleneck (a trap DT-FM's notes warn about).
+    The thresholds are tested with scipy's Hopcroft-Karp (C); the matching returned is then
+    grown by `_perfect_matching` at the threshold found, as before (so device orders do not
+    change), and not at all without `want_matching` (the search's edge costs)."""
     values = np.unique(w[w >= matching_lower_bound(w)])
-    return _smallest_feasible(values, lambda v: _perfect_matching(w <= v))
+    value, _ = _smallest_feasible(values, lambda v: True if _has_perfect_matching(w <= v)
+                                  else None)
+    return value, _perfect_matching(w <= value) if want_matching else None
+
+
+def _has_perfect_matching(adj: np.ndarray) -> bool:
+    """Whether the bipartite graph `adj` [n, n] has a perfect matching."""
+    if not adj.any(axis=1).all() or not adj.any(axis=0).all():
+        return False
+    match = maximum_bipartite_matching(csr_matrix(adj), perm_type="column")
+    return bool((match >= 0).all())
 
 
 def class_bottleneck(W: np.ndarray, a: np.ndarray, b: np.ndarray, cls: np.ndarray,
@@ -226,7 +252,7 @@ def class_bottleneck(W: np.ndarray, a: np.ndarray, b: np.ndarray, cls: np.ndarra
     rk, ri, rc = np.unique(cls[a], return_index=True, return_counts=True)
     ck, ci, cc = np.unique(cls[b], return_index=True, return_counts=True)
     if len(rk) * len(ck) * 4 > len(a) * len(b):
-        return bottleneck_matching(W[np.ix_(a, b)])
+        return bottleneck_matching(W[np.ix_(a, b)], want_matching)
     wc = W[np.ix_(a[ri], b[ci])]
     values = np.unique(wc[wc >= matching_lower_bound(wc)])
     value, flow = _smallest_feasible(values, lambda v: _transport(wc <= v, rc, cc))

@@ -129,7 +129,8 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
              send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
              sync: Sequence[float] = (), overlap: float = 0.0,
              lockstep: bool = False, placement: str = "looped",
-             down_share: Sequence[float] = (), update: Sequence[float] = ()) -> Simulation:
+             down_share: Sequence[float] = (), update: Sequence[float] = (),
+             events: bool = True) -> Simulation:
     """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times; each
     stage's gradient sync (partly hidden behind its last backward when asynchronous) and then
     the optimizer updates (`update`, never hidden) end the step. Every stage's update waits
@@ -137,8 +138,9 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
     guard that skips the step on every stage). Folded (`placement`), fwd /
     bwd are per device (both chunks) and `down_share` the part of each device's work in its
     down chunk (lockstep; asynchronously each chunk takes half, as the timeline of
-    `schedules.folded` plays it)."""
-    S = len(fwd)
+    `schedules.folded` plays it). `events=False` leaves the lockstep grid's events out (the
+    step time does not need them; the planner's predictions skip building them)."""
+    S, keep_events = len(fwd), events
     sync = list(sync) or [0.0] * S
     update = list(update) or [0.0] * S
     if placement == "folded" and not lockstep:  # per-stage orders from the virtual grid
@@ -158,7 +160,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         share = list(down_share) or [0.5] * S
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
         events = []
-        for t, row in enumerate(_ticks(schedule, 2 * S, microbatches)[0]):
+        for t, row in enumerate(_ticks(schedule, 2 * S, microbatches)[0] if keep_events else ()):
             clock = [float(starts[t])] * S  # a device runs its down chunk, then its up chunk
             for k, cell in enumerate(row):  # chunk k on device k or 2 S - 1 - k
                 d, part = (k, share[k]) if k < S else (2 * S - 1 - k, 1.0 - share[2 * S - 1 - k])
@@ -172,7 +174,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         durations = lockstep_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd)
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
         events = []
-        for t, row in enumerate(_ticks(schedule, S, microbatches)[0]):
+        for t, row in enumerate(_ticks(schedule, S, microbatches)[0] if keep_events else ()):
             for s, cell in enumerate(row):
                 start = float(starts[t])
                 for a in cell_tasks(cell):  # a two-strand tick: its F, then its B
