@@ -226,5 +226,5 @@ def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     return best
 
 
-__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded", "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table",
-           "grid_codes"]
+__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded",
+           "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table", "grid_codes"]
