@@ -109,6 +109,21 @@ class Schedule:
         """The SPMD tick grid of a co-executing schedule (see `tick_table`)."""
         raise NotImplementedError
 
+    @classmethod
+    def grid_codes(cls, stages: int, microbatches: int) -> np.ndarray:
+        """`tick_codes(tick_table(cls(stages, microbatches)))`: the grid as codes [ticks,
+        stages]. Played by default; a schedule whose grid has a closed form gives it here, so
+        the planner prices thousands of micro-batches without building Task objects (tests
+        compare every override with the played grid)."""
+        return tick_codes(tick_table(cls(stages, microbatches)))
+
+    @classmethod
+    def stash_peaks(cls, stages: int, microbatches: int) -> tuple[float, ...]:
+        """`activation_share(s)` of every stage (played by default, closed form where a
+        schedule gives one; tests compare them)."""
+        table = cls(stages, microbatches)
+        return tuple(table.activation_share(s) for s in range(stages))
+
     def placement(self) -> tuple[int, ...]:
         """The stage that runs each model chunk, in model order."""
         return tuple(k % self.stages for k in range(self.stages * self.virtual))
@@ -168,6 +183,18 @@ class GPipe(Schedule):
         return [[Task("F", m) for m in range(M)] + [Task("B", m) for m in range(M)]
                 for _ in range(self.stages)]
 
+    @classmethod
+    def grid_codes(cls, stages, microbatches):
+        # F(m) on stage s at tick s + m; the backwards drain from the last stage, B(m) on
+        # stage s at tick M + 2 (S - 1) - s + m.
+        S, M = stages, microbatches
+        s, m = np.arange(S)[:, None], np.arange(M)[None, :]
+        return _codes(2 * M + 2 * S - 2, S, s + m, M + 2 * (S - 1) - s + m)
+
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        return (float(microbatches),) * stages
+
 
 @register
 class OneFOneB(Schedule):
@@ -179,6 +206,21 @@ class OneFOneB(Schedule):
         M = self.microbatches
         return [warm_up_then_alternate(min(self.stages - 1 - s, M), M, Task)
                 for s in range(self.stages)]
+
+    @classmethod
+    def grid_codes(cls, stages, microbatches):
+        # Stage s warms up with w = min(S - 1 - s, M) forwards at ticks s + m (m <= w); from
+        # then on its backwards are paced by the last stage's, B(m) at tick 2 S - 1 - s + 2 m,
+        # and each later forward F(m) runs in the tick before B(m - w): tick s + 2 m.
+        S, M = stages, microbatches
+        s, m = np.arange(S)[:, None], np.arange(M)[None, :]
+        w = np.minimum(S - 1 - s, M)
+        return _codes(2 * M + 2 * S - 2, S, np.where(m <= w, s + m, s + 2 * m),
+                      2 * S - 1 - s + 2 * m)
+
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        return tuple(float(min(stages - s, microbatches)) for s in range(stages))
 
 
 def warm_up_then_alternate(warmup: int, total: int, task) -> list[Task]:
@@ -218,6 +260,14 @@ class Interleaved(Schedule):
         return [warm_up_then_alternate(min(2 * (p - 1 - s) + (v - 1) * p, total), total, task)
                 for s in range(p)]
 
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        # w warm-up forwards, then each (F, B) pair peaks at w + 1, in units of 1 / v
+        cls.check(stages, microbatches)
+        p, v, total = stages, cls.virtual, microbatches * cls.virtual
+        return tuple(min(min(2 * (p - 1 - s) + (v - 1) * p, total) + 1, total) / v
+                     for s in range(p))
+
     def bubble_slot(self, fwd, bwd):
         return (fwd + bwd) / self.virtual
 
@@ -251,6 +301,14 @@ class ZeroBubbleH1(Schedule):
             order += [Task("W", m) for m in range(w, M)]
             orders.append(order)
         return orders
+
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        # A stash lives from F to W: by the F of iteration b, min(w + b + 1, M) forwards ran
+        # and max(0, b - s) W tasks, which peaks at b = min(s, M - 1).
+        M = microbatches
+        return tuple(float(min(min(stages - 1 - s, M) + min(s, M - 1) + 1, M))
+                     for s in range(stages))
 
     def bubble_slot(self, fwd, bwd):
         return fwd  # F + I - W, with I = W = B / 2
@@ -298,6 +356,18 @@ class Strands(Schedule):
         while grid and not any(grid[-1]):
             grid.pop()
         return grid
+
+    @classmethod
+    def grid_codes(cls, stages, microbatches):
+        # `tick_grid`'s ticks: F(m) at m + s, B(m) at m + s + lag(s) = m + 2 S - 1 - s.
+        S, M = stages, microbatches
+        s, m = np.arange(S)[:, None], np.arange(M)[None, :]
+        return _codes(M + 2 * S - 1, S, s + m, 2 * S - 1 - s + m)
+
+    @classmethod
+    def stash_peaks(cls, stages, microbatches):
+        # F(i) then B(i - lag): the stash grows to lag + 1 once a backward has started.
+        return tuple(float(min(microbatches, 2 * (stages - s))) for s in range(stages))
 
 
 class Folded(Schedule):
@@ -464,6 +534,16 @@ def tick_table(schedule: Schedule) -> list[list[Task | None]]:
     for e in events:
         table[int(e.start)][e.stage] = e.action
     return table
+
+
+def _codes(ticks: int, stages: int, f_tick: np.ndarray, b_tick: np.ndarray) -> np.ndarray:
+    """Codes [ticks, stages] from the tick of every forward and backward ([stages, M] each):
+    1 forward, 2 backward, 3 both (two strands)."""
+    codes = np.zeros((ticks, stages), dtype=np.int8)
+    col = np.broadcast_to(np.arange(stages)[:, None], f_tick.shape)
+    codes[f_tick, col] = 1
+    codes[b_tick, col] += 2
+    return codes
 
 
 def tick_codes(table: list[list[Task | None]]) -> np.ndarray:

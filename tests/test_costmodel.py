@@ -521,3 +521,18 @@ def test_int8_boundaries_shrink_only_the_stage_boundaries_between_clusters():
     assert t32[1] == pytest.approx(plain.transfer(tok * row * 4, pairs)[0])
     assert t8[1] == pytest.approx(plain.transfer(tok * (row + 4), pairs)[0])
     assert t8[1] < t32[1]
+
+
+def test_unique_rows_is_numpys_unique_over_rows():
+    from hetjax.planner.cost import unique_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        rows = rng.integers(0, 1 + trial, size=(1 + trial * 3, 1 + trial % 5))
+        if trial % 3 == 0:
+            rows = rows % 2 == 0
+        want = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        got = unique_rows(rows, return_index=True, return_inverse=True)
+        assert (got[0] == want[0]).all() and (got[1] == want[1]).all()
+        assert (got[2] == want[2].ravel()).all()
+        assert (unique_rows(rows) == np.unique(rows, axis=0)).all()

@@ -384,6 +384,35 @@ def test_pruned_search_finds_the_exhaustive_plan_and_runners_up(executor):
     assert full.pruned == 0 and pruned.pruned > 0  # the floor skipped some layouts
 
 
+ANSWERS = os.path.join(os.path.dirname(__file__), "fixtures", "planner_answers.json")
+
+
+def test_the_search_gives_the_answers_recorded_before_its_speed_ups():
+    """Plans, runners-up, predictions and what bound each choice on the small presets under
+    every executor (and placement / remat 'auto'), as the search gave them before closed-form
+    tick grids, lazily priced ZeRO points and the faster split and assignment."""
+    small = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                        d_ff=128, max_seq_len=64, remat="full")
+    with open(ANSWERS) as f:
+        cases = json.load(f)["cases"]
+    for name, want in cases.items():
+        topo, executor, *auto = name.split("/")
+        model = dataclasses.replace(small, remat="auto") if auto and executor == "mpmd" \
+            else small
+        result = plan(preset(topo), model, 16, 64, options=CostOptions(executor=executor),
+                      **({"placement": "auto"} if auto else {}))
+        got = [dict(pp=p.pp, dp=p.dp, tp=p.tp, M=p.microbatches, schedule=p.schedule,
+                    zero=[p.zero.s_p, p.zero.s_g, p.zero.s_os, p.zero.name],
+                    layers=list(p.stage_layers), placement=p.placement, remat=p.remat)
+               for p in (result.plan, *result.runners_up)]
+        assert got == [{k: v for k, v in p.items() if k not in ("step", "mfu")}
+                       for p in want["plans"]], name
+        for p, w in zip((result.plan, *result.runners_up), want["plans"]):
+            assert p.predicted["step_time_s"] == pytest.approx(w["step"], rel=1e-9), name
+            assert p.predicted["mfu"] == pytest.approx(w["mfu"], rel=1e-9), name
+        assert result.plan.predicted["bound"] == want["bound"], name
+
+
 def test_step_floor_is_below_every_candidates_lower_bound():
     from hetjax.planner import search as search_mod
     from hetjax.planner.cost import Layout

@@ -312,3 +312,39 @@ def test_resolve_schedule_is_the_one_way_a_plan_becomes_a_schedule(monkeypatch):
                   pipeline.Pipeline.__init__):
         src = inspect.getsource(owner)
         assert "resolve_schedule(plan)" in src and "make_schedule" not in src
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "strands"])
+def test_closed_form_grids_and_stash_peaks_equal_the_played_ones(name):
+    """The planner prices grids from `grid_codes` / `stash_peaks` without building tasks:
+    every closed form must be the grid and stash the played schedule gives (and the base
+    class's played default is that by definition)."""
+    cls = sch.SCHEDULES[name]
+    for stages in range(1, 9):
+        for mb in (1, 2, 3, stages - 1, stages, stages + 1, 2 * stages + 3, 17):
+            if mb < 1:
+                continue
+            played = sch.make_schedule(name, stages, mb)
+            want = sch.tick_codes(sch.tick_table(played))
+            got = cls.grid_codes(stages, mb)
+            assert got.shape == want.shape and (got == want).all(), (stages, mb)
+            assert cls.stash_peaks(stages, mb) == tuple(
+                played.activation_share(s) for s in range(stages)), (stages, mb)
+            assert sch.Schedule.grid_codes.__func__(cls, stages, mb).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("name", ["interleaved", "zb-h1"])
+def test_closed_form_stash_peaks_of_the_mpmd_schedules_equal_the_played_ones(name):
+    cls = sch.SCHEDULES[name]
+    for stages in range(1, 9):
+        for mb in sorted({1, 2, 3, stages - 1, stages, stages + 1, 2 * stages, 3 * stages, 17}):
+            if mb < 1:
+                continue
+            try:
+                played = sch.make_schedule(name, stages, mb)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    cls.stash_peaks(stages, mb)
+                continue
+            assert cls.stash_peaks(stages, mb) == tuple(
+                played.activation_share(s) for s in range(stages)), (stages, mb)

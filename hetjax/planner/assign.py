@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from hetjax.errors import PlanError
 from hetjax.topology import Topology
@@ -90,23 +92,33 @@ def twin_classes(*mats: np.ndarray) -> np.ndarray:
     labels = np.arange(n)
     if not all(np.array_equal(m, m.T) for m in mats):
         return labels
-    keys = np.concatenate([np.sort(m, axis=1) for m in mats], axis=1)
-    _, bucket = np.unique(keys, axis=0, return_inverse=True)
-    reps: dict[int, list[int]] = {}
+    # Twins have equal sorted rows: bucket by them (hashing the rows' bytes: np.unique over
+    # rows of thousands of columns took seconds), then compare each device with its bucket's
+    # representatives all at once, the first twin found giving its class.
+    keys = np.ascontiguousarray(np.concatenate([np.sort(m, axis=1) for m in mats], axis=1))
+    bucket: dict[bytes, list[int]] = {}
     for d in range(n):
-        for r in reps.setdefault(int(bucket[d]), []):
-            if all(_twins(m, d, r) for m in mats):
-                labels[d] = labels[r]
-                break
+        reps = bucket.setdefault(keys[d].tobytes(), [])
+        twin = _first_twin(mats, d, reps) if reps else -1
+        if twin >= 0:
+            labels[d] = labels[twin]
         else:
-            reps[int(bucket[d])].append(d)
+            reps.append(d)
     return labels
 
 
-def _twins(m: np.ndarray, a: int, b: int) -> bool:
-    same = m[a] == m[b]
-    same[[a, b]] = True
-    return bool(same.all())
+def _first_twin(mats: tuple[np.ndarray, ...], d: int, reps: list[int]) -> int:
+    """The first of `reps` whose rows equal d's in every matrix except at d and at itself
+    (their costs to each other), or -1."""
+    r = np.asarray(reps)
+    ok = np.ones(len(r), dtype=bool)
+    for m in mats:
+        same = m[r] == m[d][None, :]
+        same[:, d] = True
+        same[np.arange(len(r)), r] = True
+        ok &= same.all(axis=1)
+    hit = np.flatnonzero(ok)
+    return int(r[hit[0]]) if len(hit) else -1
 
 
 def _perfect_matching(adj: np.ndarray, start: list[int] | None = None) -> list[int] | None:
@@ -209,13 +221,27 @@ def matching_lower_bound(w: np.ndarray) -> float:
     return float(max(w.min(axis=1).max(), w.min(axis=0).max()))
 
 
-def bottleneck_matching(w: np.ndarray) -> tuple[float, list[int]]:
+def bottleneck_matching(w: np.ndarray, want_matching: bool = True
+                        ) -> tuple[float, list[int] | None]:
     """The perfect matching minimising its largest cost w[i, match[i]], and that cost.
 
     Binary search over the distinct costs for the smallest threshold with a perfect matching;
-    the returned matching achieves the returned bottleneck (a trap DT-FM's notes warn about)."""
+    the returned matching achieves the returned bottleneck (a trap DT-FM's notes warn about).
+    The thresholds are tested with scipy's Hopcroft-Karp (C); the matching returned is then
+    grown by `_perfect_matching` at the threshold found, as before (so device orders do not
+    change), and not at all without `want_matching` (the search's edge costs)."""
     values = np.unique(w[w >= matching_lower_bound(w)])
-    return _smallest_feasible(values, lambda v: _perfect_matching(w <= v))
+    value, _ = _smallest_feasible(values, lambda v: True if _has_perfect_matching(w <= v)
+                                  else None)
+    return value, _perfect_matching(w <= value) if want_matching else None
+
+
+def _has_perfect_matching(adj: np.ndarray) -> bool:
+    """Whether the bipartite graph `adj` [n, n] has a perfect matching."""
+    if not adj.any(axis=1).all() or not adj.any(axis=0).all():
+        return False
+    match = maximum_bipartite_matching(csr_matrix(adj), perm_type="column")
+    return bool((match >= 0).all())
 
 
 def class_bottleneck(W: np.ndarray, a: np.ndarray, b: np.ndarray, cls: np.ndarray,
@@ -226,7 +252,7 @@ def class_bottleneck(W: np.ndarray, a: np.ndarray, b: np.ndarray, cls: np.ndarra
     rk, ri, rc = np.unique(cls[a], return_index=True, return_counts=True)
     ck, ci, cc = np.unique(cls[b], return_index=True, return_counts=True)
     if len(rk) * len(ck) * 4 > len(a) * len(b):
-        return bottleneck_matching(W[np.ix_(a, b)])
+        return bottleneck_matching(W[np.ix_(a, b)], want_matching)
     wc = W[np.ix_(a[ri], b[ci])]
     values = np.unique(wc[wc >= matching_lower_bound(wc)])
     value, flow = _smallest_feasible(values, lambda v: _transport(wc <= v, rc, cc))
@@ -439,14 +465,23 @@ class _State:
         total += sum(self.edge(xa, xb) - lb for xa, xb, lb in touched)
         return 2 * total
 
-    def path_cost_reordered(self, g: int, h: int, ma: np.ndarray, mb: np.ndarray) -> float:
-        """Pipeline cost when groups g and h get members ma and mb and the path is re-solved."""
-        C = self.C.copy()
+    def path_cost_reordered(self, g: int, h: int, ma: np.ndarray, mb: np.ndarray,
+                            give_up_above: float = np.inf) -> float:
+        """Pipeline cost when groups g and h get members ma and mb and the path is re-solved;
+        inf when the path re-solved on the changed edges' lower bounds already costs more
+        than `give_up_above` (exact paths only: at most 10 groups, see `open_path`)."""
         new = {g: ma, h: mb}
-        for grp, m in new.items():
-            for j in range(self.p.stages):
-                if j != grp:
-                    C[grp, j] = C[j, grp] = self.edge(m, new.get(j, self.members[j]))
+        changed = [(grp, j, m, new.get(j, self.members[j])) for grp, m in new.items()
+                   for j in range(self.p.stages) if j != grp]
+        if np.isfinite(give_up_above) and self.p.stages <= 10:
+            C = self.C.copy()
+            for grp, j, a, b in changed:
+                C[grp, j] = C[j, grp] = self._edge_lower_bound(a, b)
+            if 2 * open_path(C)[0] > give_up_above:
+                return np.inf
+        C = self.C.copy()
+        for grp, j, a, b in changed:
+            C[grp, j] = C[j, grp] = self.edge(a, b)
         return 2 * open_path(C)[0]
 
     def _edge_lower_bound(self, a: np.ndarray, b: np.ndarray) -> float:
@@ -551,8 +586,12 @@ def _local_search(state: _State, deadline: float, tries: int = 64,
                 break
         if move is None:
             near.sort(key=lambda c: (c[0], c[1]))
+            # (a path whose lower bound exceeds the base by twice _better's tolerance cannot
+            # be better: skip solving its matchings)
+            slack = 2e-9 * max(1.0, abs(base[0]))
             for _, dp_max, dp_sum, g, h, u, v, ma, mb in near[:reorder_tries]:
-                if _better((dp_max + state.path_cost_reordered(g, h, ma, mb), dp_sum), base):
+                path = state.path_cost_reordered(g, h, ma, mb, base[0] + slack - dp_max)
+                if _better((dp_max + path, dp_sum), base):
                     move = (u, v)
                     break
         if move is None:
@@ -599,12 +638,14 @@ def _seeds(problem: Problem, Wpp: np.ndarray) -> list[np.ndarray]:
 
 
 def search(problem: Problem, seconds: float = 10.0, seed: int = 0,
-           max_rounds_without_gain: int = 8) -> Assignment:
+           max_rounds_without_gain: int = 8, min_rounds_without_gain: int = 2) -> Assignment:
     """Best assignment found by local search from network-aware starts, then perturbation
     (a few random swaps of the best) and local search again until `seconds` pass or
-    `max_rounds_without_gain` rounds bring nothing."""
+    `max_rounds_without_gain` rounds bring nothing (or at least `min_rounds_without_gain`
+    brought nothing for as long as finding the best took)."""
     rng = random.Random(seed)
-    deadline = time.perf_counter() + seconds
+    search_start = time.perf_counter()
+    deadline = search_start + seconds
     tables = _Tables(problem)
     best: _State | None = None
     for labels in _seeds(problem, tables.Wpp):
@@ -614,7 +655,19 @@ def search(problem: Problem, seconds: float = 10.0, seed: int = 0,
             best = st
     stale = 0
     cls = tables.cls
-    while time.perf_counter() < deadline and stale < max_rounds_without_gain and problem.stages > 1:
+    # Perturbation rounds stop after `max_rounds_without_gain` without a gain, or sooner,
+    # after `min_rounds_without_gain`, once they have spent as long without one as the search
+    # took to find its best: on DT-FM's scenarios and their scaled versions (64 to 1,024
+    # devices, 2 to 16 stages) no kick ever improved on the seeds' local optima, and at 1,024
+    # devices in 128 classes eight fruitless rounds took three quarters of the search.
+    t_gain = time.perf_counter()  # when the best so far was found
+
+    def patient() -> bool:
+        now = time.perf_counter()
+        return stale < min_rounds_without_gain or now - t_gain <= t_gain - search_start
+
+    while (time.perf_counter() < deadline and stale < max_rounds_without_gain
+           and problem.stages > 1 and patient()):
         labels = best.labels.copy()
         for _ in range(rng.randint(1, 3)):  # a kick: swap devices that are not twins
             u = rng.randrange(problem.n)
@@ -626,7 +679,7 @@ def search(problem: Problem, seconds: float = 10.0, seed: int = 0,
         # A kicked solution is a few swaps from a local optimum; repair it in a bounded time.
         _local_search(st, min(deadline, time.perf_counter() + seconds / 10))
         if _better(st.key(), best.key()):
-            best, stale = st, 0
+            best, stale, t_gain = st, 0, time.perf_counter()
         else:
             stale += 1
     return best.assignment()

@@ -265,9 +265,7 @@ class Layout:
 
     @functools.cached_property
     def _mesh(self) -> np.ndarray:
-        mesh = np.asarray(self.device_order).reshape(self.pp, self.dp, self.tp)
-        mesh.flags.writeable = False  # shared by every caller
-        return mesh
+        return _mesh_of(self.device_order, self.pp, self.dp, self.tp)
 
     def mesh(self) -> np.ndarray:
         """[pp, dp, tp] ranks (read-only; built once: the search asks for it often)."""
@@ -283,6 +281,16 @@ class Layout:
                     seq_len=self.seq_len, schedule=self.schedule, zero=self.zero,
                     device_order=tuple(int(r) for r in self.device_order),
                     placement=self.placement, remat=self.remat, **kw)
+
+
+@functools.lru_cache(maxsize=512)
+def _mesh_of(device_order: tuple[int, ...], pp: int, dp: int, tp: int) -> np.ndarray:
+    """[pp, dp, tp] ranks, read-only and shared: the search copies a layout for every
+    micro-batch count, schedule and ZeRO point, and converting thousands of ranks each time
+    cost more than hashing them."""
+    mesh = np.array(device_order, dtype=np.int64).reshape(pp, dp, tp)
+    mesh.flags.writeable = False  # shared by every caller
+    return mesh
 
 
 @dataclass(frozen=True)
@@ -427,6 +435,8 @@ class CostModel:
         self._nic_id = np.array([self._link_id(c.nic) for c in topology.clusters])
         self._nets: dict[tuple, _Net] = {}
         self._zero: dict[tuple, zr.ZeroTimes] = {}
+        self._group_ids: dict[tuple, int] = {}  # DP groups (shape, bytes) -> a short key
+        self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._stage_slot_cache: dict[tuple, _Slot] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
@@ -567,7 +577,7 @@ class CostModel:
         intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
         intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
         kinds = np.stack([ids, flows, new_node.sum(axis=1), per_node, intra], axis=1)
-        net = _Net(ids, np.unique(kinds, axis=0))
+        net = _Net(ids, unique_rows(kinds))
         self._nets[key] = net
         return net
 
@@ -582,8 +592,7 @@ class CostModel:
             np.eye(len(self.topology.clusters), dtype=bool)[node_cluster].any(axis=1),
             _flag(node_cluster[:, 1:], new_node[:, 1:] & same_cluster, self.topology),
             _flag(node_cluster[:, 1:], ~new_node[:, 1:], self.topology)], axis=1)
-        kinds, first, inverse = np.unique(shape, axis=0, return_index=True,
-                                          return_inverse=True)
+        first, inverse = unique_rows(shape, return_index=True, return_inverse=True)[1:]
         try:
             ids = [self._link_id(self.topology.group_link(self._witness(groups[i])))
                    for i in first]
@@ -647,8 +656,12 @@ class CostModel:
         p = groups.shape[1]
         if p <= 1 or nbytes <= 0:
             return 0.0, "none"
+        return self._choice_on(self._net(groups), op, nbytes, p)
+
+    def _choice_on(self, net: "_Net", op: str, nbytes: float, p: int) -> tuple[float, str]:
+        """`collective_choice` on groups of p members whose links `net` describes."""
         worst = (0.0, "none")
-        for kind in self._net(groups).kinds:
+        for kind in net.kinds:
             g = self._group(op, kind, p)
             if self.options.collectives == "ring":
                 t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
@@ -667,11 +680,27 @@ class CostModel:
         """AMSP's communication terms for `params` parameters per device of these DP groups,
         as this executor runs them (`zero_style`; cached: the same stage is priced for many
         micro-batch counts and schedules)."""
-        key = (f.s_p, f.s_g, f.s_os, params, dp_groups.shape, dp_groups.tobytes())
+        groups = (dp_groups.shape, dp_groups.tobytes())
+        key = (f.s_p, f.s_g, f.s_os, params, groups)
         if key not in self._zero:
             sb = self.state_bytes
+            gid = self._group_ids.setdefault(groups, len(self._group_ids))
+
+            def over(op: str, nbytes: float, f: ZeroFactors, axes: tuple[str, ...]) -> float:
+                # the groups depend on (s_os, s_p) alone: the points of `space` share them,
+                # so their links are read once per (DP groups, s_os, s_p, axes)
+                k = (gid, f.s_os, f.s_p, axes)
+                if k not in self._axis_nets:
+                    groups = zr.axis_groups(dp_groups, f, axes)
+                    self._axis_nets[k] = (groups.shape[1], self._net(groups)
+                                          if groups.shape[1] > 1 else None)
+                p, net = self._axis_nets[k]
+                if p <= 1 or nbytes <= 0:
+                    return 0.0
+                return self._choice_on(net, op, nbytes, p)[0]
+
             self._zero[key] = zr.zero_times(f, params * sb.p, params * sb.g, dp_groups,
-                                            self.collective, self.zero_style)
+                                            self.collective, self.zero_style, over)
         return self._zero[key]
 
     def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
@@ -954,7 +983,8 @@ class CostModel:
                        [c.sync(n) for c, n in zip(stages, layers)], self.options.overlap,
                        lockstep=self.runs_in_lockstep(layout), placement=layout.placement,
                        down_share=self.down_share(stages, layers) if layout.folded else (),
-                       update=[c.update(n, max(layers)) for c, n in zip(stages, layers)])
+                       update=[c.update(n, max(layers)) for c, n in zip(stages, layers)],
+                       events=with_events)
         tokens = plan.global_batch * plan.seq_len
         lmax = max(layers)
         step = float(sim.step_time)
@@ -1005,6 +1035,29 @@ class _TableRow:
 
     def __getitem__(self, position: int) -> StageCost:
         return self.table.cost(self.slot, position)
+
+
+def unique_rows(rows: np.ndarray, return_index: bool = False, return_inverse: bool = False):
+    """`np.unique(rows, axis=0, ...)` for small non-negative integer (or bool) rows, sorted
+    alike: each row is read as one mixed-radix integer (first column most significant), which
+    np.unique sorts many times faster than rows (the search calls this for every distinct
+    group of ranks it prices). Falls back to np.unique(axis=0) if the code would overflow."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.size == 0 or (rows.dtype != bool and rows.min() < 0):
+        return np.unique(rows, axis=0, return_index=return_index,
+                         return_inverse=return_inverse)
+    radix = rows.max(axis=0).astype(np.int64) + 1
+    if float(np.prod(radix.astype(float))) >= 2.0 ** 62:
+        return np.unique(rows, axis=0, return_index=return_index,
+                         return_inverse=return_inverse)
+    place = np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
+    code = rows.astype(np.int64) @ place
+    _, index, inverse = np.unique(code, return_index=True, return_inverse=True)
+    out = rows[index]
+    if not (return_index or return_inverse):
+        return out
+    return (out,) + ((index,) if return_index else ()) + \
+        ((inverse.reshape(-1),) if return_inverse else ())
 
 
 def _flag(clusters: np.ndarray, where: np.ndarray, topology: Topology) -> np.ndarray:

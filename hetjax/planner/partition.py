@@ -187,10 +187,13 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
     S, M = len(stages), microbatches
     if S > n_layers:
         return None
-    per = np.array([c.time(1) - c.time(0) for c in stages])
-    fixed = np.array([c.time(0) for c in stages])
-    slot, act, base, cap = (np.array([getattr(c, k) for c in stages])
-                            for k in ("mem_slot", "mem_layer", "mem_fixed", "capacity"))
+    # one pass over the stages (the search calls this tens of thousands of times); per and
+    # fixed are c.time(1) - c.time(0) and c.time(0), in the same float operations
+    fl, ff, bl, bf, slot, act, base, cap = np.array(
+        [(c.fwd_layer, c.fwd_fixed, c.bwd_layer, c.bwd_fixed, c.mem_slot, c.mem_layer,
+          c.mem_fixed, c.capacity) for c in stages], dtype=float).T
+    fixed = (fl * 0 + ff) + (bl * 0 + bf)
+    per = ((fl * 1 + ff) + (bl * 1 + bf)) - fixed
     cheapest = np.argsort(per, kind="stable")
     # Most layers each stage can hold when the longest stage (the padding) has lmax, for
     # every lmax at once: rows are lmax from the largest possible down to ceil(N / S).
@@ -205,17 +208,33 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
         # Memory does not bind at this lmax, so shorter longest stages cannot do better.
         feasible[np.argmax(unbound) + 1:] = False
     best: tuple[tuple[int, ...], float] | None = None
+    if not feasible.any():
+        return None
+    # Candidate bottlenecks: the time of every stage at every feasible layer count. Every
+    # lmax's candidates are among those of the largest feasible lmax, and the layers a stage
+    # can run within a bottleneck (by_time) do not depend on lmax: both are computed once.
+    top = int(lmaxes[feasible][0])
+    counts = np.arange(1, top + 1)
+    values = per[:, None] * counts[None, :] + fixed[:, None]  # [S, top]
+    B_all, where = np.unique(values, return_inverse=True)
+    where = where.reshape(values.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        time_all = np.floor((B_all[:, None] - fixed[None, :]) / per[None, :] * (1 + 1e-12)
+                            + 1e-9)
+    least = fixed.sum() + per.sum() + (n_layers - S) * per.min()  # one layer each, the rest
+    # on the cheapest stage
     for lmax, mem_cap in zip(lmaxes[feasible], caps_mem[feasible]):
-        # Candidate bottlenecks: the time of every stage at every feasible layer count.
-        counts = np.arange(1, lmax + 1)
-        B = np.unique((per[:, None] * counts[None, :] + fixed[:, None])
-                      [counts[None, :] <= mem_cap[:, None]])
-        with np.errstate(divide="ignore", invalid="ignore"):
-            by_time = np.floor((B[:, None] - fixed[None, :]) / per[None, :] * (1 + 1e-12) + 1e-9)
-        by_time = np.where(per[None, :] > 0, by_time, lmax)
+        pick = np.zeros(len(B_all), dtype=bool)
+        pick[where[counts[None, :] <= np.minimum(mem_cap, lmax)[:, None]]] = True
+        B = B_all[pick]
+        by_time = np.where(per[None, :] > 0, time_all[pick], lmax)
         caps = np.minimum(mem_cap[None, :], by_time).astype(int)
         ok = (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= n_layers)
         if ok.any():
+            # Every split of this lmax has its bottleneck among the feasible B and a sum of
+            # times at least `least`: skip the fill when even that cannot beat the best.
+            if best is not None and least + (M - 1) * B[np.argmax(ok)] > best[1] * (1 + 1e-9):
+                continue
             caps = caps[ok]
             room = caps[:, cheapest] - 1  # room above the one layer each stage gets
             before = np.concatenate([np.zeros((len(room), 1), int),

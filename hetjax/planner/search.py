@@ -288,7 +288,7 @@ class _Search:
         self.simulated = 0
         self.max_capacity = max(c.accelerator.memory_bytes for c in topology.clusters) * \
             options.memory_fraction
-        self._zero_cache: dict[tuple, list] = {}
+        self._zero_cache: dict[tuple, tuple] = {}
         self._nodes_cache: dict[tuple, np.ndarray] = {}
         self.shortfall = _Shortfall()
         self.rejected: list[str] = []
@@ -409,11 +409,16 @@ class _Search:
             return [zr.named(zero, layout.dp, zr.node_local_factor(nodes))]
         m, sb = self.model, self.cm.state_bytes
         layer_p = m.layer_params / layout.tp
-        if key not in self._zero_cache:  # every point's terms on every distinct stage
-            stages = dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values()
-            self._zero_cache[key] = [(f, [self.cm.zero_times(f, layer_p, mesh[s].T)
-                                          for s in stages])
-                                     for f in zr.space(nodes)]
+        if key not in self._zero_cache:  # the points, and their terms on every distinct stage
+            stages = list(dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values())
+            self._zero_cache[key] = (stages, zr.space(nodes), {})
+        stages, space, terms = self._zero_cache[key]
+
+        def zero_terms(f: ZeroFactors) -> list:
+            # priced only for points that can fit memory (most collectives are theirs)
+            if f not in terms:
+                terms[f] = [self.cm.zero_times(f, layer_p, mesh[s].T) for s in stages]
+            return terms[f]
         layers = m.n_layers / layout.pp
         # Necessary for any split: the longest stage holds L = ceil(layers / pp) layers
         # (states and activations), every stage at least one layer's activations.
@@ -424,10 +429,9 @@ class _Search:
                   for cpu in (True, False)) * layout.tokens_per_device()  # any device's
         acts = max(act * L * min(live), act * max(live))
         need = {f: zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L + acts
-                for f, _ in self._zero_cache[key]}
-        points = [(max(z.per_step(layers, layout.microbatches) for z in zs), i, f)
-                  for i, (f, zs) in enumerate(self._zero_cache[key])
-                  if need[f] <= self.max_capacity]
+                for f in space}
+        points = [(max(z.per_step(layers, layout.microbatches) for z in zero_terms(f)), i, f)
+                  for i, f in enumerate(space) if need[f] <= self.max_capacity]
         if not points:
             f = min(need, key=need.get)
             self._note(need[f] / self.max_capacity, (

@@ -23,9 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
+from hetjax.errors import PlanError
 from hetjax.plan import ScheduleSpec, resolve_schedule
-from parallel.schedules import (Action, Event, Schedule, cell_tasks, tick_codes, tick_table,
-                                timeline)
+from parallel.schedules import (SCHEDULES, Action, Event, Schedule, cell_tasks, tick_codes,
+                                tick_table, timeline)
 from parallel.schedules import folded_lockstep_ticks
 from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
 
@@ -64,8 +65,11 @@ def in_flight(name: str, stages: int, microbatches: int) -> tuple[float, ...]:
         return (microbatches,) * stages
     if name == "1f1b":
         return tuple(min(stages - s, microbatches) for s in range(stages))
-    table = schedule_table(name, stages, microbatches)
-    return tuple(table.activation_share(s) for s in range(stages))
+    try:  # closed form where the schedule has one (strands), else played from its table
+        return SCHEDULES[name].stash_peaks(stages, microbatches)
+    except (ValueError, KeyError) as e:
+        schedule_table(name, stages, microbatches)  # raises the PlanError that says why
+        raise PlanError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -81,9 +85,23 @@ def in_flight_folded(name: str, stages: int, microbatches: int) -> tuple[float, 
 @functools.lru_cache(maxsize=256)
 def _ticks(name: str, stages: int, microbatches: int
            ) -> tuple[list[list[Action | None]], np.ndarray]:
-    """The tick grid and its codes [ticks, stages]: 0 idle, 1 forward, 2 backward."""
+    """The tick grid and its codes [ticks, stages]: 0 idle, 1 forward, 2 backward (for the
+    events of `simulate`; the estimates need only `grid_codes`)."""
     table = tick_table(schedule_table(name, stages, microbatches))
     return table, tick_codes(table)
+
+
+@functools.lru_cache(maxsize=1024)
+def grid_codes(name: str, stages: int, microbatches: int) -> np.ndarray:
+    """The codes of `_ticks`, from the schedule's closed form where it has one (the search
+    prices every (schedule, pp, M) it meets; building their Task tables cost a quarter of a
+    4,096-device search)."""
+    try:
+        codes = SCHEDULES[name].grid_codes(stages, microbatches)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    codes.flags.writeable = False  # shared by every caller through the cache
+    return codes
 
 
 def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
@@ -91,7 +109,7 @@ def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                    send_bwd: Sequence[float] = ()) -> np.ndarray:
     """Duration of each tick of the named schedule's grid run in lockstep
     (`parallel.schedules.lockstep_ticks`, with the grid cached)."""
-    codes = _ticks(schedule, len(fwd), microbatches)[1]
+    codes = grid_codes(schedule, len(fwd), microbatches)
     return schedules_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd)
 
 
@@ -101,7 +119,7 @@ def folded_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                  ) -> np.ndarray:
     """Duration of each tick of a folded pipeline in lockstep: the named schedule's grid for
     2 pp virtual stages, priced per device (`parallel.schedules.folded_lockstep_ticks`)."""
-    codes = _ticks(schedule, 2 * len(fwd), microbatches)[1]
+    codes = grid_codes(schedule, 2 * len(fwd), microbatches)
     return folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share)
 
 
@@ -109,7 +127,8 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
              send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
              sync: Sequence[float] = (), overlap: float = 0.0,
              lockstep: bool = False, placement: str = "looped",
-             down_share: Sequence[float] = (), update: Sequence[float] = ()) -> Simulation:
+             down_share: Sequence[float] = (), update: Sequence[float] = (),
+             events: bool = True) -> Simulation:
     """Step time of `schedule` with M micro-batches and per-stage fwd / bwd times; each
     stage's gradient sync (partly hidden behind its last backward when asynchronous) and then
     the optimizer updates (`update`, never hidden) end the step. Every stage's update waits
@@ -117,8 +136,9 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
     guard that skips the step on every stage). Folded (`placement`), fwd /
     bwd are per device (both chunks) and `down_share` the part of each device's work in its
     down chunk (lockstep; asynchronously each chunk takes half, as the timeline of
-    `schedules.folded` plays it)."""
-    S = len(fwd)
+    `schedules.folded` plays it). `events=False` leaves the lockstep grid's events out (the
+    step time does not need them; the planner's predictions skip building them)."""
+    S, keep_events = len(fwd), events
     sync = list(sync) or [0.0] * S
     update = list(update) or [0.0] * S
     if placement == "folded" and not lockstep:  # per-stage orders from the virtual grid
@@ -135,7 +155,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         share = list(down_share) or [0.5] * S
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
         events = []
-        for t, row in enumerate(_ticks(schedule, 2 * S, microbatches)[0]):
+        for t, row in enumerate(_ticks(schedule, 2 * S, microbatches)[0] if keep_events else ()):
             clock = [float(starts[t])] * S  # a device runs its down chunk, then its up chunk
             for k, cell in enumerate(row):  # chunk k on device k or 2 S - 1 - k
                 d, part = (k, share[k]) if k < S else (2 * S - 1 - k, 1.0 - share[2 * S - 1 - k])
@@ -149,7 +169,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         durations = lockstep_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd)
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
         events = []
-        for t, row in enumerate(_ticks(schedule, S, microbatches)[0]):
+        for t, row in enumerate(_ticks(schedule, S, microbatches)[0] if keep_events else ()):
             for s, cell in enumerate(row):
                 start = float(starts[t])
                 for a in cell_tasks(cell):  # a two-strand tick: its F, then its B
@@ -201,4 +221,5 @@ def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     return best
 
 
-__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded", "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table"]
+__all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded",
+           "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table", "grid_codes"]

@@ -105,10 +105,11 @@ def _fills_nodes(group: tuple[int, ...], s: int) -> bool:
     return bool((one_node[pos // s] | whole).all())
 
 
-def node_local_factor(nodes: np.ndarray) -> int:
-    """MiCS' group: the largest valid factor whose blocks all lie inside single nodes."""
+def node_local_factor(nodes: np.ndarray, valid: list[int] | None = None) -> int:
+    """MiCS' group: the largest valid factor (of `valid`, default `valid_factors(nodes)`)
+    whose blocks all lie inside single nodes."""
     dp = nodes.shape[1]
-    return max(s for s in valid_factors(nodes)
+    return max(s for s in (valid_factors(nodes) if valid is None else valid)
                if (nodes.reshape(len(nodes), dp // s, s) == nodes.reshape(
                    len(nodes), dp // s, s)[..., :1]).all())
 
@@ -169,9 +170,10 @@ def space(nodes: np.ndarray) -> list[ZeroFactors]:
     """Every valid (s_p, s_g, s_os) for DP groups placed on `nodes` ([groups, dp])."""
     dp = nodes.shape[1]
     chain = valid_factors(nodes)
+    local = node_local_factor(nodes, chain)
     points: dict[tuple[int, int, int], str] = {}
     for n in NAMED:  # the first name wins: mics on one device per node is ddp
-        f = named(n, dp, node_local_factor(nodes))
+        f = named(n, dp, local)
         points.setdefault((f.s_p, f.s_g, f.s_os), n)
     out = []
     for s_os in chain:
@@ -203,9 +205,11 @@ def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
     "shard": the s_os devices that together hold one copy of the optimizer states;
     "os_replicas": the dp / s_os devices holding the same OS shard.
     Each value is [instances, size]."""
-    axes = {"p": ("dp_p",), "replicas": ("dp", "dp_os"), "os": ("dp_os",),
-            "shard": ("dp_os", "dp_p"), "os_replicas": ("dp",)}
-    return {name: axis_groups(dp_groups, f, ax) for name, ax in axes.items()}
+    return {name: axis_groups(dp_groups, f, ax) for name, ax in SUBGROUP_AXES.items()}
+
+
+SUBGROUP_AXES = {"p": ("dp_p",), "replicas": ("dp", "dp_os"), "os": ("dp_os",),
+                 "shard": ("dp_os", "dp_p"), "os_replicas": ("dp",)}  # see `subgroups`
 
 
 # --- the collectives of hetjax's ZeRO step: one description, read by the cost model
@@ -271,30 +275,40 @@ class ZeroTimes:
 
 
 def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.ndarray,
-               collective: Collective, executor: str = "megatron") -> ZeroTimes:
+               collective: Collective, executor: str = "megatron",
+               over: Callable[[str, float, ZeroFactors, tuple[str, ...]], float] | None = None
+               ) -> ZeroTimes:
     """The terms for parameters of p_bytes (and gradients of g_bytes) per device.
+
+    `over(op, nbytes, f, axes)` prices one collective over the DP mesh `axes` (default:
+    `collective` on `axis_groups(dp_groups, f, axes)`); the cost model passes a memoised one,
+    since the points of `space` share most of their groups and byte counts.
 
     megatron: AMSP's T_p, T_g, T_os0, T_os1, with even sharding (as in JAX) G beyond P a
     reduce-scatter and the refresh an all-gather inside the OS subgroup (spec/amsp.md).
     hetjax: `step_collectives`, what parallel/zero.py issues: P gathered once per step, G
     reduce-scattered over its group every micro-batch, after the loop a reduce-scatter to the
     OS shards and an all-reduce across the OS replicas, then the refresh."""
+    if over is None:
+        def over(op, nbytes, f, axes):
+            return collective(op, nbytes, axis_groups(dp_groups, f, axes))
+
     if executor == "hetjax":
         nbytes = {"p": p_bytes, "g": g_bytes}
         times: dict[str, list[float]] = {"microbatch": [], "sync": [], "refresh": []}
         for c in step_collectives(f):
-            times[c.when].append(collective(c.kind.replace("-", "_"), nbytes[c.of] / c.divisor,
-                                            axis_groups(dp_groups, f, c.axes)))
+            times[c.when].append(over(c.kind.replace("-", "_"), nbytes[c.of] / c.divisor, f,
+                                      c.axes))
         return ZeroTimes(gather=0.0, scatter=sum(times["microbatch"]), accumulate=0.0,
                          sync=sum(times["sync"]), refresh=sum(times["refresh"]))
-    groups = subgroups(dp_groups, f)
-    refresh = collective("all_gather", p_bytes / f.s_p, groups["os"])
+    axes = SUBGROUP_AXES
+    refresh = over("all_gather", p_bytes / f.s_p, f, axes["os"])
     return ZeroTimes(
-        gather=collective("all_gather", p_bytes, groups["p"]),
-        scatter=collective("reduce_scatter", g_bytes, groups["p"]),
-        accumulate=(collective("reduce_scatter", g_bytes / f.s_p, groups["os"])
+        gather=over("all_gather", p_bytes, f, axes["p"]),
+        scatter=over("reduce_scatter", g_bytes, f, axes["p"]),
+        accumulate=(over("reduce_scatter", g_bytes / f.s_p, f, axes["os"])
                     if f.s_g > f.s_p else 0.0),
-        sync=collective("all_reduce", g_bytes / f.s_p, groups["replicas"]),
+        sync=over("all_reduce", g_bytes / f.s_p, f, axes["replicas"]),
         refresh=refresh,
     )
 
