@@ -93,6 +93,7 @@ def test_a_short_stage_holds_only_its_own_parameters_and_optimizer_state():
     assert shared == [["embedder"], ["embedder", "final_norm"]]
 
 
+@pytest.mark.slow  # ~50 s; test_checkpoint.py restores a checkpoint under another plan in the default tier
 def test_checkpoints_resume_across_executors(tmp_path):
     """SPMD -> MPMD -> SPMD through the plan-independent checkpoint, with another split: the
     straight SPMD run's checkpoint 2 resumes in the MPMD executor, whose checkpoint 4 resumes
@@ -116,6 +117,7 @@ def test_checkpoints_resume_across_executors(tmp_path):
                                rtol=1e-5)
 
 
+@pytest.mark.slow  # 40 steps; the equivalence tests above pin every loss and gradient to the plain model
 def test_training_with_the_mpmd_executor_lowers_the_loss(tmp_path):
     config = mpmd_config((1, 3), **{"train.steps": 40, "train.lr": 1e-2,
                                     "train.warmup_steps": 4, "workdir": str(tmp_path)})

@@ -321,6 +321,7 @@ def test_a_non_finite_step_is_skipped_and_training_goes_on(trainer, tmp_path):
                               before["lm_head"]["kernel"])
 
 
+@pytest.mark.slow  # the rule itself is checked in the default tier by test_a_non_finite_step_is_skipped_and_training_goes_on
 def test_the_mpmd_executor_skips_a_non_finite_step_on_every_stage():
     import jax
     import numpy as np
