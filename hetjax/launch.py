@@ -34,7 +34,10 @@ that noticed.
 
 Ctrl-C (SIGINT) or SIGTERM to the launcher reaches every worker as a stop line on its stdin
 (what ssh and srun forward); the workers agree on a step to stop at (`hetjax.stopping`), each
-saves it, and the launcher waits for them (a second signal stops them at once).
+saves it, and the launcher waits for them (a second signal stops them at once). SIGTERM sent
+to the workers themselves -- a scheduler preempting or cancelling the job signals every task --
+does the same: the first worker to exit 75 (or 130) after saving tells the launcher that the
+job is stopping, and it waits for the others to save the same step instead of stopping them.
 """
 
 from __future__ import annotations
@@ -481,6 +484,7 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     failure = None  # (name or None for the timeout, exit code, how) of the first failure
     kill_at = float("inf")
     stopping_on = None  # "SIGINT"/"SIGTERM" once passed on: the workers save and stop
+    passed_on = False  # this launcher got Ctrl-C or SIGTERM and passed it on (a second one kills)
     stopped: list[str] = []  # the workers that then saved and stopped
 
     def stalled(exited: int = -1) -> tuple[str, float] | None:
@@ -519,6 +523,16 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
                     running.discard(i)
                     if stopping_on and rc in (75, 130):  # saved and stopped, as asked
                         stopped.append(names[i])
+                    elif rc in (75, 130) and stop_line and failure is None:
+                        # Signalled itself (a scheduler preempting the job sends SIGTERM to
+                        # every task): the workers agree on a step and save it, as on a stop
+                        # line from here, so wait for the others rather than stop them.
+                        stopping_on = "SIGTERM" if rc == 75 else "SIGINT"
+                        stopped.append(names[i])
+                        rest = ", ".join(names[j] for j in sorted(running))
+                        say(f"hetjax launch: {names[i]} "
+                            f"{'was preempted (SIGTERM)' if rc == 75 else 'was interrupted'} and "
+                            "saved" + (f"; waiting for {rest} to save the same step" if rest else ""))
                     elif rc != 0 and failure is None:
                         hung = stalled(exited=i)
                         if hung is not None:  # a peer it waited for stopped first: blame it
@@ -545,8 +559,11 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
                     _signal([procs[j] for j in running], signal.SIGKILL)
                     kill_at = float("inf")
             except KeyboardInterrupt as e:
-                if stopping_on or failure is not None or not stop_line:
+                if passed_on or failure is not None or not stop_line:
                     raise  # a second signal: the finally stops them at once
+                passed_on = True
+                if stopping_on:  # the workers, signalled too, are saving already
+                    continue
                 stopping_on = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
                 rest = ", ".join(names[j] for j in sorted(running))
                 how = "interrupted" if stopping_on == "SIGINT" else "preempted (SIGTERM)"

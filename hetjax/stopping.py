@@ -11,9 +11,10 @@ loop can be past it: from its next step boundary on, a loop that knows of the re
 there for the stop step. All waiting happens in daemon threads or at a step boundary, never
 inside a step, so no process needs a peer blocked in a collective to agree. A peer that never
 answers (stopped, dead) ends the wait after `HETJAX_HEARTBEAT_TIMEOUT` s; the run then stops
-without saving and says which steps are lost. In a multi-process job SIGTERM to a worker keeps
-its default (the launcher stops a failed job's workers with it); SIGINT and the launcher's line
-are handled. A job of several JAX worlds (MPMD across clusters) has one key-value store per
+without saving and says which steps are lost. SIGTERM to the workers themselves (what a
+scheduler sends every task when it preempts or cancels a job) is handled the same way; when the
+launcher stops a failed job's workers with it, the dead peer never answers and the others stop
+without saving (or are killed after the launcher's grace period). A job of several JAX worlds (MPMD across clusters) has one key-value store per
 world, so it cannot agree: it stops at once, without saving, and says which steps are lost.
 """
 
@@ -91,7 +92,7 @@ class StopFlag(threading.Event):
         self._closed = threading.Event()
         self._thread = None
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT):
                 if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. SIGINT under nohup
                     self._previous[sig] = signal.signal(sig, self._handle)
         if self._multi:

@@ -693,6 +693,47 @@ def test_a_full_disk_is_one_error_and_the_rerun_loses_nothing(trainer, saved_run
     assert _losses(tmp_path) == reference
 
 
+@pytest.mark.root
+@pytest.mark.slow  # the patched variant above runs in the default tier
+def test_a_really_full_disk_is_one_error_and_the_rerun_loses_nothing(trainer, saved_run,
+                                                                     tmp_path):
+    """The same on a real full disk: the workdir is a small tmpfs, and after step 3 a file takes
+    every free byte of it (root: mount). The write that fails is the library's own (a metrics
+    row, orbax's checkpoint files); one line names the path, the earlier checkpoint is kept, and
+    once space is freed the rerun loses nothing."""
+    import subprocess
+
+    from hetjax.errors import HetjaxError
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    _, reference = saved_run
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
+    try:
+        fresh(trainer, disk)
+
+        def fill(info):
+            if info.step == 3:
+                free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+                fd = os.open(disk / "filler", os.O_CREAT | os.O_WRONLY)
+                os.posix_fallocate(fd, 0, free)
+                os.close(fd)
+                assert os.statvfs(disk).f_bavail == 0
+
+        message = _train_expecting(trainer, HetjaxError, trainer.add_hook(fill))
+        assert message.startswith("training stopped: ") and message.count("\n") == 0, message
+        assert "No space left on device; fix: free space on the disk holding " in message
+        assert message.endswith(f"(checkpoint 2 in {disk}/checkpoints is kept)"), message
+        os.remove(disk / "filler")
+        assert fresh(trainer, disk).train()["resumed_from"] == 2
+        assert _losses(disk) == reference
+    finally:
+        fresh(trainer, tmp_path)  # nothing of the trainer holds a file on the tmpfs
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def test_a_torn_last_metrics_line_is_repaired_on_resume(trainer, saved_run, tmp_path, capsys):
     _, reference = saved_run
     fresh(trainer, tmp_path)
@@ -1258,10 +1299,16 @@ def test_a_worker_stopped_over_ssh_is_named_and_dropped_by_elastic(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing(tmp_path):
-    """SIGINT to `hetjax launch --local 2` (what Ctrl-C sends it): both workers agree on a
-    step, save it and exit 130 (with `checkpoint.every=0`, nothing else is saved); the rerun
-    resumes from it, and the losses equal an uninterrupted run's."""
+@pytest.mark.parametrize("target, sig", [("launcher", signal.SIGINT), ("workers", signal.SIGTERM)],
+                         ids=["ctrl-c-to-the-launcher", "sigterm-to-every-worker"])
+def test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing(tmp_path, target,
+                                                                           sig):
+    """SIGINT to `hetjax launch --local 2` (what Ctrl-C sends it), or SIGTERM to both workers
+    themselves (what a scheduler sends every task when it preempts the job): both workers agree
+    on a step, save it and exit (130, 75; with `checkpoint.every=0`, nothing else is saved);
+    the rerun resumes from it, and the losses equal an uninterrupted run's."""
+    import re
+
     from hetjax.metrics import read_metrics
 
     args = ["--local", "2", "--timeout", "400", *LAUNCH_TINY, "--config.train.steps=12",
@@ -1272,18 +1319,27 @@ def test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing(tmp_p
     proc, lines = _launched([*args, f"--config.workdir={workdir}"])
     try:
         _wait_for_rows(proc, lines, workdir / "metrics.jsonl", 2)
-        proc.send_signal(signal.SIGINT)
+        if target == "launcher":
+            proc.send_signal(sig)
+        else:
+            for pid in re.findall(r"hetjax launch: started p\d \(pid (\d+)\)", "".join(lines)):
+                os.kill(int(pid), sig)
         rc = proc.wait(timeout=300)
     finally:
         proc.kill()
     log = "".join(lines)
-    assert rc == 130, log[-6000:]
-    saved = [line for line in lines if "hetjax: interrupted (SIGINT) after step " in line]
+    assert rc == (130 if sig == signal.SIGINT else 75), log[-6000:]
+    how = "interrupted (SIGINT)" if sig == signal.SIGINT else "preempted (SIGTERM)"
+    saved = [line for line in lines if f"hetjax: {how} after step " in line]
     assert len(saved) == 2, log[-6000:]  # both workers
     step = int(saved[0].split("after step ")[1].split(":")[0])
     assert all(f"saved checkpoint {step} in {workdir}/checkpoints" in line for line in saved)
     assert step < 12 and sorted(os.listdir(workdir / "checkpoints")) == [str(step), "tokenizer"]
-    assert "hetjax launch: interrupted: asking p0, p1 to save the step they agree on" in log
+    if target == "launcher":
+        assert "hetjax launch: interrupted: asking p0, p1 to save the step they agree on" in log
+    else:
+        assert re.search(r"hetjax launch: p[01] was preempted \(SIGTERM\) and saved", log), log
+        assert "failed" not in log and "restarting" not in log
     rerun, lines = _launched([*args, f"--config.workdir={workdir}"])
     assert rerun.wait(timeout=500) == 0, "".join(lines)
     assert any(f"resumed from checkpoint {step}" in line for line in lines), "".join(lines)
@@ -1307,11 +1363,14 @@ NEVER_LOSE = [
      "after step 3, without saving: steps 3-3 are lost; rerun the same command to resume from "
      "checkpoint 2 (exit code 130)`",
      "test_a_second_sigint_stops_at_once_and_names_the_lost_steps"),
-    ("Ctrl-C at `hetjax launch` (several processes)",
-     "the launcher writes a stop line on every worker's stdin (ssh carries it too); the workers "
-     "agree on a step, each saves it (`[p0] hetjax: interrupted (SIGINT) after step 4: saved "
-     "checkpoint 4 in ...`) and exits 130, and so does the launcher; a second Ctrl-C stops them "
-     "at once", "test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing"),
+    ("Ctrl-C or SIGTERM at `hetjax launch`, or SIGTERM to every worker (a scheduler's "
+     "preemption; several processes)",
+     "the launcher writes a stop line on every worker's stdin (ssh carries it too), or each "
+     "worker hears the signal itself; the workers agree on a step, each saves it (`[p0] hetjax: "
+     "interrupted (SIGINT) after step 4: saved checkpoint 4 in ...`) and exits 130 (75 for "
+     "SIGTERM), and so does the launcher, which waits for them rather than stopping them; a "
+     "second Ctrl-C stops them at once",
+     "test_ctrl_c_to_a_launch_saves_every_worker_and_the_rerun_loses_nothing"),
     ("SIGKILL",
      "nothing runs; the rerun takes the stale workdir lock over, cuts metrics.jsonl back to the "
      "checkpoint and trains on",
@@ -1320,7 +1379,8 @@ NEVER_LOSE = [
      "one line, `training stopped: <path>: No space left on device; fix: free space on the disk "
      "holding <path> (or choose a path on another disk); then rerun the same command to resume "
      "(checkpoint 2 in ... is kept)`; a save still in flight is drained without a second "
-     "traceback", "test_a_full_disk_is_one_error_and_the_rerun_loses_nothing"),
+     "traceback (also on a real full tmpfs: test_a_really_full_disk_is_one_error_and_the_rerun_"
+     "loses_nothing, root, slow)", "test_a_full_disk_is_one_error_and_the_rerun_loses_nothing"),
     ("killed while writing a metrics row",
      "the torn last line is dropped on resume (`repaired a torn last line`)",
      "test_a_torn_last_metrics_line_is_repaired_on_resume"),
