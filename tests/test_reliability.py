@@ -710,7 +710,10 @@ def test_a_really_full_disk_is_one_error_and_the_rerun_loses_nothing(trainer, sa
     _, reference = saved_run
     disk = tmp_path / "disk"
     disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode:  # root without the right to mount (a container)
+        pytest.skip(f"could not mount a tmpfs: {mounted.stderr.strip()}")
     try:
         fresh(trainer, disk)
 
