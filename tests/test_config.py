@@ -151,6 +151,7 @@ def test_cli_bad_config_exits_2_with_message_not_traceback():
     assert "config.train.lr" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # README's Python snippet trains the default config in the default tier
 def test_cli_trains_default_config_for_five_steps(tmp_path):
     r = run_cli("train", f"--config={DEFAULT}", "--config.train.steps=5",
                 f"--config.workdir={tmp_path}")
