@@ -73,6 +73,7 @@ def test_quantization_round_trip_within_half_a_step(bits):
     assert q.nbytes == (x.size if bits == 8 else (x.size + 1) // 2)
 
 
+@pytest.mark.slow  # ~40 s; the launched sites' mid-round resume and the in-flight one run here too
 def test_checkpoint_resumes_mid_round_exactly(tmp_path):
     """H = 2, int8, Nesterov: 5 steps straight, saving at step 3 (mid-round); a fresh trainer
     restores step 3 and trains to 5. The checkpoint holds the sites, theta and the outer
@@ -381,7 +382,7 @@ def test_overlapped_exchanges_land_tau_steps_later_as_a_plain_reference(tmp_path
             np.testing.assert_allclose(d, c, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.slow  # ~2 min; test_checkpoint_resumes_mid_round_exactly resumes in the default tier
+@pytest.mark.slow  # ~2 min
 def test_checkpoint_resumes_with_an_exchange_in_flight_exactly(tmp_path):
     """H = 4, F = 2, tau = 1, int8: saved at step 4, when fragment 0's exchange (started at 4)
     is in flight; a fresh trainer restores step 4, sends the saved pseudo-gradients again at

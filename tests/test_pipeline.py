@@ -404,12 +404,12 @@ def temp_bytes(schedule, microbatches):
 
 
 def test_1f1b_memory_stays_flat_while_gpipe_grows():
-    (g2, tg), (g8, _) = temp_bytes("gpipe", 2), temp_bytes("gpipe", 8)
-    (o2, to), (o8, _) = temp_bytes("1f1b", 2), temp_bytes("1f1b", 8)
+    (g2, tg), (g6, _) = temp_bytes("gpipe", 2), temp_bytes("gpipe", 6)
+    (o2, to), (o6, _) = temp_bytes("1f1b", 2), temp_bytes("1f1b", 6)
     # A stash slot holds max_layers + 1 = 2 activations of 2 sequences x 32 tokens x d 32, fp32.
     slot = 2 * (2 * 32 * 32 * 4)
-    assert g8 - g2 >= 6 * slot  # GPipe stashes 8 micro-batches instead of 2
-    assert abs(o8 - o2) < slot  # 1F1B stashes pp = 2 whatever M is
+    assert g6 - g2 >= 4 * slot  # GPipe stashes 6 micro-batches instead of 2
+    assert abs(o6 - o2) < slot  # 1F1B stashes pp = 2 whatever M is
     assert tg.pipeline.program.stash_slots == 2 and to.pipeline.program.stash_slots == 2
 
 
