@@ -11,7 +11,9 @@ is saved as JSON next to checkpoints.
 `parallel.schedules`). This module is a leaf: it imports only the topology, the errors, the
 units, the schedule registry and the executor registry's names (`parallel.registry`; none of
 them imports JAX). Turning a config into a
-Plan is the planner's (`hetjax.planner.plan_from_config`).
+Plan is the planner's (`hetjax.planner.plan_from_config`). A `DilocoPlan` is a plan of plans:
+each DiLoCo site's Plan and the exchange between the sites (`hetjax.planner.diloco.plan_sites`
+builds it, the DiLoCo executor runs it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -384,3 +386,35 @@ def effective_remat(remat: str, spmd_pipeline: bool = False) -> str:
     if remat == "auto":
         return "full" if spmd_pipeline else "none"
     return remat
+
+
+@dataclass(frozen=True)
+class DilocoPlan:
+    """What the DiLoCo executor (parallel/diloco.py) runs, decided by the planner from the
+    config so the executor never reads it: the sites (name, cluster indices), each site's
+    sub-topology, Plan (pp = 1, its share `rows_per_site` of the global batch) and topology
+    ranks (`site_ranks`, in the whole topology), the exchange (`inner_steps` H, `codec`,
+    `fragments`, `overlap_steps`, `mix`), the outer optimizer and the inner one's settings,
+    and the logging cadence (`log_every`, `steps`: on those steps the sites' mean loss is
+    gathered across processes). Field names are the config's `diloco.*` ones."""
+
+    # the executor registry's entry for plans of this kind (`parallel.registry.COMPOSITE`)
+    executor: ClassVar[str] = "diloco"
+
+    sites: tuple
+    site_topologies: tuple
+    site_plans: tuple
+    site_ranks: tuple
+    rows_per_site: int
+    inner_steps: int
+    codec: str
+    fragments: int
+    overlap_steps: int
+    mix: float
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
+    inner_optimizer: str
+    inner_lr_scale: float
+    log_every: int
+    steps: int

@@ -56,6 +56,7 @@ from hetjax.plan import Plan
 from hetjax.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.planner.config_plan import predict_for_config
+from hetjax.planner.diloco import plan_to_run
 from hetjax.planner.memory import asked_bytes, fit_problem, is_out_of_memory, oom_message
 from hetjax.profile import StepProfiler, summarise
 from hetjax.stopping import NoAgreement, StopFlag
@@ -260,17 +261,9 @@ class Trainer:
         self.tx, self.schedule = make_optimizer(config.train)
         optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
         self.runtime = runtime_from_environ(config, self.plan, self.topology)
-        if config.diloco.inner_steps:  # sites train alone between exchanges (hetjax/diloco.py)
-            # Not a Plan's executor yet: it runs the planner's DiLoCo plan (each site's plan),
-            # and each site's executor comes from make_executor.
-            from hetjax.diloco import DilocoExecutor
-            from hetjax.planner.diloco import plan_sites
-
-            self.executor = DilocoExecutor(plan_sites(config, self.topology), self.topology,
-                                           self.model_cfg, self.tx, self.schedule, self.runtime)
-        else:
-            self.executor = make_executor(self.plan, self.topology, self.model_cfg, optimizer,
-                                          self.runtime)
+        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
+        self.executor = make_executor(plan_to_run(config, self.topology, self.plan),
+                                      self.topology, self.model_cfg, optimizer, self.runtime)
         # The attention kernel this process's devices run (a named one they cannot run is a
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
@@ -298,7 +291,7 @@ class Trainer:
         """The plan's predicted memory; refuses a plan predicted not to fit, in the words
         `hetjax plan` prints for it."""
         predicted = self.plan.predicted
-        if "stage_memory_gib" not in predicted and not self.config.diloco.inner_steps:
+        if "stage_memory_gib" not in predicted and self.executor.runs_whole_plan:
             predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
         problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
                               self.plan.zero.name)
@@ -566,8 +559,8 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
     def describe(self) -> str:
         lines = [self.topology.describe()]
-        if not self.config.diloco.inner_steps:  # under DiLoCo the sites' own plans (the
-            lines.append(self.plan.describe(self.topology))  # executor's lines) are what runs
+        if self.executor.runs_whole_plan:  # else its own plans (the executor's lines) run
+            lines.append(self.plan.describe(self.topology))
         lines += [f"  note: {n}" for n in self.notes]
         if self.executor.describe():
             lines.append(self.executor.describe())
@@ -700,9 +693,7 @@ class Trainer:
 
     def _after_outer_step(self, step: int) -> bool:
         """Whether `step` is the first step after a DiLoCo exchange (an outer step)."""
-        d = self.config.diloco
-        return bool(d.inner_steps) and step > 1 and (step - 1) % (d.inner_steps //
-                                                                  d.fragments) == 0
+        return self.executor.exchanged_after(step - 1)
 
     def _blame(self, step: int) -> str:
         """What to lower for a blow-up first seen at `step`: DiLoCo's outer step when the step

@@ -70,7 +70,7 @@ KINDS = {"activation": 0, "gradient": 1, "embedding_gradient": 2, "loss": 3, "no
          # evaluation's activations and losses; a stage's train state for a checkpoint; a
          # control value (the checkpoint step every world restores)
          "eval": 5, "eval_loss": 6, "state": 7, "control": 8,
-         # DiLoCo's overlapped fragment exchange (hetjax/diloco.py): a site's pseudo-gradient
+         # DiLoCo's overlapped fragment exchange (parallel/diloco.py): a site's pseudo-gradient
          "diloco": 9,
          "test": 15}
 KIND_NAMES = {v: k for k, v in KINDS.items()}

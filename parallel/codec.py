@@ -1,10 +1,11 @@
 """Per-row symmetric quantization: the one codec for what crosses slow links.
 
-Used by DiLoCo's pseudo-gradients between sites (hetjax/diloco.py) and by the bridge's
+Used by DiLoCo's pseudo-gradients between sites (parallel/diloco.py) and by the bridge's
 compressed pipeline boundaries between worlds (parallel/bridge.py, `pipeline.boundary_codec`).
 Each row (last axis) of a tensor is scaled by max|row| / (2^(b-1) - 1) and rounded to b-bit
 integer codes: the error per element is at most scale / 2 = max|row| / (2 (2^(b-1) - 1)).
-int4 codes are packed two to a byte.
+int4 codes are packed two to a byte. `encode` / `decode` apply a codec named in
+`parallel.wire` to a whole pytree.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from parallel.wire import BITS
 
 
 def rows(x):
@@ -71,5 +74,28 @@ def error_bound(x, bits: int):
         (*np.shape(x)[:-1], 1) if np.ndim(x) else ())
 
 
+# --- a codec by name on pytrees (DiLoCo's pseudo-gradients) ---------------------------------
+def encode(tree, codec: str):
+    """A pytree of float arrays -> its wire form under `codec` (a name of `parallel.wire`):
+    fp32 arrays for 'none', else (codes, scales) per leaf."""
+    if codec == "none":
+        return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+    return jax.tree.map(lambda x: quantize(x, BITS[codec]), tree)
+
+
+def decode(wire, like, codec: str):
+    """The inverse of `encode`; `like` gives the shapes."""
+    if codec == "none":
+        return wire
+    return jax.tree.map(lambda w, x: dequantize(w[0], w[1], x.shape, BITS[codec]), wire, like,
+                        is_leaf=lambda w: isinstance(w, tuple))
+
+
+def wire_bytes(wire) -> int:
+    """Bytes of an encoded pytree (what one site sends per exchange, before a ring's
+    2 (n - 1) / n factor)."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(wire)))
+
+
 __all__ = ["rows", "quantize_rows", "quantize", "dequantize", "pack4", "unpack4",
-           "error_bound"]
+           "error_bound", "encode", "decode", "wire_bytes"]

@@ -14,6 +14,8 @@ the one place that chooses the implementation, from the Plan, the executor regis
   shard_map pipeline (`parallel.pipeline.Pipeline`), parameters in the stage-stacked layout.
 - the MPMD pipeline executor (`parallel.mpmd`) -- one program per stage; across JAX worlds
   `parallel.mpmd_worlds`.
+- the DiLoCo executor (`parallel.diloco`) -- for a `DilocoPlan`: sites that train alone on
+  their own plans and exchange pseudo-gradients every few steps.
 
 Executors get the optimizer (`Optimizer`: an optax transform, its learning-rate schedule and
 clipping threshold) and the process's `Runtime` from the caller, so nothing below the Plan
@@ -35,13 +37,13 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
+from hetjax.plan import DilocoPlan, Plan
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel import sharding as shd
 from parallel import zero
 from parallel.mesh import build_mesh
-from parallel.registry import EXECUTORS, SINGLE_PROGRAM
+from parallel.registry import COMPOSITE, EXECUTORS, SINGLE_PROGRAM
 from parallel.train_state import (Executor, Optimizer, Runtime, TrainState, opt_state_specs,
                                   skip_unless_finite)
 
@@ -225,13 +227,18 @@ def _load(target: str) -> type[Executor]:
     return getattr(importlib.import_module(module), name)
 
 
-def make_executor(plan: Plan, topology: Topology, model_cfg: ModelConfig,
+def make_executor(plan: Plan | DilocoPlan, topology: Topology, model_cfg: ModelConfig,
                   optimizer: Optimizer, runtime: Runtime = Runtime()) -> Executor:
     """The executor that runs `plan`: the only place that chooses one.
 
-    A multi-world job (`runtime.worlds`) runs the world executor of the plan's executor
-    (`ExecutorKind.worlds`); a plan of one stage runs as one program (`SINGLE_PROGRAM`); a
-    pipeline runs the executor the plan names (`parallel.registry.EXECUTORS`)."""
+    A plan of plans (a `DilocoPlan`) runs the executor its kind names
+    (`parallel.registry.COMPOSITE`); a multi-world job (`runtime.worlds`) runs the world
+    executor of the plan's executor (`ExecutorKind.worlds`); a plan of one stage runs as one
+    program (`SINGLE_PROGRAM`); a pipeline runs the executor the plan names
+    (`parallel.registry.EXECUTORS`)."""
+    if plan.executor in COMPOSITE:
+        return _load(COMPOSITE[plan.executor]).create(plan, topology, model_cfg, optimizer,
+                                                      runtime)
     kind = EXECUTORS.get(plan.executor)
     if kind is None:
         raise PlanError(f"plan executor {plan.executor!r} is not registered. Fix: set "

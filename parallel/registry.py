@@ -7,6 +7,8 @@ place that turns a Plan's name into a running executor: it imports the entry's c
 the names stay importable by the planner and the Plan without starting JAX (which is why an
 entry names its class as "module:Class" rather than holding it).
 
+A plan of plans (DiLoCo's sites) names its executor in `COMPOSITE`.
+
 Adding an executor is one `register(ExecutorKind(...))` entry plus its own module: a subclass
 of `parallel.train_state.Executor` whose `create(plan, topology, model_cfg, optimizer,
 runtime)` builds it (the default passes the optimizer's transform and learning-rate
@@ -41,6 +43,14 @@ class ExecutorKind:
 # A plan of one stage runs as one program whatever executor it names (there is no pipeline).
 SINGLE_PROGRAM = "parallel.executor:SingleProgramExecutor"
 
+# Executors of a plan made of plans, by the name its type carries as `executor`
+# (`hetjax.plan.DilocoPlan.executor`: "diloco", each site's Plan and the exchange between the
+# sites). They are not pipeline executors: a Plan cannot name them and `pipeline.executor`
+# does not offer them. Adding one is one entry here plus its module and its plan type.
+COMPOSITE: dict[str, str] = {
+    "diloco": "parallel.diloco:DilocoExecutor",
+}
+
 EXECUTORS: dict[str, ExecutorKind] = {}
 
 
@@ -67,4 +77,5 @@ def executor_help() -> str:
                      ["auto: the one the planner predicts faster"])
 
 
-__all__ = ["EXECUTORS", "ExecutorKind", "SINGLE_PROGRAM", "executor_help", "register"]
+__all__ = ["COMPOSITE", "EXECUTORS", "ExecutorKind", "SINGLE_PROGRAM", "executor_help",
+           "register"]

@@ -117,6 +117,9 @@ class Executor(abc.ABC):
     mesh = None  # the single program's mesh; None where there are several programs
     zero_specs = None  # its ZeRO PartitionSpecs (parallel.zero.ZeroSpecs)
     state_sharding = None  # its train state's shardings
+    # whether the step runs the Plan the caller planned (its memory prediction and lines
+    # apply); False where it runs plans of its own (DiLoCo: each site's)
+    runs_whole_plan = True
 
     @classmethod
     def create(cls, plan: Plan, topology: Topology, model_cfg: ModelConfig,
@@ -198,6 +201,11 @@ class Executor(abc.ABC):
     def describe(self) -> str:
         """Lines about the execution (schedule, stages) for `Trainer.describe`; may be ''."""
         return ""
+
+    def exchanged_after(self, step: int) -> bool:
+        """Whether an update beside the optimizer's own followed step `step` (DiLoCo: an
+        outer step), so the next step's loss may be blamed on it. None by default."""
+        return False
 
     def context(self):
         """The context tracing runs under (a single program: its mesh and logical-axis rules).

@@ -6,7 +6,7 @@ a slow link: loss after the same tokens, tokens/s, bytes per step crossing the s
 
 --testbed (root): the emulated testbed, 3 hosts (one per site) joined at --mbps; `hetjax
 launch` runs the real trainer there, one `hetjax train` process a host: synchronous DP (the
-plan's dp=3 gradient all-reduce every step) and DiLoCo (hetjax/diloco.py's exchange across
+plan's dp=3 gradient all-reduce every step) and DiLoCo (parallel/diloco.py's exchange across
 processes). Measured: step time (the trainer's metrics), the bytes each host sent to the other
 sites (htb counters) beside the planner's prediction, the held-out loss, the CPUs other
 processes used during each run (timings are only clean when that is near 0).
@@ -95,7 +95,7 @@ def run(label, overrides, args, topology):
 def testbed(args):
     """Build the 3-site testbed (one host per site, the inter-site rate unscaled) and run
     `hetjax launch` there (one `hetjax train` process a host): synchronous DP (the plan's dp=3
-    all-reduce every step) and DiLoCo (hetjax/diloco.py, the exchange across processes).
+    all-reduce every step) and DiLoCo (parallel/diloco.py, the exchange across processes).
     Step time from the trainer's metrics, bytes from the hosts' htb counters, the machine's
     load recorded per run (scripts.experiments.harness)."""
     from scripts.experiments.harness import CpuWatch, load_line, wait_for_quiet

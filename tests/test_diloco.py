@@ -1,4 +1,4 @@
-"""DiLoCo (hetjax/diloco.py) and its pricing (hetjax/planner/diloco.py): the exchange equals
+"""DiLoCo (parallel/diloco.py) and its pricing (hetjax/planner/diloco.py): the exchange equals
 synchronous data parallelism in its degenerate case, the codec keeps its error bound,
 checkpoints resume mid-round, the planner's bytes and times follow the formulas."""
 
@@ -60,7 +60,7 @@ def test_one_inner_step_with_outer_sgd_at_lr_1_is_synchronous_data_parallelism(t
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantization_round_trip_within_half_a_step(bits):
-    from hetjax.diloco import dequantize, quantize
+    from parallel.codec import dequantize, quantize
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 33)).astype(np.float32) * rng.uniform(0.01, 10, (6, 1))
@@ -179,12 +179,13 @@ def test_config_rejects_a_bad_codec_and_inner_lr_scale():
 def test_inner_lr_scale_scales_adamw_like_its_learning_rate():
     """diloco.inner_lr_scale k on the AdamW inner optimizer: the same updates as AdamW built
     at k train.lr (weight decay included), and the logged schedule is k times train.lr's."""
-    from hetjax.diloco import inner_optimizer
+    from parallel.diloco import inner_optimizer
     from hetjax.train import make_optimizer
 
     cfg = tiny_config(**{"diloco.inner_lr_scale": 0.25, "train.weight_decay": 0.1})
     tx, sched = make_optimizer(cfg.train)
-    scaled, scaled_sched = inner_optimizer(cfg.diloco, tx, sched)
+    scaled, scaled_sched = inner_optimizer(cfg.diloco.inner_optimizer,
+                                           cfg.diloco.inner_lr_scale, tx, sched)
     ref_cfg = tiny_config(**{"train.lr": 0.25 * cfg.train.lr, "train.weight_decay": 0.1})
     ref, ref_sched = make_optimizer(ref_cfg.train)
     rng = np.random.default_rng(0)

@@ -123,6 +123,65 @@ def test_an_executor_defined_in_a_test_trains_like_the_plain_model(toy_executor)
     assert "counting (1 steps so far)" in trainer.describe()
 
 
+# --- a plan of plans (DiLoCo's sites) is one COMPOSITE entry -----------------------------------
+DILOCO = {"topology.nodes": 1, "topology.devices_per_node": 2, "diloco.inner_steps": 4,
+          "diloco.fragments": 2, "train.batch_size": 8}
+
+
+def test_the_trainer_gives_a_diloco_plan_to_make_executor_which_picks_the_diloco_entry():
+    from hetjax.plan import DilocoPlan
+    from hetjax.planner.diloco import plan_to_run
+    from hetjax.train import Trainer
+    from parallel.diloco import DilocoExecutor
+
+    c = tiny_config(**DILOCO)
+    topo = hconfig.build_topology(c)
+    plan = plan_from_config(c, topo)
+    assert plan_to_run(tiny_config(**{**DILOCO, "diloco.inner_steps": 0}), topo, plan) is plan
+    dplan = plan_to_run(c, topo, plan)
+    assert isinstance(dplan, DilocoPlan) and registry.COMPOSITE[dplan.executor] == \
+        "parallel.diloco:DilocoExecutor" and dplan.executor not in registry.EXECUTORS
+    trainer = Trainer(c, quiet=True)  # builds the executors; compiles nothing yet
+    ex = trainer.executor
+    assert type(ex) is DilocoExecutor and len(ex.site_execs) == 2 and not ex.runs_whole_plan
+    assert all(type(s) is SingleProgramExecutor for s in ex.site_execs)
+    # an exchange of one fragment every H / F = 2 steps; other executors have none
+    assert [ex.exchanged_after(s) for s in range(7)] == [False, False, True, False, True,
+                                                         False, True]
+    assert not ex.site_execs[0].exchanged_after(2) and ex.site_execs[0].runs_whole_plan
+    assert "DiLoCo: 2 sites" in trainer.describe()
+    assert trainer.plan.header() not in trainer.describe()  # the whole plan: not what runs
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoPlans:
+    """A toy plan of plans (its executor here runs the first)."""
+
+    executor = "toy_both"
+    first: Plan
+    second: Plan
+
+
+class BothExecutor(SingleProgramExecutor):
+    @classmethod
+    def create(cls, plan, topology, model_cfg, optimizer, runtime):
+        return cls(plan.first, topology, model_cfg, optimizer.tx, optimizer.lr_schedule)
+
+
+def test_a_plan_of_plans_defined_in_a_test_is_one_composite_entry(monkeypatch):
+    import optax
+
+    from layers import ModelConfig
+
+    monkeypatch.setitem(registry.COMPOSITE, "toy_both", f"{__name__}:BothExecutor")
+    c = tiny_config(**{"parallel.pp": 1})
+    topo = hconfig.build_topology(c)
+    plan = plan_from_config(c, topo)
+    ex = make_executor(TwoPlans(plan, plan), topo, ModelConfig.from_config(c.model, 256),
+                       Optimizer(optax.sgd(0.1), optax.constant_schedule(0.1)), Runtime())
+    assert type(ex) is BothExecutor and ex.plan is plan
+
+
 # --- the runtime: what the environment says, read once by the caller --------------------------
 WORLDS = {"topology.preset": "cpu_hybrid", "model.d_model": 32, "model.d_ff": 64,
           "model.n_layers": 3, "parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,

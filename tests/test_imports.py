@@ -15,7 +15,7 @@ the layers below it, and no import circle exists anywhere:
     execution   parallel/ (the executors, mesh, ZeRO kernels,     turns a Plan into JAX programs
                 bridge, NIC environment), profile, measure,
                 interop.hf_checkpoint (weights into a plan)
-    training    hetjax/train.py, diloco.py, stopping
+    training    hetjax/train.py, hooks, sampling, stopping
     entry       cli, launch, testbed                              nothing imports them from below
 
 Every import counts, also those inside functions (a lazy import hides a circle, it does not
@@ -50,7 +50,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
     "model": ("layers.*",),
     "execution": ("parallel.*", "hetjax.profile", "hetjax.measure", "hetjax.interop.hf_checkpoint"),
-    "training": ("hetjax.train", "hetjax.diloco", "hetjax.hooks", "hetjax.sampling",
+    "training": ("hetjax.train", "hetjax.hooks", "hetjax.sampling",
                  "hetjax.stopping"),
     "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
 }

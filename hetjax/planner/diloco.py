@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from hetjax.errors import ConfigError
 from hetjax.hardware import Link, Topology
+from hetjax.plan import DilocoPlan, Plan
 from hetjax.planner.cost import ring_time
 from parallel.hlo import ring_bytes
 from parallel.wire import BITS, DILOCO_CODECS as CODECS
@@ -237,33 +238,6 @@ def site_config(c, n_sites: int):
     return sc
 
 
-@dataclass(frozen=True)
-class DilocoPlan:
-    """What the DiLoCo executor (hetjax/diloco.py) runs, decided here from the config so the
-    executor never reads it: the sites (name, cluster indices), each site's sub-topology and
-    Plan (pp = 1, its share `rows_per_site` of the global batch), the exchange (`inner_steps`
-    H, `codec`, `fragments`, `overlap_steps`, `mix`), the outer optimizer and the inner one's
-    settings, and the logging cadence (`log_every`, `steps`: on those steps the sites' mean
-    loss is gathered across processes). Field names are the config's `diloco.*` ones."""
-
-    sites: tuple
-    site_topologies: tuple
-    site_plans: tuple
-    rows_per_site: int
-    inner_steps: int
-    codec: str
-    fragments: int
-    overlap_steps: int
-    mix: float
-    outer_optimizer: str
-    outer_lr: float
-    outer_momentum: float
-    inner_optimizer: str
-    inner_lr_scale: float
-    log_every: int
-    steps: int
-
-
 def plan_sites(c, topology: Topology) -> DilocoPlan:
     """The DiLoCo plan of config `c` on `topology`: its sites and each site's plan (the
     planner's, for the site's sub-topology and `site_config`)."""
@@ -279,12 +253,20 @@ def plan_sites(c, topology: Topology) -> DilocoPlan:
     return DilocoPlan(
         sites=tuple(sites), site_topologies=subs,
         site_plans=tuple(plan_from_config(sc, sub) for sub in subs),
+        site_ranks=tuple(tuple(r) for r in site_first_ranks(topology, sites)),
         rows_per_site=sc.train.batch_size, inner_steps=d.inner_steps, codec=d.codec,
         fragments=d.fragments, overlap_steps=d.overlap_steps, mix=float(d.mix),
         outer_optimizer=d.outer_optimizer, outer_lr=d.outer_lr,
         outer_momentum=d.outer_momentum, inner_optimizer=d.inner_optimizer,
         inner_lr_scale=float(d.inner_lr_scale), log_every=c.train.log_every,
         steps=c.train.steps)
+
+
+def plan_to_run(c, topology: Topology, plan: Plan) -> Plan | DilocoPlan:
+    """What the executor of config `c` runs (`parallel.executor.make_executor` chooses it
+    from this): `plan` (the planner's for the whole topology), or with `diloco.inner_steps`
+    > 0 the DiLoCo plan of the sites (`plan_sites`)."""
+    return plan_sites(c, topology) if c.diloco.inner_steps else plan
 
 
 def price_config(c, topology: Topology, whole_plan=None) -> DilocoPricing:
@@ -333,7 +315,7 @@ def plan_lines(c, topology: Topology, whole_plan) -> list[str]:
             *("  " + line for line in pricing.table().splitlines())]
 
 
-__all__ = ["plan_lines", "CODECS", "DilocoPricing", "Exchange", "payload_bytes", "price",
-           "price_config",
+__all__ = ["plan_lines", "CODECS", "DilocoPlan", "DilocoPricing", "Exchange", "payload_bytes",
+           "plan_sites", "plan_to_run", "price", "price_config",
            "site_clusters", "site_config", "site_topology", "site_first_ranks",
            "slowest_site_link", "sites_are_slow"]

@@ -1,6 +1,9 @@
 """DiLoCo between sites: local SGD with an outer optimizer, as one executor of the Trainer.
 
-A site is a topology cluster or a group of clusters (`diloco.sites`). Each site trains on its
+It runs a `hetjax.plan.DilocoPlan` (the planner's `hetjax.planner.diloco.plan_sites` builds it
+from the config's `diloco.*` fields; `parallel.executor.make_executor` chooses this executor
+for it through `parallel.registry.COMPOSITE`) and reads no config. A site is a topology
+cluster or a group of clusters (`diloco.sites`). Each site trains on its
 own devices with its own plan (the planner's, for the site's sub-topology and its share of the
 global batch: rows [s B / n, (s + 1) B / n) go to site s) and its own inner optimizer state.
 Every `diloco.inner_steps` (H) steps the sites exchange pseudo-gradients
@@ -49,35 +52,14 @@ from hetjax import checkpoint as hckpt
 from hetjax.distributed import free_port
 from hetjax.errors import ConfigError
 from hetjax.hardware import Topology
-from hetjax.planner.diloco import BITS, DilocoPlan, site_first_ranks
+from hetjax.plan import DilocoPlan
 from parallel import bridge as hbridge
 from parallel import sharding as shd
-from parallel.codec import dequantize, pack4, quantize, quantize_rows, unpack4
+from parallel.codec import decode, encode, pack4, quantize_rows, unpack4, wire_bytes
 from parallel.codec import rows as _rows
 from parallel.executor import make_executor
 from parallel.train_state import Executor, Optimizer, Runtime, TrainState, opt_state_specs
-
-
-# --- the codec on pytrees (per-row quantization: parallel/codec.py) --------------------------
-def encode(tree, codec: str):
-    """A pytree of float arrays -> its wire form under `codec` (fp32 arrays for 'none')."""
-    if codec == "none":
-        return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-    return jax.tree.map(lambda x: quantize(x, BITS[codec]), tree)
-
-
-def decode(wire, like, codec: str):
-    """The inverse of `encode`; `like` gives the shapes."""
-    if codec == "none":
-        return wire
-    return jax.tree.map(lambda w, x: dequantize(w[0], w[1], x.shape, BITS[codec]), wire, like,
-                        is_leaf=lambda w: isinstance(w, tuple))
-
-
-def wire_bytes(wire) -> int:
-    """Bytes of an encoded pytree (what one site sends per exchange, before the ring's
-    2 (n - 1) / n factor)."""
-    return int(sum(x.nbytes for x in jax.tree.leaves(wire)))
+from parallel.wire import BITS
 
 
 # --- the state and the executor ---------------------------------------------------------------
@@ -92,24 +74,25 @@ class DilocoState:
     pending: tuple | None = None
 
 
-def outer_optimizer(d) -> optax.GradientTransformation:
-    if d.outer_optimizer == "sgd":
-        return optax.sgd(d.outer_lr)
-    return optax.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=True)
+def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
+    """The outer optimizer `name` ('sgd', or 'nesterov': SGD with Nesterov `momentum`) at `lr`."""
+    if name == "sgd":
+        return optax.sgd(lr)
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
 
 
-def inner_optimizer(d, tx, schedule) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The sites' optimizer and learning rate schedule: the trainer's (AdamW) or plain SGD at
-    train.lr's schedule, times `d.inner_lr_scale` (`d`: the config's diloco section or a
-    DilocoPlan; a site sees 1/n of the global batch, so its best rate need not be the
-    synchronous run's)."""
-    k = float(d.inner_lr_scale)
+def inner_optimizer(name: str, lr_scale: float, tx, schedule
+                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The sites' optimizer and learning rate schedule: the trainer's `tx` ('adamw') or plain
+    SGD ('sgd') at its `schedule`, times `lr_scale` (a site sees 1/n of the global batch, so
+    its best rate need not be the synchronous run's)."""
+    k = float(lr_scale)
     if k != 1.0:
         base = schedule
         schedule = lambda step: k * base(step)  # noqa: E731
         # AdamW's update is -lr (adam + wd p): scaling the update scales lr (decay included)
         tx = optax.chain(tx, optax.scale(k))
-    return (tx if d.inner_optimizer == "adamw" else optax.sgd(schedule)), schedule
+    return (tx if name == "adamw" else optax.sgd(schedule)), schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,10 +370,17 @@ class SitesLayout:
 class DilocoExecutor(Executor):
     """Sites as device groups of one process, each a `SingleProgramExecutor` on its own plan;
     an outer step every `diloco.inner_steps` steps. It receives the planner's `DilocoPlan`
-    (hetjax/planner/diloco.py: the sites and their plans), never the config, and the
-    process's `Runtime` (the init timeout its overlap transport waits)."""
+    (the sites, their plans, the exchange and both optimizers' settings), never the config,
+    and the process's `Runtime` (the init timeout its overlap transport waits)."""
 
-    def __init__(self, dplan: DilocoPlan, topology: Topology, model_cfg, tx, lr_schedule,
+    runs_whole_plan = False  # each site runs its own plan (`describe` shows them)
+
+    @classmethod
+    def create(cls, plan: DilocoPlan, topology: Topology, model_cfg, optimizer: Optimizer,
+               runtime: Runtime) -> "DilocoExecutor":
+        return cls(plan, topology, model_cfg, optimizer, runtime)
+
+    def __init__(self, dplan: DilocoPlan, topology: Topology, model_cfg, optimizer: Optimizer,
                  runtime: Runtime = Runtime()):
         d = dplan
         self.H, self.codec = d.inner_steps, d.codec
@@ -405,11 +395,12 @@ class DilocoExecutor(Executor):
         self.sites = list(d.sites)
         n = len(self.sites)
         devices = topology.jax_devices()
-        site_ranks = site_first_ranks(topology, self.sites)
+        site_ranks = d.site_ranks
         # Multi-process (hetjax launch): this process runs one site; the others are peers.
         self.local = _local_site(self.sites, site_ranks, devices)
         self.site_plans, self.site_execs = [], []
-        inner, lr_schedule = inner_optimizer(d, tx, lr_schedule)
+        inner, lr_schedule = inner_optimizer(d.inner_optimizer, d.inner_lr_scale, optimizer.tx,
+                                             optimizer.lr_schedule)
         for s, (sub, plan, ranks) in enumerate(zip(d.site_topologies, d.site_plans,
                                                    site_ranks)):
             if self.local is not None and s != self.local:
@@ -417,12 +408,13 @@ class DilocoExecutor(Executor):
             placed = _PlacedTopology(sub.name, sub.clusters, sub.inter_cluster,
                                      sub.cluster_links, placed=tuple(devices[r] for r in ranks))
             self.site_plans.append(plan)
+            # a site's plan is pp = 1: one program, whose `inner` transform clips itself
             self.site_execs.append(make_executor(plan, placed, model_cfg,
                                                  Optimizer(inner, lr_schedule)))
         super().__init__(self.site_plans[0], topology, model_cfg, inner, lr_schedule)
         self.rows_per_site = d.rows_per_site
         self.n_sites = n
-        self.outer_tx = outer_optimizer(d)
+        self.outer_tx = outer_optimizer(d.outer_optimizer, d.outer_lr, d.outer_momentum)
         self.outer_name = d.outer_optimizer
         self.exchanges = 0  # outer steps taken by this executor (of one fragment each when
         # streamed; restored ones not counted)
@@ -788,6 +780,11 @@ class DilocoExecutor(Executor):
                   f"{t.exchange_s:.2f} s on the exchange thread, the main thread waited "
                   f"{t.wait_s:.2f} s for them", flush=True)
 
+    def exchanged_after(self, step: int) -> bool:
+        """An exchange (an outer step, of one fragment when streamed) is due after every
+        H / F inner steps."""
+        return step >= 1 and step % (self.H // self.F) == 0
+
     def eval_loss(self, state: DilocoState, batch) -> float:
         ex = self.site_execs[0]
         return ex.eval_loss(TrainState(step=state.step, params=state.outer[0], opt_state=None),
@@ -805,6 +802,5 @@ class DilocoExecutor(Executor):
         return "\n".join(lines)
 
 
-__all__ = ["DilocoExecutor", "DilocoState", "CrossSiteExchange", "OverlapTransport", "quantize",
-           "quantize_rows", "dequantize", "encode", "decode",
-           "wire_bytes", "outer_optimizer", "inner_optimizer"]
+__all__ = ["DilocoExecutor", "DilocoState", "CrossSiteExchange", "OverlapTransport",
+           "SitesLayout", "outer_optimizer", "inner_optimizer"]
