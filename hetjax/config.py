@@ -22,7 +22,7 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
-from hetjax.plan import PLACEMENTS
+from hetjax.plan import PLACEMENTS, ZeroFactors, layout_problems, raise_first
 from parallel.registry import EXECUTORS, executor_help
 from parallel.schedules import SCHEDULES, spmd_schedules
 from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
@@ -754,45 +754,26 @@ def validate(c) -> None:
         v = _get(c, f)
         _require(isinstance(v, int) and v >= 0, f, f"must be >= 1 (or 0 for automatic), got {v!r}",
                  f"set --config.{f}=1")
-    _require(c.pipeline.executor in pipeline_executors(), "pipeline.executor",
-             f"unknown executor {c.pipeline.executor!r}",
-             f"choose one of {', '.join(pipeline_executors())}")
     _require(c.pipeline.boundary_codec in BOUNDARY_CODECS, "pipeline.boundary_codec",
              f"unknown codec {c.pipeline.boundary_codec!r}",
              f"choose one of {', '.join(BOUNDARY_CODECS)}")
-    _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
-             f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
-    kind = EXECUTORS.get(c.pipeline.executor)
-    _require(not (kind and kind.tick_grid_only) or c.pipeline.schedule in spmd_schedules(),
-             "pipeline.schedule", f"the {c.pipeline.executor} executor cannot run "
-             f"{c.pipeline.schedule!r} (several chunks per stage or a split backward)",
-             "set --config.pipeline.executor=" + " or ".join(
-                 k.name for k in EXECUTORS.values() if not k.tick_grid_only) +
-             f", or use one of {', '.join(spmd_schedules())}")
-    _require(c.pipeline.placement in PLACEMENTS + ("auto",), "pipeline.placement",
-             f"unknown placement {c.pipeline.placement!r}",
-             f"choose one of {', '.join(PLACEMENTS + ('auto',))}")
-    _require(c.pipeline.placement in ("looped", "auto") or c.pipeline.schedule in spmd_schedules(),
-             "pipeline.placement", f"the folded placement takes a tick-grid schedule, not "
-             f"{c.pipeline.schedule!r}", f"use pipeline.schedule one of "
-             f"{', '.join(spmd_schedules())}, or pipeline.placement=looped")
     _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
              f"unknown preset {c.zero.preset!r}",
              f"choose one of {', '.join(zr.CONFIG_PRESETS)}")
     for f in ("zero.s_p", "zero.s_g", "zero.s_os"):
         _positive_int(c, f, 1)
     factors = (c.zero.s_p, c.zero.s_g, c.zero.s_os)
-    if c.zero.preset == "custom":
-        zr.check_order(*factors)
-    else:
-        _require(factors == (1, 1, 1), "zero.preset",
-                 f"zero.s_p / s_g / s_os = {factors} are only read when zero.preset = 'custom', "
-                 f"but it is {c.zero.preset!r}",
-                 "set --config.zero.preset=custom to use them, or leave them at 1")
-    mb = resolve_microbatches(c)
-    _require(tr.batch_size % mb == 0, "train.batch_size",
-             f"{tr.batch_size} is not divisible by the {mb} micro-batches per step",
-             f"make train.batch_size a multiple of {mb}, or change train.microbatches")
+    _require(c.zero.preset == "custom" or factors == (1, 1, 1), "zero.preset",
+             f"zero.s_p / s_g / s_os = {factors} are only read when zero.preset = 'custom', "
+             f"but it is {c.zero.preset!r}",
+             "set --config.zero.preset=custom to use them, or leave them at 1")
+    # The layout rules a config fixes before the topology is known: the Plan's, one definition.
+    raise_first(layout_problems(
+        pp=p.pp, stage_layers=tuple(c.pipeline.stage_layers), n_layers=m.n_layers,
+        microbatches=resolve_microbatches(c), global_batch=tr.batch_size,
+        schedule=c.pipeline.schedule, executor=c.pipeline.executor,
+        placement=c.pipeline.placement,
+        zero=ZeroFactors(*factors) if c.zero.preset == "custom" else None), ConfigError)
     if p.tp:
         for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                      ("model.d_ff", m.d_ff)):
@@ -800,17 +781,6 @@ def validate(c) -> None:
                      f"tp = {p.tp} does not divide {f} = {v}; tensor parallelism splits it",
                      f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
                      f"{_common_divisors(m.n_heads, m.n_kv_heads, m.d_ff)}")
-    if c.pipeline.stage_layers:
-        sl = tuple(c.pipeline.stage_layers)
-        _require(all(isinstance(n, int) and n >= 1 for n in sl), "pipeline.stage_layers",
-                 f"every stage needs at least one layer, got {list(sl)}",
-                 "give each stage >= 1 layer, or leave it empty for an even split")
-        _require(sum(sl) == m.n_layers, "pipeline.stage_layers",
-                 f"{list(sl)} sums to {sum(sl)}, but the model has model.n_layers = {m.n_layers}",
-                 f"make the layers per stage sum to {m.n_layers}")
-        _require(not p.pp or len(sl) == p.pp, "pipeline.stage_layers",
-                 f"has {len(sl)} stages but parallel.pp = {p.pp}",
-                 f"give {p.pp} numbers, or set parallel.pp = {len(sl)}")
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:

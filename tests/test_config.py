@@ -86,6 +86,8 @@ MISTAKES = [
     ({"planner.calibration": "/no/such/calibration.json"}, "planner.calibration",
      "hetjax calibrate"),
     ({"planner.compute": "roofline"}, "planner.compute", "'kinds'"),
+    ({"parallel.pp": 4, "model.n_layers": 2, "parallel.dp": 0}, "parallel.pp",
+     "at most 2 stages"),
 ]
 
 
@@ -106,8 +108,6 @@ LAYOUT_MISTAKES = [
     ({"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 1}, "parallel", "product is 8"),
     ({"parallel.tp": 2, "train.batch_size": 4, "train.microbatches": 2}, "train.batch_size",
      "multiple of microbatches x dp = 8"),
-    ({"parallel.pp": 4, "model.n_layers": 2, "parallel.dp": 0}, "parallel.pp",
-     "at most 2 stages"),
 ]
 
 
