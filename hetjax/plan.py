@@ -435,12 +435,12 @@ def name_problems(executor: str = "", schedule: str = "", placement: str = "",
     registry, PLACEMENTS); 'auto' is a name only where `allow_auto`."""
     auto = ("auto",) if allow_auto else ()
     out = []
-    for field, value, names, what in (
+    for name, value, names, what in (
             ("pipeline.executor", executor, (*EXECUTORS, *auto), "executor"),
             ("pipeline.schedule", schedule, tuple(SCHEDULES), "schedule"),
             ("pipeline.placement", placement, (*PLACEMENTS, *auto), "placement")):
         if value and value not in names:
-            out.append(Problem(field, f"unknown {what} {value!r}",
+            out.append(Problem(name, f"unknown {what} {value!r}",
                                f"choose one of {', '.join(names)}"))
     return out
 
