@@ -117,14 +117,16 @@ class Plan:
         rules as config validation and the planner (`layout_problems`): names, schedule and
         placement against the executor, ZeRO factors, micro-batch split, layers per stage
         (against the model's `n_layers` when given), and the mesh against the `topology`'s
-        devices when given. Empty: every executor can run it."""
+        devices when given; the schedule only for a pipeline (pp > 1). Empty: the executor
+        it names can run it."""
         return layout_problems(
             pp=self.pp, dp=self.dp, tp=self.tp,
             devices=topology.num_devices if topology is not None else 0,
             topology_name=topology.name if topology is not None else "",
             stage_layers=self.stage_layers, n_layers=n_layers, microbatches=self.microbatches,
-            global_batch=self.global_batch, schedule=self.schedule, executor=self.executor,
-            placement=self.placement, zero=self.zero, allow_auto=False)
+            global_batch=self.global_batch, executor=self.executor, placement=self.placement,
+            # one stage runs as one program, whatever schedule it names (make_executor)
+            schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False)
 
     # --- derived --------------------------------------------------------------------------
     @property

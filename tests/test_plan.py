@@ -81,3 +81,11 @@ def test_a_config_left_to_the_planner_is_not_held_to_a_plans_names():
     assert [p.field for p in layout_problems(executor="auto", placement="folded",
                                              schedule="zb-h1")] == ["pipeline.placement"]
     assert dataclasses.replace(good_plan(), placement="folded").problems() == []
+
+
+def test_a_single_stage_plan_runs_whatever_schedule_it_names():
+    """pp = 1 runs as one program (make_executor's SINGLE_PROGRAM): the executor/schedule rule
+    is a pipeline's, as the search's `fits_schedule` has it."""
+    one = Plan(pp=1, dp=8, tp=1, stage_layers=(2,), microbatches=1, global_batch=8, seq_len=16,
+               schedule="zb-h1", executor="spmd")
+    assert one.problems(preset("cpu_hybrid"), n_layers=2) == []
