@@ -1,12 +1,17 @@
 """Configuration: every field hetjax reads, its default, loading with overrides, and validation.
 
-`base_config()` is the single place defaults live; `configs/*.py` files start from it and change
-what their scenario needs. `load_config(path, overrides)` reads a `get_config()` file with
-`--config.a.b=value` overrides exactly as the CLI does (ml_collections.config_flags).
-`validate(config)` checks everything that does not need JAX and raises a `ConfigError` naming
-the field and the fix. Layout rules are not repeated here: the ZeRO presets and factor rules
-are hetjax/planner/zero.py's, and the checks that need the topology (degrees against device
-counts, placement) run where the Plan is built (hetjax/planner/config_plan.py).
+Each field is defined once, as a `Field` of FIELDS: its default, its description (the `--help`
+line) and its own check; `base_config()`, `DESCRIPTIONS` (`--help`), `PATH_FIELDS` and the
+first step of `validate` are made from that table. Name sets are imported from their owners
+(schedules, executors, ZeRO presets, codecs, RoPE types, compute models). `configs/*.py` files
+start from `base_config()` and change what their scenario needs. `load_config(path,
+overrides)` reads a `get_config()` file with `--config.a.b=value` overrides exactly as the CLI
+does (ml_collections.config_flags). `validate(config)` checks everything that does not need
+JAX and raises a `ConfigError` naming the field and the fix: the fields' own checks, then the
+rules between fields. Layout rules are not repeated here: they are the Plan's
+(`hetjax.plan.layout_problems`); the checks that need the topology (degrees against device
+counts, placement, ZeRO factors on nodes) run where the Plan is built
+(hetjax/planner/config_plan.py).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
+from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
 from hetjax.plan import ZeroFactors, layout_problems, name_problems, raise_first
-from parallel.registry import executor_help
+from parallel.registry import EXECUTORS, executor_help
 from parallel.schedules import SCHEDULES, spmd_schedules
 from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
 
@@ -37,7 +43,6 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # layers/attenti
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
-COMPUTE_MODELS = ("flat", "kinds")  # hetjax.planner.compute's two ways of pricing compute
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 INNER_OPTIMIZERS = ("adamw", "sgd")
 
@@ -224,6 +229,12 @@ def _layout_name(kind: str):
     return check
 
 
+def _schedule_help() -> str:
+    grid = [k.name for k in EXECUTORS.values() if k.tick_grid_only]
+    return (f"{' | '.join(SCHEDULES)} (executor {' and '.join(grid)} runs "
+            f"{', '.join(spmd_schedules())}; strands: two strands per tick)")
+
+
 def _model_presets() -> str:
     from hetjax.interop.hf_config import PRESETS
 
@@ -311,9 +322,7 @@ FIELDS: tuple[Field, ...] = (
           "clusters"),
 
     Field("pipeline.stage_layers", (), "layers per stage, e.g. (3, 1); empty: even split"),
-    Field("pipeline.schedule", "1f1b", lambda: f"{' | '.join(SCHEDULES)} (executor spmd runs "
-          f"{', '.join(spmd_schedules())}; strands: two strands per tick)",
-          _layout_name("schedule")),
+    Field("pipeline.schedule", "1f1b", _schedule_help, _layout_name("schedule")),
     Field("pipeline.executor", "spmd", executor_help, _layout_name("executor")),
     Field("pipeline.placement", "looped", "looped: one model chunk per stage in order | folded: "
           "two chunks per device in a V (down, then back up; device 0 holds embedding and "
@@ -338,9 +347,10 @@ FIELDS: tuple[Field, ...] = (
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
                             "leave it empty"), path=True),
-    Field("planner.compute", "flat", "compute priced at one efficiency per FLOP (flat), or by "
-          "operation kind (kinds: matmuls by size, attention per implementation, memory-bound "
-          "work by bandwidth; a calibration file's measured rates when it has them)",
+    Field("planner.compute", "flat", "{choices}: compute priced at one efficiency per FLOP "
+          "(flat), or by operation kind (kinds: matmuls by size, attention per implementation, "
+          "memory-bound work by bandwidth; a calibration file's measured rates when it has "
+          "them)",
           Choices(COMPUTE_MODELS, "compute model", fix="use 'flat' (one efficiency per FLOP) "
                   "or 'kinds' (priced by operation kind)")),
 
