@@ -1,20 +1,28 @@
 """Configuration: every field hetjax reads, its default, loading with overrides, and validation.
 
-`base_config()` is the single place defaults live; `configs/*.py` files start from it and change
-what their scenario needs. `load_config(path, overrides)` reads a `get_config()` file with
-`--config.a.b=value` overrides exactly as the CLI does (ml_collections.config_flags).
-`validate(config)` checks everything that does not need JAX and raises a `ConfigError` naming
-the field and the fix. Layout rules are not repeated here: the ZeRO presets and factor rules
-are hetjax/planner/zero.py's, and the checks that need the topology (degrees against device
-counts, placement) run where the Plan is built (hetjax/planner/config_plan.py).
+Each field is defined once, as a `Field` of FIELDS: its default, its description (the `--help`
+line) and its own check; `base_config()`, `DESCRIPTIONS` (`--help`), `PATH_FIELDS` and the
+first step of `validate` are made from that table. Name sets are imported from their owners
+(schedules, executors, ZeRO presets, codecs, RoPE types, compute models). `configs/*.py` files
+start from `base_config()` and change what their scenario needs. `load_config(path,
+overrides)` reads a `get_config()` file with `--config.a.b=value` overrides exactly as the CLI
+does (ml_collections.config_flags). `validate(config)` checks everything that does not need
+JAX and raises a `ConfigError` naming the field and the fix: the fields' own checks, then the
+rules between fields. Layout rules are not repeated here: they are the Plan's
+(`hetjax.plan.layout_problems`); the checks that need the topology (degrees against device
+counts, placement, ZeRO factors on nodes) run where the Plan is built
+(hetjax/planner/config_plan.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
@@ -22,314 +30,499 @@ from hetjax.errors import ConfigError, HetjaxError
 from hetjax import topology as topo
 from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
-from hetjax.plan import PLACEMENTS
+from hetjax.planner.cost import COMPUTE_MODELS
+from hetjax.interop.hf_config import ROPE_TYPES
+from hetjax.plan import ZeroFactors, layout_problems, name_problems, raise_first
 from parallel.registry import EXECUTORS, executor_help
 from parallel.schedules import SCHEDULES, spmd_schedules
 from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("auto", "none", "full", "dots")
+REMAT_POLICIES = ("auto", "none", "full", "dots")  # layers/model.py's, with auto and none
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py
 DATA_SOURCES = ("stdlib", "files", "synthetic")
+WANDB_MODES = ("online", "offline", "disabled")
+ADD_BOS = ("auto", "true", "false")
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+INNER_OPTIMIZERS = ("adamw", "sgd")
 
 
-def pipeline_executors() -> tuple[str, ...]:
-    """What pipeline.executor may say: a registered executor, or 'auto' (the planner chooses)."""
-    return (*EXECUTORS, "auto")
+# --- one spec per field -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choices:
+    """The value is one of a name set; `names` is its owner's tuple (or a function returning
+    it, for registries that grow). `notes` describe some names in `--help`."""
+
+    names: tuple[str, ...] | Callable[[], Sequence[str]]
+    what: str = "choice"
+    notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    fix: str = ""
+
+    def options(self) -> tuple[str, ...]:
+        return tuple(self.names() if callable(self.names) else self.names)
+
+    def __call__(self, field: str, value):
+        if value in self.options():
+            return None
+        return (f"unknown {self.what} {value!r}",
+                self.fix or f"choose one of {', '.join(self.options())}")
+
+    def render(self) -> str:
+        return " | ".join(f"{n} ({self.notes[n]})" if n in self.notes else n
+                          for n in self.options())
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # hetjax.interop.hf_config's, layers/embeddings'
+@dataclass(frozen=True)
+class Bound:
+    """A number (an integer when `integer`) in [lo, hi] (`lo_open` / `hi_open`: the bound
+    itself is out). `problem` / `fix` may name {field}, {value}, {default}."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+    fix: str = "set --config.{field}={default!r}"
+    problem: str = ""
+
+    def __call__(self, field: str, value):
+        ok = (isinstance(value, int) if self.integer else isinstance(value, (int, float)))
+        ok = ok and not isinstance(value, bool)
+        if ok and self.lo is not None:
+            ok = value > self.lo if self.lo_open else value >= self.lo
+        if ok and self.hi is not None:
+            ok = value < self.hi if self.hi_open else value <= self.hi
+        if ok:
+            return None
+        kw = dict(field=field, value=value, default=_spec(field).default)
+        return (self.problem.format(**kw) or f"must be {self.text()}, got {value!r}",
+                self.fix.format(**kw))
+
+    def text(self) -> str:
+        if self.integer and self.lo == 1 and not self.lo_open and self.hi is None:
+            return "a positive integer"
+        if self.lo is not None and self.hi is not None:
+            return (f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}"
+                    f"{')' if self.hi_open else ']'}")
+        kind = "an integer " if self.integer else ""
+        if self.lo is not None:
+            return f"{kind}{'>' if self.lo_open else '>='} {self.lo}"
+        return f"{kind}{'<' if self.hi_open else '<='} {self.hi}"
 
 
-def base_config() -> ml_collections.ConfigDict:
-    """All fields with their defaults: a tiny LLaMA-style model on the default CPU topology.
-    What each field means is in DESCRIPTIONS, below (shown by `hetjax <command> --help`)."""
-    c = ml_collections.ConfigDict()
+def positive_int(fix: str = "set --config.{field}={default}") -> Bound:
+    return Bound(lo=1, integer=True, fix=fix)
 
-    c.topology = ml_collections.ConfigDict()
-    c.topology.preset = "cpu_hybrid"
-    c.topology.file = ""
-    c.topology.nodes = 0
-    c.topology.devices_per_node = 0
-    c.topology.peak_tflops = 0.0
-    c.topology.memory_gib = 0.0
 
-    c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 0
-    c.model.d_model = 128
-    c.model.n_layers = 4
-    c.model.n_heads = 4
-    c.model.n_kv_heads = 2
-    c.model.d_ff = 384
-    c.model.max_seq_len = 512
-    c.model.rope_theta = 10000.0
-    c.model.norm_eps = 1e-5
-    c.model.tie_embeddings = True
-    c.model.dtype = "auto"
-    c.model.param_dtype = "float32"
-    c.model.remat = "auto"
-    c.model.attention = "auto"
-    c.model.loss_chunk_tokens = 0
-    c.model.head_dim = 0
-    c.model.rope_type = "default"
-    c.model.rope_factor = 1.0
-    c.model.rope_low_freq_factor = 1.0
-    c.model.rope_high_freq_factor = 4.0
-    c.model.rope_original_max_len = 8192
-    c.model.qkv_bias = False
-    c.model.preset = ""
-    c.model.init_from = ""
+def count_or_off(fix: str = "set --config.{field}={example} (0 turns it off)",
+                 example: int = 100) -> Bound:
+    """An integer >= 0, 0 turning the feature off."""
+    return Bound(lo=0, integer=True, fix=fix.replace("{example}", str(example)))
 
-    c.parallel = ml_collections.ConfigDict()
-    c.parallel.pp = 1
-    c.parallel.dp = 0
-    c.parallel.tp = 1
-    c.parallel.allow_straddle = False
 
-    c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.stage_layers = ()
-    c.pipeline.schedule = "1f1b"
-    c.pipeline.executor = "spmd"
-    c.pipeline.placement = "looped"
-    c.pipeline.microbatches = 0
-    # activations / their gradients between worlds (MPMD across clusters), parallel/bridge.py
-    c.pipeline.boundary_codec = "none"
+@dataclass(frozen=True)
+class Field:
+    """One config field: its dotted name, default, description (its `--help` line; a function
+    for text that reads a registry) and its own check (a `Choices`, a `Bound`, or any
+    function (field, value) -> None | (problem, fix)). Rules between fields are functions
+    of `validate`. `path`: a file or directory (`expand_paths`)."""
 
-    c.zero = ml_collections.ConfigDict()
-    c.zero.preset = "ddp"
-    c.zero.s_p = 1
-    c.zero.s_g = 1
-    c.zero.s_os = 1
+    name: str
+    default: Any
+    help: str | Callable[[], str]
+    check: Callable[[str, Any], Any] | None = None
+    path: bool = False
 
-    c.planner = ml_collections.ConfigDict()
-    c.planner.memory_margin = 0.1
-    c.planner.calibration = ""
-    c.planner.compute = "flat"
+    def description(self) -> str:
+        text = self.help() if callable(self.help) else self.help
+        if isinstance(self.check, Choices):
+            names = self.check.render()
+            text = text.format(choices=names) if "{choices}" in text else f"{text}: {names}"
+        return text
 
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 300
-    c.train.batch_size = 32
-    c.train.seq_len = 128
-    c.train.microbatches = 1
-    c.train.lr = 3e-3
-    c.train.min_lr_ratio = 0.1
-    c.train.warmup_steps = -1
-    c.train.weight_decay = 0.1
-    c.train.b1 = 0.9
-    c.train.b2 = 0.95
-    c.train.eps = 1e-8
-    c.train.grad_clip = 1.0
-    c.train.seed = 0
-    c.train.log_every = 10
-    c.train.max_bad_steps = 3
-    c.train.max_loss_ratio = 4.0
-    c.train.progress = True
-    c.train.profile_steps = 0
-    c.train.profile_from = 3
 
-    c.data = ml_collections.ConfigDict()
-    c.data.source = "stdlib"
-    c.data.path = ""
-    c.data.field = "text"
-    c.data.weights = ""
-    c.data.tokenizer = "byte"
-    c.data.add_bos = "auto"
-    c.data.dir = ""
-    c.data.eval_fraction = 0.01
-    c.data.prefetch = 4
-    c.data.threads = 2
-    c.data.document_mask = False
+def _is_file_or_byte(field, v):
+    if v == "byte" or os.path.exists(os.path.expanduser(v)):
+        return None
+    return (f"{v!r} is neither 'byte' nor a file",
+            "use 'byte', a tokenizer.json / tokenizer.model file, or train a SentencePiece "
+            "model with 'hetjax tokenizer train --out=tok.model' and set "
+            "--config.data.tokenizer=tok.model")
 
-    c.eval = ml_collections.ConfigDict()
-    c.eval.every = 0
-    c.eval.batches = 4
 
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 100
-    c.checkpoint.keep = 3
-    c.checkpoint.keep_best = 0
-    c.checkpoint.async_save = True
-    c.checkpoint.dir = ""
-    c.checkpoint.allow_other_data = False
+def _is_dir_or_empty(fix: str):
+    def check(field, v):
+        if not v or os.path.isdir(os.path.expanduser(v)):
+            return None
+        return f"{v!r} is not a directory", fix
+    return check
+
+
+def _is_file_or_empty(fix: str):
+    def check(field, v):
+        if not v or os.path.isfile(v):
+            return None
+        return f"{v!r} is not a file", fix
+    return check
+
+
+def _known_model_preset(field, v):
+    if v:
+        from hetjax.interop.hf_config import preset_fields
+
+        preset_fields(v)  # an unknown name is one error listing the presets
+    return None
+
+
+def _even_or_zero(field, v):
+    if v % 2 == 0:
+        return None
+    return f"{v} is odd; rotary embeddings rotate pairs of dimensions", "choose an even head_dim"
+
+
+def _loss_ratio(field, v):
+    if v == 0 or v > 1:
+        return None
+    return (f"must be > 1 (or 0 for off), got {v}",
+            "use 4.0: a loss 4x its start is far worse than a uniform guess")
+
+
+def _writable_dir(field, path):
+    """The directory can be created or written (checked before start-up, not when the first
+    file is written)."""
+    if not path:
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a directory", f"choose another --config.{field}"
+    parent = path
+    while not os.path.exists(parent):  # the deepest existing ancestor must be writable
+        parent = os.path.dirname(parent)
+    if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+        return None
+    return (f"{path} cannot be written ({parent} is "
+            f"{'not writable' if os.path.isdir(parent) else 'a file'})",
+            f"choose a --config.{field} under a directory you can write")
+
+
+def _workdir(field, path):
+    if not path.strip():
+        return ("is empty",
+                "set --config.workdir to a directory, e.g. --config.workdir=runs/default")
+    return _writable_dir(field, path)
+
+
+def _wandb_installed(field, project):
+    import importlib.util
+
+    if not project or importlib.util.find_spec("wandb") is not None:
+        return None
+    return (f"logging to W&B project {project!r} needs the wandb package, which is not "
+            "installed", "pip install 'hetjax[wandb]', or leave --config.wandb.project empty")
+
+
+def _layout_name(kind: str):
+    """A pipeline name checked by the Plan's rule (`hetjax.plan.name_problems`)."""
+    def check(field, v):
+        bad = name_problems(allow_auto=True, **{kind: v})
+        return (bad[0].problem, bad[0].fix) if bad else None
+    return check
+
+
+def _schedule_help() -> str:
+    grid = [k.name for k in EXECUTORS.values() if k.tick_grid_only]
+    return (f"{' | '.join(SCHEDULES)} (executor {' and '.join(grid)} runs "
+            f"{', '.join(spmd_schedules())}; strands: two strands per tick)")
+
+
+def _model_presets() -> str:
+    from hetjax.interop.hf_config import PRESETS
+
+    return (f"a published architecture (hetjax.interop.hf_config.PRESETS: "
+            f"{', '.join(PRESETS)}); sets the architecture fields, explicit --config.model.* "
+            "overrides win")
+
+
+_DEGREE = Bound(lo=0, integer=True, problem="must be >= 1 (or 0 for automatic), got {value!r}",
+                fix="set --config.{field}=1")
+_TOPOLOGY_COUNT = Bound(lo=0, integer=True, fix="set --config.{field}=2 (0 keeps the preset)")
+_TOPOLOGY_FIGURE = Bound(lo=0, fix="set --config.{field}=<a positive number>")
+
+FIELDS: tuple[Field, ...] = (
+    Field("topology.preset", "cpu_hybrid", "a name from hetjax.topology.PRESETS",
+          Choices(lambda: sorted(topo.PRESETS), "preset",
+                  fix="choose one of: " + ", ".join(sorted(topo.PRESETS)))),
+    Field("topology.file", "", "a JSON topology (Topology.to_json()); overrides preset",
+          path=True),
+    Field("topology.nodes", 0, "> 0 overrides the preset's nodes per cluster", _TOPOLOGY_COUNT),
+    Field("topology.devices_per_node", 0, "> 0 overrides the preset's devices per node",
+          _TOPOLOGY_COUNT),
+    Field("topology.peak_tflops", 0.0, "> 0 states the devices' peak dense bf16 TFLOP/s (preset "
+          "local; required for a device kind the catalogue lacks)", _TOPOLOGY_FIGURE),
+    Field("topology.memory_gib", 0.0, "> 0 states the devices' memory in GiB (preset local; "
+          "default: what the runtime reports, else the catalogue)", _TOPOLOGY_FIGURE),
+
+    Field("model.vocab_size", 0, "0: the tokenizer's vocabulary rounded up to a multiple of 128",
+          Bound(lo=0, fix="set 0 to size it from the tokenizer")),
+    Field("model.d_model", 128, "width of the residual stream", positive_int()),
+    Field("model.n_layers", 4, "decoder blocks", positive_int()),
+    Field("model.n_heads", 4, "attention (query) heads", positive_int()),
+    Field("model.n_kv_heads", 2, "key/value heads: grouped-query attention; = n_heads for plain "
+          "multi-head", positive_int()),
+    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", positive_int()),
+    Field("model.max_seq_len", 512, "longest sequence the model takes (HF "
+          "max_position_embeddings)", positive_int()),
+    Field("model.rope_theta", 10000.0, "rotary embedding base",
+          Bound(lo=0, lo_open=True, fix="use 10000.0")),
+    Field("model.norm_eps", 1e-5, "RMSNorm epsilon", Bound(lo=0, lo_open=True, fix="use 1e-5")),
+    Field("model.tie_embeddings", True, "share the input embedding with the output projection"),
+    Field("model.dtype", "auto", "compute dtype: {choices}",
+          Choices(("auto", *DTYPES), "dtype", {
+              "auto": "bfloat16 on accelerators with float32 master weights in "
+                      "model.param_dtype, float32 on CPU"})),
+    Field("model.param_dtype", "float32", "dtype parameters are stored (and optimized) in",
+          Choices(DTYPES, "dtype")),
+    Field("model.remat", "auto", "what a layer keeps for its backward: {choices}",
+          Choices(REMAT_POLICIES, "policy", {
+              "none": "every intermediate; 3 forwards per layer",
+              "dots": "matmul outputs", "full": "its input; 4 forwards",
+              "auto": "when the planner searches, the fastest of the three that fits memory; "
+                      "otherwise none, but full in the SPMD pipeline"})),
+    Field("model.attention", "auto", "attention kernel: {choices}",
+          Choices(ATTENTION_IMPLEMENTATIONS, "implementation", {
+              "auto": "cuDNN fused flash attention on NVIDIA GPUs where it supports the dtype "
+                      "and head size, else the Pallas flash kernel, else XLA; XLA on CPU/TPU"})),
+    Field("model.loss_chunk_tokens", 0, "cross-entropy over the vocabulary in chunks of this "
+          "many tokens per device, each recomputed in the backward, so the float32 logits "
+          "[tokens, vocab] are never whole; 0: in one piece (the single-program step, pp = 1)",
+          Bound(lo=0, integer=True, fix="use 0 (one piece) or e.g. 4096")),
+    Field("model.head_dim", 0, "width of one attention head; 0: d_model / n_heads",
+          lambda f, v: Bound(lo=0, fix="set 0 for d_model / n_heads, or the checkpoint's "
+                             "head_dim")(f, v) or _even_or_zero(f, v)),
+    Field("model.rope_type", "default", "RoPE frequency scaling as transformers",
+          Choices(ROPE_TYPES, "type")),
+    Field("model.rope_factor", 1.0, "RoPE scaling factor (linear, llama3)"),
+    Field("model.rope_low_freq_factor", 1.0, "llama3 RoPE scaling: low_freq_factor"),
+    Field("model.rope_high_freq_factor", 4.0, "llama3 RoPE scaling: high_freq_factor"),
+    Field("model.rope_original_max_len", 8192, "llama3 RoPE scaling: "
+          "original_max_position_embeddings"),
+    Field("model.qkv_bias", False, "biases on the query/key/value projections (Qwen2)"),
+    Field("model.preset", "", _model_presets, _known_model_preset),
+    Field("model.init_from", "", "a HuggingFace model directory (config.json + *.safetensors): "
+          "its architecture, and its weights as the starting parameters",
+          _is_dir_or_empty("give a HuggingFace model directory (config.json + "
+                           "*.safetensors)")),
+
+    Field("parallel.pp", 1, "pipeline stages; pp * dp * tp = topology devices; 0: the planner "
+          "chooses", _DEGREE),
+    Field("parallel.dp", 0, "data-parallel replicas; 0: all remaining devices", _DEGREE),
+    Field("parallel.tp", 1, "tensor-parallel shards (inside a node); 0: the planner chooses",
+          _DEGREE),
+    Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
+          "clusters"),
+
+    Field("pipeline.stage_layers", (), "layers per stage, e.g. (3, 1); empty: even split"),
+    Field("pipeline.schedule", "1f1b", _schedule_help, _layout_name("schedule")),
+    Field("pipeline.executor", "spmd", executor_help, _layout_name("executor")),
+    Field("pipeline.placement", "looped", "looped: one model chunk per stage in order | folded: "
+          "two chunks per device in a V (down, then back up; device 0 holds embedding and "
+          "head), each device's stage_layers split ceil/floor down/up | auto: the planner "
+          "prices both", _layout_name("placement")),
+    Field("pipeline.microbatches", 0, "alias of train.microbatches for pipeline users; 0: unset"),
+    Field("pipeline.boundary_codec", "none", "activations and their gradients crossing worlds "
+          "(MPMD stages on different clusters): {choices}",
+          Choices(BOUNDARY_CODECS, "codec", {
+              "int8": "int8 with per-row scales, gradients with error feedback"})),
+
+    Field("zero.preset", "ddp", "sharding of optimizer state / gradients / parameters",
+          Choices(zr.CONFIG_PRESETS, "preset")),
+    Field("zero.s_p", 1, "parameter shard factor (zero.preset=custom only)", positive_int()),
+    Field("zero.s_g", 1, "gradient shard factor (zero.preset=custom only)", positive_int()),
+    Field("zero.s_os", 1, "optimizer-state shard factor (zero.preset=custom only)",
+          positive_int()),
+
+    Field("planner.memory_margin", 0.1, "share of device memory a plan leaves free "
+          "(fragmentation)", Bound(lo=0, hi=1, hi_open=True,
+                                   fix="use 0.1 (plans use at most 90% of device memory)")),
+    Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
+          _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
+                            "leave it empty"), path=True),
+    Field("planner.compute", "flat", "{choices}: compute priced at one efficiency per FLOP "
+          "(flat), or by operation kind (kinds: matmuls by size, attention per implementation, "
+          "memory-bound work by bandwidth; a calibration file's measured rates when it has "
+          "them)",
+          Choices(COMPUTE_MODELS, "compute model", fix="use 'flat' (one efficiency per FLOP) "
+                  "or 'kinds' (priced by operation kind)")),
+
+    Field("train.steps", 300, "optimizer steps of the run", positive_int()),
+    Field("train.batch_size", 32, "global batch, in sequences", positive_int()),
+    Field("train.seq_len", 128, "tokens per sequence", positive_int()),
+    Field("train.microbatches", 1, "the batch is split into this many micro-batches per step",
+          positive_int()),
+    Field("train.lr", 3e-3, "peak learning rate (AdamW)", Bound(
+        lo=0, lo_open=True, problem="the learning rate must be positive, got {value}",
+        fix="set --config.train.lr to a value > 0, e.g. 3e-4")),
+    Field("train.min_lr_ratio", 0.1, "cosine decay ends at lr * min_lr_ratio",
+          Bound(lo=0, hi=1, fix="use 0.1")),
+    Field("train.warmup_steps", -1, "linear warmup steps; -1: 10% of train.steps"),
+    Field("train.weight_decay", 0.1, "AdamW weight decay (matrices only, not norm scales)",
+          Bound(lo=0, fix="use 0.1, or 0 to disable")),
+    Field("train.b1", 0.9, "AdamW beta1",
+          Bound(lo=0, hi=1, hi_open=True, fix="use 0.9 for b1 and 0.95 for b2")),
+    Field("train.b2", 0.95, "AdamW beta2",
+          Bound(lo=0, hi=1, hi_open=True, fix="use 0.9 for b1 and 0.95 for b2")),
+    Field("train.eps", 1e-8, "AdamW epsilon", Bound(lo=0, lo_open=True, fix="use 1e-8")),
+    Field("train.grad_clip", 1.0, "global-norm clipping; 0 disables",
+          Bound(lo=0, fix="use 1.0, or 0 to disable clipping")),
+    Field("train.seed", 0, "seed of the parameters and the data order",
+          Bound(lo=0, fix="use 0, or any other non-negative integer (the parameters and the "
+                          "data order follow it)")),
+    Field("train.log_every", 10, "a metrics row and log line every N steps", positive_int()),
+    Field("train.max_bad_steps", 3, "a step whose loss or gradient norm is NaN/Inf is skipped "
+          "(no update); this many in a row stop the run with an error", positive_int()),
+    Field("train.max_loss_ratio", 4.0, "a loss above this many times the run's first loss is "
+          "divergence: the run stops with an error and saves nothing of it; 0: off",
+          _loss_ratio),
+    Field("train.progress", True, "progress bar on the terminal / notebook"),
+    Field("train.profile_steps", 0, "trace this many steps with jax.profiler "
+          "(<workdir>/profile/, summarised at the end); 0: off",
+          Bound(lo=0, fix="use 2, or 0 to disable profiling")),
+    Field("train.profile_from", 3, "the first traced step (after compilation and warm-up)",
+          Bound(lo=1, fix="use 3: steps 1-2 compile and warm up")),
+
+    Field("data.source", "stdlib", "where the text comes from", Choices(
+        DATA_SOURCES, "source", {"stdlib": "Python's own sources"})),
+    Field("data.path", "", "source=files: a directory, glob or file of text, .jsonl or .parquet; "
+          "several joined by commas", path=True),
+    Field("data.field", "text", "the text field of .jsonl and .parquet records"),
+    Field("data.weights", "", "mix the comma-separated data.path sources by these weights (one "
+          "per source, e.g. 0.7,0.3); empty: all files form one corpus"),
+    Field("data.tokenizer", "byte", "byte, a SentencePiece .model, a HuggingFace tokenizer.json "
+          "(or its directory), a tiktoken rank file, or a checkpoint's tokenizer directory",
+          _is_file_or_byte, path=True),
+    Field("data.add_bos", "auto", "begin each document with BOS: {choices}",
+          Choices(ADD_BOS, "value", {"auto": "as the tokenizer's config says"},
+                  fix="use auto (as the tokenizer's own config says), true or false")),
+    Field("data.dir", "", "where text corpora are prepared (tfds); empty: ~/.cache/hetjax/tfds",
+          path=True),
+    Field("data.eval_fraction", 0.01, "share of the documents held out for evaluation",
+          Bound(lo=0, hi=0.5, fix="use 0.01")),
+    Field("data.prefetch", 4, "batches the loader prepares ahead of the step", positive_int()),
+    Field("data.threads", 2, "loader threads", positive_int()),
+    Field("data.document_mask", False, "packed rows carry segment ids and tokens attend only "
+          "within their own document (not across an EOS); the single-program step and the "
+          "SPMD pipeline"),
+
+    Field("eval.every", 0, "evaluate on held-out data every N steps (and at the end); 0: never",
+          count_or_off()),
+    Field("eval.batches", 4, "global batches per evaluation", positive_int()),
+
+    Field("checkpoint.every", 100, "save every N steps and at the end; 0: no checkpoints",
+          count_or_off()),
+    Field("checkpoint.keep", 3, "keep the latest K checkpoints", positive_int()),
+    Field("checkpoint.keep_best", 0, "also keep the N with the lowest eval loss (needs "
+          "eval.every)", count_or_off(example=1)),
+    Field("checkpoint.async_save", True, "write in the background while training goes on"),
+    Field("checkpoint.dir", "", "empty: <workdir>/checkpoints", _writable_dir, path=True),
+    Field("checkpoint.allow_other_data", False, "resume a checkpoint written for other data "
+          "(another corpus, tokenizer, seq_len, ...): the run goes on with the new data from its "
+          "start, with a warning"),
 
     # DiLoCo between sites (docs/diloco.md): sites train alone for inner_steps steps, then
     # exchange pseudo-gradients and take an outer optimizer step. 0: synchronous training.
-    c.diloco = ml_collections.ConfigDict()
-    c.diloco.inner_steps = 0
-    c.diloco.sites = ()
-    c.diloco.codec = "none"
-    c.diloco.outer_optimizer = "nesterov"
-    c.diloco.outer_lr = 0.7
-    c.diloco.outer_momentum = 0.9
-    c.diloco.inner_optimizer = "adamw"
-    c.diloco.inner_lr_scale = 1.0
-    c.diloco.fragments = 1
-    c.diloco.overlap_steps = 0
-    c.diloco.mix = 0.0
+    Field("diloco.inner_steps", 0, "DiLoCo: sites train alone for H steps between exchanges; "
+          "0: off", count_or_off("set --config.diloco.inner_steps={example} (0 turns DiLoCo "
+                                 "off)", 50)),
+    Field("diloco.sites", (), "empty: every topology cluster a site; or ('a+b', 'c') groups "
+          "clusters"),
+    Field("diloco.codec", "none", "pseudo-gradients on the wire (none: fp32)",
+          Choices(DILOCO_CODECS)),
+    Field("diloco.outer_optimizer", "nesterov", "the outer optimizer",
+          Choices(OUTER_OPTIMIZERS)),
+    Field("diloco.outer_lr", 0.7, "outer optimizer learning rate",
+          Bound(lo=0, lo_open=True, fix="use 0.7")),
+    Field("diloco.outer_momentum", 0.9, "outer Nesterov momentum",
+          Bound(lo=0, hi=1, hi_open=True, fix="use 0.9")),
+    Field("diloco.inner_optimizer", "adamw", "the sites' optimizer: {choices}",
+          Choices(INNER_OPTIMIZERS, notes={"adamw": "the train.* optimizer",
+                                           "sgd": "train.lr"})),
+    Field("diloco.inner_lr_scale", 1.0, "the sites' learning rate is train.lr's schedule times "
+          "this (each site sees 1/n of the global batch)",
+          Bound(lo=0, lo_open=True, fix="use 1.0 (the sites train at train.lr's schedule)")),
+    Field("diloco.fragments", 1, "streaming: the parameters in F fragments, fragment f exchanged "
+          "at step f H / F of each round (1: all at the round's end)",
+          Bound(lo=1, integer=True, problem="must be an integer >= 1, got {value!r}",
+                fix="use 1 (no streaming)")),
+    Field("diloco.overlap_steps", 0, "streaming: a fragment's exchange travels while the sites "
+          "train this many more steps (tau < inner_steps / fragments; 0: none)",
+          Bound(lo=0, integer=True, fix="use 0 (no overlap)")),
+    Field("diloco.mix", 0.0, "with overlap_steps: a site keeps mix x its fragment + (1 - mix) x "
+          "the new outer fragment (0: replace; the paper's alpha)",
+          Bound(lo=0, hi=1, hi_open=True, fix="use 0 (replace) or 0.5")),
 
-    c.workdir = "runs/default"
-    c.tensorboard = True
+    Field("workdir", "runs/default", "where metrics.jsonl, loss.png, plan.json, checkpoints and "
+          "TensorBoard go (hetjax.load_config from Python: runs/python unless set)", _workdir,
+          path=True),
+    Field("tensorboard", True, "also write TensorBoard event files"),
 
     # Weights & Biases, beside metrics.jsonl and TensorBoard (hetjax/metrics.py); the optional
     # dependency `pip install 'hetjax[wandb]'`
-    c.wandb = ml_collections.ConfigDict()
-    c.wandb.project = ""
-    c.wandb.mode = "online"
-    c.wandb.name = ""
+    Field("wandb.project", "", "log metrics to this Weights & Biases project (empty: off; needs "
+          "the wandb extra)", _wandb_installed),
+    Field("wandb.mode", "online", "{choices}", Choices(WANDB_MODES, "mode", {
+        "offline": "files under <workdir>/wandb, `wandb sync` later"})),
+    Field("wandb.name", "", "the W&B run's name (empty: the workdir's last directory)"),
+)
+
+
+def _spec(name: str) -> Field:
+    return next(f for f in FIELDS if f.name == name)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All fields with their defaults (FIELDS): a tiny LLaMA-style model on the default CPU
+    topology."""
+    c = ml_collections.ConfigDict()
+    for f in FIELDS:
+        *sections, name = f.name.split(".")
+        node = c
+        for s in sections:
+            if s not in node:
+                node[s] = ml_collections.ConfigDict()
+            node = node[s]
+        node[name] = f.default
     return c
 
 
+class _Descriptions(Mapping):
+    """Field name -> its `--help` line, read from FIELDS at each use (a registry may grow)."""
 
-# What each field means: the one place, shown by `hetjax <command> --help` (tests check every
-# field of base_config() has an entry).
-DESCRIPTIONS: dict[str, str] = {
-    "topology.preset": "a name from hetjax.topology.PRESETS",
-    "topology.file": "a JSON topology (Topology.to_json()); overrides preset",
-    "topology.nodes": "> 0 overrides the preset's nodes per cluster",
-    "topology.devices_per_node": "> 0 overrides the preset's devices per node",
-    "topology.peak_tflops": "> 0 states the devices' peak dense bf16 TFLOP/s (preset local; "
-                            "required for a device kind the catalogue lacks)",
-    "topology.memory_gib": "> 0 states the devices' memory in GiB (preset local; default: what "
-                           "the runtime reports, else the catalogue)",
-    "model.vocab_size": "0: the tokenizer's vocabulary rounded up to a multiple of 128",
-    "model.d_model": "width of the residual stream",
-    "model.n_layers": "decoder blocks",
-    "model.n_heads": "attention (query) heads",
-    "model.n_kv_heads": "key/value heads: grouped-query attention; = n_heads for plain "
-                        "multi-head",
-    "model.d_ff": "hidden width of the SwiGLU feed-forward",
-    "model.max_seq_len": "longest sequence the model takes (HF max_position_embeddings)",
-    "model.rope_theta": "rotary embedding base",
-    "model.norm_eps": "RMSNorm epsilon",
-    "model.tie_embeddings": "share the input embedding with the output projection",
-    "model.dtype": "compute dtype: auto (bfloat16 on accelerators with float32 master "
-                   "weights in model.param_dtype, float32 on CPU) | float32 | bfloat16 | "
-                   "float16",
-    "model.param_dtype": "dtype parameters are stored (and optimized) in",
-    "model.remat": "what a layer keeps for its backward: none (every intermediate; 3 forwards "
-                   "per layer) | dots (matmul outputs) | full (its input; 4 forwards) | auto "
-                   "(when the planner searches, the fastest of the three that fits memory; "
-                   "otherwise none, but full in the SPMD pipeline)",
-    "model.attention": "attention kernel: auto (cuDNN fused flash attention on NVIDIA GPUs where "
-                       "it supports the dtype and head size, else the Pallas flash kernel, else "
-                       "XLA; XLA on CPU/TPU) | xla | cudnn | pallas",
-    "model.loss_chunk_tokens": "cross-entropy over the vocabulary in chunks of this many tokens "
-                               "per device, each recomputed in the backward, so the float32 "
-                               "logits [tokens, vocab] are never whole; 0: in one piece (the "
-                               "single-program step, pp = 1)",
-    "model.head_dim": "width of one attention head; 0: d_model / n_heads",
-    "model.rope_type": "RoPE frequency scaling as transformers: default | linear | llama3",
-    "model.rope_factor": "RoPE scaling factor (linear, llama3)",
-    "model.rope_low_freq_factor": "llama3 RoPE scaling: low_freq_factor",
-    "model.rope_high_freq_factor": "llama3 RoPE scaling: high_freq_factor",
-    "model.rope_original_max_len": "llama3 RoPE scaling: original_max_position_embeddings",
-    "model.qkv_bias": "biases on the query/key/value projections (Qwen2)",
-    "model.preset": "a published architecture (hetjax.interop.hf_config.PRESETS: tinyllama_1b, "
-                    "llama2_7b, llama3_8b, llama3_1_8b, llama3_2_1b, mistral_7b, qwen2_0_5b); "
-                    "sets the architecture fields, explicit --config.model.* overrides win",
-    "model.init_from": "a HuggingFace model directory (config.json + *.safetensors): its "
-                       "architecture, and its weights as the starting parameters",
-    "parallel.pp": "pipeline stages; pp * dp * tp = topology devices; 0: the planner chooses",
-    "parallel.dp": "data-parallel replicas; 0: all remaining devices",
-    "parallel.tp": "tensor-parallel shards (inside a node); 0: the planner chooses",
-    "parallel.allow_straddle": "allow a TP group across nodes / a stage across clusters",
-    "pipeline.stage_layers": "layers per stage, e.g. (3, 1); empty: even split",
-    "pipeline.schedule": f"{' | '.join(SCHEDULES)} (executor spmd runs "
-                         f"{', '.join(spmd_schedules())}; strands: two strands per tick)",
-    "pipeline.executor": executor_help(),
-    "pipeline.placement": "looped: one model chunk per stage in order | folded: two chunks per "
-                          "device in a V (down, then back up; device 0 holds embedding and "
-                          "head), each device's stage_layers split ceil/floor down/up | auto: "
-                          "the planner prices both",
-    "pipeline.boundary_codec": f"{' | '.join(BOUNDARY_CODECS)}: activations and their "
-                               "gradients crossing worlds (MPMD stages on different "
-                               "clusters) as int8 with per-row scales, gradients with error "
-                               "feedback",
-    "pipeline.microbatches": "alias of train.microbatches for pipeline users; 0: unset",
-    "zero.preset": "sharding of optimizer state / gradients / parameters: "
-                   + " | ".join(zr.CONFIG_PRESETS),
-    "zero.s_p": "parameter shard factor (zero.preset=custom only)",
-    "zero.s_g": "gradient shard factor (zero.preset=custom only)",
-    "zero.s_os": "optimizer-state shard factor (zero.preset=custom only)",
-    "planner.memory_margin": "share of device memory a plan leaves free (fragmentation)",
-    "planner.calibration": "a `hetjax calibrate` JSON file: measured compute and links",
-    "planner.compute": "flat | kinds: compute priced at one efficiency per FLOP, or by "
-                       "operation kind (matmuls by size, attention per implementation, "
-                       "memory-bound work by bandwidth; a calibration file's measured "
-                       "rates when it has them)",
-    "train.steps": "optimizer steps of the run",
-    "train.batch_size": "global batch, in sequences",
-    "train.seq_len": "tokens per sequence",
-    "train.microbatches": "the batch is split into this many micro-batches per step",
-    "train.lr": "peak learning rate (AdamW)",
-    "train.min_lr_ratio": "cosine decay ends at lr * min_lr_ratio",
-    "train.warmup_steps": "linear warmup steps; -1: 10% of train.steps",
-    "train.weight_decay": "AdamW weight decay (matrices only, not norm scales)",
-    "train.b1": "AdamW beta1",
-    "train.b2": "AdamW beta2",
-    "train.eps": "AdamW epsilon",
-    "train.grad_clip": "global-norm clipping; 0 disables",
-    "train.seed": "seed of the parameters and the data order",
-    "train.log_every": "a metrics row and log line every N steps",
-    "train.max_bad_steps": "a step whose loss or gradient norm is NaN/Inf is skipped (no "
-                           "update); this many in a row stop the run with an error",
-    "train.max_loss_ratio": "a loss above this many times the run's first loss is divergence: "
-                            "the run stops with an error and saves nothing of it; 0: off",
-    "train.progress": "progress bar on the terminal / notebook",
-    "train.profile_steps": "trace this many steps with jax.profiler (<workdir>/profile/, "
-                           "summarised at the end); 0: off",
-    "train.profile_from": "the first traced step (after compilation and warm-up)",
-    "data.source": "stdlib (Python's own sources) | files | synthetic",
-    "data.path": "source=files: a directory, glob or file of text, .jsonl or .parquet; "
-                 "several joined by commas",
-    "data.field": "the text field of .jsonl and .parquet records",
-    "data.weights": "mix the comma-separated data.path sources by these weights (one per "
-                    "source, e.g. 0.7,0.3); empty: all files form one corpus",
-    "data.tokenizer": "byte, a SentencePiece .model, a HuggingFace tokenizer.json (or its "
-                      "directory), a tiktoken rank file, or a checkpoint's tokenizer directory",
-    "data.add_bos": "begin each document with BOS: auto (as the tokenizer's config says) | "
-                    "true | false",
-    "data.dir": "where text corpora are prepared (tfds); empty: ~/.cache/hetjax/tfds",
-    "data.eval_fraction": "share of the documents held out for evaluation",
-    "data.prefetch": "batches the loader prepares ahead of the step",
-    "data.threads": "loader threads",
-    "data.document_mask": "packed rows carry segment ids and tokens attend only within their "
-                          "own document (not across an EOS); the single-program step and the "
-                          "SPMD pipeline",
-    "eval.every": "evaluate on held-out data every N steps (and at the end); 0: never",
-    "eval.batches": "global batches per evaluation",
-    "checkpoint.every": "save every N steps and at the end; 0: no checkpoints",
-    "checkpoint.keep": "keep the latest K checkpoints",
-    "checkpoint.keep_best": "also keep the N with the lowest eval loss (needs eval.every)",
-    "checkpoint.async_save": "write in the background while training goes on",
-    "checkpoint.dir": "empty: <workdir>/checkpoints",
-    "checkpoint.allow_other_data": "resume a checkpoint written for other data (another corpus, "
-                                   "tokenizer, seq_len, ...): the run goes on with the new data "
-                                   "from its start, with a warning",
-    "diloco.inner_steps": "DiLoCo: sites train alone for H steps between exchanges; 0: off",
-    "diloco.sites": "empty: every topology cluster a site; or ('a+b', 'c') groups clusters",
-    "diloco.codec": f"pseudo-gradients on the wire: {' | '.join(DILOCO_CODECS)} (none: fp32)",
-    "diloco.outer_optimizer": "nesterov | sgd",
-    "diloco.outer_lr": "outer optimizer learning rate",
-    "diloco.outer_momentum": "outer Nesterov momentum",
-    "diloco.inner_optimizer": "adamw (the train.* optimizer) | sgd (train.lr)",
-    "diloco.fragments": "streaming: the parameters in F fragments, fragment f exchanged at "
-                         "step f H / F of each round (1: all at the round's end)",
-    "diloco.overlap_steps": "streaming: a fragment's exchange travels while the sites train "
-                            "this many more steps (tau < inner_steps / fragments; 0: none)",
-    "diloco.mix": "with overlap_steps: a site keeps mix x its fragment + (1 - mix) x the "
-                  "new outer fragment (0: replace; the paper's alpha)",
-    "diloco.inner_lr_scale": "the sites' learning rate is train.lr's schedule times this "
-                             "(each site sees 1/n of the global batch)",
-    "workdir": "where metrics.jsonl, loss.png, plan.json, checkpoints and TensorBoard go "
-               "(hetjax.load_config from Python: runs/python unless set)",
-    "tensorboard": "also write TensorBoard event files",
-    "wandb.project": "log metrics to this Weights & Biases project (empty: off; needs the "
-                     "wandb extra)",
-    "wandb.mode": "online, offline (files under <workdir>/wandb, `wandb sync` later) or "
-                  "disabled",
-    "wandb.name": "the W&B run's name (empty: the workdir's last directory)",
-}
+    def __getitem__(self, name: str) -> str:
+        for f in FIELDS:
+            if f.name == name:
+                return f.description()
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter([f.name for f in FIELDS])
+
+    def __len__(self) -> int:
+        return len(FIELDS)
+
+
+# What each field means, shown by `hetjax <command> --help`, in base_config()'s order.
+DESCRIPTIONS: Mapping[str, str] = _Descriptions()
+
+
+def field_problems(c) -> list[tuple[str, str, str]]:
+    """(field, problem, fix) for every field whose own check refuses its value."""
+    out = []
+    for f in FIELDS:
+        if f.check is not None:
+            verdict = f.check(f.name, _get(c, f.name))
+            if verdict:
+                out.append((f.name, *verdict))
+    return out
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -527,10 +720,12 @@ def _require(cond: bool, field: str, problem: str, fix: str) -> None:
         raise ConfigError(field, problem, fix)
 
 
-def _positive_int(c, field: str, example: int) -> None:
-    v = _get(c, field)
-    _require(isinstance(v, int) and v > 0, field, f"must be a positive integer, got {v!r}",
-             f"set --config.{field}={example}")
+def _check(c, field: str, check=None) -> None:
+    """Raise ConfigError unless `check` (a field check, e.g. `positive_int()`; default the
+    field's own) passes."""
+    verdict = (check or _spec(field).check)(field, _get(c, field))
+    if verdict:
+        raise ConfigError(field, *verdict)
 
 
 def _get(c, dotted: str):
@@ -567,25 +762,22 @@ def build_topology(c) -> topo.Topology:
         except HetjaxError as e:
             raise ConfigError("topology.file", f"{t.file!r}: {e}",
                               "correct that entry of the file") from None
-    _require(t.preset in topo.PRESETS, "topology.preset", f"unknown preset {t.preset!r}",
-             f"choose one of: {', '.join(sorted(topo.PRESETS))}")
+    _check(c, "topology.preset")
     kwargs = {}
     import inspect
 
     params = inspect.signature(topo.PRESETS[t.preset]).parameters
     for key in ("nodes", "devices_per_node"):
+        _check(c, f"topology.{key}")
         v = t[key]
-        _require(isinstance(v, int) and v >= 0, f"topology.{key}",
-                 f"must be >= 0, got {v!r}", f"set --config.topology.{key}=2 (0 keeps the preset)")
         if v:
             if key not in params:
                 raise ConfigError(f"topology.{key}", f"preset {t.preset!r} has no {key}",
                                   f"leave it 0; {t.preset} takes ({', '.join(params)})")
             kwargs[key] = v
     for key in ("peak_tflops", "memory_gib"):
+        _check(c, f"topology.{key}")
         v = t[key]
-        _require(isinstance(v, (int, float)) and v >= 0, f"topology.{key}",
-                 f"must be >= 0, got {v!r}", f"set --config.topology.{key}=<a positive number>")
         if v:
             if key not in params:
                 raise ConfigError(f"topology.{key}", f"preset {t.preset!r} takes its devices' "
@@ -601,8 +793,7 @@ def warmup_steps(t) -> int:
 
 
 # Every field that names a file or directory: `expand_paths` expands `~` and `$VAR` in them.
-PATH_FIELDS = ("workdir", "checkpoint.dir", "data.path", "data.dir", "data.tokenizer",
-               "topology.file", "planner.calibration")
+PATH_FIELDS = tuple(f.name for f in FIELDS if f.path)
 
 
 def expand_paths(c) -> None:
@@ -621,21 +812,31 @@ def expand_paths(c) -> None:
 
 def validate(c) -> None:
     """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
-    the path fields, `expand_paths`). Raises ConfigError."""
+    the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
+    fields, then the layout rules of the Plan (`hetjax.plan.layout_problems`). Raises
+    ConfigError."""
     check_fields(c)
     expand_paths(c)
     _validate_finite(c)
-    m, tr = c.model, c.train
-    for f, ex in (("model.d_model", 128), ("model.n_layers", 4), ("model.n_heads", 4),
-                  ("model.n_kv_heads", 2), ("model.d_ff", 384), ("model.max_seq_len", 512),
-                  ("train.steps", 100), ("train.batch_size", 32), ("train.seq_len", 128),
-                  ("train.microbatches", 1), ("train.log_every", 10),
-                  ("train.max_bad_steps", 3)):
-        _positive_int(c, f, ex)
-    _require(m.vocab_size >= 0, "model.vocab_size", f"must be >= 0, got {m.vocab_size}",
-             "set 0 to size it from the tokenizer")
-    _require(m.head_dim >= 0, "model.head_dim", f"must be >= 0, got {m.head_dim}",
-             "set 0 for d_model / n_heads, or the checkpoint's head_dim")
+    for field, problem, fix in field_problems(c)[:1]:
+        raise ConfigError(field, problem, fix)
+    _validate_model(c)
+    tr = c.train
+    _require(-1 <= tr.warmup_steps <= tr.steps, "train.warmup_steps",
+             f"must be in [0, train.steps = {tr.steps}] (or -1 for 10% of the steps), "
+             f"got {tr.warmup_steps}", f"use about 10% of the steps, e.g. {max(1, tr.steps // 10)}")
+    _require(c.data.source != "files" or bool(c.data.path), "data.path",
+             "data.source = 'files' needs a directory or glob of text files",
+             "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
+    if c.data.source == "files":  # found now, not after the model is compiled
+        _validate_sources(c.data)
+    _validate_data_and_checkpoints(c)
+    _validate_diloco(c)
+    _validate_layout(c)
+
+
+def _validate_model(c) -> None:
+    m = c.model
     if m.head_dim == 0:
         _require(m.d_model % m.n_heads == 0, "model.d_model",
                  f"{m.d_model} is not divisible by model.n_heads = {m.n_heads}",
@@ -644,11 +845,6 @@ def validate(c) -> None:
         _require((m.d_model // m.n_heads) % 2 == 0, "model.d_model",
                  f"head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd; rotary "
                  "embeddings rotate pairs of dimensions", "choose d_model / n_heads even")
-    else:
-        _require(m.head_dim % 2 == 0, "model.head_dim", f"{m.head_dim} is odd; rotary "
-                 "embeddings rotate pairs of dimensions", "choose an even head_dim")
-    _require(m.rope_type in ROPE_TYPES, "model.rope_type", f"unknown type {m.rope_type!r}",
-             f"choose one of {', '.join(ROPE_TYPES)}")
     if m.rope_type != "default":
         _require(m.rope_factor > 0, "model.rope_factor", f"must be > 0, got {m.rope_factor}",
                  "use the checkpoint's rope_scaling.factor, e.g. 8.0")
@@ -657,17 +853,10 @@ def validate(c) -> None:
                  "model.rope_high_freq_factor",
                  f"must exceed model.rope_low_freq_factor = {m.rope_low_freq_factor} (> 0), "
                  f"got {m.rope_high_freq_factor}", "use Llama 3.1's 4.0 and 1.0")
-        _positive_int(c, "model.rope_original_max_len", 8192)
+        _check(c, "model.rope_original_max_len", positive_int())
     _require(not (m.preset and m.init_from), "model.preset",
              f"{m.preset!r} is set and so is model.init_from = {m.init_from!r}",
              "set only model.init_from: the checkpoint's config.json gives the architecture")
-    if m.preset:
-        from hetjax.interop.hf_config import preset_fields
-
-        preset_fields(m.preset)  # an unknown name is one error listing the presets
-    _require(not m.init_from or os.path.isdir(os.path.expanduser(m.init_from)),
-             "model.init_from", f"{m.init_from!r} is not a directory",
-             "give a HuggingFace model directory (config.json + *.safetensors)")
     if m.init_from:
         from hetjax.interop import hf_config
 
@@ -683,116 +872,26 @@ def validate(c) -> None:
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "
              f"{[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
-    _require(tr.seq_len <= m.max_seq_len, "train.seq_len",
-             f"{tr.seq_len} is longer than the model takes (model.max_seq_len = {m.max_seq_len})",
-             f"lower train.seq_len or raise model.max_seq_len to >= {tr.seq_len}")
-    _require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}",
-             "use 10000.0")
-    _require(m.norm_eps > 0, "model.norm_eps", f"must be > 0, got {m.norm_eps}", "use 1e-5")
-    _require(m.dtype == "auto" or m.dtype in DTYPES, "model.dtype",
-             f"unknown dtype {m.dtype!r}", f"choose one of auto, {', '.join(DTYPES)}")
-    _require(m.param_dtype in DTYPES, "model.param_dtype",
-             f"unknown dtype {m.param_dtype!r}", f"choose one of {', '.join(DTYPES)}")
-    _require(m.attention in ATTENTION_IMPLEMENTATIONS, "model.attention",
-             f"unknown implementation {m.attention!r}",
-             f"choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-    _require(m.remat in REMAT_POLICIES, "model.remat", f"unknown policy {m.remat!r}",
-             f"choose one of {', '.join(REMAT_POLICIES)}")
-    _require(isinstance(m.loss_chunk_tokens, int) and m.loss_chunk_tokens >= 0,
-             "model.loss_chunk_tokens", f"must be an integer >= 0, got {m.loss_chunk_tokens!r}",
-             "use 0 (one piece) or e.g. 4096")
+    _require(c.train.seq_len <= m.max_seq_len, "train.seq_len",
+             f"{c.train.seq_len} is longer than the model takes (model.max_seq_len = "
+             f"{m.max_seq_len})", f"lower train.seq_len or raise model.max_seq_len to >= "
+             f"{c.train.seq_len}")
 
-    _require(tr.lr > 0, "train.lr", f"the learning rate must be positive, got {tr.lr}",
-             "set --config.train.lr to a value > 0, e.g. 3e-4")
-    _require(0 <= tr.min_lr_ratio <= 1, "train.min_lr_ratio",
-             f"must be in [0, 1], got {tr.min_lr_ratio}", "use 0.1")
-    _require(-1 <= tr.warmup_steps <= tr.steps, "train.warmup_steps",
-             f"must be in [0, train.steps = {tr.steps}] (or -1 for 10% of the steps), "
-             f"got {tr.warmup_steps}", f"use about 10% of the steps, e.g. {max(1, tr.steps // 10)}")
-    _require(tr.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {tr.weight_decay}",
-             "use 0.1, or 0 to disable")
-    for f in ("train.b1", "train.b2"):
-        _require(0 <= _get(c, f) < 1, f, f"must be in [0, 1), got {_get(c, f)}",
-                 "use 0.9 for b1 and 0.95 for b2")
-    _require(tr.eps > 0, "train.eps", f"must be > 0, got {tr.eps}", "use 1e-8")
-    _require(tr.seed >= 0, "train.seed", f"must be >= 0, got {tr.seed}",
-             "use 0, or any other non-negative integer (the parameters and the data order "
-             "follow it)")
-    _require(tr.profile_steps >= 0, "train.profile_steps",
-             f"must be >= 0, got {tr.profile_steps}", "use 2, or 0 to disable profiling")
-    _require(tr.profile_from >= 1, "train.profile_from", f"must be >= 1, got {tr.profile_from}",
-             "use 3: steps 1-2 compile and warm up")
-    _require(tr.max_loss_ratio == 0 or tr.max_loss_ratio > 1, "train.max_loss_ratio",
-             f"must be > 1 (or 0 for off), got {tr.max_loss_ratio}",
-             "use 4.0: a loss 4x its start is far worse than a uniform guess")
-    _require(tr.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {tr.grad_clip}",
-             "use 1.0, or 0 to disable clipping")
 
-    _require(c.data.source in DATA_SOURCES, "data.source", f"unknown source {c.data.source!r}",
-             f"choose one of {', '.join(DATA_SOURCES)}")
-    _require(c.data.source != "files" or bool(c.data.path), "data.path",
-             "data.source = 'files' needs a directory or glob of text files",
-             "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
-    if c.data.source == "files":  # found now, not after the model is compiled
-        _validate_sources(c.data)
-    _validate_paths(c)
-    _validate_data_and_checkpoints(c)
-    _validate_diloco(c)
-    _validate_wandb(c)
-    _require(0 <= c.planner.memory_margin < 1, "planner.memory_margin",
-             f"must be in [0, 1), got {c.planner.memory_margin}",
-             "use 0.1 (plans use at most 90% of device memory)")
-    _require(c.planner.get("compute", "flat") in ("flat", "kinds"), "planner.compute",
-             f"{c.planner.get('compute')!r} is not a compute model",
-             "use 'flat' (one efficiency per FLOP) or 'kinds' (priced by operation kind)")
-    _require(not c.planner.calibration or os.path.isfile(c.planner.calibration),
-             "planner.calibration", f"{c.planner.calibration!r} is not a file",
-             "write one with 'hetjax calibrate --out=calibration.json', or leave it empty")
-
-    p = c.parallel
-    for f in ("parallel.pp", "parallel.dp", "parallel.tp"):
-        v = _get(c, f)
-        _require(isinstance(v, int) and v >= 0, f, f"must be >= 1 (or 0 for automatic), got {v!r}",
-                 f"set --config.{f}=1")
-    _require(c.pipeline.executor in pipeline_executors(), "pipeline.executor",
-             f"unknown executor {c.pipeline.executor!r}",
-             f"choose one of {', '.join(pipeline_executors())}")
-    _require(c.pipeline.boundary_codec in BOUNDARY_CODECS, "pipeline.boundary_codec",
-             f"unknown codec {c.pipeline.boundary_codec!r}",
-             f"choose one of {', '.join(BOUNDARY_CODECS)}")
-    _require(c.pipeline.schedule in SCHEDULES, "pipeline.schedule",
-             f"unknown schedule {c.pipeline.schedule!r}", f"choose one of {', '.join(SCHEDULES)}")
-    kind = EXECUTORS.get(c.pipeline.executor)
-    _require(not (kind and kind.tick_grid_only) or c.pipeline.schedule in spmd_schedules(),
-             "pipeline.schedule", f"the {c.pipeline.executor} executor cannot run "
-             f"{c.pipeline.schedule!r} (several chunks per stage or a split backward)",
-             "set --config.pipeline.executor=" + " or ".join(
-                 k.name for k in EXECUTORS.values() if not k.tick_grid_only) +
-             f", or use one of {', '.join(spmd_schedules())}")
-    _require(c.pipeline.placement in PLACEMENTS + ("auto",), "pipeline.placement",
-             f"unknown placement {c.pipeline.placement!r}",
-             f"choose one of {', '.join(PLACEMENTS + ('auto',))}")
-    _require(c.pipeline.placement in ("looped", "auto") or c.pipeline.schedule in spmd_schedules(),
-             "pipeline.placement", f"the folded placement takes a tick-grid schedule, not "
-             f"{c.pipeline.schedule!r}", f"use pipeline.schedule one of "
-             f"{', '.join(spmd_schedules())}, or pipeline.placement=looped")
-    _require(c.zero.preset in zr.CONFIG_PRESETS, "zero.preset",
-             f"unknown preset {c.zero.preset!r}",
-             f"choose one of {', '.join(zr.CONFIG_PRESETS)}")
-    for f in ("zero.s_p", "zero.s_g", "zero.s_os"):
-        _positive_int(c, f, 1)
-    factors = (c.zero.s_p, c.zero.s_g, c.zero.s_os)
-    if c.zero.preset == "custom":
-        zr.check_order(*factors)
-    else:
-        _require(factors == (1, 1, 1), "zero.preset",
-                 f"zero.s_p / s_g / s_os = {factors} are only read when zero.preset = 'custom', "
-                 f"but it is {c.zero.preset!r}",
-                 "set --config.zero.preset=custom to use them, or leave them at 1")
-    mb = resolve_microbatches(c)
-    _require(tr.batch_size % mb == 0, "train.batch_size",
-             f"{tr.batch_size} is not divisible by the {mb} micro-batches per step",
-             f"make train.batch_size a multiple of {mb}, or change train.microbatches")
+def _validate_layout(c) -> None:
+    m, p, z = c.model, c.parallel, c.zero
+    factors = (z.s_p, z.s_g, z.s_os)
+    _require(z.preset == "custom" or factors == (1, 1, 1), "zero.preset",
+             f"zero.s_p / s_g / s_os = {factors} are only read when zero.preset = 'custom', "
+             f"but it is {z.preset!r}",
+             "set --config.zero.preset=custom to use them, or leave them at 1")
+    # The layout rules a config fixes before the topology is known: the Plan's, one definition.
+    raise_first(layout_problems(
+        pp=p.pp, stage_layers=tuple(c.pipeline.stage_layers), n_layers=m.n_layers,
+        microbatches=resolve_microbatches(c), global_batch=c.train.batch_size,
+        schedule=c.pipeline.schedule, executor=c.pipeline.executor,
+        placement=c.pipeline.placement,
+        zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
         for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                      ("model.d_ff", m.d_ff)):
@@ -800,17 +899,6 @@ def validate(c) -> None:
                      f"tp = {p.tp} does not divide {f} = {v}; tensor parallelism splits it",
                      f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
                      f"{_common_divisors(m.n_heads, m.n_kv_heads, m.d_ff)}")
-    if c.pipeline.stage_layers:
-        sl = tuple(c.pipeline.stage_layers)
-        _require(all(isinstance(n, int) and n >= 1 for n in sl), "pipeline.stage_layers",
-                 f"every stage needs at least one layer, got {list(sl)}",
-                 "give each stage >= 1 layer, or leave it empty for an even split")
-        _require(sum(sl) == m.n_layers, "pipeline.stage_layers",
-                 f"{list(sl)} sums to {sum(sl)}, but the model has model.n_layers = {m.n_layers}",
-                 f"make the layers per stage sum to {m.n_layers}")
-        _require(not p.pp or len(sl) == p.pp, "pipeline.stage_layers",
-                 f"has {len(sl)} stages but parallel.pp = {p.pp}",
-                 f"give {p.pp} numbers, or set parallel.pp = {len(sl)}")
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:
@@ -824,27 +912,6 @@ def _validate_finite(c, ref=None, prefix: str = "") -> None:
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(field, f"must be a finite number, got {value}",
                               f"set it like its default, e.g. --config.{field}={default!r}")
-
-
-def _validate_paths(c) -> None:
-    """The workdir and checkpoint directory can be created or written (checked before start-up,
-    not when the first file is written)."""
-    _require(bool(c.workdir.strip()), "workdir", "is empty",
-             "set --config.workdir to a directory, e.g. --config.workdir=runs/default")
-    for field in ("workdir", "checkpoint.dir"):
-        path = _get(c, field)
-        if not path:
-            continue
-        path = os.path.abspath(os.path.expanduser(path))
-        _require(not os.path.exists(path) or os.path.isdir(path), field,
-                 f"{path} exists and is not a directory", f"choose another --config.{field}")
-        parent = path
-        while not os.path.exists(parent):  # the deepest existing ancestor must be writable
-            parent = os.path.dirname(parent)
-        _require(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK), field,
-                 f"{path} cannot be written ({parent} is "
-                 f"{'not writable' if os.path.isdir(parent) else 'a file'})",
-                 f"choose a --config.{field} under a directory you can write")
 
 
 def _validate_sources(d) -> None:
@@ -874,14 +941,6 @@ def _validate_sources(d) -> None:
 
 def _validate_data_and_checkpoints(c) -> None:
     d, e, k = c.data, c.eval, c.checkpoint
-    _require(d.tokenizer == "byte" or os.path.exists(os.path.expanduser(d.tokenizer)),
-             "data.tokenizer", f"{d.tokenizer!r} is neither 'byte' nor a file",
-             "use 'byte', a tokenizer.json / tokenizer.model file, or train a SentencePiece "
-             "model with 'hetjax tokenizer train --out=tok.model' and set "
-             "--config.data.tokenizer=tok.model")
-    _require(d.add_bos in ("auto", "true", "false"), "data.add_bos",
-             f"unknown value {d.add_bos!r}",
-             "use auto (as the tokenizer's own config says), true or false")
     if c.model.vocab_size:
         # Token ids past the embedding table give NaN losses, silently: refuse them here.
         from hetjax.tokenizer import load_tokenizer
@@ -891,15 +950,6 @@ def _validate_data_and_checkpoints(c) -> None:
                  f"{c.model.vocab_size} is smaller than the tokenizer's {n} tokens "
                  f"(data.tokenizer = {d.tokenizer!r})",
                  f"set --config.model.vocab_size=0 (sized from the tokenizer) or >= {n}")
-    _require(0 <= d.eval_fraction <= 0.5, "data.eval_fraction",
-             f"must be in [0, 0.5], got {d.eval_fraction}", "use 0.01")
-    for f, ex in (("data.prefetch", 4), ("data.threads", 2), ("eval.batches", 4),
-                  ("checkpoint.keep", 3)):
-        _positive_int(c, f, ex)
-    for f, ex in (("eval.every", 100), ("checkpoint.every", 100), ("checkpoint.keep_best", 1)):
-        v = _get(c, f)
-        _require(isinstance(v, int) and v >= 0, f, f"must be an integer >= 0, got {v!r}",
-                 f"set --config.{f}={ex} (0 turns it off)")
     if k.keep_best:
         _require(k.every > 0, "checkpoint.keep_best", "keeps checkpoints, but checkpoint.every "
                  "= 0 saves none", "set checkpoint.every > 0, or keep_best = 0")
@@ -911,54 +961,19 @@ def _validate_data_and_checkpoints(c) -> None:
 
 def _validate_diloco(c) -> None:
     d = c.diloco
-    _require(isinstance(d.inner_steps, int) and d.inner_steps >= 0, "diloco.inner_steps",
-             f"must be an integer >= 0, got {d.inner_steps!r}",
-             "set --config.diloco.inner_steps=50 (0 turns DiLoCo off)")
-    for f, options in (("diloco.codec", DILOCO_CODECS),
-                       ("diloco.outer_optimizer", ("nesterov", "sgd")),
-                       ("diloco.inner_optimizer", ("adamw", "sgd"))):
-        _require(_get(c, f) in options, f, f"unknown choice {_get(c, f)!r}",
-                 f"choose one of {', '.join(options)}")
-    _require(d.outer_lr > 0, "diloco.outer_lr", f"must be > 0, got {d.outer_lr}", "use 0.7")
-    _require(0 <= d.outer_momentum < 1, "diloco.outer_momentum",
-             f"must be in [0, 1), got {d.outer_momentum}", "use 0.9")
-    _require(isinstance(d.fragments, int) and d.fragments >= 1, "diloco.fragments",
-             f"must be an integer >= 1, got {d.fragments!r}", "use 1 (no streaming)")
     _require(not d.inner_steps or d.inner_steps % d.fragments == 0, "diloco.fragments",
              f"{d.fragments} fragments do not divide diloco.inner_steps = {d.inner_steps}",
              "choose fragments dividing inner_steps, e.g. --config.diloco.fragments=1")
     every = d.inner_steps // d.fragments if d.inner_steps else 0
-    _require(isinstance(d.overlap_steps, int) and d.overlap_steps >= 0, "diloco.overlap_steps",
-             f"must be an integer >= 0, got {d.overlap_steps!r}", "use 0 (no overlap)")
     # one fragment in flight at a time: it lands before the next fragment's exchange starts
     _require(not d.inner_steps or d.overlap_steps < every, "diloco.overlap_steps",
              f"{d.overlap_steps} overlap steps do not fit between two fragment exchanges "
              f"(every inner_steps / fragments = {every} steps)",
              f"use overlap_steps < {every}, e.g. --config.diloco.overlap_steps={every - 1}")
-    _require(isinstance(d.mix, (int, float)) and 0 <= d.mix < 1, "diloco.mix",
-             f"must be in [0, 1), got {d.mix!r}", "use 0 (replace) or 0.5")
     _require(not d.mix or d.overlap_steps > 0, "diloco.mix",
              f"mixes a fragment that trained on while its exchange travelled; with "
              f"overlap_steps = 0 there is none (mix = {d.mix})",
              "set --config.diloco.overlap_steps too, or leave diloco.mix=0")
-    _require(isinstance(d.inner_lr_scale, (int, float)) and d.inner_lr_scale > 0,
-             "diloco.inner_lr_scale", f"must be a number > 0, got {d.inner_lr_scale!r}",
-             "use 1.0 (the sites train at train.lr's schedule)")
-
-
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-def _validate_wandb(c) -> None:
-    """The W&B mode, and wandb importable when a project is set (before anything is built)."""
-    import importlib.util
-
-    w = c.wandb
-    _require(w.mode in WANDB_MODES, "wandb.mode", f"unknown mode {w.mode!r}",
-             f"choose one of {', '.join(WANDB_MODES)}")
-    _require(not w.project or importlib.util.find_spec("wandb") is not None, "wandb.project",
-             f"logging to W&B project {w.project!r} needs the wandb package, which is not "
-             "installed", "pip install 'hetjax[wandb]', or leave --config.wandb.project empty")
 
 
 def _common_divisors(*xs: int) -> list[int]:

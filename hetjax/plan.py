@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hetjax.errors import PlanError
+from hetjax.errors import ConfigError, PlanError
 from hetjax.units import gib, percent, seconds
 from hetjax.topology import Topology
-from parallel.schedules import Schedule, folded, make_schedule
+from parallel.schedules import SCHEDULES, Schedule, folded, make_schedule, spmd_schedules
 from parallel.registry import EXECUTORS  # the pipeline executors a Plan can name
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
@@ -108,13 +108,27 @@ class Plan:
             object.__setattr__(self, "device_order", tuple(range(n)))
         if len(self.device_order) != n or sorted(self.device_order) != list(range(n)):
             raise ValueError(f"device_order must be a permutation of range({n})")
-        if len(self.stage_layers) != self.pp:
-            raise ValueError(f"stage_layers {self.stage_layers} does not have pp={self.pp} stages")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor {self.executor!r}: choose one of {', '.join(EXECUTORS)}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement {self.placement!r}: choose one of "
-                             f"{', '.join(PLACEMENTS)}")
+        # What a Plan must be to exist at all (its other rules are `problems()`).
+        bad = name_problems(self.executor, "", self.placement) + [
+            p for p in [stage_count_problem(self.pp, self.stage_layers)] if p]
+        if bad:
+            raise ValueError(bad[0].message())
+
+    def problems(self, topology: Topology | None = None, n_layers: int = 0) -> list["Problem"]:
+        """Everything wrong with this plan as data (field, problem, fix), checked by the same
+        rules as config validation and the planner (`layout_problems`): names, schedule and
+        placement against the executor, ZeRO factors, micro-batch split, layers per stage
+        (against the model's `n_layers` when given), and the mesh against the `topology`'s
+        devices when given; the schedule only for a pipeline (pp > 1). Empty: the executor
+        it names can run it."""
+        return layout_problems(
+            pp=self.pp, dp=self.dp, tp=self.tp,
+            devices=topology.num_devices if topology is not None else 0,
+            topology_name=topology.name if topology is not None else "",
+            stage_layers=self.stage_layers, n_layers=n_layers, microbatches=self.microbatches,
+            global_batch=self.global_batch, executor=self.executor, placement=self.placement,
+            # one stage runs as one program, whatever schedule it names (make_executor)
+            schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False)
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -331,19 +345,184 @@ def comparison_table(plans: list["Plan"]) -> str:
 _fmt_seconds = seconds
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a layout: the config field to change, what is wrong, the fix."""
+
+    field: str
+    problem: str
+    fix: str
+
+    def message(self) -> str:
+        """One line for a PlanError (a ConfigError takes the three parts as they are)."""
+        return f"config.{self.field}: {self.problem}. Fix: {self.fix}"
+
+
+def raise_first(problems: "list[Problem]", error: type = PlanError) -> None:
+    """Raise the first of `problems` as `error` (ConfigError: field, problem, fix; any other
+    HetjaxError: one line); nothing when there are none."""
+    if problems:
+        p = problems[0]
+        raise error(p.field, p.problem, p.fix) if error is ConfigError else error(p.message())
+
+
 def batch_split_problem(global_batch: int, microbatches: int, dp: int
                         ) -> tuple[str, str] | None:
     """(problem, fix) when `global_batch` sequences do not split into `microbatches` equal
     micro-batches that each split evenly over `dp` replicas; None when they do. The one rule
-    that config validation, the planner's search and the pipeline executor all apply."""
+    that `layout_problems` (config validation, config -> Plan, the executors) and the planner's
+    search (its micro-batch counts) apply."""
     if microbatches < 1 or global_batch % microbatches:
         return (f"the batch of {global_batch} sequences does not split into {microbatches} "
-                "micro-batches", "make train.batch_size a multiple of pipeline.microbatches")
+                "micro-batches", f"make train.batch_size a multiple of {microbatches}, or change "
+                "the count (train.batch_size must be a multiple of pipeline.microbatches)")
     if (global_batch // microbatches) % dp:
         return (f"each of the {microbatches} micro-batches has {global_batch // microbatches} "
                 f"sequences, not divisible by dp = {dp}",
                 f"make train.batch_size a multiple of microbatches x dp = {microbatches * dp}")
     return None
+
+
+def schedule_problem(executor: str, schedule: str) -> Problem | None:
+    """Whether the pipeline executor `executor` (a registered name) can run `schedule`: one
+    that runs only the tick grid (`ExecutorKind.tick_grid_only`) runs only the schedules the
+    registry marks `spmd_compatible`."""
+    kind = EXECUTORS.get(executor)
+    if kind is None or not kind.tick_grid_only or SCHEDULES[schedule].spmd_compatible:
+        return None
+    return Problem("pipeline.schedule", f"the {executor} executor cannot run {schedule!r} "
+                   "(several chunks per stage or a split backward)",
+                   "set --config.pipeline.executor=" + " or ".join(
+                       k.name for k in EXECUTORS.values() if not k.tick_grid_only) +
+                   f", or use one of {', '.join(spmd_schedules())}")
+
+
+def placement_problem(placement: str, schedule: str) -> Problem | None:
+    """The folded placement runs its two chunks per device on the tick grid: it takes only
+    tick-grid schedules."""
+    if placement != "folded" or SCHEDULES[schedule].spmd_compatible:
+        return None
+    return Problem("pipeline.placement", "the folded placement takes a tick-grid schedule, not "
+                   f"{schedule!r}", f"use pipeline.schedule one of "
+                   f"{', '.join(spmd_schedules())}, or pipeline.placement=looped")
+
+
+def zero_order_problem(s_p: int, s_g: int, s_os: int) -> Problem | None:
+    """AMSP's ordering rule on the ZeRO factors: s_p divides s_os (each optimizer-state shard
+    lies inside its parameter shard) and s_g is s_p or s_os."""
+    if s_p > s_os:  # raising s_os may be impossible (it divides dp): lowering s_p never is
+        return Problem("zero.s_p",
+                       f"s_p = {s_p} is larger than s_os = {s_os}; each optimizer-state shard "
+                       "must lie inside its device's parameter shard, so s_p must divide s_os",
+                       f"choose zero.s_p from the divisors of s_os = {s_os}: "
+                       f"{_divisors(s_os)}")
+    if s_os % s_p:
+        return Problem("zero.s_os",
+                       f"s_os = {s_os} is not a multiple of s_p = {s_p}; each optimizer-state "
+                       "shard must lie inside its device's parameter shard",
+                       f"choose s_os from the multiples of s_p = {s_p} (and divisors of dp)")
+    if s_g not in (s_p, s_os):
+        return Problem("zero.s_g",
+                       f"s_g = {s_g} must equal s_p = {s_p} or s_os = {s_os} (gradients are "
+                       "sharded like the parameters or like the optimizer states)",
+                       f"set zero.s_g to {s_p} or {s_os}")
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def name_problems(executor: str = "", schedule: str = "", placement: str = "",
+                  allow_auto: bool = False) -> list[Problem]:
+    """Names a layout gives that their registries lack (the executor registry, the schedule
+    registry, PLACEMENTS); 'auto' is a name only where `allow_auto`."""
+    auto = ("auto",) if allow_auto else ()
+    out = []
+    for name, value, names, what in (
+            ("pipeline.executor", executor, (*EXECUTORS, *auto), "executor"),
+            ("pipeline.schedule", schedule, tuple(SCHEDULES), "schedule"),
+            ("pipeline.placement", placement, (*PLACEMENTS, *auto), "placement")):
+        if value and value not in names:
+            out.append(Problem(name, f"unknown {what} {value!r}",
+                               f"choose one of {', '.join(names)}"))
+    return out
+
+
+def stage_count_problem(pp: int, stage_layers) -> Problem | None:
+    """A layer count for each of the pp stages."""
+    if not pp or not stage_layers or len(stage_layers) == pp:
+        return None
+    return Problem("pipeline.stage_layers", f"has {len(stage_layers)} stages but parallel.pp = "
+                   f"{pp}", f"give {pp} numbers, or set parallel.pp = {len(stage_layers)}")
+
+
+def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
+                    topology_name: str = "", stage_layers=(), n_layers: int = 0,
+                    microbatches: int = 0, global_batch: int = 0, schedule: str = "",
+                    executor: str = "", placement: str = "", zero: ZeroFactors | None = None,
+                    allow_auto: bool = True) -> list[Problem]:
+    """Everything wrong with a (possibly partial) layout, as data, in the order a user should
+    fix it. The one definition of each layout rule: `Plan.problems` passes a whole plan, config
+    validation the fields a config fixes before a topology is known, config -> Plan the degrees
+    against the topology's devices. A value left at 0 / empty is unknown and its rules are
+    skipped; with `allow_auto` (a config) `executor` and `placement` may be 'auto' (the
+    planner chooses)."""
+    out: list[Problem] = []
+
+    def add(p: Problem | None) -> None:
+        if p is not None:
+            out.append(p)
+
+    out += name_problems(executor, schedule, placement, allow_auto)
+    executor = executor if executor in EXECUTORS else ""
+    schedule = schedule if schedule in SCHEDULES else ""
+    if executor and schedule:
+        add(schedule_problem(executor, schedule))
+    if schedule and placement in PLACEMENTS:
+        add(placement_problem(placement, schedule))
+    if zero is not None:
+        add(zero_order_problem(zero.s_p, zero.s_g, zero.s_os))
+        if dp and dp % zero.s_os:
+            add(Problem("zero.s_os", f"s_os = {zero.s_os} does not divide dp = {dp}",
+                        f"choose s_os from the divisors of dp: {_divisors(dp)}"))
+    # micro-batches
+    if global_batch and microbatches:
+        split = batch_split_problem(global_batch, microbatches, dp or 1)
+        if split:
+            add(Problem("train.batch_size", *split))
+    # degrees against the devices
+    if devices:
+        where = f"topology {topology_name!r}" if topology_name else "the topology"
+        for f, v in (("parallel.pp", pp), ("parallel.dp", dp), ("parallel.tp", tp)):
+            if v and devices % v:
+                add(Problem(f, f"{v} does not divide the {devices} devices of {where}",
+                            f"choose {f.split('.')[1]} from {_divisors(devices)}"))
+        fixed = [d for d in (pp, dp, tp) if d]
+        prod = int(np.prod(fixed)) if fixed else 1
+        if devices % prod:
+            add(Problem("parallel", f"pp x dp x tp = {prod} does not divide the {devices} "
+                        f"devices of {where}", f"choose degrees whose product is {devices}"))
+        elif len(fixed) == 3 and prod != devices:
+            add(Problem("parallel", f"pp x dp x tp = {pp} x {dp} x {tp} = {prod}, but {where} "
+                        f"has {devices} devices", f"choose degrees whose product is {devices}, "
+                        "or set one of them to 0 to let hetjax fill it in"))
+    # layers per stage
+    sl = tuple(stage_layers)
+    if sl:
+        if not all(isinstance(n, (int, np.integer)) and n >= 1 for n in sl):
+            add(Problem("pipeline.stage_layers", f"every stage needs at least one layer, got "
+                        f"{list(sl)}", "give each stage >= 1 layer, or leave it empty for an "
+                        "even split"))
+        elif n_layers and sum(sl) != n_layers:
+            add(Problem("pipeline.stage_layers", f"{list(sl)} sums to {sum(sl)}; the stages' "
+                        f"layers must sum to model.n_layers = {n_layers}",
+                        f"make the layers per stage sum to {n_layers}"))
+        add(stage_count_problem(pp, sl))
+    elif pp and n_layers and pp > n_layers:
+        add(Problem("parallel.pp", f"{pp} stages for model.n_layers = {n_layers} layers",
+                    f"use at most {n_layers} stages"))
+    return out
 
 
 @dataclass(frozen=True)

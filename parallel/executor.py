@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
 from hetjax.errors import PlanError
-from hetjax.plan import DilocoPlan, Plan
+from hetjax.plan import DilocoPlan, Plan, raise_first
 from hetjax.topology import Topology
 from layers import ModelConfig
 from parallel import sharding as shd
@@ -235,14 +235,14 @@ def make_executor(plan: Plan | DilocoPlan, topology: Topology, model_cfg: ModelC
     (`parallel.registry.COMPOSITE`); a multi-world job (`runtime.worlds`) runs the world
     executor of the plan's executor (`ExecutorKind.worlds`); a plan of one stage runs as one
     program (`SINGLE_PROGRAM`); a pipeline runs the executor the plan names
-    (`parallel.registry.EXECUTORS`)."""
-    if plan.executor in COMPOSITE:
+    (`parallel.registry.EXECUTORS`). A plan with problems (`Plan.problems`: against the
+    topology and the model) is one PlanError."""
+    if plan.executor in COMPOSITE:  # each site's plan is checked by its own make_executor
         return _load(COMPOSITE[plan.executor]).create(plan, topology, model_cfg, optimizer,
                                                       runtime)
-    kind = EXECUTORS.get(plan.executor)
-    if kind is None:
-        raise PlanError(f"plan executor {plan.executor!r} is not registered. Fix: set "
-                        f"pipeline.executor to one of {', '.join(EXECUTORS)}")
+    # Every executor runs only a plan without problems (the Plan's rules, one definition).
+    raise_first(plan.problems(topology, model_cfg.n_layers if model_cfg is not None else 0))
+    kind = EXECUTORS[plan.executor]
     if runtime.multi_world:
         if not kind.worlds:
             runs = [k.name for k in EXECUTORS.values() if k.worlds]

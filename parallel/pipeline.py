@@ -76,7 +76,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, batch_split_problem, resolve_schedule
+from hetjax.plan import Plan, raise_first, resolve_schedule
 from layers import ModelConfig, Transformer
 from parallel import schedules as sch
 from parallel import sharding as shd
@@ -235,18 +235,9 @@ class StageLayout:
 
 # --- validation --------------------------------------------------------------------------------
 def check_plan(plan: Plan, n_layers: int) -> None:
-    """Raise PlanError for a pipeline the executor cannot run."""
-    if any(n < 1 for n in plan.stage_layers):
-        raise PlanError(f"pipeline stage layers {list(plan.stage_layers)} give a stage no layer. "
-                        "Fix: give every stage at least one layer (pipeline.stage_layers), or "
-                        "use fewer stages (parallel.pp)")
-    if plan.n_layers != n_layers:
-        raise PlanError(f"pipeline stage layers {list(plan.stage_layers)} sum to "
-                        f"{plan.n_layers}, but the model has {n_layers} layers. Fix: make "
-                        f"pipeline.stage_layers sum to model.n_layers = {n_layers}")
-    problem = batch_split_problem(plan.global_batch, plan.microbatches, plan.dp)
-    if problem:
-        raise PlanError("{}. Fix: {}".format(*problem))
+    """Raise PlanError for a pipeline the executor cannot run (the Plan's rules,
+    `Plan.problems`)."""
+    raise_first(plan.problems(n_layers=n_layers))
 
 
 # --- the executor ------------------------------------------------------------------------------

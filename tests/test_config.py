@@ -86,6 +86,8 @@ MISTAKES = [
     ({"planner.calibration": "/no/such/calibration.json"}, "planner.calibration",
      "hetjax calibrate"),
     ({"planner.compute": "roofline"}, "planner.compute", "'kinds'"),
+    ({"parallel.pp": 4, "model.n_layers": 2, "parallel.dp": 0}, "parallel.pp",
+     "at most 2 stages"),
 ]
 
 
@@ -106,8 +108,6 @@ LAYOUT_MISTAKES = [
     ({"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 1}, "parallel", "product is 8"),
     ({"parallel.tp": 2, "train.batch_size": 4, "train.microbatches": 2}, "train.batch_size",
      "multiple of microbatches x dp = 8"),
-    ({"parallel.pp": 4, "model.n_layers": 2, "parallel.dp": 0}, "parallel.pp",
-     "at most 2 stages"),
 ]
 
 
@@ -170,3 +170,57 @@ def test_python_load_config_never_shares_the_commands_workdir():
     assert hetjax.load_config(DEFAULT, ["--config.workdir=runs/mine"]).workdir == "runs/mine"
     assert hetjax.load_config(DEFAULT, ["--config.workdir=runs/default"]).workdir == \
         "runs/default"
+
+
+# --- each field is one spec: default, description (--help) and check --------------------------
+def test_every_field_is_one_spec_shown_in_help_with_the_owners_names():
+    from hetjax.cli import help_text
+    from hetjax.planner.zero import CONFIG_PRESETS
+    from parallel.registry import EXECUTORS
+    from parallel.schedules import SCHEDULES
+    from parallel.wire import BOUNDARY_CODECS
+
+    out = help_text("train", None, [])
+    flat = " ".join(out.split())  # --help wraps descriptions
+    for f in hconfig.FIELDS:
+        assert len(f.description()) > 5, f.name
+        assert f"{f.name} = " in out, f.name
+        assert " ".join(f.description().split()[:4]) in flat, f.name
+    d = hconfig.DESCRIPTIONS
+    assert " | ".join(SCHEDULES) in d["pipeline.schedule"]
+    assert all(name in d["pipeline.executor"] for name in EXECUTORS)
+    assert " | ".join(CONFIG_PRESETS) in d["zero.preset"]
+    assert all(name in d["pipeline.boundary_codec"] for name in BOUNDARY_CODECS)
+    # the notes of a name set describe names of that set, never others
+    for f in hconfig.FIELDS:
+        if isinstance(f.check, hconfig.Choices):
+            assert set(f.check.notes) <= set(f.check.options()), f.name
+    assert hconfig.PATH_FIELDS == tuple(f.name for f in hconfig.FIELDS if f.path)
+
+
+def test_a_field_added_as_one_spec_gets_its_default_help_line_and_check(monkeypatch):
+    from hetjax.cli import help_text
+
+    spec = hconfig.Field("train.patience", 5, "evaluations without improvement before the run "
+                         "stops", hconfig.positive_int())
+    monkeypatch.setattr(hconfig, "FIELDS", hconfig.FIELDS + (spec,))
+    assert hconfig.base_config().train.patience == 5
+    assert load_config(None, ["--config.train.patience=7"]).train.patience == 7
+    out = help_text("train", None, [])
+    assert "train.patience = 5" in out and "evaluations without improvement" in out
+    validate(tiny_config())
+    with pytest.raises(ConfigError) as e:
+        validate(tiny_config(**{"train.patience": 0}))
+    assert str(e.value) == ("config.train.patience: must be a positive integer, got 0\n"
+                            "  fix: set --config.train.patience=5")
+
+
+def test_a_bound_says_its_range_and_a_choice_its_names():
+    lr = hconfig.Bound(lo=0, hi=1, hi_open=True, fix="use 0.1")
+    assert lr("planner.memory_margin", 0.5) is None
+    assert lr("planner.memory_margin", 1.0) == ("must be in [0, 1), got 1.0", "use 0.1")
+    assert hconfig.Bound(lo=0, integer=True)("eval.every", 2.5) == (
+        "must be an integer >= 0, got 2.5", "set --config.eval.every=0")
+    pick = hconfig.Choices(("a", "b"), "letter", {"a": "the first"})
+    assert pick("x", "b") is None and pick("x", "c") == ("unknown letter 'c'", "choose one of a, b")
+    assert pick.render() == "a (the first) | b"

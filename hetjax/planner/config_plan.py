@@ -11,10 +11,9 @@ refuse the same layouts with the same messages.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from hetjax.errors import ConfigError
-from hetjax.plan import Plan, ZeroFactors, batch_split_problem, even_split
+from hetjax.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
 from hetjax.planner import zero as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
                                  runs_schedule)
@@ -33,35 +32,13 @@ def resolve_microbatches(c) -> int:
     return pm or tm
 
 
-def _require(cond: bool, field: str, problem: str, fix: str) -> None:
-    if not cond:
-        raise ConfigError(field, problem, fix)
-
-
 def validate_layout(c, topology: Topology) -> None:
-    """Check the fixed degrees in the config against the topology's device count."""
-    n = topology.num_devices
+    """Check the fixed degrees in the config against the topology's device count (the Plan's
+    rules, `hetjax.plan.layout_problems`)."""
     p = c.parallel
-    fixed = [d for d in (p.pp, p.dp, p.tp) if d]
-    prod = math.prod(fixed)
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    for f, v in (("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp)):
-        _require(not v or n % v == 0, f,
-                 f"{v} does not divide the {n} devices of topology {topology.name!r}",
-                 f"choose {f.split('.')[1]} from {divisors}")
-    _require(n % prod == 0, "parallel",
-             f"pp x dp x tp = {prod} does not divide the {n} devices of {topology.name!r}",
-             f"choose degrees whose product is {n}")
-    if len(fixed) == 3:
-        _require(prod == n, "parallel",
-                 f"pp x dp x tp = {p.pp} x {p.dp} x {p.tp} = {prod}, but topology "
-                 f"{topology.name!r} has {n} devices", f"choose degrees whose product is {n}, "
-                 "or set one of them to 0 to let hetjax fill it in")
-    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 0)
-    if pp:
-        _require(pp <= c.model.n_layers, "parallel.pp",
-                 f"{pp} stages for model.n_layers = {c.model.n_layers} layers",
-                 f"use at most {c.model.n_layers} stages")
+    raise_first(layout_problems(pp=p.pp, dp=p.dp, tp=p.tp, devices=topology.num_devices,
+                                topology_name=topology.name, n_layers=c.model.n_layers,
+                                stage_layers=tuple(c.pipeline.stage_layers)), ConfigError)
 
 
 _WARNED: set[tuple[str, str]] = set()  # (calibration file, topology) pairs warned about
@@ -235,14 +212,9 @@ def plan_from_config(c, topology: Topology) -> Plan:
     pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
     tp = p.tp or 1
     dp = p.dp or n // (pp * tp)
-    if pp * dp * tp != n:
-        raise ConfigError("parallel", f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp} "
-                          f"does not use the {n} devices of {topology.name!r}",
-                          f"choose degrees whose product is {n}")
     mb = resolve_microbatches(c)
-    problem = batch_split_problem(c.train.batch_size, mb, dp)
-    if problem:
-        raise ConfigError("train.batch_size", *problem)
+    raise_first(layout_problems(pp=pp, dp=dp, tp=tp, devices=n, topology_name=topology.name,
+                                microbatches=mb, global_batch=c.train.batch_size), ConfigError)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,

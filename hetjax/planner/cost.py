@@ -27,13 +27,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
-from hetjax.plan import Plan, ZeroFactors, effective_remat
+from hetjax.plan import Plan, ZeroFactors, effective_remat, schedule_problem
 from hetjax.planner import collectives as coll, compute as ck, memory as mem, zero as zr
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
 from hetjax.topology import Accelerator, Link, Topology
 from hetjax.units import BYTES_PER_GBIT
 from parallel.registry import EXECUTORS as REGISTERED
-from parallel.schedules import SCHEDULES
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
     from layers.config import ModelConfig
@@ -83,12 +82,12 @@ PLAN_EXECUTORS: Mapping[str, str] = _PricedAs()
 
 def runs_schedule(executor: str, schedule: str) -> bool:
     """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
-    schedule: one that runs only the tick grid (`ExecutorKind.tick_grid_only`: the SPMD
-    executor, priced as "hetjax") runs only the tick-grid schedules (parallel/schedules.py)."""
-    kind = REGISTERED.get(executor)
-    grid_only = kind.tick_grid_only if kind else any(
-        k.tick_grid_only for k in REGISTERED.values() if k.priced_as == executor)
-    return not grid_only or SCHEDULES[schedule].spmd_compatible
+    schedule: the Plan's rule (`hetjax.plan.schedule_problem`) for the executor, or for a cost
+    model name for every registered executor it prices (the SPMD executor is priced as
+    "hetjax")."""
+    names = [executor] if executor in REGISTERED else [
+        k.name for k in REGISTERED.values() if k.priced_as == executor]
+    return all(schedule_problem(n, schedule) is None for n in names)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors, batch_split_problem, even_split
+from hetjax.plan import (Plan, ZeroFactors, batch_split_problem, even_split, name_problems,
+                         placement_problem, raise_first)
 from hetjax.planner import assign, partition, zero as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, Layout,
                                  MissingLinkError, StageCost, runs_schedule)
@@ -171,8 +172,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     s.fixed_layers = bool(stage_layers)
     schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for name in schedules:
-        if name not in SCHEDULES:
-            raise PlanError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+        raise_first(name_problems(schedule=name))
     executor = s.cm.options.executor
     if schedule is SCHEDULES:  # the default: every schedule this executor can run
         schedules = tuple(n for n in schedules if runs_schedule(executor, n))
@@ -189,7 +189,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
             for M in s.microbatch_counts(d, microbatches):
                 for name, place, remat in itertools.product(schedules, places, remats(p)):
                     if not fits_schedule(name, p, M, executor, schedules[0]) or (
-                            place == "folded" and not SCHEDULES[name].spmd_compatible):
+                            placement_problem(place, name)):
                         continue
                     todo.append((Layout(p, d, t, order, M, global_batch, seq_len, name,
                                         placement=place, remat=remat), orders, tag))
@@ -240,7 +240,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                             for n in schedules if n != best.schedule
                             and _schedule_runs(n, best.pp, best.microbatches)]
     places = [n for n in s.placements(placement, best.pp)
-              if n == "looped" or SCHEDULES[best.schedule].spmd_compatible]
+              if placement_problem(n, best.schedule) is None]
     if len(places) > 1:
         free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
                              for n in places if n != best.placement]

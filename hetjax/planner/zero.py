@@ -28,7 +28,8 @@ from typing import Callable
 import numpy as np
 
 from hetjax.errors import ConfigError, PlanError
-from hetjax.plan import DP_AXES, Plan, ZeroAxes, ZeroFactors
+from hetjax.plan import (DP_AXES, Plan, ZeroAxes, ZeroFactors, raise_first,
+                         zero_order_problem)  # the ordering rule: the Plan's
 from hetjax.topology import Topology
 from parallel.hlo import Collective as HloCollective
 
@@ -127,39 +128,15 @@ def named(name: str, dp: int, node_local: int) -> ZeroFactors:
     return ZeroFactors(*points[name], name=name)
 
 
-def order_problem(s_p: int, s_g: int, s_os: int) -> tuple[str, str, str] | None:
-    """AMSP's ordering rule, as (field, problem, fix), or None when kept: s_p divides s_os
-    (each optimizer-state shard lies inside its parameter shard) and s_g is s_p or s_os."""
-    if s_p > s_os:  # raising s_os may be impossible (it divides dp): lowering s_p never is
-        return ("zero.s_p",
-                f"s_p = {s_p} is larger than s_os = {s_os}; each optimizer-state shard must "
-                "lie inside its device's parameter shard, so s_p must divide s_os",
-                f"choose zero.s_p from the divisors of s_os = {s_os}: "
-                f"{[d for d in range(1, s_os + 1) if s_os % d == 0]}")
-    if s_os % s_p:
-        return ("zero.s_os",
-                f"s_os = {s_os} is not a multiple of s_p = {s_p}; each optimizer-state shard "
-                "must lie inside its device's parameter shard",
-                f"choose s_os from the multiples of s_p = {s_p} (and divisors of dp)")
-    if s_g not in (s_p, s_os):
-        return ("zero.s_g",
-                f"s_g = {s_g} must equal s_p = {s_p} or s_os = {s_os} (gradients are sharded "
-                "like the parameters or like the optimizer states)",
-                f"set zero.s_g to {s_p} or {s_os}")
-    return None
-
-
 def check_order(s_p: int, s_g: int, s_os: int) -> None:
     """Raise ConfigError (naming the zero.* field) unless the factors keep the ordering rule.
     Divisibility by dp and the node rules need the plan (`check_factors`)."""
-    problem = order_problem(s_p, s_g, s_os)
-    if problem:
-        raise ConfigError(*problem)
+    raise_first([p for p in [zero_order_problem(s_p, s_g, s_os)] if p], ConfigError)
 
 
 def check(f: ZeroFactors, dp: int) -> None:
     """Raise PlanError unless `f` fits hetjax's mesh for `dp` data-parallel devices."""
-    if dp % f.s_os or order_problem(f.s_p, f.s_g, f.s_os):
+    if dp % f.s_os or zero_order_problem(f.s_p, f.s_g, f.s_os):
         raise PlanError(
             f"ZeRO factors (s_p={f.s_p}, s_g={f.s_g}, s_os={f.s_os}) do not fit dp={dp}: "
             f"hetjax needs s_p | s_os | dp and s_g in {{s_p, s_os}}; nearest valid: "
