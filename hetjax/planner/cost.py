@@ -1044,10 +1044,13 @@ class StageTable:
         return self._cache[key]
 
 
-@dataclass(frozen=True)
 class _TableRow:
-    table: StageTable
-    slot: int
+    """One mesh row of a StageTable (a plain class: the partition makes one per lookup)."""
+
+    __slots__ = ("table", "slot")
+
+    def __init__(self, table: StageTable, slot: int):
+        self.table, self.slot = table, slot
 
     def __getitem__(self, position: int) -> StageCost:
         return self.table.cost(self.slot, position)

@@ -107,9 +107,13 @@ def holmes_for(table: Table, n_layers: int, microbatches: int,
 # --- (b) HetHub ---------------------------------------------------------------------------------
 def kinds(table: Table) -> list[list[int]]:
     """Slots grouped by kind: equal per-layer time and memory wherever they are placed."""
+    return _kinds_of([row[0] for row in table])
+
+
+def _kinds_of(first: Sequence[StageCost]) -> list[list[int]]:
+    """`kinds` from each slot's cost at the first position."""
     groups: dict[tuple, list[int]] = {}
-    for slot, row in enumerate(table):
-        c = row[0]
+    for slot, c in enumerate(first):
         key = (round(c.fwd_layer + c.bwd_layer, 15), round(c.mem_slot), round(c.capacity))
         groups.setdefault(key, []).append(slot)
     return list(groups.values())
@@ -398,8 +402,9 @@ def candidate_orders(table: Table, limit: int = 120) -> list[tuple[int, ...]]:
     """Stage orders worth trying: slot order, slowest first, fastest first, and every
     distinct arrangement of kinds when there are at most `limit` of them."""
     S = len(table)
-    groups = kinds(table)
-    speed = [table[s][0].fwd_layer + table[s][0].bwd_layer for s in range(S)]
+    first = [row[0] for row in table]  # read once: the search asks for orders per layout
+    groups = _kinds_of(first)
+    speed = [c.fwd_layer + c.bwd_layer for c in first]
     orders = [tuple(range(S)), tuple(sorted(range(S), key=lambda s: -speed[s])),
               tuple(sorted(range(S), key=lambda s: speed[s]))]
     n_arrangements = math.factorial(S) // math.prod(math.factorial(len(g)) for g in groups)
