@@ -324,13 +324,13 @@ def _exact_layers(columns: bytes, S: int, n_layers: int, M: int) -> tuple[int, .
 
 def _sums(t: np.ndarray, alone: np.ndarray) -> np.ndarray:
     """Row sums of t as the scan over lmax computed them, to the last bit (ties between
-    splits are decided on it): numpy sums the rows of a block of several candidates (in
-    Fortran order) stage after stage, and a lone candidate's row pairwise."""
-    out = t[:, 0].copy()
-    for j in range(1, t.shape[1]):
-        out += t[:, j]
+    splits are decided on it): the scan summed each lmax's candidates as one Fortran-ordered
+    block (numpy adds such rows stage after stage), and a lone candidate as a one-row array
+    (pairwise). The same numpy calls are made here, so the sums agree on any numpy."""
+    block = np.asfortranarray(np.concatenate([t, t[:1]]))  # two rows at least, as a block
+    out = block.sum(axis=1)[:len(t)]
     for i in np.flatnonzero(alone).tolist():
-        out[i] = np.ascontiguousarray(t[i]).sum()
+        out[i] = np.ascontiguousarray(t[i:i + 1]).sum(axis=1)[0]
     return out
 
 
