@@ -249,8 +249,8 @@ def test_memoised_batched_split_equals_the_row_by_row_scan(batch, monkeypatch):
         monkeypatch.setattr(pt, "_BATCH", 0)
     pt.split_cache_clear()
     rng = random.Random(31)
-    found = 0
-    for trial in range(300):
+    found, trials = 0, 300 if batch == "batched" else 100
+    for trial in range(trials):
         S = rng.choice([1, 2, 3, 4, 8, 16, 32])
         n_layers = rng.randint(S, 3 * S + 8)
         M = rng.choice([1, 2, 4, 16, 32, 128])
@@ -261,4 +261,4 @@ def test_memoised_batched_split_equals_the_row_by_row_scan(batch, monkeypatch):
         pt.split_cache_clear()
         assert pt.optimal_split(stages, n_layers, M) == want  # computed afresh
         found += want is not None
-    assert found > 200
+    assert found > trials * 2 // 3
