@@ -6,6 +6,7 @@
     python scripts/bench_planner.py amsp           # AMSP's ZeRO choice, LLaMA 7/13/30B, 1,024 A800
     python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
+    python scripts/bench_planner.py speed --devices 4096 --executor hetjax mpmd
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench_planner.py all
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.planner import assign, plan, simulate
+from hetjax.planner import assign, partition, plan, simulate
 from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
                                       holmes_table1, predicted_samples_per_s)
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions
@@ -182,15 +184,16 @@ def speed(args) -> None:
     model = ModelConfig(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
                         n_kv_heads=8, d_ff=28672, max_seq_len=4096, remat="full",
                         dtype="bfloat16", param_dtype="bfloat16")
-    options = CostOptions(executor=args.executor, compute=args.compute)
     rows = []
-    for n in args.devices:
+    for n, executor in itertools.product(args.devices, args.executor):
+        options = CostOptions(executor=executor, compute=args.compute)
         t = preset("holmes_hybrid", nodes=n // 16, devices_per_node=8)
         runs = {}
         for prune in (True, False):  # the search as it runs, and exhaustively, side by side
             for cached in (simulate.schedule_table, simulate.in_flight,
                            simulate.in_flight_folded, simulate._ticks, simulate.grid_codes):
                 cached.cache_clear()  # each search builds its schedule tables afresh
+            partition.split_cache_clear()  # ... and finds its layer splits afresh
             t0 = time.process_time()  # CPU seconds: the machines this runs on are shared
             runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune),
                            time.process_time() - t0)
@@ -200,18 +203,18 @@ def speed(args) -> None:
             [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
              for p in (full.plan, *full.runners_up)]
         p, pr = result.plan, result.plan.predicted
-        rows.append([str(n), f"{seconds:.1f}", f"{full_seconds:.1f}",
+        rows.append([str(n), executor, f"{seconds:.1f}", f"{full_seconds:.1f}",
                      f"{result.candidates} + {result.pruned} skipped", str(full.candidates),
                      "yes" if same else "NO",
                      f"pp={p.pp} dp={p.dp} tp={p.tp} M={p.microbatches} {p.schedule} "
                      f"{p.zero.name}", f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
     print("Outer search speed: 70B-class model (80 layers, d 8192, GQA 64/8), batch 2048 x "
           "4096 tokens, on holmes_hybrid (InfiniBand + RoCE clusters of 8-A100 nodes, "
-          f"Ethernet between), priced for the {args.executor} executor, compute "
+          f"Ethernet between), priced for each executor, compute "
           f"{args.compute}; the search with its lower-bound pruning beside the exhaustive "
           "one (prune=False)\n")
-    print(table(["devices", "CPU s", "exhaustive CPU s", "layouts priced", "exhaustive priced",
-                 "same plans", "chosen", "step s", "MFU"], rows))
+    print(table(["devices", "executor", "CPU s", "exhaustive CPU s", "layouts priced",
+                 "exhaustive priced", "same plans", "chosen", "step s", "MFU"], rows))
 
 
 def assign_speed(args) -> None:
@@ -321,8 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--compute", choices=["flat", "kinds"], default="flat",
                         help="speed: compute priced flat (one efficiency) or by operation kind")
-    parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], default="hetjax",
-                        help="speed: how the chosen plans are priced (see cost.EXECUTORS)")
+    parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], nargs="+",
+                        default=["hetjax"], help="speed: how the plans are priced (see "
+                        "cost.EXECUTORS); several: one row each, in one table")
     args = parser.parse_args(argv)
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],

@@ -157,3 +157,108 @@ def test_equal_stages_get_a_level_split():
     table = [[stage(1.0, head=1.8 if p == 7 else 0.0) for p in range(8)] for _ in range(8)]
     layers = pt.best_split(table, 24, 16, orders=[tuple(range(8))]).layers
     assert max(layers[:7]) - min(layers[:7]) <= 1 and layers[7] < max(layers)
+
+
+def scan_reference(stages, n_layers, M):
+    """The exact split as it was computed before it was memoised and batched: every lmax
+    row in turn, every bottleneck of the row filled (the reference for same answers, to the
+    bit: ties between splits are decided on the last bit of float sums)."""
+    import numpy as np
+
+    S = len(stages)
+    if S > n_layers:
+        return None
+    fl, ff, bl, bf, slot, act, base, cap = np.array(
+        [(c.fwd_layer, c.fwd_fixed, c.bwd_layer, c.bwd_fixed, c.mem_slot, c.mem_layer,
+          c.mem_fixed, c.capacity) for c in stages], dtype=float).T
+    fixed = (fl * 0 + ff) + (bl * 0 + bf)
+    per = ((fl * 1 + ff) + (bl * 1 + bf)) - fixed
+    cheapest = np.argsort(per, kind="stable")
+    lmaxes = np.arange(n_layers - S + 1, -(-n_layers // S) - 1, -1)
+    room = cap[None, :] - slot[None, :] * lmaxes[:, None] - base[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        caps_mem = np.where(act > 0, np.floor(room / np.where(act > 0, act, 1)), n_layers)
+    caps_mem = np.where(room < 0, 0, np.minimum(caps_mem, lmaxes[:, None])).astype(int)
+    feasible = (caps_mem.min(axis=1) >= 1) & (caps_mem.sum(axis=1) >= n_layers)
+    unbound = (caps_mem == lmaxes[:, None]).all(axis=1)
+    if unbound.any():
+        feasible[np.argmax(unbound) + 1:] = False
+    if not feasible.any():
+        return None
+    top = int(lmaxes[feasible][0])
+    counts = np.arange(1, top + 1)
+    values = per[:, None] * counts[None, :] + fixed[:, None]
+    B_all, where = np.unique(values, return_inverse=True)
+    where = where.reshape(values.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        time_all = np.floor((B_all[:, None] - fixed[None, :]) / per[None, :] * (1 + 1e-12)
+                            + 1e-9)
+    best = None
+    for lmax, mem_cap in zip(lmaxes[feasible], caps_mem[feasible]):
+        pick = np.zeros(len(B_all), dtype=bool)
+        pick[where[counts[None, :] <= np.minimum(mem_cap, lmax)[:, None]]] = True
+        by_time = np.where(per[None, :] > 0, time_all[pick], lmax)
+        caps = np.minimum(mem_cap[None, :], by_time).astype(int)
+        ok = (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= n_layers)
+        if ok.any():
+            caps = caps[ok]
+            room = caps[:, cheapest] - 1
+            before = np.concatenate([np.zeros((len(room), 1), int),
+                                     np.cumsum(room, axis=1)[:, :-1]], axis=1)
+            give = np.clip(n_layers - S - before, 0, room)
+            layers = np.empty_like(give)
+            layers[:, cheapest] = give + 1
+            t = layers * per[None, :] + fixed[None, :]
+            obj = t.sum(axis=1) + (M - 1) * t.max(axis=1)
+            i = int(np.argmin(obj))
+            if best is None or obj[i] < best[1]:
+                best = (pt._level(layers[i], caps[i], per, fixed), float(obj[i]))
+    return None if best is None else (best[0], pt.pipeline_time(stages, best[0], M))
+
+
+def random_stages(rng: random.Random, S: int, n_layers: int, deep: bool):
+    """Stages of one or two kinds (ties between splits are common), embedding and head on
+    the ends. `deep`: as the planner's deep pipelines, one speed, states padded to the
+    longest stage so that memory binds above a random longest stage; else more activations
+    early (1F1B) and memory tight or not."""
+    if deep:
+        per, slot, act, base = rng.uniform(0.05, 0.2), rng.uniform(1, 3), rng.uniform(2, 5), \
+            rng.uniform(1, 3)
+        level = -(-n_layers // S)
+        cap = slot * rng.randint(level, n_layers - S + 1) + act * (level + rng.random()) + base
+        return [stage(per, head=rng.uniform(0.5, 1) * per if p == S - 1 else 0.0, slot=slot,
+                      act=act, fixed=base + (rng.uniform(1, 3) if p in (0, S - 1) else 0.0),
+                      capacity=cap) for p in range(S)]
+    speeds = [rng.uniform(0.5, 3.0)] * 2 if rng.random() < 0.5 else \
+        [rng.uniform(0.5, 3.0) for _ in range(2)]
+    cap = rng.uniform(15, 40) if rng.random() < 0.5 else 1e9
+    return [stage(speeds[p * 2 // S] if S > 1 else speeds[0],
+                  head=rng.choice([0.0, rng.uniform(0, 2)]) if p == S - 1 else 0.0,
+                  slot=rng.uniform(0.5, 1.5), act=0.2 * (S - p) * rng.choice([1, 0.5]),
+                  fixed=rng.choice([0.0, 1.0]) if p in (0, S - 1) else 0.0, capacity=cap)
+            for p in range(S)]
+
+
+@pytest.mark.parametrize("batch", ["batched", "scanned"])
+def test_memoised_batched_split_equals_the_row_by_row_scan(batch, monkeypatch):
+    """Same answers to the bit: the memoised, batched exact split against the scan it
+    replaced, on random cost vectors (kinds, deep pipelines, tight and loose memory, M from
+    1 to 128), asked twice (the second answer comes from the memo) and once afresh; also
+    with no batch allowed (the fallback for very long rows)."""
+    if batch == "scanned":
+        monkeypatch.setattr(pt, "_BATCH", 0)
+    pt.split_cache_clear()
+    rng = random.Random(31)
+    found, trials = 0, 300 if batch == "batched" else 100
+    for trial in range(trials):
+        S = rng.choice([1, 2, 3, 4, 8, 16, 32])
+        n_layers = rng.randint(S, 3 * S + 8)
+        M = rng.choice([1, 2, 4, 16, 32, 128])
+        stages = random_stages(rng, S, n_layers, deep=trial % 2 == 0 and S >= 2)
+        want = scan_reference(stages, n_layers, M)
+        assert pt.optimal_split(stages, n_layers, M) == want
+        assert pt.optimal_split(stages, n_layers, M) == want  # memoised
+        pt.split_cache_clear()
+        assert pt.optimal_split(stages, n_layers, M) == want  # computed afresh
+        found += want is not None
+    assert found > trials * 2 // 3

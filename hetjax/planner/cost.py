@@ -436,6 +436,8 @@ class CostModel:
         self._zero: dict[tuple, zr.ZeroTimes] = {}
         self._group_ids: dict[tuple, int] = {}  # DP groups (shape, bytes) -> a short key
         self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
+        self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
+        self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._stage_slot_cache: dict[tuple, _Slot] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
@@ -696,7 +698,10 @@ class CostModel:
                 p, net = self._axis_nets[k]
                 if p <= 1 or nbytes <= 0:
                     return 0.0
-                return self._choice_on(net, op, nbytes, p)[0]
+                # points differing in another factor run this same collective
+                if (k, op, nbytes) not in self._axis_times:
+                    self._axis_times[k, op, nbytes] = self._choice_on(net, op, nbytes, p)[0]
+                return self._axis_times[k, op, nbytes]
 
             self._zero[key] = zr.zero_times(f, params * sb.p, params * sb.g, dp_groups,
                                             self.collective, self.zero_style, over)
@@ -705,8 +710,12 @@ class CostModel:
     def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
         """Concurrent point-to-point transfers between each row's two ranks: the slowest, and
         its link."""
+        return self._transfer_on(self._net(np.asarray(pairs)), nbytes)
+
+    def _transfer_on(self, net: "_Net", nbytes: float) -> tuple[float, Link]:
+        """`transfer` over pairs whose links `net` describes."""
         best = (-1.0, None)
-        for kind in self._net(np.asarray(pairs)).kinds:
+        for kind in net.kinds:
             lk = self._links[int(kind[0])]
             bw, lat = self._achieved(lk, "p2p")
             t = lat + nbytes * kind[1] / bw
@@ -945,12 +954,19 @@ class CostModel:
         row = self.model.d_model / layout.tp
         nbytes = layout.tokens_per_device() * self.model.d_model * self.act_bytes / layout.tp
         packed = layout.tokens_per_device() * (row + 4)  # int8 codes + one fp32 scale a row
+        if self._boundaries.get(id(mesh), (None,))[0] is not mesh:
+            # the links of each boundary depend on the mesh alone, which layouts share (the
+            # mesh is kept with them, so its id is not reused while cached)
+            links = []
+            for s in range(layout.pp - 1):
+                pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
+                crosses = (self.options.boundary_codec == "int8" and bool(
+                    (self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
+                links.append((crosses, self._net(pairs)))
+            self._boundaries[id(mesh)] = (mesh, links)
         times, kinds = [], []
-        for s in range(layout.pp - 1):
-            pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
-            crosses = (self.options.boundary_codec == "int8" and
-                       bool((self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
-            t, lk = self.transfer(packed if crosses else nbytes, pairs)
+        for crosses, net in self._boundaries[id(mesh)][1]:
+            t, lk = self._transfer_on(net, packed if crosses else nbytes)
             times.append(t)
             kinds.append(lk.kind)
         return times, kinds
@@ -1027,10 +1043,13 @@ class StageTable:
         return self._cache[key]
 
 
-@dataclass(frozen=True)
 class _TableRow:
-    table: StageTable
-    slot: int
+    """One mesh row of a StageTable (a plain class: the partition makes one per lookup)."""
+
+    __slots__ = ("table", "slot")
+
+    def __init__(self, table: StageTable, slot: int):
+        self.table, self.slot = table, slot
 
     def __getitem__(self, position: int) -> StageCost:
         return self.table.cost(self.slot, position)

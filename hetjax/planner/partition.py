@@ -24,6 +24,7 @@ and head, earlier 1F1B positions keep more micro-batches in flight).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -106,9 +107,13 @@ def holmes_for(table: Table, n_layers: int, microbatches: int,
 # --- (b) HetHub ---------------------------------------------------------------------------------
 def kinds(table: Table) -> list[list[int]]:
     """Slots grouped by kind: equal per-layer time and memory wherever they are placed."""
+    return _kinds_of([row[0] for row in table])
+
+
+def _kinds_of(first: Sequence[StageCost]) -> list[list[int]]:
+    """`kinds` from each slot's cost at the first position."""
     groups: dict[tuple, list[int]] = {}
-    for slot, row in enumerate(table):
-        c = row[0]
+    for slot, c in enumerate(first):
         key = (round(c.fwd_layer + c.bwd_layer, 15), round(c.mem_slot), round(c.capacity))
         groups.setdefault(key, []).append(slot)
     return list(groups.values())
@@ -183,15 +188,40 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
     time takes), stage p may hold up to min(Lmax, memory cap, layers with t_p <= B) layers;
     given those caps, giving every stage one layer and the rest to the stages with the
     smallest per-layer time first minimises the sum of times. The optimum's own (Lmax, B) is
-    among those tried, so the best over all of them is optimal. None if nothing fits."""
-    S, M = len(stages), microbatches
+    among those tried, so the best over all of them is optimal. None if nothing fits.
+    Ties go to the larger Lmax, then the smaller B (then `_level`). A floor per Lmax (least
+    sum of times within its memory caps + (M - 1) x its least feasible B) skips the Lmax
+    values and bottlenecks that cannot win, and the rest are filled in one batch.
+
+    The search asks for the same split many times (ZeRO points and layouts whose stages price
+    alike), so the answer is memoised on the stage numbers it depends on (`split_cache_clear`
+    empties the memo)."""
+    S = len(stages)
     if S > n_layers:
         return None
-    # one pass over the stages (the search calls this tens of thousands of times); per and
-    # fixed are c.time(1) - c.time(0) and c.time(0), in the same float operations
-    fl, ff, bl, bf, slot, act, base, cap = np.array(
-        [(c.fwd_layer, c.fwd_fixed, c.bwd_layer, c.bwd_fixed, c.mem_slot, c.mem_layer,
-          c.mem_fixed, c.capacity) for c in stages], dtype=float).T
+    # one pass over the stages (the search calls this tens of thousands of times)
+    columns = np.array([(c.fwd_layer, c.fwd_fixed, c.bwd_layer, c.bwd_fixed, c.mem_slot,
+                         c.mem_layer, c.mem_fixed, c.capacity) for c in stages], dtype=float)
+    layers = _exact_layers(columns.tobytes(), S, n_layers, microbatches)
+    if layers is None:
+        return None
+    return layers, pipeline_time(stages, layers, microbatches)  # its exact value
+
+
+def split_cache_clear() -> None:
+    """Forget the memoised exact splits (benchmarks time searches from a cold start)."""
+    _exact_layers.cache_clear()
+
+
+_BATCH = 1 << 20  # most caps (rows x bottlenecks x stages) the exact split fills at once
+
+
+@functools.lru_cache(maxsize=8192)
+def _exact_layers(columns: bytes, S: int, n_layers: int, M: int) -> tuple[int, ...] | None:
+    """`optimal_split`'s layers for stages given as rows of (fwd_layer, fwd_fixed, bwd_layer,
+    bwd_fixed, mem_slot, mem_layer, mem_fixed, capacity)."""
+    fl, ff, bl, bf, slot, act, base, cap = np.frombuffer(columns).reshape(S, 8).T
+    # per and fixed are c.time(1) - c.time(0) and c.time(0), in the same float operations
     fixed = (fl * 0 + ff) + (bl * 0 + bf)
     per = ((fl * 1 + ff) + (bl * 1 + bf)) - fixed
     cheapest = np.argsort(per, kind="stable")
@@ -207,7 +237,6 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
     if unbound.any():
         # Memory does not bind at this lmax, so shorter longest stages cannot do better.
         feasible[np.argmax(unbound) + 1:] = False
-    best: tuple[tuple[int, ...], float] | None = None
     if not feasible.any():
         return None
     # Candidate bottlenecks: the time of every stage at every feasible layer count. Every
@@ -221,35 +250,126 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
     with np.errstate(divide="ignore", invalid="ignore"):
         time_all = np.floor((B_all[:, None] - fixed[None, :]) / per[None, :] * (1 + 1e-12)
                             + 1e-9)
-    least = fixed.sum() + per.sum() + (n_layers - S) * per.min()  # one layer each, the rest
-    # on the cheapest stage
-    for lmax, mem_cap in zip(lmaxes[feasible], caps_mem[feasible]):
-        pick = np.zeros(len(B_all), dtype=bool)
-        pick[where[counts[None, :] <= np.minimum(mem_cap, lmax)[:, None]]] = True
-        B = B_all[pick]
-        by_time = np.where(per[None, :] > 0, time_all[pick], lmax)
-        caps = np.minimum(mem_cap[None, :], by_time).astype(int)
-        ok = (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= n_layers)
-        if ok.any():
-            # Every split of this lmax has its bottleneck among the feasible B and a sum of
-            # times at least `least`: skip the fill when even that cannot beat the best.
-            if best is not None and least + (M - 1) * B[np.argmax(ok)] > best[1] * (1 + 1e-9):
+    rows = np.flatnonzero(feasible)  # lmax values, largest first
+    mem = caps_mem[rows]
+    by_time = np.where(per[None, :] > 0, time_all, n_layers)  # mem caps never exceed it
+    # kmin[p, b]: the fewest layers at which stage p takes time B_all[b] (top + 1: never);
+    # a row's candidates are the times its stages take within their memory caps.
+    kmin = np.full((S, len(B_all)), top + 1)
+    np.minimum.at(kmin, (np.arange(S)[:, None], where), counts[None, :])
+
+    def candidates(r: int, below: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row r's bottlenecks among the first `below` (those that fit) and their caps."""
+        caps = np.minimum(mem[r][None, :], by_time[:below]).astype(int)
+        ok = ((kmin[:, :below] <= mem[r][:, None]).any(axis=0) & (caps.min(axis=1) >= 1)
+              & (caps.sum(axis=1) >= n_layers))
+        return caps[ok], ok
+
+    def objective(caps: np.ndarray, alone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The objective of each row of caps' greedy fill, and the fill. `alone`: the rows
+        that were their lmax's only candidate, whose sums the scan took pairwise."""
+        layers = _fill(caps, cheapest, n_layers)
+        t = layers * per[None, :] + fixed[None, :]
+        return _sums(t, alone) + (M - 1) * t.max(axis=1), layers
+
+    # The answer is the first (largest lmax, then smallest bottleneck) split of least
+    # objective, compared exactly, as a scan over lmax and bottlenecks finds it.
+    floor = (_row_floors(mem, per, fixed, cheapest, B_all, by_time, n_layers, M)
+             if len(rows) > 1 else np.zeros(1))
+    finite = np.flatnonzero(np.isfinite(floor))
+    if not len(finite):
+        return None
+    def scan(rows_: Sequence[int]) -> tuple[int, ...] | None:
+        """Row after row (largest lmax first), skipping rows whose floor cannot win."""
+        best = None
+        for r in rows_:
+            if best is not None and floor[r] > best[0] * (1 + 1e-9):
                 continue
-            caps = caps[ok]
-            room = caps[:, cheapest] - 1  # room above the one layer each stage gets
-            before = np.concatenate([np.zeros((len(room), 1), int),
-                                     np.cumsum(room, axis=1)[:, :-1]], axis=1)
-            give = np.clip(n_layers - S - before, 0, room)
-            layers = np.empty_like(give)
-            layers[:, cheapest] = give + 1
-            t = layers * per[None, :] + fixed[None, :]
-            obj = t.sum(axis=1) + (M - 1) * t.max(axis=1)
-            i = int(np.argmin(obj))
-            if best is None or obj[i] < best[1]:
-                best = (_level(layers[i], caps[i], per, fixed), float(obj[i]))
-    if best is not None:  # levelling never raises the objective; report its exact value
-        best = (best[0], pipeline_time(stages, best[0], M))
-    return best
+            caps, _ = candidates(r, len(B_all))
+            if len(caps):
+                obj, layers = objective(caps, np.full(len(caps), len(caps) == 1))
+                i = int(np.argmin(obj))
+                if best is None or obj[i] < best[0]:
+                    best = (obj[i], layers[i], caps[i])
+        return None if best is None else _level(best[1], best[2], per, fixed)
+
+    if M == 1 or len(finite) == 1:  # one lmax, or no bottleneck term to bound B with
+        return scan(finite.tolist())
+    # The row with the lowest floor bounds the answer. A split whose greedy fill peaks below
+    # its bottleneck B repeats the split of the lower bottleneck it peaks at, so the first
+    # split of least objective sits at a B it reaches: objective >= floor sum + (M-1) B,
+    # which bounds the B worth filling in every row. Those are filled all at once.
+    r0 = int(finite[np.argmin(floor[finite])])
+    caps, _ = candidates(r0, len(B_all))
+    bound = float(objective(caps, np.full(len(caps), len(caps) == 1))[0].min()) * (1 + 1e-9)
+    live = finite[floor[finite] <= bound]
+    cut = np.searchsorted(B_all, (bound - _row_sums(mem[live], per, fixed, cheapest, n_layers))
+                          / (M - 1), side="right")
+    below = int(cut.max())
+    if len(live) * below * S > _BATCH:  # the batch would not fit in a small working set
+        return scan(live.tolist())
+    caps = np.minimum(mem[live][:, None, :], by_time[None, :below]).astype(int)  # [R, B, S]
+    ok = ((kmin[None, :, :below] <= mem[live][:, :, None]).any(axis=1)
+          & (caps.min(axis=2) >= 1) & (caps.sum(axis=2) >= n_layers)
+          & (np.arange(below)[None, :] < cut[:, None]))
+    # A row's only candidate: one below its cut, and no stage reaching a larger time.
+    reach = where[np.arange(S)[None, :], mem[live] - 1].max(axis=1)
+    alone = (ok.sum(axis=1) == 1) & (reach == np.argmax(ok, axis=1))
+    caps = caps[ok]  # rows in lmax order, each row's bottlenecks ascending
+    obj, layers = objective(caps, np.repeat(alone, ok.sum(axis=1)))
+    i = int(np.argmin(obj))
+    # levelling never raises the objective
+    return _level(layers[i], caps[i], per, fixed)
+
+
+def _sums(t: np.ndarray, alone: np.ndarray) -> np.ndarray:
+    """Row sums of t as the scan over lmax computed them, to the last bit (ties between
+    splits are decided on it): the scan summed each lmax's candidates as one Fortran-ordered
+    block (numpy adds such rows stage after stage), and a lone candidate as a one-row array
+    (pairwise). The same numpy calls are made here, so the sums agree on any numpy."""
+    block = np.asfortranarray(np.concatenate([t, t[:1]]))  # two rows at least, as a block
+    out = block.sum(axis=1)[:len(t)]
+    for i in np.flatnonzero(alone).tolist():
+        out[i] = np.ascontiguousarray(t[i:i + 1]).sum(axis=1)[0]
+    return out
+
+
+def _fill(caps: np.ndarray, cheapest: np.ndarray, n_layers: int) -> np.ndarray:
+    """For each row of per-stage caps, one layer per stage and the rest to the stages in
+    `cheapest` order, each up to its cap: the least sum of times within the caps."""
+    room = caps[:, cheapest] - 1  # room above the one layer each stage gets
+    before = np.concatenate([np.zeros((len(room), 1), int),
+                             np.cumsum(room, axis=1)[:, :-1]], axis=1)
+    give = np.clip(n_layers - caps.shape[1] - before, 0, room)
+    layers = np.empty_like(give)
+    layers[:, cheapest] = give + 1
+    return layers
+
+
+def _row_sums(mem: np.ndarray, per: np.ndarray, fixed: np.ndarray, cheapest: np.ndarray,
+              n_layers: int) -> np.ndarray:
+    """The least sum of stage times within each row of memory caps (the greedy fill)."""
+    return (_fill(mem, cheapest, n_layers) * per[None, :] + fixed[None, :]).sum(axis=1)
+
+
+def _row_floors(mem: np.ndarray, per: np.ndarray, fixed: np.ndarray, cheapest: np.ndarray,
+                B_all: np.ndarray, by_time: np.ndarray, n_layers: int, M: int) -> np.ndarray:
+    """A lower bound on the objective of every split of each row of memory caps, inf where
+    no bottleneck fits: the least sum of times within the caps, plus (M - 1) times the
+    smallest bottleneck B whose caps min(memory, layers within B) hold every layer. Each
+    split's own bottleneck is such a B, so its objective is at least the floor. The smallest
+    B is found for all rows at once by bisection (the caps only grow with B)."""
+    n_B = len(B_all)
+    lo, hi = np.zeros(len(mem), int), np.full(len(mem), n_B)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        caps = np.minimum(mem, by_time[np.minimum(mid, n_B - 1)]).astype(int)
+        ok = (caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= n_layers)
+        open_ = lo < hi
+        hi = np.where(open_ & ok, mid, hi)
+        lo = np.where(open_ & ~ok, mid + 1, lo)
+    return np.where(lo < n_B, _row_sums(mem, per, fixed, cheapest, n_layers)
+                    + (M - 1) * B_all[np.minimum(lo, n_B - 1)], np.inf)
 
 
 def _level(layers: np.ndarray, caps: np.ndarray, per: np.ndarray, fixed: np.ndarray
@@ -261,6 +381,8 @@ def _level(layers: np.ndarray, caps: np.ndarray, per: np.ndarray, fixed: np.ndar
     f, p, c = fixed.tolist(), per.tolist(), caps.tolist()
     for speed in np.unique(per):
         group = np.flatnonzero(np.isclose(per, speed, rtol=1e-9, atol=0.0)).tolist()
+        if len(group) == 1:
+            continue  # nothing to level
         total = int(layers[group].sum())
         held = dict.fromkeys(group, 1)
         # each layer goes to the stage whose time after it is least (first stage on ties): a
@@ -280,8 +402,9 @@ def candidate_orders(table: Table, limit: int = 120) -> list[tuple[int, ...]]:
     """Stage orders worth trying: slot order, slowest first, fastest first, and every
     distinct arrangement of kinds when there are at most `limit` of them."""
     S = len(table)
-    groups = kinds(table)
-    speed = [table[s][0].fwd_layer + table[s][0].bwd_layer for s in range(S)]
+    first = [row[0] for row in table]  # read once: the search asks for orders per layout
+    groups = _kinds_of(first)
+    speed = [c.fwd_layer + c.bwd_layer for c in first]
     orders = [tuple(range(S)), tuple(sorted(range(S), key=lambda s: -speed[s])),
               tuple(sorted(range(S), key=lambda s: speed[s]))]
     n_arrangements = math.factorial(S) // math.prod(math.factorial(len(g)) for g in groups)
@@ -318,4 +441,4 @@ def best_split(table: Table, n_layers: int, microbatches: int,
 
 __all__ = ["Split", "pipeline_time", "fits", "placed", "proportional", "holmes_split",
            "holmes_for", "kinds", "hethub_split", "optimal_split", "candidate_orders",
-           "best_split"]
+           "best_split", "split_cache_clear"]
