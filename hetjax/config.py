@@ -32,19 +32,17 @@ from hetjax.planner import zero as zr
 from hetjax.planner.config_plan import resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
-from hetjax.plan import ZeroFactors, layout_problems, name_problems, raise_first
+from hetjax.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
+                         name_problems, raise_first)
 from parallel.registry import EXECUTORS, executor_help
 from parallel.schedules import SCHEDULES, spmd_schedules
 from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
+from layers.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("auto", "none", "full", "dots")  # layers/model.py's, with auto and none
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")  # layers/attention_kernels.py
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
-INNER_OPTIMIZERS = ("adamw", "sgd")
 
 
 # --- one spec per field -------------------------------------------------------------------------

@@ -567,6 +567,13 @@ def effective_remat(remat: str, spmd_pipeline: bool = False) -> str:
     return remat
 
 
+# The optimizers a DiLoCo plan names (the executor, parallel/diloco.py, builds them): the outer
+# one ('sgd', or 'nesterov': SGD with Nesterov momentum) and the sites' ('adamw': the train.*
+# optimizer, or plain 'sgd' at its schedule).
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+INNER_OPTIMIZERS = ("adamw", "sgd")
+
+
 @dataclass(frozen=True)
 class DilocoPlan:
     """What the DiLoCo executor (parallel/diloco.py) runs, decided by the planner from the

@@ -14,6 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The names a ModelConfig accepts, defined here (no JAX) so the config's checks and --help read
+# them without starting JAX. `layers/model.py` maps the recomputing policies to JAX's; 'none'
+# keeps every intermediate and 'auto' lets the planner choose. `layers/attention_kernels.py`
+# turns an attention request into a kernel.
+REMAT_POLICIES = ("auto", "none", "full", "dots")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -18,7 +18,9 @@ from layers.config import ModelConfig
 from layers.embeddings import Embed
 from layers.norms import RMSNorm
 
-REMAT_POLICIES = {
+# JAX's policy for each recomputing name of layers.config.REMAT_POLICIES ('none' and 'auto'
+# keep every intermediate)
+REMAT_JAX_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -34,9 +36,9 @@ class _ScanStep(nn.Module):
         block = DecoderBlock
         if cache is not None:  # decoding (no gradients): the layer's slice of the KV cache
             return block(self.cfg, name="block")(x, cache=cache)
-        if self.cfg.remat in REMAT_POLICIES:  # 'none' and 'auto' keep every intermediate
+        if self.cfg.remat in REMAT_JAX_POLICIES:
             block = nn.remat(DecoderBlock, prevent_cse=False,
-                             policy=REMAT_POLICIES[self.cfg.remat])
+                             policy=REMAT_JAX_POLICIES[self.cfg.remat])
         return block(self.cfg, name="block")(x, segment_ids), None
 
 

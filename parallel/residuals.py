@@ -24,7 +24,7 @@ import jax
 
 from hetjax.plan import effective_remat
 from layers import block_apply
-from layers.model import REMAT_POLICIES
+from layers.model import REMAT_JAX_POLICIES
 
 
 def layer_fn(model_cfg, remat: str) -> Callable:
@@ -33,9 +33,9 @@ def layer_fn(model_cfg, remat: str) -> Callable:
     def layer(p, h, segment_ids=None):
         return block_apply(model_cfg, p, h, segment_ids)
 
-    if remat not in REMAT_POLICIES:  # 'none'
+    if remat not in REMAT_JAX_POLICIES:  # 'none'
         return layer
-    return jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[remat])
+    return jax.checkpoint(layer, prevent_cse=False, policy=REMAT_JAX_POLICIES[remat])
 
 
 @dataclass(frozen=True, eq=False)

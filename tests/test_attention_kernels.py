@@ -125,10 +125,18 @@ def test_fallback_is_said_once(caplog):
     assert len(lines) == 1 and "pallas" in lines[0] and "bf16/fp16" in lines[0]
 
 
-def test_config_names_match_the_kernels():
-    from hetjax import config as hconfig
+def test_every_named_kernel_is_chosen_or_refused_with_the_fix():
+    """The names (layers.config, read by the config's check and --help) are the ones `choose`
+    takes: each explicit one gives its kernel where it runs, or a ConfigError naming the fix."""
+    from hetjax.errors import ConfigError
 
-    assert hconfig.ATTENTION_IMPLEMENTATIONS == ak.IMPLEMENTATIONS
+    for name in ak.IMPLEMENTATIONS[1:]:
+        try:
+            assert ak.choose(name, "cuda", "bfloat16", 64, 256, 9.0).name == name
+        except ConfigError as e:
+            assert e.field == "model.attention", e
+    with pytest.raises(ConfigError, match="use one of auto, xla, cudnn, pallas"):
+        ak.choose("flash", "cpu", "float32", 64, 256)
 
 
 def test_hetjax_plan_shows_the_kernel_each_accelerator_takes(capsys):
