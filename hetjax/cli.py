@@ -189,31 +189,34 @@ def cmd_topology(argv: list[str]) -> int:
     return 0
 
 
-def _worker_spec(cfg, topology):
-    """This process's place in a multi-process job (None: not a worker). A SLURM task of a
-    multi-world job first derives its world's variables (`launch.join_slurm_worlds`)."""
+def _start_devices(cfg):
+    """The config's topology and this process's place in a multi-process job (None: not a
+    worker), with this process's JAX devices ready for it: a worker of a
+    multi-process job (`hetjax launch` sets HETJAX_* variables; a SLURM task of a multi-world
+    job first derives its world's, `launch.join_slurm_worlds`) joins the job; a lone process
+    asks for the topology's number of simulated CPU devices (used where JAX finds no
+    accelerator)."""
+    from hetjax import config as hconfig
     from hetjax.distributed import ENV_CLUSTER, WorkerSpec
 
+    topology = hconfig.build_topology(cfg)
     if os.environ.get(ENV_CLUSTER) == "slurm":
         from hetjax.launch import join_slurm_worlds
 
         join_slurm_worlds(cfg, topology)
-    return WorkerSpec.from_environ()
-
-
-def cmd_train(argv: list[str]) -> int:
-    from hetjax import config as hconfig
-
-    cfg = _parse("train", argv)
-    topology = hconfig.build_topology(cfg)
-    # A worker of a multi-process job (hetjax launch sets HETJAX_* variables) joins it first.
-    spec = _worker_spec(cfg, topology)
+    spec = WorkerSpec.from_environ()
     if spec is None:
         ensure_cpu_devices(topology.num_devices)
     else:
         from hetjax.launch import prepare_worker
 
         prepare_worker(cfg, topology, spec)
+    return topology, spec
+
+
+def cmd_train(argv: list[str]) -> int:
+    cfg = _parse("train", argv)
+    topology, spec = _start_devices(cfg)
     from hetjax.train import Trainer
 
     trainer = Trainer(cfg, topology=topology)
@@ -477,8 +480,6 @@ def cmd_calibrate(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(CALIBRATE_USAGE)
         return 0
-    from hetjax import config as hconfig
-
     quick = "--quick" in argv
     opts, rest = take_options([a for a in argv if a not in CALIBRATE_FLAGS],
                               CALIBRATE_OPTIONS)
@@ -488,14 +489,7 @@ def cmd_calibrate(argv: list[str]) -> int:
             if name == "out":  # its directory is created when missing
                 os.makedirs(os.path.dirname(os.path.abspath(opts[name])), exist_ok=True)
             check_output_path(name, opts[name], PLOT_FORMATS if name == "plot" else ())
-    topology = hconfig.build_topology(cfg)
-    spec = _worker_spec(cfg, topology)
-    if spec is None:
-        ensure_cpu_devices(topology.num_devices)
-    else:
-        from hetjax.launch import prepare_worker
-
-        prepare_worker(cfg, topology, spec)
+    topology, spec = _start_devices(cfg)
     from hetjax import measure
     from hetjax.planner import model_from_config
     from hetjax.planner.calibrate import plot_calibration, save_calibration
