@@ -31,8 +31,6 @@ from typing import ClassVar
 
 from parallel import schedules as sch
 
-BUFFER_KINDS = ("activation", "gradient", "stash", "douts")
-
 
 @dataclass(frozen=True)
 class Buffer:
