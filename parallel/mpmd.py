@@ -166,6 +166,15 @@ def _map_param_trees(fn, leaf_fn, *trees):
     return leaf_fn(*trees)
 
 
+def merge_states(states: list[TrainState], chunks_of: list[list[Chunk]]) -> TrainState:
+    """The natural TrainState (what checkpoints hold) from every stage's state, in stage
+    order: parameters and optimizer moments merged in model layer order (`merge_trees`)."""
+    return TrainState(
+        step=states[0].step, params=merge_trees([t.params for t in states], chunks_of),
+        opt_state=_map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of),
+                                   lambda *xs: xs[0], *[t.opt_state for t in states]))
+
+
 # --- one stage -----------------------------------------------------------------------------
 class Stage:
     """Pipeline stage s: its sub-mesh, shardings and compiled programs, for each of the model
@@ -700,19 +709,15 @@ class MpmdLayout:
     def __init__(self, ex: MpmdExecutor, state: MpmdState):
         self.ex = ex
         self.sharding = NamedSharding(ex.mesh, P())
+        chunks_of = [st.chunks for st in ex.stages]
+        self._merge = jax.jit(lambda states: merge_states(states, chunks_of),
+                              out_shardings=self.sharding)
         self.target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding),
             jax.eval_shape(self.to_natural, state))
 
     def to_natural(self, state: MpmdState) -> TrainState:
-        ex = self.ex
-        chunks_of = [st.chunks for st in ex.stages]
-        opt = _map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of), lambda *xs: xs[0],
-                               *[jax.device_put(s.opt_state, self.sharding)
-                                 for s in state.stages])
-        return TrainState(step=jax.device_put(state.step, self.sharding),
-                          params=ex._natural(lambda t: t.params, state, self.sharding),
-                          opt_state=opt)
+        return self._merge([jax.device_put(s, self.sharding) for s in state.stages])
 
     def natural_target(self):
         return self.target
@@ -722,4 +727,4 @@ class MpmdLayout:
 
 
 __all__ = ["MpmdExecutor", "MpmdState", "MpmdLayout", "Stage", "Chunk", "model_chunks",
-           "stage_tree", "merge_trees", "StepRun"]
+           "stage_tree", "merge_trees", "merge_states", "StepRun"]

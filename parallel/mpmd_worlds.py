@@ -48,8 +48,8 @@ from hetjax.plan import resolve_schedule
 from parallel import program as pg
 from parallel.bridge import Bridge, message_key
 from parallel.mesh import AXES, DP_AXES, mesh_shape
-from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, StepRun, _map_param_trees,
-                           merge_trees, model_chunks, stage_tree)
+from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, StepRun, merge_states,
+                           model_chunks, stage_tree)
 from parallel.pipeline import check_plan
 from parallel.train_state import Executor, TrainState
 
@@ -540,11 +540,7 @@ class WorldsLayout:
         sharding = self.sharding
 
         def merge(states: list[TrainState]) -> TrainState:
-            opt = _map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of),
-                                   lambda *xs: xs[0], *[t.opt_state for t in states])
-            return TrainState(step=states[0].step,
-                              params=merge_trees([t.params for t in states], chunks_of),
-                              opt_state=opt)
+            return merge_states(states, chunks_of)
 
         self._merge = jax.jit(merge, out_shardings=sharding)
         abstract = [ex._abstract_stage_state(ex._stage_layout(s)) for s in range(ex.plan.pp)]
