@@ -23,18 +23,19 @@ accumulator, reduce across replicas once:
   accumulating parameter gradients; or, split for zero-bubble schedules, I(m) pulls back only
   the activation gradients (XLA drops the weight-gradient work) and keeps each piece's output
   gradient, and W(m) computes the weight gradients from them.
-- A stage's last backward of the step also reduces its gradients across its replicas, in the
-  same program (so XLA may overlap the reduction with the remaining layers' backward), while
-  other stages still work.
+- A stage's last backward of the step is followed by the reduction of its gradients across
+  its replicas, while other stages still work: in the same program (so XLA may overlap it with
+  the remaining layers' backward) when that backward sends nothing on, else in its own.
 - The update: the global gradient norm is summed from one scalar per stage; each stage clips
   with it and applies the optimizer to its own OS shards.
 
-One controller (this Python thread) issues every stage's tasks in the schedule's order; JAX
-dispatches them asynchronously, each waiting only for its own inputs, and activations and
-gradients move between the stages' devices with `jax.device_put`, also asynchronous. The issue
-order is the schedule's unit-time timeline (a valid order of the dependency graph), so no
-global tick exists. (On one CPU process the simulated devices do not really run in parallel;
-see docs/pipeline.md for where the timing is measured.)
+The schedule is lowered once to a program (`parallel.program`: per stage, run F / B / I / W,
+send, receive, reduce, free, interleaved in the issue order, the schedule's unit-time timeline,
+so no global tick exists). One controller (this Python thread) interprets it, one method per
+op kind; JAX dispatches the stages' programs asynchronously, each waiting only for its own
+inputs, and a send is a `jax.device_put` onto the receiving stage, also asynchronous. (On one
+CPU process the simulated devices do not really run in parallel; see docs/pipeline.md for
+where the timing is measured.)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import flax.linen as nn
@@ -55,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
 from layers import Transformer
-from parallel import schedules as sch
+from parallel import program as pg
 from parallel import sharding as shd
 from parallel import zero
 from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
@@ -163,6 +164,15 @@ def _map_param_trees(fn, leaf_fn, *trees):
     if isinstance(t, dict):
         return {k: _map_param_trees(fn, leaf_fn, *(x[k] for x in trees)) for k in t}
     return leaf_fn(*trees)
+
+
+def merge_states(states: list[TrainState], chunks_of: list[list[Chunk]]) -> TrainState:
+    """The natural TrainState (what checkpoints hold) from every stage's state, in stage
+    order: parameters and optimizer moments merged in model layer order (`merge_trees`)."""
+    return TrainState(
+        step=states[0].step, params=merge_trees([t.params for t in states], chunks_of),
+        opt_state=_map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of),
+                                   lambda *xs: xs[0], *[t.opt_state for t in states]))
 
 
 # --- one stage -----------------------------------------------------------------------------
@@ -416,6 +426,25 @@ class Stage:
 
 
 # --- the executor ----------------------------------------------------------------------------
+@dataclass(eq=False)
+class StepRun:
+    """One step's run of the program on this process's stages: the position in `ops`, the
+    buffers (stage, `program.Buffer`) -> value, and per stage the gathered pieces, the
+    gradient accumulator and the loss sum (the head's; zeros elsewhere)."""
+
+    ops: list
+    inputs: Any
+    targets: Any
+    task_times: dict | None
+    pieces: dict[int, list]
+    acc: dict[int, Any]
+    losses: dict[int, Any]
+    buffers: dict[tuple[int, pg.Buffer], Any] = field(default_factory=dict)
+    transit: dict[tuple[int, pg.Buffer], Any] = field(default_factory=dict)  # sent, not received
+    finished: dict[int, Any] = field(default_factory=dict)
+    position: int = 0
+
+
 class MpmdExecutor(Executor):
     """Runs the plan's pipeline as one program per stage (see the module docstring)."""
 
@@ -425,7 +454,7 @@ class MpmdExecutor(Executor):
         self.grad_clip = grad_clip
         self.tied = model_cfg.tie_embeddings
         self.schedule = resolve_schedule(plan)
-        self.order = issue_order(self.schedule)
+        self.program = pg.lower(self.schedule)
         self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.mesh = build_mesh(plan, topology)  # all stages: checkpoints pass through it
         names = self.mesh.axis_names[1:]
@@ -482,6 +511,20 @@ class MpmdExecutor(Executor):
             with st.context():
                 stages.append(jax.jit(init, out_shardings=st.state_sharding)(
                     jax.device_put(params, st.state_sharding.params)))
+        return MpmdState(stages=tuple(stages))
+
+    def from_natural_state(self, natural: TrainState) -> MpmdState:
+        """The (local) stages' states cut from a natural TrainState (what checkpoints hold):
+        the one `from_natural` of every staged layout (`MpmdLayout`, `WorldsLayout`)."""
+        stages = []
+        for st in (self.stages[s] for s in self.local):
+            def cut(tree, chunks=st.chunks):
+                return stage_tree(tree, chunks, self.tied)
+
+            stages.append(jax.device_put(TrainState(
+                step=natural.step, params=cut(natural.params),
+                opt_state=_map_param_trees(cut, lambda x: x, natural.opt_state)),
+                st.state_sharding))
         return MpmdState(stages=tuple(stages))
 
     def params(self, state: MpmdState):
@@ -541,88 +584,99 @@ class MpmdExecutor(Executor):
 
     def run_tasks(self, mine: dict[int, TrainState], batch,
                   task_times: dict[tuple[int, str], list[float]] | None = None) -> dict:
-        """Run the schedule's tasks of the stages in `mine` (stage -> its state), in the issue
-        order; activations and gradients for other stages go through `deliver` and arrive
-        through `take`. Returns, per stage, what its last backward gave: (its gradients
-        reduced across its replicas, the mean loss on the head's stage)."""
-        stages, chunks = self.stages, self.chunks
-        inputs, targets = batch.get("inputs"), batch.get("targets")
-        pieces = {s: stages[s].run(stages[s].gather, mine[s].params) for s in mine}
-        acc = {s: stages[s].run(stages[s].new_accumulator, mine[s].params) for s in mine}
-        zeros = {s: stages[s].constants[0] for s in mine}
-        head_s = chunks[-1].stage
-        losses = zeros.get(head_s)
-        # ("activation" | "gradient", model chunk, micro-batch) -> what that chunk's task reads
-        inbox: dict[tuple[str, int, int], jax.Array] = {}
-        stash: dict[tuple[int, int], Any] = {}  # (model chunk, micro-batch) -> residuals
-        douts: dict[tuple[int, int], Any] = {}
-        remaining = {s: sum(a.kind in sch.RELEASE_KINDS for a in self.schedule.orders[s])
-                     for s in mine}
-        finished: dict[int, Any] = {}
-        tasks = [(s, a) for s, a in self.order if s in mine]
-        for t, (s, a) in enumerate(tasks):
-            self.before_task(tasks, t)
-            st, m, c = stages[s], a.microbatch, a.chunk
-            chunk = st.chunks[c]
-            k = chunk.index
-            run = st.run if task_times is None else functools.partial(_timed, st, (s, a.kind),
-                                                                     task_times)
-            if a.kind == "F":
-                x = None if chunk.first else self.take(inbox, "activation", s, k, m)
-                out, stash[k, m] = run(st.forward, c, pieces[s][c], x, inputs, targets,
-                                       st.constants[2][m])
-                if chunk.last:
-                    losses = losses + out
-                else:
-                    self.deliver(inbox, "activation", out, s, k + 1, m)
-                continue
-            dy = None  # W reads the output gradients its I kept
-            if a.kind in sch.BACKWARD_KINDS:
-                dy = (st.constants[1] if chunk.last
-                      else self.take(inbox, "gradient", s, k, m))
-            if a.kind in sch.RELEASE_KINDS:
-                remaining[s] -= 1
-            # The stage's last backward is followed by its gradients' reduction across
-            # replicas, while other stages still work. In the same program only when that
-            # backward sends nothing on (the first model chunk's, or a W): a program's outputs
-            # are ready only when all of it is done, so a fused reduction would hold back the
-            # input gradient the previous stage waits for.
-            last = a.kind in sch.RELEASE_KINDS and not remaining[s]
-            stage_losses = losses if s == head_s else zeros[s]
-            dx = None
-            if a.kind == "B" and last and chunk.first:
-                _, finished[s] = run(st.last_backward, c, pieces[s][c], stash.pop((k, m)), dy,
-                                     acc[s], stage_losses)
-            elif a.kind == "B":
-                dx, acc[s] = run(st.backward, c, pieces[s][c], stash.pop((k, m)), dy, acc[s])
-            elif a.kind == "I":
-                dx, douts[k, m] = run(st.input_grads, c, pieces[s][c], stash[k, m], dy)
-            elif last:  # "W"
-                finished[s] = run(st.last_weight_grads, c, pieces[s][c], stash.pop((k, m)),
-                                  douts.pop((k, m)), acc[s], stage_losses)
-            else:
-                acc[s] = run(st.weight_grads, c, pieces[s][c], stash.pop((k, m)),
-                             douts.pop((k, m)), acc[s])
-            if dx is not None:
-                self.deliver(inbox, "gradient", dx, s, k - 1, m)
-            if a.kind == "B" and last and not chunk.first:  # after dx has left
-                reduce = st.run if task_times is None else functools.partial(
-                    _timed, st, (s, "reduce"), task_times)
-                finished[s] = reduce(st.finish, acc[s], stage_losses)
-        return finished
+        """Interpret the step's program (`parallel.program`) for the stages in `mine` (stage ->
+        its state): one method per op kind, in the program's order. Returns, per stage, what
+        its reduction gave: (its gradients reduced across its replicas, the mean loss on the
+        head's stage)."""
+        stages = self.stages
+        step = StepRun(
+            ops=[op for op in self.program.ops if op.stage in mine],
+            inputs=batch.get("inputs"), targets=batch.get("targets"), task_times=task_times,
+            pieces={s: stages[s].run(stages[s].gather, mine[s].params) for s in mine},
+            acc={s: stages[s].run(stages[s].new_accumulator, mine[s].params) for s in mine},
+            losses={s: stages[s].constants[0] for s in mine})
+        handlers = {pg.Run: self.run_op, pg.Send: self.send, pg.Recv: self.recv,
+                    pg.Reduce: self.reduce, pg.Free: self.free}
+        for i, op in enumerate(step.ops):
+            step.position = i
+            handlers[type(op)](step, op)
+        return step.finished
 
-    def before_task(self, tasks: list, t: int) -> None:
-        """Called before task t of `tasks` runs (the multi-world executor prefetches)."""
+    def _call(self, step: "StepRun", s: int, key: str, fn, *args):
+        """Stage s's program `fn`; waited for and timed under (s, key) with `task_times`."""
+        if step.task_times is None:
+            return self.stages[s].run(fn, *args)
+        return _timed(self.stages[s], (s, key), step.task_times, fn, *args)
 
-    def deliver(self, inbox: dict, kind: str, value, sender: int, chunk: int, m: int) -> None:
-        """Hand the activation (or gradient) stage `sender` produced to model chunk `chunk`'s
-        stage: an asynchronous device-to-device copy."""
-        inbox[kind, chunk, m] = jax.device_put(value, self.stages[self.chunks[chunk].stage]
-                                               .activation)
+    def run_op(self, step: "StepRun", op: pg.Run) -> None:
+        """One task of a stage: F, B, I or W of one model chunk and micro-batch."""
+        {"F": self._forward, "B": self._backward, "I": self._input_grads,
+         "W": self._weight_grads}[op.kind](step, op, self.stages[op.stage])
 
-    def take(self, inbox: dict, kind: str, s: int, chunk: int, m: int):
-        """The activation (or gradient) model chunk `chunk` on stage s reads."""
-        return inbox.pop((kind, chunk, m))
+    def _forward(self, step, op, st):
+        s, c, x = op.stage, op.position, op.read("activation")
+        out, step.buffers[s, op.written("stash")] = self._call(
+            step, s, op.kind, st.forward, c, step.pieces[s][c],
+            None if x is None else step.buffers[s, x], step.inputs, step.targets,
+            st.constants[2][op.microbatch])
+        y = op.written("activation")
+        if y is None:  # the last model chunk: its output is the loss
+            step.losses[s] = step.losses[s] + out
+        else:
+            step.buffers[s, y] = out
+
+    def _pulled_back(self, step, op, st) -> tuple:
+        """(chunk position, its pieces, its stash, its output gradient): what B and I read."""
+        s, c, dy = op.stage, op.position, op.read("gradient")
+        return (c, step.pieces[s][c], step.buffers[s, op.read("stash")],
+                st.constants[1] if dy is None else step.buffers[s, dy])  # the loss's: ones
+
+    def _backward(self, step, op, st):
+        s = op.stage
+        if op.reduce:
+            _, step.finished[s] = self._call(step, s, op.kind, st.last_backward,
+                                             *self._pulled_back(step, op, st), step.acc[s],
+                                             step.losses[s])
+            return
+        dx, step.acc[s] = self._call(step, s, op.kind, st.backward,
+                                     *self._pulled_back(step, op, st), step.acc[s])
+        if op.written("gradient") is not None:
+            step.buffers[s, op.written("gradient")] = dx
+
+    def _input_grads(self, step, op, st):
+        s = op.stage
+        dx, step.buffers[s, op.written("douts")] = self._call(
+            step, s, op.kind, st.input_grads, *self._pulled_back(step, op, st))
+        if op.written("gradient") is not None:
+            step.buffers[s, op.written("gradient")] = dx
+
+    def _weight_grads(self, step, op, st):
+        s, c = op.stage, op.position
+        args = (c, step.pieces[s][c], step.buffers[s, op.read("stash")],
+                step.buffers[s, op.read("douts")], step.acc[s])
+        if op.reduce:
+            step.finished[s] = self._call(step, s, op.kind, st.last_weight_grads, *args,
+                                          step.losses[s])
+        else:
+            step.acc[s] = self._call(step, s, op.kind, st.weight_grads, *args)
+
+    def reduce(self, step: "StepRun", op: pg.Reduce) -> None:
+        """The stage's gradients reduced across its replicas, in a program of its own."""
+        s = op.stage
+        step.finished[s] = self._call(step, s, "reduce", self.stages[s].finish, step.acc[s],
+                                      step.losses[s])
+
+    def send(self, step: "StepRun", op: pg.Send) -> None:
+        """Hand a buffer to another stage: an asynchronous device-to-device copy."""
+        step.transit[op.peer, op.buffer] = jax.device_put(step.buffers[op.stage, op.buffer],
+                                                          self.stages[op.peer].activation)
+
+    def recv(self, step: "StepRun", op: pg.Recv) -> None:
+        """The buffer another stage sent (the program sends before it receives)."""
+        step.buffers[op.stage, op.buffer] = step.transit.pop((op.stage, op.buffer))
+
+    def free(self, step: "StepRun", op: pg.Free) -> None:
+        del step.buffers[op.stage, op.buffer]
 
     # --- batches and evaluation --------------------------------------------------------------
     def eval_loss(self, state: MpmdState, batch: dict[str, np.ndarray]) -> float:
@@ -647,13 +701,6 @@ def _timed(stage: Stage, key, times: dict, fn, *args):
     return out
 
 
-def issue_order(schedule: sch.Schedule) -> list[tuple[int, sch.Task]]:
-    """Every task as (stage, action) in an order that respects the schedule's dependencies and
-    each stage's own order: by start time on the schedule's unit-time timeline."""
-    events = sch.timeline(schedule, [1.0] * schedule.stages, [1.0] * schedule.stages)
-    return [(e.stage, e.action) for e in sorted(events, key=lambda e: (e.start, e.stage))]
-
-
 class MpmdLayout:
     """`hetjax.checkpoint.Layout` for an MPMD state: checkpoints hold the natural TrainState
     (parameters and optimizer moments merged from the stages, in global layer order). Between a
@@ -662,35 +709,22 @@ class MpmdLayout:
     def __init__(self, ex: MpmdExecutor, state: MpmdState):
         self.ex = ex
         self.sharding = NamedSharding(ex.mesh, P())
+        chunks_of = [st.chunks for st in ex.stages]
+        self._merge = jax.jit(lambda states: merge_states(states, chunks_of),
+                              out_shardings=self.sharding)
         self.target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.sharding),
             jax.eval_shape(self.to_natural, state))
 
     def to_natural(self, state: MpmdState) -> TrainState:
-        ex = self.ex
-        chunks_of = [st.chunks for st in ex.stages]
-        opt = _map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of), lambda *xs: xs[0],
-                               *[jax.device_put(s.opt_state, self.sharding)
-                                 for s in state.stages])
-        return TrainState(step=jax.device_put(state.step, self.sharding),
-                          params=ex._natural(lambda t: t.params, state, self.sharding),
-                          opt_state=opt)
+        return self._merge([jax.device_put(s, self.sharding) for s in state.stages])
 
     def natural_target(self):
         return self.target
 
     def from_natural(self, natural: TrainState) -> MpmdState:
-        ex, stages = self.ex, []
-        for st in ex.stages:
-            def cut(tree, chunks=st.chunks):
-                return stage_tree(tree, chunks, ex.tied)
-
-            stages.append(jax.device_put(TrainState(
-                step=natural.step, params=cut(natural.params),
-                opt_state=_map_param_trees(cut, lambda x: x, natural.opt_state)),
-                st.state_sharding))
-        return MpmdState(stages=tuple(stages))
+        return self.ex.from_natural_state(natural)
 
 
 __all__ = ["MpmdExecutor", "MpmdState", "MpmdLayout", "Stage", "Chunk", "model_chunks",
-           "stage_tree", "merge_trees", "issue_order"]
+           "stage_tree", "merge_trees", "merge_states", "StepRun"]

@@ -4,8 +4,8 @@ carries what crosses to the other worlds.
 A multi-world job runs one `jax.distributed` job per world (`hetjax.planner.worlds`); every
 process of every world runs this executor with the same plan. A world builds `parallel.mpmd`
 `Stage`s (sub-mesh, shardings, compiled F / B / I / W / update programs) only for its own
-stages, on its own devices, and walks the same schedule issue order (`mpmd.issue_order`) as the
-single-world executor, skipping other worlds' tasks. Only cross-stage movement changes: when
+stages, on its own devices, and interprets the same program (`parallel.program`) as the
+single-world executor, skipping other worlds' ops. Only send and receive change: when
 the peer stage lives in another world, the activation of a forward, the gradient of a
 backward's input, the tied embedding's gradient (summed in the same order as in one world),
 the loss and each world's part of the squared gradient norm go over the bridge
@@ -45,11 +45,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.errors import HetjaxError
 from hetjax.plan import resolve_schedule
-from parallel import schedules as sch
+from parallel import program as pg
 from parallel.bridge import Bridge, message_key
 from parallel.mesh import AXES, DP_AXES, mesh_shape
-from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, _map_param_trees, issue_order,
-                           merge_trees, model_chunks, stage_tree)
+from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, StepRun, merge_states,
+                           model_chunks, stage_tree)
 from parallel.pipeline import check_plan
 from parallel.train_state import Executor, TrainState
 
@@ -106,7 +106,7 @@ class WorldsExecutor(MpmdExecutor):
         self.grad_clip = grad_clip
         self.tied = model_cfg.tie_embeddings
         self.schedule = resolve_schedule(plan)
-        self.order = issue_order(self.schedule)
+        self.program = pg.lower(self.schedule)
         self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
@@ -372,20 +372,6 @@ class WorldsExecutor(MpmdExecutor):
             jax.make_array_from_single_device_arrays(leaf.shape, sh[i], arrays[i])
             for i, leaf in enumerate(leaves)])
 
-    def _input_pulls(self, s: int, a) -> list:
-        """The bridge pulls task `a` of stage s needs (none if its input is local)."""
-        c = self.stages[s].chunks[a.chunk]
-        if a.kind == "F" and not c.first and self.chunks[c.index - 1].stage not in self.local:
-            return self._pulls(s, self.chunks[c.index - 1].stage, self.activation,
-                               self.stages[s].activation, "activation", c.index - 1,
-                               a.microbatch)
-        if a.kind in sch.BACKWARD_KINDS and not c.last and \
-                self.chunks[c.index + 1].stage not in self.local:
-            return self._pulls(s, self.chunks[c.index + 1].stage, self.activation,
-                               self.stages[s].activation, "gradient", c.index + 1,
-                               a.microbatch)
-        return []
-
     # --- the step ---------------------------------------------------------------------------
     def loss_and_grads(self, state, batch):
         loss, grads, _ = self.stage_loss_and_grads(state, batch)
@@ -426,27 +412,43 @@ class WorldsExecutor(MpmdExecutor):
         self._calls += 1
         return loss, [grads[s] for s in local], g_norm
 
-    def before_task(self, tasks: list, t: int) -> None:
-        """Start the bridge pulls of the next LOOKAHEAD tasks' remote inputs."""
-        for s2, a2 in tasks[t + 1:t + 1 + LOOKAHEAD]:
-            self._prefetch(self._input_pulls(s2, a2))
+    def send(self, step: StepRun, op: pg.Send) -> None:
+        """Within this group as in one world; to another group over the bridge (the message
+        is keyed by the sender's model chunk)."""
+        self._prefetch_ahead(step)
+        if op.peer in self.local:
+            return super().send(step, op)
+        b = op.buffer
+        self._send(step.buffers[op.stage, b], op.stage, op.peer,
+                   self.stages[op.stage].activation, b.kind, b.source, b.microbatch)
 
-    def deliver(self, inbox: dict, kind: str, value, sender: int, chunk: int, m: int) -> None:
-        """Within this world a device-to-device copy; to another world, over the bridge
-        (the message is keyed by the sender's model chunk)."""
-        receiver = self.chunks[chunk].stage
-        if receiver in self.local:
-            return super().deliver(inbox, kind, value, sender, chunk, m)
-        source = chunk - 1 if kind == "activation" else chunk + 1
-        self._send(value, sender, receiver, self.stages[sender].activation, kind, source, m)
+    def recv(self, step: StepRun, op: pg.Recv) -> None:
+        """Within this group as in one world; from another group pulled over the bridge."""
+        self._prefetch_ahead(step)
+        if op.peer in self.local:
+            return super().recv(step, op)
+        step.buffers[op.stage, op.buffer] = self._recv(op.stage, op.peer,
+                                                       *self._boundary(op))
 
-    def take(self, inbox: dict, kind: str, s: int, chunk: int, m: int):
-        """From the inbox, or pulled over the bridge from the sender's world."""
-        if (kind, chunk, m) in inbox:
-            return inbox.pop((kind, chunk, m))
-        source = chunk - 1 if kind == "activation" else chunk + 1
-        return self._recv(s, self.chunks[source].stage, self.activation,
-                          self.stages[s].activation, kind, source, m)
+    def _boundary(self, op: pg.Recv) -> tuple:
+        """The `_recv` / `_pulls` arguments after the peer stage, for a received buffer."""
+        b = op.buffer
+        return (self.activation, self.stages[op.stage].activation, b.kind, b.source,
+                b.microbatch)
+
+    def _prefetch_ahead(self, step: StepRun) -> None:
+        """Start the bridge pulls of the remote receives of about the next LOOKAHEAD tasks
+        (those before the (LOOKAHEAD + 1)-th run after this op). Sends and receives call it,
+        so nearly every task of a pipeline does; a prefetch never blocks."""
+        runs = 0
+        for i in range(step.position + 1, len(step.ops)):
+            op = step.ops[i]
+            if isinstance(op, pg.Run):
+                runs += 1
+                if runs > LOOKAHEAD:
+                    return
+            elif isinstance(op, pg.Recv) and op.peer not in self.local:
+                self._prefetch(self._pulls(op.stage, op.peer, *self._boundary(op)))
 
     def _embedding_transfer(self, s: int, like):
         """How a tied embedding's gradient crosses between stage groups: each leaf split over
@@ -538,11 +540,7 @@ class WorldsLayout:
         sharding = self.sharding
 
         def merge(states: list[TrainState]) -> TrainState:
-            opt = _map_param_trees(lambda *ts: merge_trees(list(ts), chunks_of),
-                                   lambda *xs: xs[0], *[t.opt_state for t in states])
-            return TrainState(step=states[0].step,
-                              params=merge_trees([t.params for t in states], chunks_of),
-                              opt_state=opt)
+            return merge_states(states, chunks_of)
 
         self._merge = jax.jit(merge, out_shardings=sharding)
         abstract = [ex._abstract_stage_state(ex._stage_layout(s)) for s in range(ex.plan.pp)]
@@ -560,18 +558,7 @@ class WorldsLayout:
         return self.target
 
     def from_natural(self, natural: TrainState) -> MpmdState:
-        ex, stages = self.ex, []
-        for s in ex.local:
-            st = ex.stages[s]
-
-            def cut(tree, chunks=st.chunks):
-                return stage_tree(tree, chunks, ex.tied)
-
-            stages.append(jax.device_put(TrainState(
-                step=natural.step, params=cut(natural.params),
-                opt_state=_map_param_trees(cut, lambda x: x, natural.opt_state)),
-                st.state_sharding))
-        return MpmdState(stages=tuple(stages))
+        return self.ex.from_natural_state(natural)
 
     def agree_step(self, step: int | None) -> int | None:
         return self.ex.agree_step(step)

@@ -12,7 +12,8 @@ Embedding, final norm and output projection stay unstacked and replicated over '
 Executor. `Pipeline.loss_and_grads` runs one training step's forward and backward as a loop
 over the ticks of `schedules.tick_program`, inside `jax.shard_map` with only 'pp' manual (dp and
 tp stay with the compiler, which places them from the parameter shardings and the layers'
-logical constraints). At every tick each stage does what its column of the program says:
+logical constraints). At every tick each stage does what its column of the program says
+(`StageStep`, the shard_map's body, has one method per tick kind):
 - F(m): stage 0 embeds the tokens of micro-batch m, the others take the activation waiting
   in their inbox; then the stage runs its n_s layers (a `fori_loop` whose trip count is n_s,
   so a short stage really does less work and padded slots cost nothing), each under `jax.vjp`,
@@ -66,6 +67,7 @@ bit-identical sums and the replicas stay identical. The loss is summed the same 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -398,214 +400,8 @@ class Pipeline:
 
     # --- the tick loop -------------------------------------------------------------------------
     def _stage_program(self, zs, blocks, shared, inputs, targets, segs=None):
-        """Body of the shard_map: one stage's whole step.
-
-        blocks: this stage's gathered [1, L, ...]; shared: gathered embedding / head
-        (folded: [1, ...], real on device 0 only); inputs, targets: [M, dp, b / dp, S],
-        data-parallel device i's rows at index i; segs: their segment ids, like inputs, or
-        None (one document per row); zs: the ZeRO specs of one stage
-        (`ZeroSpecs.in_stage`). Returns the mean loss and the gradients in the OS spec (blocks
-        [1, L, ...]), reduced over the stage's data-parallel devices.
-
-        Looped, the device runs one chunk (virtual stage = stage). Folded, it runs two chunks
-        per tick, one after the other: the down chunk (virtual stage d, layers from slot 0)
-        and the up chunk (virtual stage 2 pp - 1 - d, layers after the down chunk's); the
-        first embeds on device 0, the second ends in the head on device 0."""
-        pp, prog, m_total = self.plan.pp, self.program, self.plan.microbatches
-        stage = jax.lax.axis_index("pp")
-        if self.folded:
-            shared = jax.tree.map(lambda a: a[0], shared)
-            sizes = jnp.asarray(self.plan.chunk_layers(), jnp.int32)[stage]
-            chunks = [dict(vstage=stage, first=stage == 0, last=False, n=sizes[0], offset=None),
-                      dict(vstage=2 * pp - 1 - stage, first=False, last=stage == 0, n=sizes[1],
-                           offset=sizes[0])]
-            L = max(max(c) for c in self.plan.chunk_layers())
-        else:
-            chunks = [dict(vstage=stage, first=stage == 0, last=stage == pp - 1,
-                           n=jnp.asarray(self.plan.stage_layers, jnp.int32)[stage], offset=None)]
-            L = self.plan.max_stage_layers
-        blocks = jax.tree.map(lambda a: a[0], blocks)
-        paired = prog.paired  # some tick runs two strands (an F and a B)
-        keys = ["action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
-                "dy_recv_slot"] + (["b_microbatch", "b_stash_slot"] if paired else [])
-        columns = [{k: jnp.asarray(getattr(prog, k))[:, ch["vstage"]] for k in keys}
-                   for ch in chunks]
-        if self.folded:
-            sends = {k: jnp.asarray(v) for k, v in folded_sends(self.schedule, pp).items()}
-        else:
-            sends = {"send_x": jnp.asarray(prog.sends_activation),
-                     "send_dy": jnp.asarray(prog.sends_gradient)}
-
-        # Every value of a micro-batch is per data-parallel device: activations [dp, b / dp, S,
-        # d], and parameter gradients [dp, ...] partial sums (zero.per_device), which only the
-        # ZeRO kernels reduce -- G-group reduce-scatter after each B, the rest after the loop.
-        n_dp = inputs.shape[1]
-        act = (n_dp, *inputs.shape[2:], self.cfg.d_model)
-        dtype = jnp.dtype(self.cfg.dtype)
-        act_names = (shd.DEVICE, "batch", "length", "embed")
-        zero_act = self._buffer(act, dtype, act_names)
-        zero_shared = jax.tree.map(lambda a: jnp.zeros((n_dp, *a.shape), a.dtype), shared)
-        # With s_g = 1 the accumulator holds each device's own partial sums [dp, ...], so a B
-        # adds its layer gradients into it in place; otherwise a B's gradients start from zero
-        # (mapped to [dp, ...] by the vmap) and are reduce-scattered into it.
-        in_place = not zs.axes.g
-        zero_blocks = jax.tree.map(jnp.zeros_like, blocks)
-
-        embed = zero.per_device(self._embed, (None, 0))
-        embed_pullback = zero.per_device(
-            lambda sh, tokens, dx: jax.vjp(lambda s: self._embed(s, tokens), sh)[1](dx)[0],
-            (None, 0, 0))
-
-        def head(sh, kept, tgt):  # the last stage's B starts from the loss of its rows
-            loss, pb = jax.vjp(lambda s, y: self._head_loss(s, y, tgt), sh, kept["out"])
-            g_head, dy = pb(jnp.float32(1.0))
-            return loss, dy, g_head
-
-        head = zero.per_device(head, (None, 0, 0))
-
-        def read(buf, slot, names):  # cond branches must agree on sharding, so pin what is read
-            return nn.with_logical_constraint(buf[slot], names)
-
-        def read_stash(stash, slot):
-            return {"res": [r[slot] for r in stash["res"]],
-                    "out": read(stash["out"], slot, act_names)}
-
-        # One extra scratch slot each. A stash slot holds every layer's residuals (the layer
-        # inputs alone with remat 'full') and the stage output.
-        shapes, self._residuals = self.residual_shapes(blocks, act[1:], dtype,
-                                                       segs is not None)
-        slots = prog.stash_slots + 1
-
-        def new_buffers():  # (activation inbox, gradient inbox, stash) of one chunk
-            return (self._buffer((prog.x_slots + 1, *act), dtype, (None, *act_names)),
-                    self._buffer((prog.dy_slots + 1, *act), dtype, (None, *act_names)),
-                    {"res": [jnp.zeros((slots, n_dp, L, *r.shape), r.dtype) for r in shapes],
-                     "out": self._buffer((slots, *act), dtype, (None, *act_names))})
-
-        forward_pairs = [(s, s + 1) for s in range(pp - 1)]
-        backward_pairs = [(s + 1, s) for s in range(pp - 1)]
-
-        def chunk_tick(ch, c, bufs, acc, losses):
-            """One chunk's action in this tick: (output, input gradient, buffers, acc, losses)."""
-            x_inbox, dy_inbox, stash = bufs
-            first, last, n_layers = ch["first"], ch["last"], ch["n"]
-            forward = zero.per_device(functools.partial(self.layers_forward, offset=ch["offset"]),
-                                      (None, 0, None, 0, 0))
-            backward = zero.per_device(
-                functools.partial(self.layers_backward, offset=ch["offset"]),
-                (None, 0, 0, None, 0 if in_place else None))
-            strands = zero.per_device(
-                functools.partial(self.layers_strands, offset=ch["offset"]),
-                (None, 0, 0, 0, 0, None, 0 if in_place else None, 0))
-            tokens, tgt = inputs[c["microbatch"]], targets[c["microbatch"]]
-            seg = None if segs is None else segs[c["microbatch"]]
-            # Only the stash slots in use go through the switch (the whole stash would be
-            # copied): the action's, and in a two-strand tick also the backward's.
-            kept = read_stash(stash, c["stash_slot"])
-
-            def start_forward():
-                return jax.lax.cond(first, lambda: embed(shared, tokens),
-                                    lambda: read(x_inbox, c["x_slot"], act_names))
-
-            def start_backward(kept, tgt):  # (loss, output gradient, head gradients)
-                return jax.lax.cond(
-                    last, lambda: head(shared, kept, tgt),
-                    lambda: (jnp.zeros((n_dp,), jnp.float32),
-                             read(dy_inbox, c["dy_slot"], act_names), zero_shared))
-
-            def finish_backward(tokens, dx, g_head, g_blocks, loss):
-                acc_shared, _ = split_shared(acc)
-                g_embed = jax.lax.cond(first, lambda: embed_pullback(shared, tokens, dx),
-                                       lambda: zero_shared)
-                g_shared = jax.tree.map(jnp.add, g_head, g_embed)
-                if in_place:
-                    acc_new = join_shared(jax.tree.map(jnp.add, acc_shared, g_shared), g_blocks)
-                else:
-                    acc_new = jax.tree.map(jnp.add, acc, zero.scatter_grads(
-                        join_shared(g_shared, g_blocks), zs, self.mesh))
-                return acc_new, losses + loss
-
-            def grads_into():
-                return split_shared(acc)[1] if in_place else zero_blocks
-
-            def idle():
-                return zero_act, zero_act, kept, acc, losses
-
-            def forward_tick():
-                y, kept_new = forward(blocks, start_forward(), n_layers, kept, seg)
-                return y, zero_act, kept_new, acc, losses
-
-            def backward_tick():
-                loss, dy, g_head = start_backward(kept, tgt)
-                dx, g_blocks = backward(blocks, kept, dy, n_layers, grads_into())
-                return (zero_act, dx, kept) + finish_backward(tokens, dx, g_head, g_blocks, loss)
-
-            branches = [idle, forward_tick, backward_tick]
-            if paired:
-                def strands_tick():  # F of `microbatch` and B of `b_microbatch`
-                    mb = c["b_microbatch"]
-                    kept_b = read_stash(stash, c["b_stash_slot"])
-                    loss, dy, g_head = start_backward(kept_b, targets[mb])
-                    y, kept_new, dx, g_blocks = strands(blocks, start_forward(), kept, kept_b,
-                                                        dy, n_layers, grads_into(), seg)
-                    return (y, dx, kept_new) + finish_backward(inputs[mb], dx, g_head,
-                                                               g_blocks, loss)
-
-                branches.append(strands_tick)
-
-            y, dx, kept, acc, losses = jax.lax.switch(c["action"], branches)
-            written = jnp.where(c["action"] == sch.BACKWARD, prog.stash_slots, c["stash_slot"])
-            stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
-            return y, dx, (x_inbox, dy_inbox, stash), acc, losses
-
-        def move(flag, value, pairs):  # the flags are the same on every stage: one branch
-            return jax.lax.cond(flag, lambda: jax.lax.ppermute(value, "pp", pairs),
-                                lambda: zero_act)
-
-        def receive(bufs, c, x_recv, dy_recv):
-            x_inbox, dy_inbox, stash = bufs
-            return (x_inbox.at[c["x_recv_slot"]].set(x_recv),
-                    dy_inbox.at[c["dy_recv_slot"]].set(dy_recv), stash)
-
-        def tick(carry, xs):
-            bufs, acc, losses = carry
-            cols, f = xs
-            outs, new = [], []
-            for ch, c, b in zip(chunks, cols, bufs):
-                y, dx, b, acc, losses = chunk_tick(ch, c, b, acc, losses)
-                outs.append((y, dx))
-                new.append(b)
-            if not self.folded:  # activations s -> s + 1, gradients s -> s - 1
-                (y, dx), = outs
-                x_recv = move(f["send_x"], y, forward_pairs)
-                dy_recv = move(f["send_dy"], dx, backward_pairs)
-                return ((receive(new[0], cols[0], x_recv, dy_recv),), acc, losses), None
-            # Folded: down chunks pass activations down (+1) and gradients up (-1), up chunks
-            # the other way; at the turn device pp - 1 hands its own outputs over.
-            (y_down, dx_down), (y_up, dx_up) = outs
-            turn = stage == pp - 1
-            x_down = move(f["down_x"], y_down, forward_pairs)
-            x_up = jnp.where(turn, y_down, move(f["up_x"], y_up, backward_pairs))
-            dy_up = move(f["up_dy"], dx_up, forward_pairs)
-            dy_down = jnp.where(turn, dx_up, move(f["down_dy"], dx_down, backward_pairs))
-            return ((receive(new[0], cols[0], x_down, dy_down),
-                     receive(new[1], cols[1], x_up, dy_up)), acc, losses), None
-
-        like = join_shared(shared, blocks)
-        losses = nn.with_logical_constraint(jnp.zeros((n_dp,), jnp.float32), (shd.DEVICE,))
-        carry = (tuple(new_buffers() for _ in chunks), zero.new_accumulator(like, zs, self.mesh),
-                 losses)
-        (_, acc, losses), _ = jax.lax.scan(tick, carry, (columns, sends))
-        # Once per step, in the stage: reduce over its data-parallel devices to OS shards ...
-        grads, loss = zero.finish_grads(acc, losses, zs, self.mesh, 1.0 / (m_total * n_dp))
-        g_shared, g_blocks = split_shared(grads)
-        if self.folded:  # only device 0 has shared gradients, and keeps them
-            loss = ring_sum(loss, pp)
-            return loss, jax.tree.map(lambda g: g[None], g_blocks), jax.tree.map(
-                lambda g: g[None], g_shared)
-        # ... then sum the shared parameters' OS shards and the loss around the ring of stages.
-        loss, g_shared = ring_sum((loss, g_shared), pp)
-        return loss, jax.tree.map(lambda g: g[None], g_blocks), g_shared
+        """Body of the shard_map: one stage's whole step (`StageStep`)."""
+        return StageStep(self, zs, blocks, shared, inputs, targets, segs).run()
 
     def _buffer(self, shape, dtype, names):
         return nn.with_logical_constraint(jnp.zeros(shape, dtype), names)
@@ -634,6 +430,268 @@ class Pipeline:
             loss, g_blocks, g_shared = run(blocks, shared, inputs, targets,
                                            *(() if segs is None else (segs,)))
         return loss, join_shared(g_shared, g_blocks)
+
+
+@dataclass(frozen=True)
+class ChunkTick:
+    """What one chunk's action in one tick reads: its chunk (`StageStep.chunks`), its column
+    of the tick program at this tick, its buffers, the running accumulator and loss sum, the
+    stash slot of its action, its micro-batch's rows, and its per-device layer loops."""
+
+    ch: dict
+    c: dict
+    x_inbox: Any
+    dy_inbox: Any
+    stash: Any
+    acc: Any
+    losses: Any
+    kept: Any
+    tokens: Any
+    tgt: Any
+    seg: Any
+    forward: Callable
+    backward: Callable
+    strands: Callable
+
+
+class StageStep:
+    """One stage's whole step: the body of `Pipeline`'s shard_map, traced once. `run()` scans
+    `tick` over the tick program; in a tick each chunk's action is one of `idle_tick`,
+    `forward_tick`, `backward_tick` and `strands_tick` (an F and a B of two micro-batches),
+    switched on the program's action, and then the outputs move between stages (`move`,
+    `receive`). After the loop the stage reduces its gradients and sums the loss.
+
+    blocks: this stage's gathered [1, L, ...]; shared: gathered embedding / head (folded:
+    [1, ...], real on device 0 only); inputs, targets: [M, dp, b / dp, S], data-parallel
+    device i's rows at index i; segs: their segment ids, like inputs, or None (one document
+    per row); zs: the ZeRO specs of one stage (`ZeroSpecs.in_stage`). `run` returns the mean
+    loss and the gradients in the OS spec (blocks [1, L, ...]), reduced over the stage's
+    data-parallel devices.
+
+    Looped, the device runs one chunk (virtual stage = stage). Folded, it runs two chunks per
+    tick, one after the other: the down chunk (virtual stage d, layers from slot 0) and the up
+    chunk (virtual stage 2 pp - 1 - d, layers after the down chunk's); the first embeds on
+    device 0, the second ends in the head on device 0."""
+
+    def __init__(self, pipe: "Pipeline", zs, blocks, shared, inputs, targets, segs=None):
+        self.pipe, self.zs, self.mesh = pipe, zs, pipe.mesh
+        self.inputs, self.targets, self.segs = inputs, targets, segs
+        pp, prog = pipe.plan.pp, pipe.program
+        self.pp, self.prog, self.folded = pp, prog, pipe.folded
+        self.stage = stage = jax.lax.axis_index("pp")
+        if self.folded:
+            shared = jax.tree.map(lambda a: a[0], shared)
+            sizes = jnp.asarray(pipe.plan.chunk_layers(), jnp.int32)[stage]
+            self.chunks = [
+                dict(vstage=stage, first=stage == 0, last=False, n=sizes[0], offset=None),
+                dict(vstage=2 * pp - 1 - stage, first=False, last=stage == 0, n=sizes[1],
+                     offset=sizes[0])]
+            L = max(max(c) for c in pipe.plan.chunk_layers())
+        else:
+            self.chunks = [dict(vstage=stage, first=stage == 0, last=stage == pp - 1,
+                                n=jnp.asarray(pipe.plan.stage_layers, jnp.int32)[stage],
+                                offset=None)]
+            L = pipe.plan.max_stage_layers
+        self.shared = shared
+        self.blocks = blocks = jax.tree.map(lambda a: a[0], blocks)
+        self.paired = prog.paired  # some tick runs two strands (an F and a B)
+        keys = ["action", "microbatch", "x_slot", "stash_slot", "dy_slot", "x_recv_slot",
+                "dy_recv_slot"] + (["b_microbatch", "b_stash_slot"] if self.paired else [])
+        self.columns = [{k: jnp.asarray(getattr(prog, k))[:, ch["vstage"]] for k in keys}
+                        for ch in self.chunks]
+        if self.folded:
+            self.sends = {k: jnp.asarray(v) for k, v in folded_sends(pipe.schedule, pp).items()}
+        else:
+            self.sends = {"send_x": jnp.asarray(prog.sends_activation),
+                          "send_dy": jnp.asarray(prog.sends_gradient)}
+
+        # Every value of a micro-batch is per data-parallel device: activations [dp, b / dp, S,
+        # d], and parameter gradients [dp, ...] partial sums (zero.per_device), which only the
+        # ZeRO kernels reduce -- G-group reduce-scatter after each B, the rest after the loop.
+        self.n_dp = n_dp = inputs.shape[1]
+        self.act = act = (n_dp, *inputs.shape[2:], pipe.cfg.d_model)
+        self.dtype = dtype = jnp.dtype(pipe.cfg.dtype)
+        self.act_names = (shd.DEVICE, "batch", "length", "embed")
+        self.zero_act = pipe._buffer(act, dtype, self.act_names)
+        self.zero_shared = jax.tree.map(lambda a: jnp.zeros((n_dp, *a.shape), a.dtype), shared)
+        # With s_g = 1 the accumulator holds each device's own partial sums [dp, ...], so a B
+        # adds its layer gradients into it in place; otherwise a B's gradients start from zero
+        # (mapped to [dp, ...] by the vmap) and are reduce-scattered into it.
+        self.in_place = not zs.axes.g
+        self.zero_blocks = jax.tree.map(jnp.zeros_like, blocks)
+
+        self.embed = zero.per_device(pipe._embed, (None, 0))
+        self.embed_pullback = zero.per_device(
+            lambda sh, tokens, dx: jax.vjp(lambda s: pipe._embed(s, tokens), sh)[1](dx)[0],
+            (None, 0, 0))
+        self.head = zero.per_device(self._head, (None, 0, 0))
+
+        # One extra scratch slot each. A stash slot holds every layer's residuals (the layer
+        # inputs alone with remat 'full') and the stage output.
+        self.shapes, pipe._residuals = pipe.residual_shapes(blocks, act[1:], dtype,
+                                                            segs is not None)
+        self.slots = prog.stash_slots + 1
+        self.L = L
+        self.forward_pairs = [(s, s + 1) for s in range(pp - 1)]
+        self.backward_pairs = [(s + 1, s) for s in range(pp - 1)]
+
+    def _head(self, sh, kept, tgt):  # the last stage's B starts from the loss of its rows
+        loss, pb = jax.vjp(lambda s, y: self.pipe._head_loss(s, y, tgt), sh, kept["out"])
+        g_head, dy = pb(jnp.float32(1.0))
+        return loss, dy, g_head
+
+    # --- buffers ---------------------------------------------------------------------------
+    def read(self, buf, slot, names):  # cond branches must agree on sharding, so pin the read
+        return nn.with_logical_constraint(buf[slot], names)
+
+    def read_stash(self, stash, slot):
+        return {"res": [r[slot] for r in stash["res"]],
+                "out": self.read(stash["out"], slot, self.act_names)}
+
+    def new_buffers(self):
+        """(activation inbox, gradient inbox, stash) of one chunk."""
+        prog, act, dtype, names = self.prog, self.act, self.dtype, self.act_names
+        return (self.pipe._buffer((prog.x_slots + 1, *act), dtype, (None, *names)),
+                self.pipe._buffer((prog.dy_slots + 1, *act), dtype, (None, *names)),
+                {"res": [jnp.zeros((self.slots, self.n_dp, self.L, *r.shape), r.dtype)
+                         for r in self.shapes],
+                 "out": self.pipe._buffer((self.slots, *act), dtype, (None, *names))})
+
+    # --- one chunk's action in a tick ------------------------------------------------------
+    def chunk_tick(self, ch, c, bufs, acc, losses):
+        """One chunk's action in this tick: (output, input gradient, buffers, acc, losses)."""
+        pipe, in_place = self.pipe, self.in_place
+        x_inbox, dy_inbox, stash = bufs
+        m = c["microbatch"]
+        t = ChunkTick(
+            ch=ch, c=c, x_inbox=x_inbox, dy_inbox=dy_inbox, stash=stash, acc=acc, losses=losses,
+            forward=zero.per_device(functools.partial(pipe.layers_forward, offset=ch["offset"]),
+                                    (None, 0, None, 0, 0)),
+            backward=zero.per_device(
+                functools.partial(pipe.layers_backward, offset=ch["offset"]),
+                (None, 0, 0, None, 0 if in_place else None)),
+            strands=zero.per_device(
+                functools.partial(pipe.layers_strands, offset=ch["offset"]),
+                (None, 0, 0, 0, 0, None, 0 if in_place else None, 0)),
+            tokens=self.inputs[m], tgt=self.targets[m],
+            seg=None if self.segs is None else self.segs[m],
+            # Only the stash slots in use go through the switch (the whole stash would be
+            # copied): the action's, and in a two-strand tick also the backward's.
+            kept=self.read_stash(stash, c["stash_slot"]))
+        branches = [self.idle_tick, self.forward_tick, self.backward_tick]
+        if self.paired:
+            branches.append(self.strands_tick)
+        y, dx, kept, acc, losses = jax.lax.switch(c["action"], [functools.partial(b, t)
+                                                                for b in branches])
+        written = jnp.where(c["action"] == sch.BACKWARD, self.prog.stash_slots, c["stash_slot"])
+        stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
+        return y, dx, (x_inbox, dy_inbox, stash), acc, losses
+
+    def start_forward(self, t: ChunkTick):
+        return jax.lax.cond(t.ch["first"], lambda: self.embed(self.shared, t.tokens),
+                            lambda: self.read(t.x_inbox, t.c["x_slot"], self.act_names))
+
+    def start_backward(self, t: ChunkTick, kept, tgt):
+        """(loss, output gradient, head gradients): from the loss on the last chunk."""
+        return jax.lax.cond(
+            t.ch["last"], lambda: self.head(self.shared, kept, tgt),
+            lambda: (jnp.zeros((self.n_dp,), jnp.float32),
+                     self.read(t.dy_inbox, t.c["dy_slot"], self.act_names), self.zero_shared))
+
+    def finish_backward(self, t: ChunkTick, tokens, dx, g_head, g_blocks, loss):
+        """(accumulator, loss sum) after a backward: the embedding's pullback on the first
+        chunk, then every gradient into the accumulator."""
+        acc_shared, _ = split_shared(t.acc)
+        g_embed = jax.lax.cond(t.ch["first"],
+                               lambda: self.embed_pullback(self.shared, tokens, dx),
+                               lambda: self.zero_shared)
+        g_shared = jax.tree.map(jnp.add, g_head, g_embed)
+        if self.in_place:
+            acc_new = join_shared(jax.tree.map(jnp.add, acc_shared, g_shared), g_blocks)
+        else:
+            acc_new = jax.tree.map(jnp.add, t.acc, zero.scatter_grads(
+                join_shared(g_shared, g_blocks), self.zs, self.mesh))
+        return acc_new, t.losses + loss
+
+    def grads_into(self, t: ChunkTick):
+        return split_shared(t.acc)[1] if self.in_place else self.zero_blocks
+
+    def idle_tick(self, t: ChunkTick):
+        return self.zero_act, self.zero_act, t.kept, t.acc, t.losses
+
+    def forward_tick(self, t: ChunkTick):
+        y, kept_new = t.forward(self.blocks, self.start_forward(t), t.ch["n"], t.kept, t.seg)
+        return y, self.zero_act, kept_new, t.acc, t.losses
+
+    def backward_tick(self, t: ChunkTick):
+        loss, dy, g_head = self.start_backward(t, t.kept, t.tgt)
+        dx, g_blocks = t.backward(self.blocks, t.kept, dy, t.ch["n"], self.grads_into(t))
+        return (self.zero_act, dx, t.kept) + self.finish_backward(t, t.tokens, dx, g_head,
+                                                                   g_blocks, loss)
+
+    def strands_tick(self, t: ChunkTick):
+        """F of `microbatch` and B of `b_microbatch`."""
+        mb = t.c["b_microbatch"]
+        kept_b = self.read_stash(t.stash, t.c["b_stash_slot"])
+        loss, dy, g_head = self.start_backward(t, kept_b, self.targets[mb])
+        y, kept_new, dx, g_blocks = t.strands(self.blocks, self.start_forward(t), t.kept, kept_b,
+                                              dy, t.ch["n"], self.grads_into(t), t.seg)
+        return (y, dx, kept_new) + self.finish_backward(t, self.inputs[mb], dx, g_head,
+                                                        g_blocks, loss)
+
+    # --- between ticks ---------------------------------------------------------------------
+    def move(self, flag, value, pairs):  # the flags are the same on every stage: one branch
+        return jax.lax.cond(flag, lambda: jax.lax.ppermute(value, "pp", pairs),
+                            lambda: self.zero_act)
+
+    def receive(self, bufs, c, x_recv, dy_recv):
+        x_inbox, dy_inbox, stash = bufs
+        return (x_inbox.at[c["x_recv_slot"]].set(x_recv),
+                dy_inbox.at[c["dy_recv_slot"]].set(dy_recv), stash)
+
+    def tick(self, carry, xs):
+        bufs, acc, losses = carry
+        cols, f = xs
+        outs, new = [], []
+        for ch, c, b in zip(self.chunks, cols, bufs):
+            y, dx, b, acc, losses = self.chunk_tick(ch, c, b, acc, losses)
+            outs.append((y, dx))
+            new.append(b)
+        fwd, bwd = self.forward_pairs, self.backward_pairs
+        if not self.folded:  # activations s -> s + 1, gradients s -> s - 1
+            (y, dx), = outs
+            x_recv = self.move(f["send_x"], y, fwd)
+            dy_recv = self.move(f["send_dy"], dx, bwd)
+            return ((self.receive(new[0], cols[0], x_recv, dy_recv),), acc, losses), None
+        # Folded: down chunks pass activations down (+1) and gradients up (-1), up chunks
+        # the other way; at the turn device pp - 1 hands its own outputs over.
+        (y_down, dx_down), (y_up, dx_up) = outs
+        turn = self.stage == self.pp - 1
+        x_down = self.move(f["down_x"], y_down, fwd)
+        x_up = jnp.where(turn, y_down, self.move(f["up_x"], y_up, bwd))
+        dy_up = self.move(f["up_dy"], dx_up, fwd)
+        dy_down = jnp.where(turn, dx_up, self.move(f["down_dy"], dx_down, bwd))
+        return ((self.receive(new[0], cols[0], x_down, dy_down),
+                 self.receive(new[1], cols[1], x_up, dy_up)), acc, losses), None
+
+    def run(self):
+        pp, zs, n_dp = self.pp, self.zs, self.n_dp
+        like = join_shared(self.shared, self.blocks)
+        losses = nn.with_logical_constraint(jnp.zeros((n_dp,), jnp.float32), (shd.DEVICE,))
+        carry = (tuple(self.new_buffers() for _ in self.chunks),
+                 zero.new_accumulator(like, zs, self.mesh), losses)
+        (_, acc, losses), _ = jax.lax.scan(self.tick, carry, (self.columns, self.sends))
+        # Once per step, in the stage: reduce over its data-parallel devices to OS shards ...
+        grads, loss = zero.finish_grads(acc, losses, zs, self.mesh,
+                                        1.0 / (self.pipe.plan.microbatches * n_dp))
+        g_shared, g_blocks = split_shared(grads)
+        if self.folded:  # only device 0 has shared gradients, and keeps them
+            loss = ring_sum(loss, pp)
+            return loss, jax.tree.map(lambda g: g[None], g_blocks), jax.tree.map(
+                lambda g: g[None], g_shared)
+        # ... then sum the shared parameters' OS shards and the loss around the ring of stages.
+        loss, g_shared = ring_sum((loss, g_shared), pp)
+        return loss, jax.tree.map(lambda g: g[None], g_blocks), g_shared
 
 
 def split_shared(tree) -> tuple[dict, Any]:

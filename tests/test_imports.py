@@ -6,6 +6,7 @@ the layers below it, and no import circle exists anywhere:
     core        the hardware topology (hardware, catalogue,       plain data and rules, no JAX
                 presets, topology), the Plan, layers/config.py,
                 parallel/schedules.py (the schedule registry),
+                parallel/program.py (schedules lowered to ops),
                 parallel/registry.py (the executor registry),
                 parallel/hlo.py (collective byte formulas)
     services    distributed, checkpoint, tokenizer, data,         used by everything above;
@@ -41,8 +42,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("hetjax.errors", "hetjax.units"),
     "core": ("hetjax.hardware", "hetjax.catalogue", "hetjax.paper_presets",
              "hetjax.testbed_presets", "hetjax.topology", "hetjax.local_preset", "hetjax.plan", "layers", "layers.config",
-             "parallel", "parallel.schedules", "parallel.hlo", "parallel.wire",
-             "parallel.registry"),
+             "parallel", "parallel.schedules", "parallel.program", "parallel.hlo",
+             "parallel.wire", "parallel.registry"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
                  "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*",

@@ -218,3 +218,32 @@ def test_a_world_that_never_comes_up_is_named_after_the_init_timeout(tmp_path):
     address = f"127.0.0.1:{int(second.env['HETJAX_BRIDGE_PORT']) + 1}"  # rank 1: port + 1
     assert (f"bridge peer 1 (world 1, its process 0) at {address} did not come up within 3 s"
             in run.stderr), run.stderr[-3000:]
+
+
+def test_prefetch_reads_the_remote_receives_of_the_next_tasks_from_the_program():
+    """The worlds executor's receive prefetches what the program's next LOOKAHEAD tasks
+    receive from other groups (no devices needed: the bridge pulls are recorded)."""
+    from types import SimpleNamespace
+
+    from parallel import program as pg
+    from parallel import schedules as sch
+    from parallel.mpmd import StepRun
+    from parallel.mpmd_worlds import LOOKAHEAD
+
+    assert LOOKAHEAD == 4
+    ex = WorldsExecutor.__new__(WorldsExecutor)  # world of stage 1 of a 1f1b pp = 2 pipeline
+    ex.local, ex.activation = [1], None
+    ex.stages = [None, SimpleNamespace(activation=None)]
+    ex._pulls = lambda s_to, s_from, abstract, sharding, kind, field, mb: [(s_from, kind, mb)]
+    pulled = []
+    ex._prefetch = pulled.extend
+    ops = pg.lower(sch.make_schedule("1f1b", 2, 8)).of_stage(1)
+    step = StepRun(list(ops), None, None, None, {}, {}, {})
+    step.position = ops.index(pg.Recv(1, pg.Buffer("activation", 1, 0), 0))
+    ex._prefetch_ahead(step)
+    # stage 1 runs F0 B0 F1 B1 F2 B2 ...: the four tasks after F0 receive for F1 and F2
+    assert pulled == [(0, "activation", 1), (0, "activation", 2)]
+    pulled.clear()
+    ex.local = [0, 1]  # both stages here: nothing crosses the bridge
+    ex._prefetch_ahead(step)
+    assert pulled == []

@@ -348,3 +348,137 @@ def test_closed_form_stash_peaks_of_the_mpmd_schedules_equal_the_played_ones(nam
                 continue
             assert cls.stash_peaks(stages, mb) == tuple(
                 played.activation_share(s) for s in range(stages)), (stages, mb)
+
+
+# --- the lowering: a schedule as per-stage programs (parallel/program.py) ------------------------
+from parallel import program as pg  # noqa: E402
+
+PROGRAM_CASES = [(name, stages, mb) for name in sch.SCHEDULES
+                 for stages, mb in sizes_for(name) if (stages, mb) != (4, 9)]
+PROGRAM_CASES += [("gpipe (folded)", 2, 4), ("1f1b (folded)", 3, 3)]
+
+
+def lowered(name, stages, mb):
+    if name.endswith("(folded)"):
+        s = sch.folded(name.split()[0], stages, mb)
+    else:
+        s = sch.make_schedule(name, stages, mb)
+    return s, pg.lower(s)
+
+
+def touched(op):
+    """(read, written) buffers of an op."""
+    if isinstance(op, pg.Run):
+        return op.reads, op.writes
+    if isinstance(op, pg.Send):
+        return (op.buffer,), ()
+    if isinstance(op, pg.Recv):
+        return (), (op.buffer,)
+    return (), ()
+
+
+@pytest.mark.parametrize("name, stages, mb", PROGRAM_CASES)
+def test_every_buffer_is_written_once_read_after_and_freed_once_after_its_last_read(
+        name, stages, mb):
+    _, program = lowered(name, stages, mb)
+    written, freed, last_read = {}, {}, {}
+    for i, op in enumerate(program.ops):
+        reads, writes = touched(op)
+        for b in reads:
+            key = op.stage, b
+            assert key in written and key not in freed, f"{op} reads {b} before it exists"
+            last_read[key] = i
+        for b in writes:
+            assert (op.stage, b) not in written, f"{op} writes {b} twice"
+            written[op.stage, b] = i
+        if isinstance(op, pg.Free):
+            assert (op.stage, op.buffer) not in freed, f"{op}: freed twice"
+            freed[op.stage, op.buffer] = i
+    assert set(freed) == set(written)  # nothing lives past the step
+    for key, i in freed.items():
+        # right after its last reader (the frees of one op follow it in a row)
+        last = last_read.get(key, written[key])
+        assert i > last and all(isinstance(op, pg.Free) for op in program.ops[last + 1:i])
+
+
+@pytest.mark.parametrize("name, stages, mb", PROGRAM_CASES)
+def test_sends_match_receives_and_every_input_is_the_right_value(name, stages, mb):
+    """Play the program with symbolic values: every F reads the previous chunk's output of its
+    micro-batch and every B / I the next chunk's input gradient, wherever they were made."""
+    schedule, program = lowered(name, stages, mb)
+    last_chunk = len(schedule.placement()) - 1
+    env, transit = {}, {}
+    for i, op in enumerate(program.ops):
+        if isinstance(op, pg.Send):
+            assert op.peer != op.stage and (op.peer, op.buffer) not in transit
+            transit[op.peer, op.buffer] = (env[op.stage, op.buffer], i)
+        elif isinstance(op, pg.Recv):
+            value, sent = transit.pop((op.stage, op.buffer))  # sent before, to this stage
+            assert schedule.placement()[op.buffer.source] == op.peer and sent < i
+            env[op.stage, op.buffer] = value
+        elif isinstance(op, pg.Free):
+            del env[op.stage, op.buffer]
+        elif isinstance(op, pg.Run):
+            k, m = op.chunk, op.microbatch
+            assert schedule.placement()[k] == op.stage
+            got = {b.kind: env[op.stage, b] for b in op.reads}
+            if op.kind == "F":
+                assert got == ({} if k == 0 else {"activation": ("y", k - 1, m)})
+                made = {"stash": ("stash", k, m), "activation": ("y", k, m)}
+            else:
+                want = {"stash": ("stash", k, m)}
+                if op.kind == "W":
+                    want["douts"] = ("douts", k, m)
+                elif k < last_chunk:
+                    want["gradient"] = ("dx", k + 1, m)
+                assert got == want, op
+                made = {"gradient": ("dx", k, m), "douts": ("douts", k, m)}
+            for b in op.writes:
+                env[op.stage, b] = made[b.kind]
+    assert not transit and not env
+
+
+@pytest.mark.parametrize("name, stages, mb", PROGRAM_CASES)
+def test_each_stage_runs_its_order_and_reduces_once_after_its_last_backward(name, stages, mb):
+    schedule, program = lowered(name, stages, mb)
+    for s in range(stages):
+        ops = program.of_stage(s)
+        runs = [op for op in ops if isinstance(op, pg.Run)]
+        assert [(r.kind, r.microbatch, r.position) for r in runs] == \
+            [(a.kind, a.microbatch, a.chunk) for a in schedule.orders[s]]
+        assert [schedule.model_chunk(a) for a in schedule.orders[s]] == [r.chunk for r in runs]
+        reductions = [i for i, op in enumerate(ops)
+                      if isinstance(op, pg.Reduce) or (isinstance(op, pg.Run) and op.reduce)]
+        assert len(reductions) == 1
+        last = max(i for i, op in enumerate(ops)
+                   if isinstance(op, pg.Run) and op.kind in sch.RELEASE_KINDS)
+        # fused into the last backward when it sends nothing on, else right after its send
+        if ops[last].writes:
+            assert reductions[0] > last and not ops[last].reduce
+            assert all(isinstance(op, (pg.Send, pg.Free)) for op in ops[last + 1:reductions[0]])
+        else:
+            assert reductions == [last]
+
+
+@pytest.mark.parametrize("name, stages, mb", PROGRAM_CASES)
+def test_the_live_stashes_peak_at_the_schedules_max_in_flight(name, stages, mb):
+    schedule, program = lowered(name, stages, mb)
+    for s in range(stages):
+        live = peak = 0
+        for op in program.of_stage(s):
+            if isinstance(op, pg.Run) and op.written("stash"):
+                live += 1
+            elif isinstance(op, pg.Free) and op.buffer.kind == "stash":
+                live -= 1
+            peak = max(peak, live)
+        assert peak == schedule.max_in_flight(s)
+
+
+def test_a_lowered_program_reads_as_text():
+    text = pg.format_program(pg.lower(sch.make_schedule("1f1b", 2, 2)))
+    assert text.splitlines()[1] == (
+        "  stage 0: F(c0,m0), send activation(c1,m0)->1, free activation(c1,m0), F(c0,m1), "
+        "send activation(c1,m1)->1, free activation(c1,m1), recv gradient(c0,m0)<-1, "
+        "B(c0,m0), free stash(c0,m0), free gradient(c0,m0), recv gradient(c0,m1)<-1, "
+        "B(c0,m1)+reduce, free stash(c0,m1), free gradient(c0,m1)")
+    assert text.splitlines()[2].endswith("send gradient(c0,m1)->0, free gradient(c0,m1), reduce")
