@@ -450,12 +450,7 @@ class MpmdExecutor(Executor):
 
     def __init__(self, plan, topology, model_cfg, tx, lr_schedule, grad_clip: float = 0.0):
         super().__init__(plan, topology, model_cfg, tx, lr_schedule)
-        check_plan(plan, model_cfg.n_layers)
-        self.grad_clip = grad_clip
-        self.tied = model_cfg.tie_embeddings
-        self.schedule = resolve_schedule(plan)
-        self.program = pg.lower(self.schedule)
-        self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
+        self._lower(grad_clip)
         self.mesh = build_mesh(plan, topology)  # all stages: checkpoints pass through it
         names = self.mesh.axis_names[1:]
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
@@ -470,6 +465,16 @@ class MpmdExecutor(Executor):
         self.batch_sharding = {"inputs": first.batch, "targets": last.batch}
         self.local = list(range(plan.pp))  # the stages this process's state holds
         self._rows = None
+
+    def _lower(self, grad_clip: float) -> None:
+        """What every staged executor keeps of its plan: the schedule, its program (the ops
+        each stage runs) and the model chunks it places."""
+        check_plan(self.plan, self.model_cfg.n_layers)
+        self.grad_clip = grad_clip
+        self.tied = self.model_cfg.tie_embeddings
+        self.schedule = resolve_schedule(self.plan)
+        self.program = pg.lower(self.schedule)
+        self.chunks = model_chunks(self.plan.stage_layers, self.schedule.placement())
 
     @classmethod
     def create(cls, plan, topology, model_cfg, optimizer, runtime):

@@ -44,13 +44,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.errors import HetjaxError
-from hetjax.plan import resolve_schedule
 from parallel import program as pg
 from parallel.bridge import Bridge, message_key
 from parallel.mesh import AXES, DP_AXES, mesh_shape
-from parallel.mpmd import (MpmdExecutor, MpmdState, Stage, StepRun, merge_states,
-                           model_chunks, stage_tree)
-from parallel.pipeline import check_plan
+from parallel.mpmd import MpmdExecutor, MpmdState, Stage, StepRun, merge_states, stage_tree
 from parallel.train_state import Executor, TrainState
 
 LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
@@ -102,12 +99,7 @@ class WorldsExecutor(MpmdExecutor):
                  worlds: Sequence, world: int, owner: dict[int, int], bridge: Bridge,
                  devices: Sequence | None = None):
         Executor.__init__(self, plan, topology, model_cfg, tx, lr_schedule)
-        check_plan(plan, model_cfg.n_layers)
-        self.grad_clip = grad_clip
-        self.tied = model_cfg.tie_embeddings
-        self.schedule = resolve_schedule(plan)
-        self.program = pg.lower(self.schedule)
-        self.chunks = model_chunks(plan.stage_layers, self.schedule.placement())
+        self._lower(grad_clip)
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
         self.groups = stage_groups(plan, self.worlds, owner)
