@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 
-from hetjax.cli import ensure_cpu_devices  # noqa: E402
+from hetjax.cli import ensure_cpu_devices
 
 if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices (unless the
     ensure_cpu_devices(6)        # caller, e.g. the suite, chose a count: the sites take 6)

@@ -6,7 +6,7 @@ on 1,024 abstract devices (nothing allocated).
     python scripts/bench_zero.py --steps 10 --config.model.d_model=256
 
     python scripts/bench_zero.py --pp 2 --skip-7b  # only the pp = 2 points
-    python scripts/bench_zero.py --smoke         # seconds: tiny model, 1 step, zero3 per table
+    python scripts/bench_zero.py --smoke         # seconds: tiny model, 1 step, a point per table
 
 The pp = 2 rows run ZeRO inside each pipeline stage (docs/zero.md): bytes are a stage's, and
 "in the loop" is the tick loop's B branch, counted once per micro-batch.
@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", choices=("1", "2", "both"), default="both",
                     help="8-device tables: pp = 1, pp = 2 (ZeRO inside stages), or both")
     ap.add_argument("--smoke", action="store_true",
-                    help="seconds: a tiny model, one step, one point in each table (the suite runs it)")
+                    help="seconds: a tiny model, one step, one point in each table (the suite "
+                         "runs it)")
     args, overrides = ap.parse_known_args(argv)
     defaults = ["--config.data.source=synthetic", "--config.train.microbatches=4",
                 "--config.train.progress=False", "--config.tensorboard=False"]
