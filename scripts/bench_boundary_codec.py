@@ -7,12 +7,19 @@ feedback, their gradients); the same batches, seed and schedule. Prints the trai
 (mean of windows) and the held-out loss at the end for both.
 
     nice -n 19 python scripts/bench_boundary_codec.py --steps 300
+    python scripts/bench_boundary_codec.py --smoke     # seconds (the suite runs it)
+
+--smoke: the same two runs (both worlds, both codecs, the same table) for 2 steps on a smaller
+model and synthetic data, one held-out batch, the workdir under --workdir (default: a
+temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import tempfile
 import threading
 import time
 
@@ -21,13 +28,31 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def main():
+# --smoke: after the run's own settings
+SMOKE = {"model.d_model": 32, "model.d_ff": 64, "train.seq_len": 16, "train.batch_size": 8,
+         "data.source": "synthetic"}
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--window", type=int, default=50, help="steps averaged per loss column")
-    args = ap.parse_args()
+    ap.add_argument("--workdir", default="",
+                    help="the trainer's workdir (default: /tmp/bench_boundary; with --smoke a "
+                         "temporary directory)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: 2 steps of a smaller model on synthetic data")
+    args = ap.parse_args(argv)
+    if not args.smoke:
+        return bench(args, args.workdir or "/tmp/bench_boundary", {})
+    args.steps, args.eval_batches, args.window = 2, 1, 1
+    with tempfile.TemporaryDirectory() as tmp:
+        return bench(args, args.workdir or tmp, SMOKE)
 
+
+def bench(args, workdir: str, extra: dict) -> int:
+    """Train both codecs on the same batches; print the table."""
     import numpy as np
 
     from hetjax.config import load_config
@@ -43,7 +68,7 @@ def main():
             "pipeline.stage_layers": (2, 2), "pipeline.schedule": "1f1b",
             "pipeline.microbatches": 2, "pipeline.executor": "mpmd", "train.batch_size": 16,
             "train.steps": args.steps, "checkpoint.every": 0, "eval.every": 0,
-            "tensorboard": False, "train.progress": False, "workdir": "/tmp/bench_boundary"}
+            "tensorboard": False, "train.progress": False, "workdir": workdir, **extra}
     cfg = load_config(None, [f"--config.{k}={v}" for k, v in over.items()])
     trainer = Trainer(cfg, quiet=True)
     batches = [next(trainer.data) for _ in range(args.steps)]
@@ -103,7 +128,8 @@ def main():
         rows["none"][0])
     print(f"per-step training loss, int8 vs none: max relative difference {diff.max():.2e}, "
           f"mean {diff.mean():.2e}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,15 +1,21 @@
 """Input pipeline throughput against the train step's consumption, as a table.
 
     python scripts/bench_data.py [--batches=200] [--steps=30] [--config.x.y=v ...]
+    python scripts/bench_data.py --smoke [--workdir=DIR]   # seconds (the suite runs it)
 
 Measures, on the config (default: configs/default.py, i.e. the stdlib corpus, byte tokenizer,
 32 x 128 tokens per step): tokens/s of the grain loader alone (with its prefetch threads, and
 reading batches one by one without them), tokens/s the train step consumes, and the mean time
 the training loop waited for input per step.
+
+--smoke: the same measurements on a tiny model (pp = tp = 1), 2 batches and 2 steps, over a
+small text file (data.source=files) prepared under --workdir (default: a temporary directory),
+so nothing is written outside it; the stdlib corpus's preparation is what it leaves out.
 """
 
 import os
 import sys
+import tempfile
 import time
 
 
@@ -17,15 +23,47 @@ from hetjax.cli import ensure_cpu_devices  # noqa: E402
 from hetjax.config import build_topology, load_config  # noqa: E402
 
 
-def main(argv):
+# --smoke: a model small enough that the train step compiles in seconds; pp = tp = 1, since the
+# loader and the loop's input wait do not depend on the layout (a quarter off the smoke)
+SMOKE_MODEL = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n_heads=4",
+               "--config.model.n_kv_heads=2", "--config.model.max_seq_len=64",
+               "--config.model.n_layers=2", "--config.parallel.pp=1", "--config.parallel.tp=1",
+               "--config.train.seq_len=16", "--config.train.batch_size=16",
+               "--config.train.microbatches=2", "--config.data.threads=1",
+               "--config.data.prefetch=2", "--config.eval.every=0"]
+
+
+def smoke_corpus(workdir: str) -> list[str]:
+    """A small text file under `workdir` and the overrides that prepare and read it there."""
+    path = os.path.join(workdir, "corpus.txt")
+    with open(os.path.abspath(__file__)) as src, open(path, "w") as f:
+        f.write(src.read() * 4)
+    return ["--config.data.source=files", f"--config.data.path={path}",
+            f"--config.data.dir={os.path.join(workdir, 'tfds')}", *SMOKE_MODEL]
+
+
+def main(argv) -> int:
     opts = {"--batches": 200, "--steps": 30}
-    overrides = []
+    overrides, smoke, workdir = [], False, ""
     for a in argv:
         key, _, value = a.partition("=")
         if key in opts:
             opts[key] = int(value)
+        elif key == "--smoke":
+            smoke = True
+        elif key == "--workdir":
+            workdir = value
         else:
             overrides.append(a)
+    if not smoke:
+        return run(opts, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = workdir or tmp
+        os.makedirs(workdir, exist_ok=True)
+        return run({"--batches": 2, "--steps": 2}, [*smoke_corpus(workdir), *overrides])
+
+
+def run(opts: dict, overrides: list[str]) -> int:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config = load_config(os.path.join(repo, "configs", "default.py"),
                          ["--config.train.progress=False", "--config.tensorboard=False",
@@ -54,8 +92,6 @@ def main(argv):
         loader.batch(10_000 + k)
     rows.append(("loader, one batch at a time", n * tokens / (time.perf_counter() - t)))
 
-    import tempfile
-
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(config, workdir=workdir, quiet=True)
         summary = trainer.train()
@@ -70,7 +106,8 @@ def main(argv):
         print(f"| {what:<30} | {tps:>12,.0f} | {tps / summary['tokens_per_s']:>12.1f} |")
     print(f"input wait in training: {summary['input_wait_s'] * 1e3:.3f} ms per step "
           f"(step time {tokens / summary['tokens_per_s'] * 1e3:.1f} ms)")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

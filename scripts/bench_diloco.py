@@ -28,6 +28,12 @@ Without --testbed (one process, 3 sites of 2 simulated CPU devices): loss measur
 measured (the sites run one after another here, so DiLoCo's compute is over-counted against
 three machines), communication modelled with hetjax/planner/diloco.py's alpha-beta ring for
 the bytes each run really produces.
+
+    python scripts/bench_diloco.py --smoke [--workdir DIR]   # seconds (the suite runs it)
+
+--smoke: the one-process path (`run`, the same table) on a tiny model and synthetic data, 7
+steps, synchronous DP and one DiLoCo row (H = 3, int8), workdirs under --workdir (default: a
+temporary directory). It leaves out --testbed (root: network namespaces, tc, cgroups).
 """
 
 from __future__ import annotations
@@ -38,11 +44,13 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 
-if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=6").strip()
+from hetjax.cli import ensure_cpu_devices
+
+if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices (unless the
+    ensure_cpu_devices(6)        # caller, e.g. the suite, chose a count: the sites take 6)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -56,6 +64,14 @@ def three_sites(mbps: float, ms: float, devices: int = 2):
                     inter_cluster=wan)
 
 
+# --smoke: a model and data that compile and step in seconds (after the run's own overrides)
+SMOKE_CONFIG = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n_layers=2",
+                "--config.model.n_heads=4", "--config.model.n_kv_heads=2",
+                "--config.model.max_seq_len=64", "--config.data.source=synthetic",
+                "--config.eval.batches=1"]
+SMOKE_ARGS = {"steps": 7, "H": 3, "batch": 6, "seq_len": 16, "codec": ["int8"]}
+
+
 def run(label, overrides, args, topology):
     from hetjax.config import load_config
     from hetjax.train import Trainer
@@ -65,7 +81,8 @@ def run(label, overrides, args, topology):
             f"--config.eval.every={args.steps}", "--config.eval.batches=8",
             "--config.tensorboard=False", "--config.train.progress=False",
             f"--config.workdir={args.workdir}/{label.replace(' ', '_')}"]
-    cfg = load_config(None, base + [f"--config.{k}={v}" for k, v in overrides.items()])
+    cfg = load_config(None, base + [f"--config.{k}={v}" for k, v in overrides.items()] +
+                      (SMOKE_CONFIG if args.smoke else []))
     tr = Trainer(cfg, topology=topology, quiet=True)
     losses, times = [], []
     t = [time.perf_counter()]
@@ -354,7 +371,7 @@ def _thread_line(t: dict, steps: int) -> str:
             f"{thr / max(periods, 1) * 100:.0f}% of the CFS periods")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--H", type=int, default=50)
@@ -363,7 +380,12 @@ def main():
     ap.add_argument("--mbps", type=float, default=5.0)
     ap.add_argument("--ms", type=float, default=20.0)
     ap.add_argument("--codec", action="append", default=None)
-    ap.add_argument("--workdir", default="runs/bench_diloco")
+    ap.add_argument("--workdir", default="",
+                    help="where the runs write (default: runs/bench_diloco; with --smoke a "
+                         "temporary directory)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: a tiny model, 7 steps, synchronous DP and DiLoCo int8, in "
+                         "one process (--workdir default: a temporary directory)")
     ap.add_argument("--json", default="")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="0: plain outer SGD")
@@ -401,9 +423,22 @@ def main():
                     help="--testbed: first a DiLoCo run without exchanges (H beyond --steps): "
                          "its step is t_inner, with which the planner's step times are shown")
     ap.add_argument("--timeout", type=float, default=3600, help="--testbed: seconds per run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        if args.testbed:
+            raise SystemExit("bench_diloco: --smoke runs the one-process path; drop --testbed")
+        vars(args).update(SMOKE_ARGS)
+        with tempfile.TemporaryDirectory() as tmp:
+            args.workdir = args.workdir or tmp
+            return one_process(args)
+    args.workdir = args.workdir or "runs/bench_diloco"
     if args.testbed:
         return testbed(args)
+    return one_process(args)
+
+
+def one_process(args):
+    """Without --testbed: the runs one after another in this process, the table printed."""
     codecs = args.codec or ["none", "int8"]
 
     from hetjax.planner.cost import ring_time
@@ -463,4 +498,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,6 +3,7 @@ speed moves from one process (and one hour) to the next.
 
     sudo python scripts/bench_quota.py                  # 3 rounds, about 3 min
     sudo python scripts/bench_quota.py --rounds 5 --samples 30
+    python scripts/bench_quota.py --smoke                # seconds, no root (the suite runs it)
 
 On the heterogeneous testbed (bench_hetaccel's: `cpu` hosts 0.4 CPU, `cpu_half` hosts 0.2),
 every host runs a fresh process per round, all at once, that times bench_hetaccel's decoder
@@ -12,6 +13,10 @@ the CPU time the process used (all threads), and wall x cap / CPU: 1.00 when the
 time into wall time exactly. The spread of the backward's wall time over processes of one
 kind is what a calibration (another set of processes, earlier) cannot know about the
 processes of a later training run (docs/testbed.md, "How reproducible a run is").
+
+--smoke times the same block (`measure`, what each host's process runs) in this process, 2
+samples of 10 ms, and prints its row of the table as an uncapped host (cap 1). It leaves out
+what needs root: the testbed's hosts, their CPU caps and the fresh process per host and round.
 """
 
 import argparse
@@ -25,6 +30,11 @@ import time
 
 def worker(samples: int, sample_s: float) -> None:
     """In one emulated host: time the staged block's forward and backward; print JSON."""
+    print("RESULT " + json.dumps(measure(samples, sample_s)), flush=True)
+
+
+def measure(samples: int, sample_s: float) -> dict:
+    """Wall and CPU ms per call of the staged block's forward and backward, and the samples."""
     import jax
     import jax.numpy as jnp
 
@@ -64,7 +74,20 @@ def worker(samples: int, sample_s: float) -> None:
         result[name] = {"wall_ms": (time.perf_counter() - w0) / n * 1e3,
                         "cpu_ms": (time.process_time() - c0) / n * 1e3,
                         "sample_ms": [round(w * 1e3, 1) for w in walls]}
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+HEADER = ["round", "host", "kind", "cap (CPUs)", "fwd wall", "fwd CPU", "fwd wall x cap / CPU",
+          "bwd wall", "bwd CPU", "bwd wall x cap / CPU", "bwd samples (first 8)"]
+
+
+def row(r: int, host: str, kind: str, cap: float, res: dict) -> list[str]:
+    """A table row of `HEADER` for one process's `measure` result under a cap of `cap` CPUs."""
+    f, b = res["forward"], res["backward"]
+    return [str(r), host, kind, f"{cap:g}", f"{f['wall_ms']:.1f}", f"{f['cpu_ms']:.2f}",
+            f"{f['wall_ms'] * cap / f['cpu_ms']:.2f}", f"{b['wall_ms']:.1f}",
+            f"{b['cpu_ms']:.2f}", f"{b['wall_ms'] * cap / b['cpu_ms']:.2f}",
+            " ".join(f"{s:.0f}" for s in b["sample_ms"][:8])]
 
 
 def main(argv=None) -> int:
@@ -73,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=16, help="samples per process and program")
     ap.add_argument("--sample", type=float, default=0.5, help="seconds per sample (at least)")
     ap.add_argument("--cpus", type=float, default=0.4, help="CPU cap of a `cpu` host")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds, no root: time the block in this process, one table row")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -81,6 +106,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     from scripts.experiments.harness import load_line, table
+    if args.smoke:
+        print(table(HEADER, [row(0, "this process", "cpu", 1.0, measure(2, 0.01))]))
+        return 0
     from scripts.experiments.hetaccel import caps
     from hetjax.testbed import Testbed
     from hetjax.topology import preset
@@ -103,21 +131,13 @@ def main(argv=None) -> int:
                     return 1
                 res = json.loads(lines[-1][len("RESULT "):])
                 kind = het.clusters[h.cluster].accelerator.name
-                c = cap[het.clusters[h.cluster].name]
-                f, b = res["forward"], res["backward"]
+                b = res["backward"]
                 by_kind.setdefault(kind, []).append(b["wall_ms"])
-                rows.append([str(r), h.name, kind, f"{c:g}",
-                             f"{f['wall_ms']:.1f}", f"{f['cpu_ms']:.2f}",
-                             f"{f['wall_ms'] * c / f['cpu_ms']:.2f}",
-                             f"{b['wall_ms']:.1f}", f"{b['cpu_ms']:.2f}",
-                             f"{b['wall_ms'] * c / b['cpu_ms']:.2f}",
-                             " ".join(f"{s:.0f}" for s in b["sample_ms"][:8])])
+                rows.append(row(r, h.name, kind, cap[het.clusters[h.cluster].name], res))
                 print(f"  round {r} {h.name}: backward {b['wall_ms']:.1f} ms wall, "
                       f"{b['cpu_ms']:.2f} ms CPU", flush=True)
     print("\n## Per call, one fresh process per host and round (ms)\n")
-    print(table(["round", "host", "kind", "cap (CPUs)", "fwd wall", "fwd CPU",
-                 "fwd wall x cap / CPU", "bwd wall", "bwd CPU", "bwd wall x cap / CPU",
-                 "bwd samples (first 8)"], rows))
+    print(table(HEADER, rows))
     print("\nbackward wall time over the processes of a kind: " + "; ".join(
         f"{k} {min(v):.1f} to {max(v):.1f} ms (largest / smallest {max(v) / min(v):.3f}, "
         f"sd / mean {np.std(v) / np.mean(v):.1%})" for k, v in by_kind.items()))

@@ -6,7 +6,7 @@ on 1,024 abstract devices (nothing allocated).
     python scripts/bench_zero.py --steps 10 --config.model.d_model=256
 
     python scripts/bench_zero.py --pp 2 --skip-7b  # only the pp = 2 points
-    python scripts/bench_zero.py --smoke         # seconds: tiny model, 1 step, zero3 per table
+    python scripts/bench_zero.py --smoke         # seconds: tiny model, 1 step, a point per table
 
 The pp = 2 rows run ZeRO inside each pipeline stage (docs/zero.md): bytes are a stage's, and
 "in the loop" is the tick loop's B branch, counted once per micro-batch.
@@ -59,10 +59,15 @@ PP_POINTS = [(label, {**HOLMES, **point}) for label, point in POINTS[:4]] + [
                            "zero.s_os": 4}),
 ]
 
-# --smoke: a model small enough that each point compiles and steps in a second or two.
+# --smoke: a model small enough that each point compiles and steps in a second or two, and 2
+# micro-batches (the accumulation loop stays, half the unrolled ticks of the pp = 2 program).
 SMOKE_MODEL = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n_heads=4",
                "--config.model.n_kv_heads=2", "--config.train.seq_len=16",
-               "--config.train.batch_size=32", "--config.model.max_seq_len=64"]
+               "--config.train.batch_size=16", "--config.model.max_seq_len=64",
+               "--config.train.microbatches=2"]
+# one point a table: zero3 at pp = 1, and at pp = 2 the dp = 4, tp = 1 point (both ZeRO
+# sub-axes; a third cheaper to compile than Holmes' tp = 2 layout)
+SMOKE_POINTS, SMOKE_PP_POINTS = [POINTS[3]], [PP_POINTS[4]]
 
 
 def _flag(v) -> str:
@@ -197,14 +202,15 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", choices=("1", "2", "both"), default="both",
                     help="8-device tables: pp = 1, pp = 2 (ZeRO inside stages), or both")
     ap.add_argument("--smoke", action="store_true",
-                    help="seconds: a tiny model, one step, zero3 in each table (the suite runs it)")
+                    help="seconds: a tiny model, one step, one point in each table (the suite "
+                         "runs it)")
     args, overrides = ap.parse_known_args(argv)
     defaults = ["--config.data.source=synthetic", "--config.train.microbatches=4",
                 "--config.train.progress=False", "--config.tensorboard=False"]
     points, pp_points = POINTS, PP_POINTS
     if args.smoke:
         overrides = [*SMOKE_MODEL, *overrides]
-        args.steps, points, pp_points = 1, [POINTS[3]], [PP_POINTS[3]]  # zero3 with and without pp
+        args.steps, points, pp_points = 1, SMOKE_POINTS, SMOKE_PP_POINTS
     print("8 simulated devices (cpu_hybrid: 2 clusters x 2 nodes x 2 devices), "
           f"{' '.join(defaults[1:2] + overrides) or 'default model'}")
     if args.pp != "2":

@@ -5,4 +5,5 @@ import sys
 
 from hetjax.cli import main  # noqa: E402
 
-sys.exit(main(["hetjax", "testbed", *sys.argv[1:]]))
+if __name__ == "__main__":
+    sys.exit(main(["hetjax", "testbed", *sys.argv[1:]]))

@@ -1,6 +1,8 @@
 """scripts/: benchmarks and entry points stay runnable. Each file imports hetjax's public names
-only and leaves `sys.path` alone (read with `ast`); the benchmarks with a smoke mode run it here,
-in this process on its 8 simulated devices, so a change that breaks one fails the suite."""
+only and leaves `sys.path` alone (read with `ast`); each benchmark's smoke mode runs here, in
+this process on its 8 simulated devices where the script allows, so a change that breaks one
+fails the suite. `EXERCISED_BY` names the test that runs each file: a new script without one
+fails `test_every_script_is_exercised_by_a_named_test`."""
 
 import ast
 import os
@@ -17,6 +19,46 @@ FILES = sorted(os.path.relpath(os.path.join(folder, name), REPO)
                if name.endswith(".py"))
 
 
+# Every file under scripts/ and the test (tests/FILE.py::NAME) that runs it: its smoke mode, a
+# cheap real run, or (thin entry points) its start. Tests without a file are this file's.
+EXERCISED_BY = {
+    "scripts/__init__.py": "test_bench_pipeline_smoke",  # imported by every in-process smoke
+    "scripts/bench_boundary_codec.py": "test_bench_boundary_codec_smoke",
+    "scripts/bench_data.py": "test_bench_data_smoke",
+    "scripts/bench_diloco.py": "test_bench_diloco_smoke",
+    "scripts/bench_gpu.py": "test_bench_gpu.py::test_smoke_run_prints_the_table_and_writes_json",
+    "scripts/bench_hetaccel.py":
+        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+    "scripts/bench_hetnet.py":
+        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+    "scripts/bench_pipeline.py": "test_bench_pipeline_smoke",
+    "scripts/bench_planner.py": "test_bench_planner_smoke",
+    "scripts/bench_quota.py": "test_bench_quota_smoke",
+    "scripts/bench_reliability.py": "test_bench_reliability_smoke",
+    "scripts/bench_zero.py": "test_bench_zero_smoke",
+    "scripts/check_worlds.py":
+        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+    "scripts/doc_blocks.py": "test_docs.py::test_a_failing_python_block_fails",
+    "scripts/launch.py": "test_a_thin_entry_point_starts_from_another_directory",
+    "scripts/make_hf_fixture.py":  # needs torch; the tests read what it wrote
+        "test_interop.py::test_an_hf_checkpoint_gives_transformers_logits",
+    "scripts/plan.py": "test_a_thin_entry_point_starts_from_another_directory",
+    "scripts/repredict.py": "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+    "scripts/testbed.py": "test_a_thin_entry_point_starts_from_another_directory",
+    "scripts/train.py": "test_a_thin_entry_point_starts_from_another_directory",
+    "scripts/experiments/__init__.py": "test_experiments.py::test_report_helpers",
+    "scripts/experiments/harness.py": "test_experiments.py::test_report_helpers",
+    "scripts/experiments/hetaccel.py":
+        "test_experiments.py::test_hetaccel_speeds_and_planned_split_come_from_the_calibration",
+    "scripts/experiments/hetnet.py":
+        "test_experiments.py::test_nic_layouts_put_each_parallelism_on_the_intended_links",
+    "scripts/experiments/repredict.py":
+        "test_experiments.py::test_saved_runs_are_priced_again_and_compared_run_to_run",
+    "scripts/experiments/worlds.py":
+        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+}
+
+
 def _tree(path: str) -> ast.AST:
     with open(os.path.join(REPO, path)) as f:
         return ast.parse(f.read())
@@ -25,6 +67,19 @@ def _tree(path: str) -> ast.AST:
 def test_every_script_is_found():
     assert {"scripts/bench_pipeline.py", "scripts/bench_zero.py",
             "scripts/experiments/harness.py"} <= set(FILES)
+
+
+def test_every_script_is_exercised_by_a_named_test():
+    """A script without an entry in EXERCISED_BY (or one naming a test that does not exist)
+    fails here: give it a smoke mode and a test that runs it, then add the entry."""
+    missing = sorted(set(FILES) - set(EXERCISED_BY))
+    assert not missing, f"no test runs {missing}: add a smoke mode, a test, an EXERCISED_BY entry"
+    assert not set(EXERCISED_BY) - set(FILES), "EXERCISED_BY names scripts that are gone"
+    for script, test in EXERCISED_BY.items():
+        file, _, name = test.rpartition("::")
+        tree = _tree(os.path.join("tests", file or "test_scripts.py"))
+        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in names, f"{script}: {test} is not a test"
 
 
 @pytest.mark.parametrize("path", FILES)
@@ -61,7 +116,76 @@ def test_bench_zero_smoke(capsys):
     assert bench_zero.main(["--smoke", "--skip-7b"]) == 0
     out = capsys.readouterr().out
     assert "| zero3 | 8/8/8 |" in out  # pp = 1: the factors of dp = 8
-    assert out.count("| zero3 |") == 2  # and a row in the pp = 2 table
+    assert "| custom, dp=4 tp=1 | 2/2/4 |" in out  # the pp = 2 table
+    assert " in the loop)" in out and out.count("| zero3 |") == 1, out
+
+
+def test_bench_data_smoke(tmp_path, capsys):
+    from scripts import bench_data
+
+    assert bench_data.main(["--smoke", f"--workdir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    for row in ("loader, prefetching", "loader, one batch at a time", "train step consumes"):
+        assert f"| {row}" in out, out
+    assert "input wait in training:" in out
+    assert (tmp_path / "tfds").is_dir()  # the corpus was prepared where the caller said
+
+
+def test_bench_quota_smoke(capsys):
+    from scripts import bench_quota
+
+    assert bench_quota.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 0 | this process |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == len(bench_quota.HEADER) + 2, out
+
+
+@pytest.mark.slow
+def test_bench_diloco_smoke(tmp_path, capsys):
+    """The one-process path (about 25 s: two trainings); --testbed needs root."""
+    from scripts import bench_diloco
+
+    bench_diloco.main(["--smoke", "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for label in ("synchronous DP | ", "DiLoCo H=3 int8 | "):
+        assert sum(line.startswith(label) for line in lines) == 1, out
+    assert (tmp_path / "synchronous_DP").is_dir()
+
+
+@pytest.mark.slow
+def test_bench_boundary_codec_smoke(tmp_path, capsys):
+    """Two worlds (threads, real bridges), both codecs, 2 steps: about 25 s."""
+    from scripts import bench_boundary_codec
+
+    assert bench_boundary_codec.main(["--smoke", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nnone | ") == 1 and out.count("\nint8 | ") == 1, out
+    assert "int8 vs none: max relative difference" in out
+
+
+@pytest.mark.slow
+def test_bench_reliability_smoke(capsys):
+    """Two launched jobs of 4 processes, one killed and restarted: a minute or two."""
+    from scripts import bench_reliability
+
+    assert bench_reliability.main(["--smoke"]) == 0, capsys.readouterr().out[-3000:]
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint 5" in out and "up to step 7: True" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("argv", [["plan.py", "--config.topology.preset=cpu_single"],
+                                  ["launch.py", "--help"], ["train.py", "--help"],
+                                  ["testbed.py", "--help"]], ids=lambda a: a[0])
+def test_a_thin_entry_point_starts_from_another_directory(argv, tmp_path):
+    """The thin entry points as files, from another directory: plan plans a preset (no JAX
+    compile), the others print their usage."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, argv[0]), *argv[1:]],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert ("usage:" if argv[1] == "--help" else "cpu_single") in res.stdout, res.stdout[-2000:]
+    assert not list(tmp_path.iterdir())  # nothing written where it ran
 
 
 def test_bench_planner_smoke(capsys):
