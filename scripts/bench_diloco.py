@@ -49,6 +49,11 @@ import time
 
 from hetjax.cli import ensure_cpu_devices
 
+if __package__:  # python -m scripts.bench_diloco, or imported by the suite
+    from .experiments import harness
+else:  # python scripts/bench_diloco.py: Python puts scripts/ first on sys.path
+    from experiments import harness
+
 if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices (unless the
     ensure_cpu_devices(6)        # caller, e.g. the suite, chose a count: the sites take 6)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -115,7 +120,8 @@ def testbed(args):
     all-reduce every step) and DiLoCo (parallel/diloco.py, the exchange across processes).
     Step time from the trainer's metrics, bytes from the hosts' htb counters, the machine's
     load recorded per run (scripts.experiments.harness)."""
-    from scripts.experiments.harness import CpuWatch, load_line, wait_for_quiet
+    CpuWatch, load_line, wait_for_quiet = (harness.CpuWatch, harness.load_line,
+                                           harness.wait_for_quiet)
     from hetjax.testbed import Testbed, parse_cpus
     from hetjax.topology import Link, Topology, make_cluster
 

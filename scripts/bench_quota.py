@@ -26,6 +26,10 @@ import subprocess
 import sys
 import time
 
+if __package__:  # python -m scripts.bench_quota, or imported by the suite
+    from .experiments import harness, hetaccel
+else:  # python scripts/bench_quota.py: Python puts scripts/ first on sys.path
+    from experiments import harness, hetaccel
 
 
 def worker(samples: int, sample_s: float) -> None:
@@ -38,7 +42,7 @@ def measure(samples: int, sample_s: float) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from scripts.experiments.hetaccel import WORKLOAD
+    WORKLOAD = hetaccel.WORKLOAD
     from layers.block import DecoderBlock
     from parallel.residuals import layer_fn, pullback, vjp_stash
 
@@ -105,11 +109,11 @@ def main(argv=None) -> int:
         return 0
     import numpy as np
 
-    from scripts.experiments.harness import load_line, table
+    load_line, table = harness.load_line, harness.table
     if args.smoke:
         print(table(HEADER, [row(0, "this process", "cpu", 1.0, measure(2, 0.01))]))
         return 0
-    from scripts.experiments.hetaccel import caps
+    caps = hetaccel.caps
     from hetjax.testbed import Testbed
     from hetjax.topology import preset
 

@@ -210,7 +210,8 @@ def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
 
 
-@pytest.mark.parametrize("name", ["bench_hetaccel", "bench_hetnet", "check_worlds", "repredict"])
+@pytest.mark.parametrize("name", ["bench_hetaccel", "bench_hetnet", "check_worlds", "repredict",
+                                  "bench_diloco", "bench_quota"])
 @pytest.mark.parametrize("how", ["file", "module"])
 def test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module(name, how, tmp_path):
     """An installed hetjax does not include scripts/: run as a file, from another directory, the
@@ -222,3 +223,13 @@ def test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module(name, 
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
+
+
+def test_a_benchmark_that_reads_an_experiment_runs_as_a_file_from_another_directory(tmp_path):
+    """`--help` stops before a benchmark reaches its experiment's code: bench_quota's smoke
+    uses it (the experiment's workload and the load line), run as a file from elsewhere."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_quota.py"), "--smoke"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| 0 | this process | cpu |" in res.stdout
