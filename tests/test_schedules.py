@@ -308,10 +308,13 @@ def test_resolve_schedule_is_the_one_way_a_plan_becomes_a_schedule(monkeypatch):
     sim.schedule_table.cache_clear()
     assert sim.schedule_table("1f1b", 2, 4) is s and asked == [ScheduleSpec("1f1b", 2, 4)]
     sim.schedule_table.cache_clear()
-    for owner in (mpmd.MpmdExecutor.__init__, mpmd_worlds.WorldsExecutor.__init__,
-                  pipeline.Pipeline.__init__):
+    # the staged executors (MPMD and worlds) both lower their plan in MpmdExecutor._lower
+    assert "self._lower(" in inspect.getsource(mpmd_worlds.WorldsExecutor.__init__)
+    for owner in (mpmd.MpmdExecutor._lower, pipeline.Pipeline.__init__):
         src = inspect.getsource(owner)
-        assert "resolve_schedule(plan)" in src and "make_schedule" not in src
+        assert "resolve_schedule(self.plan)" in src or "resolve_schedule(plan)" in src
+    for owner in (mpmd.MpmdExecutor, mpmd_worlds.WorldsExecutor, pipeline.Pipeline):
+        assert "make_schedule" not in inspect.getsource(owner)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "strands"])
