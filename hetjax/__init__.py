@@ -10,8 +10,8 @@ count from the topology first).
 from hetjax.config import base_config, validate
 from hetjax.config import load_config_for_python as load_config
 from hetjax.errors import ConfigError, HetjaxError, PlanError, TopologyError
-from hetjax.plan import Plan, ZeroFactors
-from hetjax.topology import Topology, preset
+from hetjax.core.plan import Plan, ZeroFactors
+from hetjax.core.topology import Topology, preset
 
 __version__ = "0.1.0"
 

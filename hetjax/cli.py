@@ -346,7 +346,7 @@ def cmd_tokenizer(argv: list[str]) -> int:
 
 def _attention_lines(model, topology, seq_len: int) -> list[str]:
     """The attention kernel model.attention takes on each accelerator kind of the topology."""
-    from layers.attention_kernels import choose_for_accelerator
+    from hetjax.layers.attention_kernels import choose_for_accelerator
 
     kinds = {c.accelerator.name: c.accelerator for c in topology.clusters}
     lines = []
@@ -363,7 +363,7 @@ def cmd_plan(argv: list[str]) -> int:
     import dataclasses
 
     from hetjax import config as hconfig
-    from hetjax.plan import comparison_table
+    from hetjax.core.plan import comparison_table
     from hetjax.planner import model_from_config, plan_from_config
     from hetjax.planner.config_plan import plan_for_config, predict_for_config, validate_layout
 
@@ -399,7 +399,7 @@ def cmd_plan(argv: list[str]) -> int:
         print(problem)
     if plan.executor == "mpmd" and plan.pp > 1:
         from hetjax.planner.worlds import world_lines
-        from parallel import nic
+        from hetjax.parallel import nic
 
         for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
                 topology, plan, w, slot)):
@@ -408,7 +408,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     for line in bound_lines(plan):
         print(line)
-    from hetjax.planner.diloco import plan_lines
+    from hetjax.planner.diloco_pricing import plan_lines
 
     for line in plan_lines(cfg, topology, plan):  # sites on slow links: DiLoCo vs synchronous
         print(line)

@@ -9,7 +9,7 @@ overrides)` reads a `get_config()` file with `--config.a.b=value` overrides exac
 does (ml_collections.config_flags). `validate(config)` checks everything that does not need
 JAX and raises a `ConfigError` naming the field and the fix: the fields' own checks, then the
 rules between fields. Layout rules are not repeated here: they are the Plan's
-(`hetjax.plan.layout_problems`); the checks that need the topology (degrees against device
+(`hetjax.core.plan.layout_problems`); the checks that need the topology (degrees against device
 counts, placement, ZeRO factors on nodes) run where the Plan is built
 (hetjax/planner/config_plan.py).
 """
@@ -27,17 +27,17 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_collections
 
 from hetjax.errors import ConfigError, HetjaxError
-from hetjax import topology as topo
-from hetjax.planner import zero as zr
+from hetjax.core import topology as topo
+from hetjax.planner import zero_factors as zr
 from hetjax.planner.config_plan import resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
-from hetjax.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
+from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
                          name_problems, raise_first)
-from parallel.registry import EXECUTORS, executor_help
-from parallel.schedules import SCHEDULES, spmd_schedules
-from parallel.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from layers.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from hetjax.core.registry import EXECUTORS, executor_help
+from hetjax.core.schedules import SCHEDULES, spmd_schedules
+from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
+from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
@@ -220,7 +220,7 @@ def _wandb_installed(field, project):
 
 
 def _layout_name(kind: str):
-    """A pipeline name checked by the Plan's rule (`hetjax.plan.name_problems`)."""
+    """A pipeline name checked by the Plan's rule (`hetjax.core.plan.name_problems`)."""
     def check(field, v):
         bad = name_problems(allow_auto=True, **{kind: v})
         return (bad[0].problem, bad[0].fix) if bad else None
@@ -247,7 +247,7 @@ _TOPOLOGY_COUNT = Bound(lo=0, integer=True, fix="set --config.{field}=2 (0 keeps
 _TOPOLOGY_FIGURE = Bound(lo=0, fix="set --config.{field}=<a positive number>")
 
 FIELDS: tuple[Field, ...] = (
-    Field("topology.preset", "cpu_hybrid", "a name from hetjax.topology.PRESETS",
+    Field("topology.preset", "cpu_hybrid", "a name from hetjax.core.topology.PRESETS",
           Choices(lambda: sorted(topo.PRESETS), "preset",
                   fix="choose one of: " + ", ".join(sorted(topo.PRESETS)))),
     Field("topology.file", "", "a JSON topology (Topology.to_json()); overrides preset",
@@ -811,7 +811,7 @@ def expand_paths(c) -> None:
 def validate(c) -> None:
     """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
     the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
-    fields, then the layout rules of the Plan (`hetjax.plan.layout_problems`). Raises
+    fields, then the layout rules of the Plan (`hetjax.core.plan.layout_problems`). Raises
     ConfigError."""
     check_fields(c)
     expand_paths(c)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from hetjax.errors import HetjaxError
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 ENV_COORDINATOR = "HETJAX_COORDINATOR"  # host:port of process 0
 ENV_NUM_PROCESSES = "HETJAX_NUM_PROCESSES"

@@ -6,7 +6,7 @@
     hetjax launch ... --dry-run                             # print command lines, run nothing
 
 Each process runs the topology nodes `process_slots` gives it (one node per process on a real
-cluster) with the environment `parallel.nic.process_environment` computes for it: its
+cluster) with the environment `hetjax.parallel.nic.process_environment` computes for it: its
 cluster's NCCL NIC settings and XLA flags; with `--local`, also its share of simulated CPU
 devices. Workers are plain `hetjax train` processes that find their place in HETJAX_*
 variables and join through `prepare_worker` (a rendezvous naming absent processes, then
@@ -65,11 +65,11 @@ from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 ProcessSlot, WorkerSpec, free_port, free_port_block, initialize,
                                 process_slots)
 from hetjax.errors import HetjaxError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner import plan_from_config
 from hetjax.planner.worlds import plan_worlds, world_lines
-from hetjax.topology import Topology
-from parallel import bridge, nic
+from hetjax.core.topology import Topology
+from hetjax.parallel import bridge, nic
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
 ENV_HEARTBEAT = "HETJAX_HEARTBEAT"  # "1": beat on stderr for the launcher

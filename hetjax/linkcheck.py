@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from hetjax.errors import HetjaxError
-from hetjax.topology import Link
+from hetjax.core.topology import Link
 
 PORT = 5201  # every host is its own network namespace, so fixed ports cannot clash
 COORDINATOR_PORT = 12355

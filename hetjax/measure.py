@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.planner.calibrate import Calibration, ComputeRow, LinkRow, OPS_MEASURED
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 DEFAULT_BATCHES = (1, 4)
 DEFAULT_MESSAGE_BYTES = (1 << 16, 1 << 20, 1 << 22)
@@ -200,8 +200,8 @@ def measure_compute(model: "ModelConfig", devices: Sequence, kind: str, peak_tfl
     import jax
     import jax.numpy as jnp
 
-    from layers.block import DecoderBlock
-    from layers.model import Transformer, cross_entropy
+    from hetjax.layers.block import DecoderBlock
+    from hetjax.layers.model import Transformer, cross_entropy
 
     block = DecoderBlock(model)
     dtype = jnp.dtype(model.dtype)
@@ -245,7 +245,7 @@ def staged_policies(model: "ModelConfig") -> tuple[str, ...]:
 def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,
                  peak_tflops: float, batches, seq_lens, repeats, min_sample_s):
     """ComputeRows of part "staged:<policy>": one block as both pipeline executors run it
-    (`parallel.residuals`): F is the block under `jax.vjp` keeping the policy's residuals, in
+    (`hetjax.parallel.residuals`): F is the block under `jax.vjp` keeping the policy's residuals, in
     one program; B is the pullback from those residuals, in another program -- so the
     recompute is real (in one program XLA merges it with the forward) and B's time includes
     it. Measured because it costs more than its FLOPs say: on CPU a layer's B under 'full'
@@ -253,7 +253,7 @@ def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,
     import jax
     import jax.numpy as jnp
 
-    from parallel.residuals import layer_fn, pullback, vjp_stash
+    from hetjax.parallel.residuals import layer_fn, pullback, vjp_stash
 
     fn = layer_fn(model, policy)
     spec = {}
@@ -293,7 +293,7 @@ def measure_update(model: "ModelConfig", devices: Sequence, kind: str, optimizer
     import jax.numpy as jnp
     import optax
 
-    from layers.model import Transformer
+    from hetjax.layers.model import Transformer
 
     tx = optimizer or optax.adamw(1e-3)
     params = Transformer(model).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
@@ -423,7 +423,7 @@ def split_by_class(topology: Topology, groups: np.ndarray) -> list[np.ndarray]:
     """The rows of a layout grouped by the link class each crosses (its slowest link), so
     each measurement belongs to one class."""
     from hetjax.planner.cost import CostModel
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     cm = CostModel(topology, ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1,
                                          n_kv_heads=1, d_ff=8))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import jax
 
 from hetjax.errors import HetjaxError
-from parallel.nic import ENV_WORLD
+from hetjax.parallel.nic import ENV_WORLD
 
 PROGRAM = "ThunkExecutor::Execute (wait for completion)"  # one program run on one device
 COLLECTIVE = "Rendezvous"  # devices waiting for each other inside a collective

@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from hetjax.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT
-from parallel.nic import ENV_WORLDS
+from hetjax.parallel.nic import ENV_WORLDS
 
 # One line on a worker's stdin: stop like Ctrl-C (or, followed by " SIGTERM", like SIGTERM).
 STOP_LINE = "hetjax: stop"

@@ -44,7 +44,7 @@ from typing import Mapping, Sequence
 
 from hetjax.distributed import DEFAULT_PORT
 from hetjax.errors import HetjaxError
-from hetjax.topology import Link, Topology
+from hetjax.core.topology import Link, Topology
 
 PREFIX = "hjtb-"
 NET = "10.77"  # private /16; cluster i is NET.i.0/24

@@ -2,7 +2,7 @@
 and timing as hooks.
 
 `Trainer(config)` is the Python entry point (`hetjax train` uses it too). It turns the config
-into a topology, a Plan and an optimizer, and asks an executor (`parallel.executor`) for
+into a topology, a Plan and an optimizer, and asks an executor (`hetjax.parallel.executor`) for
 everything that depends on how a step runs: the train state in its shardings, one optimizer
 step, the parameters in the natural layout, the checkpoint layout. The Trainer owns the loop and
 the data. Nothing is compiled or loaded until it is needed: the state is created on first use,
@@ -52,21 +52,21 @@ from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Pre
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.lock import WorkdirLock
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
-from hetjax.plan import Plan
-from hetjax.local_preset import describe_jax_devices, device_mismatch
+from hetjax.core.plan import Plan
+from hetjax.core.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.planner.config_plan import predict_for_config
-from hetjax.planner.diloco import plan_to_run
+from hetjax.planner.diloco_pricing import plan_to_run
 from hetjax.planner.memory import asked_bytes, fit_problem, is_out_of_memory, oom_message
 from hetjax.profile import StepProfiler, summarise
 from hetjax.stopping import NoAgreement, StopFlag
 from hetjax.tokenizer import tokenizer_from_config
-from hetjax.topology import Topology
-from layers import ModelConfig
-from layers.attention_kernels import choose_local
-from parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
-from parallel.nic import ENV_WORLD, ENV_WORLDS
-from parallel.registry import EXECUTORS
+from hetjax.core.topology import Topology
+from hetjax.layers import ModelConfig
+from hetjax.layers.attention_kernels import choose_local
+from hetjax.parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
+from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS
+from hetjax.core.registry import EXECUTORS
 
 
 def learning_rate_schedule(t) -> optax.Schedule:
@@ -204,7 +204,7 @@ class Timing:
 
 
 def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Runtime:
-    """What this process's environment says about its job (`parallel.train_state.Runtime`),
+    """What this process's environment says about its job (`hetjax.parallel.train_state.Runtime`),
     read once: the launcher's init timeout, and for one world of a multi-world job (`hetjax
     launch` set HETJAX_WORLDS > 1) the plan's worlds (`hetjax.planner.worlds`), which process
     runs which rank, this world's index and its bridge to the others."""
@@ -216,7 +216,7 @@ def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Ru
         return Runtime(init_timeout_s=timeout)
     from hetjax.distributed import process_slots
     from hetjax.planner.worlds import plan_worlds
-    from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
+    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
 
     slots = process_slots(topology, len(env[ENV_BRIDGE_HOSTS].split(",")))
     worlds = plan_worlds(plan, topology, slots)
@@ -442,8 +442,8 @@ class Trainer:
         onto one device (for large models, open the checkpoint with pp = 1: hetjax.sampling)."""
         import contextlib
 
-        from layers.generate import generate
-        from layers.model import Transformer
+        from hetjax.layers.generate import generate
+        from hetjax.layers.model import Transformer
 
         single = isinstance(prompts, str)
         ids = [self.tokenizer.encode(p).tolist() for p in ([prompts] if single else prompts)]

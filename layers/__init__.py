@@ -6,10 +6,10 @@ decision about devices to `parallel/`. `ModelConfig` is plain data; the modules 
 lazily so the planner can read a `ModelConfig` without starting JAX.
 """
 
-from layers.config import ModelConfig
+from hetjax.core.model_config import ModelConfig
 
-_LAZY = {"Transformer": "layers.model", "block_apply": "layers.model",
-         "cross_entropy": "layers.model", "DecoderBlock": "layers.block"}
+_LAZY = {"Transformer": "hetjax.layers.model", "block_apply": "hetjax.layers.model",
+         "cross_entropy": "hetjax.layers.model", "DecoderBlock": "hetjax.layers.block"}
 
 
 def __getattr__(name):

@@ -6,10 +6,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from layers import attention_kernels
-from layers.config import ModelConfig
-from layers.embeddings import apply_rotary, rope_frequencies, rotary_tables
-from layers.kv_cache import cached_attention
+from hetjax.layers import attention_kernels
+from hetjax.core.model_config import ModelConfig
+from hetjax.layers.embeddings import apply_rotary, rope_frequencies, rotary_tables
+from hetjax.layers.kv_cache import cached_attention
 
 
 def dense_init(scale: float = 1.0, in_axis=-2, out_axis=-1):

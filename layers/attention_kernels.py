@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from layers.config import ATTENTION_IMPLEMENTATIONS
+from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS  # their owner is layers/config.py
+IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS  # their owner is hetjax/core/model_config.py
 FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes
 PALLAS_BLOCK = 128  # the Pallas kernel's default query/key block (smaller sequences: one block
 PALLAS_BWD_BLOCK = 32  # ... and its backward's blocks); the sequence must split into them

@@ -5,10 +5,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from layers.attention import Attention
-from layers.config import ModelConfig
-from layers.mlp import MLP
-from layers.norms import RMSNorm
+from hetjax.layers.attention import Attention
+from hetjax.core.model_config import ModelConfig
+from hetjax.layers.mlp import MLP
+from hetjax.layers.norms import RMSNorm
 
 
 class DecoderBlock(nn.Module):

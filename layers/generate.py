@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from layers.kv_cache import init_cache
-from layers.model import Transformer
+from hetjax.layers.kv_cache import init_cache
+from hetjax.layers.model import Transformer
 
 END = -1  # in the output: positions after a row's end
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from layers.config import ModelConfig
-from layers.embeddings import apply_rotary, rotary_tables
+from hetjax.core.model_config import ModelConfig
+from hetjax.layers.embeddings import apply_rotary, rotary_tables
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from layers.attention import dense_init
-from layers.config import ModelConfig
+from hetjax.layers.attention import dense_init
+from hetjax.core.model_config import ModelConfig
 
 
 class MLP(nn.Module):

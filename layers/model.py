@@ -13,12 +13,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from layers.block import DecoderBlock
-from layers.config import ModelConfig
-from layers.embeddings import Embed
-from layers.norms import RMSNorm
+from hetjax.layers.block import DecoderBlock
+from hetjax.core.model_config import ModelConfig
+from hetjax.layers.embeddings import Embed
+from hetjax.layers.norms import RMSNorm
 
-# JAX's policy for each recomputing name of layers.config.REMAT_POLICIES ('none' and 'auto'
+# JAX's policy for each recomputing name of hetjax.core.model_config.REMAT_POLICIES ('none' and 'auto'
 # keep every intermediate)
 REMAT_JAX_POLICIES = {
     "full": None,  # save nothing, recompute the whole block

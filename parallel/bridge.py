@@ -53,7 +53,7 @@ from typing import Sequence
 import numpy as np
 
 from hetjax.errors import HetjaxError
-from parallel.wire import BOUNDARY_CODECS as CODECS  # pipeline.boundary_codec
+from hetjax.core.wire import BOUNDARY_CODECS as CODECS  # pipeline.boundary_codec
 
 ENV_BRIDGE_RANK = "HETJAX_BRIDGE_RANK"
 ENV_BRIDGE_HOSTS = "HETJAX_BRIDGE_HOSTS"
@@ -292,7 +292,7 @@ class Bridge:
         """arrays -> [codes, scales] per array; a gradient with its stream's carried error."""
         import jax
 
-        from parallel.codec import dequantize, quantize
+        from hetjax.parallel.codec import dequantize, quantize
 
         feedback = _kind_of(key) == "gradient"
         if feedback not in self._encode_fns:
@@ -328,7 +328,7 @@ class Bridge:
     def _decode(self, wire: list, specs: Sequence) -> list:
         import jax
 
-        from parallel.codec import dequantize
+        from hetjax.parallel.codec import dequantize
 
         if self._decode_fn is None:
             self._decode_fn = jax.jit(

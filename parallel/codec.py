@@ -5,7 +5,7 @@ compressed pipeline boundaries between worlds (parallel/bridge.py, `pipeline.bou
 Each row (last axis) of a tensor is scaled by max|row| / (2^(b-1) - 1) and rounded to b-bit
 integer codes: the error per element is at most scale / 2 = max|row| / (2 (2^(b-1) - 1)).
 int4 codes are packed two to a byte. `encode` / `decode` apply a codec named in
-`parallel.wire` to a whole pytree.
+`hetjax.core.wire` to a whole pytree.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallel.wire import BITS
+from hetjax.core.wire import BITS
 
 
 def rows(x):
@@ -76,7 +76,7 @@ def error_bound(x, bits: int):
 
 # --- a codec by name on pytrees (DiLoCo's pseudo-gradients) ---------------------------------
 def encode(tree, codec: str):
-    """A pytree of float arrays -> its wire form under `codec` (a name of `parallel.wire`):
+    """A pytree of float arrays -> its wire form under `codec` (a name of `hetjax.core.wire`):
     fp32 arrays for 'none', else (codes, scales) per leaf."""
     if codec == "none":
         return jax.tree.map(lambda x: x.astype(jnp.float32), tree)

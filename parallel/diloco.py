@@ -1,8 +1,8 @@
 """DiLoCo between sites: local SGD with an outer optimizer, as one executor of the Trainer.
 
-It runs a `hetjax.plan.DilocoPlan` (the planner's `hetjax.planner.diloco.plan_sites` builds it
-from the config's `diloco.*` fields; `parallel.executor.make_executor` chooses this executor
-for it through `parallel.registry.COMPOSITE`) and reads no config. A site is a topology
+It runs a `hetjax.core.plan.DilocoPlan` (the planner's `hetjax.planner.diloco_pricing.plan_sites` builds it
+from the config's `diloco.*` fields; `hetjax.parallel.executor.make_executor` chooses this executor
+for it through `hetjax.core.registry.COMPOSITE`) and reads no config. A site is a topology
 cluster or a group of clusters (`diloco.sites`). Each site trains on its
 own devices with its own plan (the planner's, for the site's sub-topology and its share of the
 global batch: rows [s B / n, (s + 1) B / n) go to site s) and its own inner optimizer state.
@@ -13,7 +13,7 @@ quantized payload), average them, and every site applies the same outer optimize
 (`diloco.outer_optimizer`: Nesterov momentum or SGD) to theta and restarts from the result,
 keeping its inner optimizer state. The quantized exchange is a reduce-scatter + all-gather:
 each pseudo-gradient is quantized once, the mean of the dequantized ones is quantized once
-more (hetjax/planner/diloco.py prices exactly that).
+more (hetjax/planner/diloco_pricing.py prices exactly that).
 
 In one process the sites are groups of devices; the exchange is a device-to-device copy of
 the payloads. Under `hetjax launch` each process runs one site (`CrossSiteExchange`: compiled
@@ -51,15 +51,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from hetjax import checkpoint as hckpt
 from hetjax.distributed import free_port
 from hetjax.errors import ConfigError
-from hetjax.hardware import Topology
-from hetjax.plan import DilocoPlan
-from parallel import bridge as hbridge
-from parallel import sharding as shd
-from parallel.codec import decode, encode, pack4, quantize_rows, unpack4, wire_bytes
-from parallel.codec import rows as _rows
-from parallel.executor import make_executor
-from parallel.train_state import Executor, Optimizer, Runtime, TrainState, opt_state_specs
-from parallel.wire import BITS
+from hetjax.core.hardware import Topology
+from hetjax.core.plan import DilocoPlan
+from hetjax.parallel import bridge as hbridge
+from hetjax.parallel import sharding as shd
+from hetjax.parallel.codec import decode, encode, pack4, quantize_rows, unpack4, wire_bytes
+from hetjax.parallel.codec import rows as _rows
+from hetjax.parallel.executor import make_executor
+from hetjax.parallel.train_state import Executor, Optimizer, Runtime, TrainState, opt_state_specs
+from hetjax.core.wire import BITS
 
 
 # --- the state and the executor ---------------------------------------------------------------
@@ -135,7 +135,7 @@ class CrossSiteExchange:
     shard j), site j averages the dequantized shards in site order and quantizes the mean once
     more, and an all-gather returns every shard to every site: the same two rounding steps and
     the same arithmetic as the one-process exchange, 2 (n-1)/n of the payload a site, which is
-    what hetjax/planner/diloco.py prices."""
+    what hetjax/planner/diloco_pricing.py prices."""
 
     def __init__(self, site_devices, site: int, codec: str):
         self.n, self.site, self.codec = len(site_devices), site, codec

@@ -5,22 +5,22 @@ everything that depends on how the step is executed: the initial train state in 
 one optimizer step on a batch, the parameters in the model's natural layout, the checkpoint
 layout, how a host batch becomes device arrays, and the loss of a batch. `make_executor` is
 the one place that chooses the implementation, from the Plan, the executor registry
-(`parallel.registry`) and the process's `Runtime`:
+(`hetjax.core.registry`) and the process's `Runtime`:
 
 - `SingleProgramExecutor` -- the whole step is one jitted SPMD program over the plan's mesh.
   With pp = 1 the loss and gradients come from the ZeRO micro-batch loop
-  (`parallel.zero.accumulate_gradients`).
+  (`hetjax.parallel.zero_sharding.accumulate_gradients`).
 - `SpmdPipelineExecutor` -- the same single program, with the loss and gradients of the
-  shard_map pipeline (`parallel.pipeline.Pipeline`), parameters in the stage-stacked layout.
-- the MPMD pipeline executor (`parallel.mpmd`) -- one program per stage; across JAX worlds
-  `parallel.mpmd_worlds`.
-- the DiLoCo executor (`parallel.diloco`) -- for a `DilocoPlan`: sites that train alone on
+  shard_map pipeline (`hetjax.parallel.pipeline.Pipeline`), parameters in the stage-stacked layout.
+- the MPMD pipeline executor (`hetjax.parallel.mpmd`) -- one program per stage; across JAX worlds
+  `hetjax.parallel.mpmd_worlds`.
+- the DiLoCo executor (`hetjax.parallel.diloco`) -- for a `DilocoPlan`: sites that train alone on
   their own plans and exchange pseudo-gradients every few steps.
 
 Executors get the optimizer (`Optimizer`: an optax transform, its learning-rate schedule and
 clipping threshold) and the process's `Runtime` from the caller, so nothing below the Plan
 reads the config or the environment. The interface itself and the train state
-are in `parallel.train_state`.
+are in `hetjax.parallel.train_state`.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
 from hetjax.errors import PlanError
-from hetjax.plan import DilocoPlan, Plan, raise_first
-from hetjax.topology import Topology
-from layers import ModelConfig
-from parallel import sharding as shd
-from parallel import zero
-from parallel.mesh import build_mesh
-from parallel.registry import COMPOSITE, EXECUTORS, SINGLE_PROGRAM
-from parallel.train_state import (Executor, Optimizer, Runtime, TrainState, opt_state_specs,
+from hetjax.core.plan import DilocoPlan, Plan, raise_first
+from hetjax.core.topology import Topology
+from hetjax.layers import ModelConfig
+from hetjax.parallel import sharding as shd
+from hetjax.parallel import zero_sharding as zero
+from hetjax.parallel.mesh import build_mesh
+from hetjax.core.registry import COMPOSITE, EXECUTORS, SINGLE_PROGRAM
+from hetjax.parallel.train_state import (Executor, Optimizer, Runtime, TrainState, opt_state_specs,
                                   skip_unless_finite)
 
 
@@ -52,7 +52,7 @@ class SingleProgramExecutor(Executor):
     """The whole train step as one jitted SPMD program over the plan's mesh (pp = 1).
 
     The step takes the global batch as [micro-batches, batch / micro-batches, length],
-    accumulates gradients over the micro-batches (ZeRO-sharded, `parallel.zero`) and applies the
+    accumulates gradients over the micro-batches (ZeRO-sharded, `hetjax.parallel.zero_sharding`) and applies the
     optimizer on the optimizer-state shards. Parameter and optimizer-state shardings follow the
     parameters' logical axis names."""
 
@@ -82,7 +82,7 @@ class SingleProgramExecutor(Executor):
 
         `params` are in the P spec. Gradients are accumulated in the G spec and reduced across
         data-parallel replicas once, after the micro-batch loop; they come back in the OS spec
-        (parallel/zero.py accumulate_gradients)."""
+        (parallel/zero_sharding.py accumulate_gradients)."""
         return zero.accumulate_gradients(jax.value_and_grad(self.loss_fn), params, batch,
                                          self.zero_specs, self.mesh, self.rules)
 
@@ -95,7 +95,7 @@ class SingleProgramExecutor(Executor):
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.logical_specs = shd.logical_specs(boxed)
         abstract_params = nn.unbox(boxed)
-        # ZeRO (parallel/zero.py): parameters are stored in the P spec, optimizer states in the
+        # ZeRO (parallel/zero_sharding.py): parameters are stored in the P spec, optimizer states in the
         # OS spec; gradients are accumulated in the G spec inside loss_and_grads.
         self.zero_specs = zero.zero_specs(abstract_params, shd.param_specs(boxed, self.rules),
                                           self.logical_specs, self.plan.zero)
@@ -190,11 +190,11 @@ class SingleProgramExecutor(Executor):
 
 
 class SpmdPipelineExecutor(SingleProgramExecutor):
-    """The shard_map pipeline (`parallel.pipeline`) as one SPMD program: parameters,
+    """The shard_map pipeline (`hetjax.parallel.pipeline`) as one SPMD program: parameters,
     gradients and optimizer states in the stage-stacked layout, padded slots frozen."""
 
     def __init__(self, plan, topology, model_cfg, tx, lr_schedule):
-        from parallel.pipeline import Pipeline, freeze_padding
+        from hetjax.parallel.pipeline import Pipeline, freeze_padding
 
         mesh = build_mesh(plan, topology)
         self.pipeline = Pipeline(plan, model_cfg, mesh)
@@ -212,7 +212,7 @@ class SpmdPipelineExecutor(SingleProgramExecutor):
         return self.pipeline.loss_and_grads(params, batch, self.zero_specs)
 
     def checkpoint_layout(self, state) -> hckpt.Layout:
-        from parallel.pipeline import StageLayout
+        from hetjax.parallel.pipeline import StageLayout
 
         abstract = hckpt.abstract_with_shardings(state, self.state_sharding)
         return StageLayout(self.plan, abstract, self.state_sharding)
@@ -232,10 +232,10 @@ def make_executor(plan: Plan | DilocoPlan, topology: Topology, model_cfg: ModelC
     """The executor that runs `plan`: the only place that chooses one.
 
     A plan of plans (a `DilocoPlan`) runs the executor its kind names
-    (`parallel.registry.COMPOSITE`); a multi-world job (`runtime.worlds`) runs the world
+    (`hetjax.core.registry.COMPOSITE`); a multi-world job (`runtime.worlds`) runs the world
     executor of the plan's executor (`ExecutorKind.worlds`); a plan of one stage runs as one
     program (`SINGLE_PROGRAM`); a pipeline runs the executor the plan names
-    (`parallel.registry.EXECUTORS`). A plan with problems (`Plan.problems`: against the
+    (`hetjax.core.registry.EXECUTORS`). A plan with problems (`Plan.problems`: against the
     topology and the model) is one PlanError."""
     if plan.executor in COMPOSITE:  # each site's plan is checked by its own make_executor
         return _load(COMPOSITE[plan.executor]).create(plan, topology, model_cfg, optimizer,

@@ -4,13 +4,13 @@ Axes run slowest first. The data-parallel devices of a stage are factored into t
 for ZeRO sharding (AMSP): 'dp' (replicas), 'dp_os' and 'dp_p', with sizes
 dp / s_os, s_os / s_p and s_p. Parameters shard over 'dp_p', optimizer states over
 ('dp_p', 'dp_os') -- 'dp_p' major -- so every optimizer-state shard lies inside its device's
-parameter shard (parallel/zero.py).
+parameter shard (parallel/zero_sharding.py).
 Anything that means "all data-parallel devices" uses `DP_AXES`. With plain data parallelism
 the two sub-axes have size 1.
 
 The mesh is the plan's device order reshaped to (pp, dp, tp). Where groups may sit (a TP group
 inside a node, a stage inside a cluster) is a planning rule: hetjax/planner/placement.py owns
-it and checks it before a Plan gets here. The axis names are the Plan's (hetjax/plan.py).
+it and checks it before a Plan gets here. The axis names are the Plan's (hetjax/core/plan.py).
 
 The dp and tp axes are `AxisType.Auto`: Flax modules do not pass `out_sharding` to their
 contractions, which Explicit axes demand, so the compiler places activations from the logical
@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import DP_AXES, MESH_AXES as AXES, Plan  # noqa: F401 - DP_AXES re-exported
-from hetjax.topology import Topology
+from hetjax.core.plan import DP_AXES, MESH_AXES as AXES, Plan  # noqa: F401 - DP_AXES re-exported
+from hetjax.core.topology import Topology
 
 
 def mesh_shape(plan: Plan) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ gradient is summed between those two stages only, so both copies take identical 
 A stage's work is cut into *pieces* (the embedding, each layer, the head + loss). Every program
 runs per data-parallel device (`zero.per_device`: activations [dp, b / dp, ...], parameter
 gradients [dp, ...] partial sums) on the stage's sub-mesh, with the ZeRO kernels of
-`parallel.zero` -- gather P once per step, reduce-scatter each backward's gradients into the G
+`hetjax.parallel.zero_sharding` -- gather P once per step, reduce-scatter each backward's gradients into the G
 accumulator, reduce across replicas once:
 
 - F(m): the stage's forward of micro-batch m, taking a `jax.vjp` of every piece; the pullbacks'
@@ -29,7 +29,7 @@ accumulator, reduce across replicas once:
 - The update: the global gradient norm is summed from one scalar per stage; each stage clips
   with it and applies the optimizer to its own OS shards.
 
-The schedule is lowered once to a program (`parallel.program`: per stage, run F / B / I / W,
+The schedule is lowered once to a program (`hetjax.core.program`: per stage, run F / B / I / W,
 send, receive, reduce, free, interleaved in the issue order, the schedule's unit-time timeline,
 so no global tick exists). One controller (this Python thread) interprets it, one method per
 op kind; JAX dispatches the stages' programs asynchronously, each waiting only for its own
@@ -55,15 +55,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
-from layers import Transformer
-from parallel import program as pg
-from parallel import sharding as shd
-from parallel import zero
-from parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
-from parallel.mesh import DP_AXES, build_mesh
-from parallel.pipeline import check_plan, onehot_cross_entropy
-from parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
-from hetjax.plan import even_split, resolve_schedule
+from hetjax.layers import Transformer
+from hetjax.core import program as pg
+from hetjax.parallel import sharding as shd
+from hetjax.parallel import zero_sharding as zero
+from hetjax.parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
+from hetjax.parallel.mesh import DP_AXES, build_mesh
+from hetjax.parallel.pipeline import check_plan, onehot_cross_entropy
+from hetjax.parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
+from hetjax.core.plan import even_split, resolve_schedule
 
 @flax.struct.dataclass
 class MpmdState:
@@ -287,7 +287,7 @@ class Stage:
     def _forward_one(self, c, pieces, x, tokens, targets):
         """F of chunk c on one device's rows: returns the output (the loss after the last
         chunk) and, per piece, its pullback's residuals without the piece's parameters
-        (`parallel.residuals`)."""
+        (`hetjax.parallel.residuals`)."""
         stash = []
         h = x
         for k, (fn, p) in enumerate(zip(self._piece_fns(c, tokens, targets), pieces)):
@@ -589,7 +589,7 @@ class MpmdExecutor(Executor):
 
     def run_tasks(self, mine: dict[int, TrainState], batch,
                   task_times: dict[tuple[int, str], list[float]] | None = None) -> dict:
-        """Interpret the step's program (`parallel.program`) for the stages in `mine` (stage ->
+        """Interpret the step's program (`hetjax.core.program`) for the stages in `mine` (stage ->
         its state): one method per op kind, in the program's order. Returns, per stage, what
         its reduction gave: (its gradients reduced across its replicas, the mean loss on the
         head's stage)."""

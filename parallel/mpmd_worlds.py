@@ -2,14 +2,14 @@
 carries what crosses to the other worlds.
 
 A multi-world job runs one `jax.distributed` job per world (`hetjax.planner.worlds`); every
-process of every world runs this executor with the same plan. A world builds `parallel.mpmd`
+process of every world runs this executor with the same plan. A world builds `hetjax.parallel.mpmd`
 `Stage`s (sub-mesh, shardings, compiled F / B / I / W / update programs) only for its own
-stages, on its own devices, and interprets the same program (`parallel.program`) as the
+stages, on its own devices, and interprets the same program (`hetjax.core.program`) as the
 single-world executor, skipping other worlds' ops. Only send and receive change: when
 the peer stage lives in another world, the activation of a forward, the gradient of a
 backward's input, the tied embedding's gradient (summed in the same order as in one world),
 the loss and each world's part of the squared gradient norm go over the bridge
-(`parallel.bridge`) instead of `jax.device_put`.
+(`hetjax.parallel.bridge`) instead of `jax.device_put`.
 
 Every stage has the same mesh shape (dp, dp_os, dp_p, tp), so an array of one stage and its
 counterpart on another stage have, at every mesh *position*, the same shard: the process
@@ -44,11 +44,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hetjax.errors import HetjaxError
-from parallel import program as pg
-from parallel.bridge import Bridge, message_key
-from parallel.mesh import AXES, DP_AXES, mesh_shape
-from parallel.mpmd import MpmdExecutor, MpmdState, Stage, StepRun, merge_states, stage_tree
-from parallel.train_state import Executor, TrainState
+from hetjax.core import program as pg
+from hetjax.parallel.bridge import Bridge, message_key
+from hetjax.parallel.mesh import AXES, DP_AXES, mesh_shape
+from hetjax.parallel.mpmd import MpmdExecutor, MpmdState, Stage, StepRun, merge_states, stage_tree
+from hetjax.parallel.train_state import Executor, TrainState
 
 LOOKAHEAD = 4  # tasks ahead whose remote inputs are prefetched
 
@@ -280,7 +280,7 @@ class WorldsExecutor(MpmdExecutor):
         """The global batch rows this process's devices hold: of the inputs (first stage's
         group), or of the targets (last stage's group); a process holding neither reads row 0
         and does not use it (its loader's position keeps pace with the others')."""
-        from parallel.train_state import batch_rows
+        from hetjax.parallel.train_state import batch_rows
 
         if self._rows is None:
             shardings = list(self.batch_sharding.values())
@@ -518,7 +518,7 @@ class WorldsExecutor(MpmdExecutor):
 
 class WorldsLayout:
     """`hetjax.checkpoint.Layout` of a multi-world job: the natural TrainState one process
-    would write (`parallel.mpmd.MpmdLayout`), assembled in world 0, which writes it; the
+    would write (`hetjax.parallel.mpmd.MpmdLayout`), assembled in world 0, which writes it; the
     other worlds only send their stages' states (`writes` False). Every world restores the
     step world 0 chose (`agree_step`) from the directory itself, replicated on its first
     stage's devices, and keeps its own stages."""

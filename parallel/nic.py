@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from hetjax.distributed import ProcessSlot, process_slots
 from hetjax.errors import HetjaxError, PlanError
-from hetjax.plan import Plan
-from hetjax.topology import Topology
+from hetjax.core.plan import Plan
+from hetjax.core.topology import Topology
 
 RDMA_KINDS = ("infiniband", "roce")
 POLICIES = ("cluster", "socket")

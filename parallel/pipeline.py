@@ -17,7 +17,7 @@ logical constraints). At every tick each stage does what its column of the progr
 - F(m): stage 0 embeds the tokens of micro-batch m, the others take the activation waiting
   in their inbox; then the stage runs its n_s layers (a `fori_loop` whose trip count is n_s,
   so a short stage really does less work and padded slots cost nothing), each under `jax.vjp`,
-  and stashes each layer's pullback residuals (`parallel.residuals`) and the stage output.
+  and stashes each layer's pullback residuals (`hetjax.parallel.residuals`) and the stage output.
 - B(m): the last stage starts from the loss (head and cross-entropy under `jax.vjp`), the
   others from the output gradient waiting in their inbox; then layers n_s - 1 .. 0 each rebuild
   their pullback from the stash and pull the gradient back, accumulating parameter gradients;
@@ -28,7 +28,7 @@ logical constraints). At every tick each stage does what its column of the progr
   compute.
 Every F and B is vmapped over a leading per-device dimension (`zero.per_device`): the batch
 is split [dp, b / dp, ...] and a B yields each data-parallel device's own partial gradients,
-which the ZeRO kernels (parallel/zero.py, nested shard_maps manual over every axis but 'pp')
+which the ZeRO kernels (parallel/zero_sharding.py, nested shard_maps manual over every axis but 'pp')
 reduce-scatter into the G accumulator after each B and reduce across replicas to OS shards
 once, after the tick loop. Parameters are gathered from their P shards before the shard_map.
 Then outputs move with two `ppermute`s (activations s -> s + 1, gradients s -> s - 1), skipped
@@ -77,12 +77,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hetjax.plan import Plan, raise_first, resolve_schedule, schedule_problem
-from layers import ModelConfig, Transformer
-from parallel import schedules as sch
-from parallel import sharding as shd
-from parallel import zero
-from parallel.residuals import effective_remat, layer_fn, pullback, vjp_stash
+from hetjax.core.plan import Plan, raise_first, resolve_schedule, schedule_problem
+from hetjax.layers import ModelConfig, Transformer
+from hetjax.core import schedules as sch
+from hetjax.parallel import sharding as shd
+from hetjax.parallel import zero_sharding as zero
+from hetjax.parallel.residuals import effective_remat, layer_fn, pullback, vjp_stash
 
 STAGE_AXIS = "stage"  # logical name of the leading axis of stage-stacked leaves ('pp')
 

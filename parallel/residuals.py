@@ -12,7 +12,7 @@ forwards' work per layer per step), `dots` keeps the matmul outputs, `full` keep
 layer's input and recomputes the layer in the backward (four forwards).
 `auto` (the config default) means what each executor did before recompute was a choice:
 no recompute, except in the SPMD pipeline, which recomputes every layer
-(`hetjax.plan.effective_remat`, shared with the cost model).
+(`hetjax.core.plan.effective_remat`, shared with the cost model).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import jax
 
-from hetjax.plan import effective_remat
-from layers import block_apply
-from layers.model import REMAT_JAX_POLICIES
+from hetjax.core.plan import effective_remat
+from hetjax.layers import block_apply
+from hetjax.layers.model import REMAT_JAX_POLICIES
 
 
 def layer_fn(model_cfg, remat: str) -> Callable:

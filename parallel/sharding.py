@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallel.mesh import DP_AXES
+from hetjax.parallel.mesh import DP_AXES
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", DP_AXES),
@@ -60,7 +60,7 @@ def _names(entry) -> tuple[str, ...]:
 
 def without_axes(rules, axes):
     """Logical rules with `axes` removed: for code that places those axes itself, e.g. a
-    vmapped per-device dimension with spmd_axis_name=axes (parallel/zero.py), inside which
+    vmapped per-device dimension with spmd_axis_name=axes (parallel/zero_sharding.py), inside which
     the batch dimension is each device's own slice."""
     out = []
     for name, target in rules:
@@ -70,7 +70,7 @@ def without_axes(rules, axes):
 
 
 # Logical name of a leading per-device dimension: index i holds data-parallel device i's own
-# slice (parallel/zero.py per_device), so it is split over all data-parallel axes.
+# slice (parallel/zero_sharding.py per_device), so it is split over all data-parallel axes.
 DEVICE = "device"
 
 

@@ -26,10 +26,10 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax import checkpoint as hckpt
 from hetjax.errors import HetjaxError
-from hetjax.plan import Plan
-from hetjax.topology import Topology
-from layers import ModelConfig, Transformer, cross_entropy
-from layers.model import chunked_head_loss
+from hetjax.core.plan import Plan
+from hetjax.core.topology import Topology
+from hetjax.layers import ModelConfig, Transformer, cross_entropy
+from hetjax.layers.model import chunked_head_loss
 
 
 @flax.struct.dataclass
@@ -88,7 +88,7 @@ class Runtime:
     `worlds`: the job's worlds (`hetjax.planner.worlds.World`), empty unless the launcher
     started this process as one world of a multi-world job; `world` this
     process's index among them, `owner[rank]` the process (bridge rank) that runs topology rank
-    `rank`, `bridge` this process's `parallel.bridge.Bridge` to the other worlds;
+    `rank`, `bridge` this process's `hetjax.parallel.bridge.Bridge` to the other worlds;
     `init_timeout_s` how long the launcher lets processes wait for their peers (None: not
     launched)."""
 
@@ -115,7 +115,7 @@ class Executor(abc.ABC):
     pipeline = None  # the SPMD pipeline executor's shard_map `Pipeline`; None elsewhere
     writes_checkpoints = True  # False where another process of the job writes them (worlds)
     mesh = None  # the single program's mesh; None where there are several programs
-    zero_specs = None  # its ZeRO PartitionSpecs (parallel.zero.ZeroSpecs)
+    zero_specs = None  # its ZeRO PartitionSpecs (hetjax.parallel.zero_sharding.ZeroSpecs)
     state_sharding = None  # its train state's shardings
     # whether the step runs the Plan the caller planned (its memory prediction and lines
     # apply); False where it runs plans of its own (DiLoCo: each site's)
@@ -124,7 +124,7 @@ class Executor(abc.ABC):
     @classmethod
     def create(cls, plan: Plan, topology: Topology, model_cfg: ModelConfig,
                optimizer: Optimizer, runtime: Runtime) -> "Executor":
-        """The executor for `plan` (what `parallel.executor.make_executor` calls): by default
+        """The executor for `plan` (what `hetjax.parallel.executor.make_executor` calls): by default
         the optimizer's transform and learning rate; an executor that needs more (the clipping
         threshold, the runtime's worlds) overrides this."""
         return cls(plan, topology, model_cfg, optimizer.tx, optimizer.lr_schedule)

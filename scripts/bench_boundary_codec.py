@@ -59,8 +59,8 @@ def bench(args, workdir: str, extra: dict) -> int:
     from hetjax.launch import free_port
     from hetjax.planner.worlds import plan_worlds
     from hetjax.train import Trainer
-    from parallel.bridge import Bridge
-    from parallel.mpmd_worlds import WorldsExecutor
+    from hetjax.parallel.bridge import Bridge
+    from hetjax.parallel.mpmd_worlds import WorldsExecutor
 
     over = {"model.d_model": 64, "model.d_ff": 128, "model.n_layers": 4, "model.n_heads": 4,
             "model.n_kv_heads": 2, "model.max_seq_len": 64, "train.seq_len": 64,

@@ -26,7 +26,7 @@ shows each site's CPU by thread (main, XLA's, the bridge's) and how often its qu
 
 Without --testbed (one process, 3 sites of 2 simulated CPU devices): loss measured, compute
 measured (the sites run one after another here, so DiLoCo's compute is over-counted against
-three machines), communication modelled with hetjax/planner/diloco.py's alpha-beta ring for
+three machines), communication modelled with hetjax/planner/diloco_pricing.py's alpha-beta ring for
 the bytes each run really produces.
 
     python scripts/bench_diloco.py --smoke [--workdir DIR]   # seconds (the suite runs it)
@@ -60,7 +60,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def three_sites(mbps: float, ms: float, devices: int = 2):
-    from hetjax.topology import Link, Topology, make_cluster
+    from hetjax.core.topology import Link, Topology, make_cluster
 
     wan = Link("ethernet", mbps / 1000, ms * 1e3)
     return Topology(name=f"three_sites_{mbps:g}mbps",
@@ -123,7 +123,7 @@ def testbed(args):
     CpuWatch, load_line, wait_for_quiet = (harness.CpuWatch, harness.load_line,
                                            harness.wait_for_quiet)
     from hetjax.testbed import Testbed, parse_cpus
-    from hetjax.topology import Link, Topology, make_cluster
+    from hetjax.core.topology import Link, Topology, make_cluster
 
     t0 = time.monotonic()
 
@@ -213,7 +213,7 @@ def testbed(args):
           + (f", each site capped at {args.cpus} CPUs" if args.cpus else ""))
     inner = next((r["step_s"] for r in results if r["label"] == INNER_ONLY), None)
     if inner:
-        print(f"predicted step: the planner's pricing (hetjax/planner/diloco.py) with t_inner = "
+        print(f"predicted step: the planner's pricing (hetjax/planner/diloco_pricing.py) with t_inner = "
               f"the measured step without exchanges, {inner * 1e3:.0f} ms")
     print("run | steps | eval loss | vs first | step (measured) | predicted step | tokens/s | "
           "speed-up | bytes/step/site (counters) | predicted (planner) | CPUs others | wall")
@@ -253,10 +253,10 @@ INNER_ONLY = "no exchange (inner steps only)"
 
 
 def _testbed_row(r, first, args, inner=None) -> str:
-    """One table row; "predicted" is hetjax/planner/diloco.py's bytes per step and site, and
+    """One table row; "predicted" is hetjax/planner/diloco_pricing.py's bytes per step and site, and
     its step time with t_inner = `inner` (the measured step of the run without exchanges)."""
     from hetjax.config import base_config
-    from hetjax.planner.diloco import payload_bytes
+    from hetjax.planner.diloco_pricing import payload_bytes
 
     n, P_, row = 3, r["num_params"], base_config().model.d_model
     tau = int(r["label"].split(" tau=")[1].split()[0]) if " tau=" in r["label"] else 0
@@ -290,8 +290,8 @@ def _predicted_step(args, r, inner: float, tau: int) -> float:
     """The planner's step time for a testbed DiLoCo row, given the measured inner step: the
     testbed's topology with its latency left out (the testbed does not emulate it)."""
     from hetjax.config import base_config
-    from hetjax.planner.diloco import price, site_clusters
-    from hetjax.topology import Link, Topology, make_cluster
+    from hetjax.planner.diloco_pricing import price, site_clusters
+    from hetjax.core.topology import Link, Topology, make_cluster
 
     lan = Link("ethernet", 1.0, 0.0)
     topo = Topology(name="three_sites_testbed",
@@ -448,7 +448,7 @@ def one_process(args):
     codecs = args.codec or ["none", "int8"]
 
     from hetjax.planner.cost import ring_time
-    from hetjax.planner.diloco import site_clusters, slowest_site_link
+    from hetjax.planner.diloco_pricing import site_clusters, slowest_site_link
 
     topology = three_sites(args.mbps, args.ms, args.devices_per_site)
     sites = site_clusters(topology)

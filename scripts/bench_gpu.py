@@ -95,7 +95,7 @@ def device_topology(peak_tflops: float = 0.0):
     catalogue lacks)."""
     import jax
 
-    from hetjax.local_preset import describe_jax_devices, topology_from_devices
+    from hetjax.core.local_preset import describe_jax_devices, topology_from_devices
 
     devices = describe_jax_devices(jax.devices()[:1])
     memory_gib = devices[0].memory_bytes / 2**30 if peak_tflops else 0.0
@@ -156,8 +156,8 @@ def run_jit(shape: Shape, warmup: int, steps: int, attention: str) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from layers import ModelConfig, Transformer, cross_entropy
-    from layers.attention_kernels import choose_local
+    from hetjax.layers import ModelConfig, Transformer, cross_entropy
+    from hetjax.layers.attention_kernels import choose_local
 
     cfg = ModelConfig(vocab_size=shape.vocab, d_model=shape.d_model, n_layers=shape.n_layers,
                       n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, d_ff=shape.d_ff,

@@ -30,7 +30,7 @@ from hetjax.planner import assign, partition, plan, simulate
 from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
                                       holmes_table1, predicted_samples_per_s)
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions
-from hetjax.topology import DTFM_SCENARIOS, preset
+from hetjax.core.topology import DTFM_SCENARIOS, preset
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -65,7 +65,7 @@ def calibrate(_args) -> None:
     fit = fit_fabrics(nominal)
     print(f"\nOne efficiency per fabric (calibrate.fit_fabrics): compute efficiency "
           f"{fit.compute_efficiency:.3f} (the smallest at which no fabric beats its nominal "
-          f"rate: {fit.anchor} at 1.0); the catalogue (hetjax.topology.LINKS) rounds these, "
+          f"rate: {fit.anchor} at 1.0); the catalogue (hetjax.core.topology.LINKS) rounds these, "
           f"and the last column predicts each row with the catalogue and the default compute "
           f"efficiency {DEFAULT_EFFICIENCY}:\n")
     rows = []
@@ -116,8 +116,8 @@ def amsp(_args) -> None:
     sequence 4096, 4M tokens per step (1,024 sequences), ZeRO-only data parallelism priced
     as Megatron / DeepSpeed run it; the planner chooses the ZeRO point (and nothing else)."""
     from hetjax.planner.search import zero_points_by_traffic
-    from hetjax.topology import Topology, make_cluster
-    from layers.config import ModelConfig
+    from hetjax.core.topology import Topology, make_cluster
+    from hetjax.core.model_config import ModelConfig
 
     topo = Topology("amsp_a800", (make_cluster("a800", 128, 8, "a800", "infiniband"),), None)
     options = CostOptions(executor="megatron")
@@ -179,7 +179,7 @@ def dtfm(args) -> None:
 
 
 def speed(args) -> None:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     model = ModelConfig(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
                         n_kv_heads=8, d_ff=28672, max_seq_len=4096, remat="full",
@@ -248,7 +248,7 @@ def assign_speed(args) -> None:
 def holmes_gpt(size: str):
     """Holmes' GPT models: 3.6B (hidden 3072, 30 layers) and 7.5B (hidden 4096, 36 layers), 32
     heads, GPT-2 vocabulary, SwiGLU MLP of the same size, full recompute, bf16."""
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     d, layers, ff = {"3.6B": (3072, 30, 8192), "7.5B": (4096, 36, 11008)}[size]
     return ModelConfig(vocab_size=50257, d_model=d, n_layers=layers, n_heads=32,
@@ -260,8 +260,8 @@ def executors(_args) -> None:
     """The executor tax: Holmes' hybrid layout (a stage per cluster, dp inside, ZeRO-1, 1F1B,
     one sequence per replica per micro-batch) priced as each executor runs it, and the layout
     the planner picks when it prices each executor."""
-    from hetjax.plan import Plan
-    from hetjax.planner import zero as zr
+    from hetjax.core.plan import Plan
+    from hetjax.planner import zero_factors as zr
     from hetjax.planner.cost import CostModel
 
     rows, chosen = [], []

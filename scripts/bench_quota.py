@@ -43,8 +43,8 @@ def measure(samples: int, sample_s: float) -> dict:
     import jax.numpy as jnp
 
     WORKLOAD = hetaccel.WORKLOAD
-    from layers.block import DecoderBlock
-    from parallel.residuals import layer_fn, pullback, vjp_stash
+    from hetjax.layers.block import DecoderBlock
+    from hetjax.parallel.residuals import layer_fn, pullback, vjp_stash
 
     model = WORKLOAD.model()
     dtype = jnp.dtype(model.dtype)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         return 0
     caps = hetaccel.caps
     from hetjax.testbed import Testbed
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     het = preset("testbed_hetaccel")
     cap = caps(het, args.cpus)

@@ -18,7 +18,7 @@ compiled loop's carry).
 "collectives" is the sum of V (all-gather result, reduce-scatter operand, all-reduce buffer)
 times executions per step over the data-parallel axes, read from the compiled program, with
 the part inside the micro-batch loop (the G-group reduce-scatters); "predicted" is
-hetjax/planner/zero.py `expected_collectives` for the point; "sent" is what one device sends
+hetjax/planner/zero_factors.py `expected_collectives` for the point; "sent" is what one device sends
 under the ring model. Step time is the median of --steps steps after a warm-up step; on shared CPU
 cores it measures contention as much as anything.
 """
@@ -81,11 +81,11 @@ def _mib(b: float) -> str:
 def bench_point(config, steps: int) -> dict:
     import jax
 
-    from hetjax.planner import zero as zr
+    from hetjax.planner import zero_factors as zr
     from hetjax.train import Trainer
-    from parallel import hlo
-    from parallel import zero
-    from parallel.mesh import DP_AXES
+    from hetjax.core import hlo
+    from hetjax.parallel import zero_sharding as zero
+    from hetjax.parallel.mesh import DP_AXES
 
     trainer = Trainer(config, quiet=True)
     z, zs, mesh = trainer.plan.zero, trainer.zero_specs, trainer.mesh
@@ -151,14 +151,14 @@ def table_7b(microbatches: int = 8) -> str:
     import jax.numpy as jnp
 
     import flax.linen as nn
-    from hetjax import topology as topo
+    from hetjax.core import topology as topo
     from hetjax.config import base_config
-    from hetjax.plan import Plan, ZeroFactors
-    from hetjax.planner import zero as zr
+    from hetjax.core.plan import Plan, ZeroFactors
+    from hetjax.planner import zero_factors as zr
     from hetjax.train import make_optimizer, opt_state_specs
-    from layers import ModelConfig, Transformer
-    from parallel import sharding as shd
-    from parallel import zero
+    from hetjax.layers import ModelConfig, Transformer
+    from hetjax.parallel import sharding as shd
+    from hetjax.parallel import zero_sharding as zero
 
     cfg = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                       d_ff=11008, tie_embeddings=False)

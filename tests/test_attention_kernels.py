@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetjax.errors import ConfigError
-from layers import attention_kernels as ak
+from hetjax.layers import attention_kernels as ak
 
 B, T, N, K, H = 2, 32, 4, 2, 16  # GQA: 4 query heads over 2 kv heads
 
@@ -126,7 +126,7 @@ def test_fallback_is_said_once(caplog):
 
 
 def test_every_named_kernel_is_chosen_or_refused_with_the_fix():
-    """The names (layers.config, read by the config's check and --help) are the ones `choose`
+    """The names (hetjax.core.model_config, read by the config's check and --help) are the ones `choose`
     takes: each explicit one gives its kernel where it runs, or a ConfigError naming the fix."""
     from hetjax.errors import ConfigError
 

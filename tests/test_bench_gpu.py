@@ -14,7 +14,7 @@ def _bench():
 
 
 def test_matmul_parameters_are_the_models_without_embedding_and_norms():
-    from layers import ModelConfig
+    from hetjax.layers import ModelConfig
 
     bench = _bench()
     s = bench.Shape()  # TinyLlama-1.1B

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetjax.launch import free_port
-from parallel.bridge import Bridge, BridgeError, bridge_environ, bridge_from_environ, message_key
+from hetjax.parallel.bridge import Bridge, BridgeError, bridge_environ, bridge_from_environ, message_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ WORKER = textwrap.dedent("""
     import os, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import SingleDeviceSharding
-    from parallel.bridge import bridge_from_environ, message_key
+    from hetjax.parallel.bridge import bridge_from_environ, message_key
 
     bridge = bridge_from_environ(max_in_flight=2)
     me, peer = bridge.rank, 1 - bridge.rank
@@ -113,7 +113,7 @@ def test_the_environment_round_trips_and_bad_values_are_named():
 def test_a_host_name_becomes_the_address_the_transfer_server_advertises():
     """Given a name, the transfer server would bind and advertise 0.0.0.0, which a peer on
     another host cannot reach: the bridge resolves it first (the testbed's hosts are names)."""
-    from parallel.bridge import _numeric_host
+    from hetjax.parallel.bridge import _numeric_host
 
     assert _numeric_host("localhost") in ("127.0.0.1", "[::1]")
     assert _numeric_host("10.77.0.1") == "10.77.0.1"
@@ -135,7 +135,7 @@ def test_the_int8_codec_round_trips_within_its_bound_and_feeds_back_gradient_err
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from parallel.codec import error_bound
+    from hetjax.parallel.codec import error_bound
 
     b = Bridge(0, [f"127.0.0.1:{free_port()}"], "socket", codec="int8")
     try:
@@ -168,7 +168,7 @@ def test_the_int8_codec_round_trips_within_its_bound_and_feeds_back_gradient_err
     with pytest.raises(BridgeError, match="pipeline.boundary_codec"):
         Bridge(0, [f"127.0.0.1:{free_port()}"], "socket", codec="int4")
     from hetjax.config import BOUNDARY_CODECS
-    from parallel.bridge import CODECS
+    from hetjax.parallel.bridge import CODECS
 
     assert BOUNDARY_CODECS == CODECS  # what the config accepts, the bridge runs
 
@@ -184,7 +184,7 @@ def test_two_worlds_with_int8_boundaries_train_close_to_uncompressed():
 
     from hetjax.planner.worlds import plan_worlds
     from hetjax.train import Trainer
-    from parallel.mpmd_worlds import WorldsExecutor
+    from hetjax.parallel.mpmd_worlds import WorldsExecutor
     from test_mpmd import mpmd_config
 
     trainer = Trainer(mpmd_config((1, 3), "1f1b", dp=4, tp=1, microbatches=2), quiet=True)

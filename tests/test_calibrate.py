@@ -15,8 +15,8 @@ from hetjax.planner import plan
 from hetjax.planner.calibrate import (Calibration, ComputeRow, LinkRow, load_calibration,
                                       save_calibration)
 from hetjax.planner.cost import CostModel, CostOptions
-from hetjax.topology import preset
-from layers.config import ModelConfig
+from hetjax.core.topology import preset
+from hetjax.core.model_config import ModelConfig
 
 MODEL = ModelConfig(vocab_size=384, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
                     max_seq_len=128)
@@ -84,7 +84,7 @@ def test_measured_head_and_update_price_the_step_as_a_hand_computation():
     optimizer update adds rate x parameters after the sync of every stage."""
     import dataclasses
 
-    from hetjax.plan import Plan
+    from hetjax.core.plan import Plan
     from hetjax.planner.cost import CostOptions
 
     t = preset("cpu_hybrid")
@@ -113,7 +113,7 @@ def test_staged_block_prices_pipelined_layers_and_only_those():
     added -- while pp = 1 keeps the plain block's curve plus the recompute."""
     import dataclasses
 
-    from hetjax.plan import Plan
+    from hetjax.core.plan import Plan
 
     t = preset("cpu_hybrid")
     model = dataclasses.replace(MODEL, remat="full")

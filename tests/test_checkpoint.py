@@ -97,7 +97,7 @@ def test_checkpoint_restores_under_another_plan_and_training_continues(runs, pla
 
 def _pipeline_missing() -> bool:
     try:
-        import parallel.pipeline  # noqa: F401
+        import hetjax.parallel.pipeline  # noqa: F401
     except ImportError:
         return True
     return False
@@ -125,7 +125,7 @@ def pp_config(workdir, root, plan):
 
 
 @pytest.mark.skipif(_pipeline_missing(), reason="needs the pipeline executor "
-                    "(parallel.pipeline, stage-stacked parameters), which has not landed yet")
+                    "(hetjax.parallel.pipeline, stage-stacked parameters), which has not landed yet")
 @pytest.mark.parametrize("plan", [
     {"parallel.pp": 1, "parallel.dp": 8, "parallel.tp": 1},
     pytest.param({"parallel.pp": 4, "pipeline.stage_layers": (1, 1, 1, 1), "parallel.dp": 2,

@@ -8,7 +8,7 @@ import pytest
 
 from hetjax.planner import collectives as coll
 from hetjax.planner.cost import CostModel, CostOptions
-from hetjax.topology import preset
+from hetjax.core.topology import preset
 
 # 16 ranks on 2 nodes of 8: NIC 1 GB/s, 10 us; NVLink-like 10 GB/s, 1 us.
 G16 = coll.Group(p=16, nodes=2, per_node=8, bw=1e9, lat_inter=1e-5, bw_intra=1e10,

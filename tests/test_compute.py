@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from hetjax.catalogue import ACCELERATORS
+from hetjax.core.catalogue import ACCELERATORS
 from hetjax.errors import PlanError
 from hetjax.planner import compute as ck
 from hetjax.planner.cost import CostModel, CostOptions, Layout
-from hetjax.topology import preset
-from layers.config import ModelConfig
+from hetjax.core.topology import preset
+from hetjax.core.model_config import ModelConfig
 
 A100 = ACCELERATORS["a100"]
 

@@ -175,10 +175,10 @@ def test_python_load_config_never_shares_the_commands_workdir():
 # --- each field is one spec: default, description (--help) and check --------------------------
 def test_every_field_is_one_spec_shown_in_help_with_the_owners_names():
     from hetjax.cli import help_text
-    from hetjax.planner.zero import CONFIG_PRESETS
-    from parallel.registry import EXECUTORS
-    from parallel.schedules import SCHEDULES
-    from parallel.wire import BOUNDARY_CODECS
+    from hetjax.planner.zero_factors import CONFIG_PRESETS
+    from hetjax.core.registry import EXECUTORS
+    from hetjax.core.schedules import SCHEDULES
+    from hetjax.core.wire import BOUNDARY_CODECS
 
     out = help_text("train", None, [])
     flat = " ".join(out.split())  # --help wraps descriptions

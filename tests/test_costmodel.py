@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors
-from hetjax.planner import formulas, zero as zr
+from hetjax.core.plan import Plan, ZeroFactors
+from hetjax.planner import formulas, zero_factors as zr
 from hetjax.planner.cost import CostModel, CostOptions, LayerProfile, Layout, ring_time
 from hetjax.planner.simulate import closed_form, in_flight, lower_bound, simulate
-from hetjax.topology import LINKS, Link, Topology, make_cluster, preset
-from layers.config import ModelConfig
-from parallel.schedules import make_schedule
+from hetjax.core.topology import LINKS, Link, Topology, make_cluster, preset
+from hetjax.core.model_config import ModelConfig
+from hetjax.core.schedules import make_schedule
 
 # Holmes Table 1: GPT 3.6B (hidden 3072, 30 layers, 32 heads, vocab 50257), seq 2048, 32 A100.
 HOLMES_ROWS = {"infiniband": (99.23, 197), "roce": (80.54, 160), "ethernet": (61.32, 122)}
@@ -413,7 +413,7 @@ def test_amsp_terms_vanish_for_plain_data_parallelism_but_its_sync():
 
 
 def test_hetjax_zero_gathers_once_per_step_and_keeps_the_gathered_parameters():
-    """parallel/zero.py: P all-gathered once per step (and held), G reduce-scattered every
+    """parallel/zero_sharding.py: P all-gathered once per step (and held), G reduce-scattered every
     micro-batch, reduce-scatter to OS and all-reduce across replicas after the loop."""
     t = preset("holmes_infiniband")
     hj = CostModel(t, tiny_model(), CostOptions(collectives="ring"))

@@ -138,8 +138,8 @@ def test_a_process_loads_the_rows_its_devices_hold():
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from hetjax.plan import Plan
-    from parallel.train_state import batch_rows
+    from hetjax.core.plan import Plan
+    from hetjax.parallel.train_state import batch_rows
 
     devices = np.array(jax.devices()).reshape(4, 2)  # dp = 4, tp = 2
     sharding = NamedSharding(Mesh(devices, ("dp", "tp")), P(None, "dp", None))

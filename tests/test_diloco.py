@@ -1,4 +1,4 @@
-"""DiLoCo (parallel/diloco.py) and its pricing (hetjax/planner/diloco.py): the exchange equals
+"""DiLoCo (parallel/diloco.py) and its pricing (hetjax/planner/diloco_pricing.py): the exchange equals
 synchronous data parallelism in its degenerate case, the codec keeps its error bound,
 checkpoints resume mid-round, the planner's bytes and times follow the formulas."""
 
@@ -60,7 +60,7 @@ def test_one_inner_step_with_outer_sgd_at_lr_1_is_synchronous_data_parallelism(t
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantization_round_trip_within_half_a_step(bits):
-    from parallel.codec import dequantize, quantize
+    from hetjax.parallel.codec import dequantize, quantize
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 33)).astype(np.float32) * rng.uniform(0.01, 10, (6, 1))
@@ -101,8 +101,8 @@ def test_checkpoint_resumes_mid_round_exactly(tmp_path):
 
 
 def test_sites_and_their_errors():
-    from hetjax.planner.diloco import site_clusters, site_topology
-    from hetjax.topology import preset
+    from hetjax.planner.diloco_pricing import site_clusters, site_topology
+    from hetjax.core.topology import preset
 
     t = preset("dtfm_regional", nodes=2)
     assert [s for s, _ in site_clusters(t)] == ["virginia", "oregon", "california", "ohio"]
@@ -122,8 +122,8 @@ def test_sites_run_pp_1_whatever_the_jobs_pipeline_and_no_note_says_otherwise():
     the sites' exchange across clusters a problem a pipeline would fix."""
     from hetjax.config import build_topology, load_config
     from hetjax.planner import check_placement, plan_from_config
-    from hetjax.planner.diloco import plan_sites
-    from hetjax.topology import preset
+    from hetjax.planner.diloco_pricing import plan_sites
+    from hetjax.core.topology import preset
 
     cfg = load_config("configs/default.py", ["--config.diloco.inner_steps=50"])
     assert cfg.parallel.pp == 2
@@ -143,10 +143,10 @@ def test_sites_run_pp_1_whatever_the_jobs_pipeline_and_no_note_says_otherwise():
 
 
 def test_pricing_follows_the_ring_formulas():
-    from hetjax.hardware import Link
+    from hetjax.core.hardware import Link
     from hetjax.planner.cost import ring_time
-    from hetjax.planner.diloco import payload_bytes, price, site_clusters
-    from hetjax.topology import preset
+    from hetjax.planner.diloco_pricing import payload_bytes, price, site_clusters
+    from hetjax.core.topology import preset
 
     t = preset("dtfm_multi_university", nodes=2)  # 2 sites of 2 nodes, 1.12 Gb/s between
     sites = site_clusters(t)
@@ -179,7 +179,7 @@ def test_config_rejects_a_bad_codec_and_inner_lr_scale():
 def test_inner_lr_scale_scales_adamw_like_its_learning_rate():
     """diloco.inner_lr_scale k on the AdamW inner optimizer: the same updates as AdamW built
     at k train.lr (weight decay included), and the logged schedule is k times train.lr's."""
-    from parallel.diloco import inner_optimizer
+    from hetjax.parallel.diloco import inner_optimizer
     from hetjax.train import make_optimizer
 
     cfg = tiny_config(**{"diloco.inner_lr_scale": 0.25, "train.weight_decay": 0.1})
@@ -268,7 +268,7 @@ def test_streamed_fragments_follow_a_plain_reference_and_the_planners_bytes(tmp_
     the planner's streamed row (2 sites: the ring sends the payload once)."""
     import optax
 
-    from hetjax.planner.diloco import price, site_clusters
+    from hetjax.planner.diloco_pricing import price, site_clusters
     from hetjax.train import Trainer
 
     H, steps, fragments = 2, 4, 2
@@ -428,8 +428,8 @@ def test_pricing_hides_a_fragments_exchange_behind_tau_inner_steps():
     """The planner's overlapped row against a hand computation: 2 sites of 1 node, 10 Mbit/s,
     no latency, P = 1e6 in int8 with rows of 1000 (q = 1.004 MB), F = 2: one fragment's
     all-gather sends q / 2 = 0.502 MB a site, 0.4016 s; t_inner 0.1 s."""
-    from hetjax.planner.diloco import price, site_clusters
-    from hetjax.topology import Link, Topology, make_cluster
+    from hetjax.planner.diloco_pricing import price, site_clusters
+    from hetjax.core.topology import Link, Topology, make_cluster
 
     wan = Link("ethernet", 0.01, 0.0)
     t = Topology(name="two", clusters=tuple(make_cluster(s, 1, 1, "cpu", "infiniband")

@@ -3,7 +3,7 @@ it chose and why (jax-free)."""
 
 from conftest import tiny_config
 from hetjax.planner import plan_from_config
-from hetjax.topology import preset
+from hetjax.core.topology import preset
 
 
 def holmes_36b(**overrides):

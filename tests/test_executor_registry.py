@@ -1,4 +1,4 @@
-"""The executor registry (parallel/registry.py) and `make_executor`, the one place that chooses
+"""The executor registry (hetjax/core/registry.py) and `make_executor`, the one place that chooses
 an executor: the names the Plan, the config and the cost model accept are the registry's; an
 executor added in a test file is one registry entry, and the config, the planner's pricing and
 the Trainer take it; a process's environment reaches the executors only as a `Runtime`."""
@@ -13,11 +13,11 @@ import pytest
 from conftest import REPO, tiny_config
 from hetjax import config as hconfig
 from hetjax.errors import ConfigError, PlanError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner import cost, plan_from_config
-from parallel import registry
-from parallel.executor import SingleProgramExecutor, make_executor
-from parallel.train_state import Executor, Optimizer, Runtime
+from hetjax.core import registry
+from hetjax.parallel.executor import SingleProgramExecutor, make_executor
+from hetjax.parallel.train_state import Executor, Optimizer, Runtime
 from test_pipeline import pipe_config
 
 
@@ -129,10 +129,10 @@ DILOCO = {"topology.nodes": 1, "topology.devices_per_node": 2, "diloco.inner_ste
 
 
 def test_the_trainer_gives_a_diloco_plan_to_make_executor_which_picks_the_diloco_entry():
-    from hetjax.plan import DilocoPlan
-    from hetjax.planner.diloco import plan_to_run
+    from hetjax.core.plan import DilocoPlan
+    from hetjax.planner.diloco_pricing import plan_to_run
     from hetjax.train import Trainer
-    from parallel.diloco import DilocoExecutor
+    from hetjax.parallel.diloco import DilocoExecutor
 
     c = tiny_config(**DILOCO)
     topo = hconfig.build_topology(c)
@@ -140,7 +140,7 @@ def test_the_trainer_gives_a_diloco_plan_to_make_executor_which_picks_the_diloco
     assert plan_to_run(tiny_config(**{**DILOCO, "diloco.inner_steps": 0}), topo, plan) is plan
     dplan = plan_to_run(c, topo, plan)
     assert isinstance(dplan, DilocoPlan) and registry.COMPOSITE[dplan.executor] == \
-        "parallel.diloco:DilocoExecutor" and dplan.executor not in registry.EXECUTORS
+        "hetjax.parallel.diloco:DilocoExecutor" and dplan.executor not in registry.EXECUTORS
     trainer = Trainer(c, quiet=True)  # builds the executors; compiles nothing yet
     ex = trainer.executor
     assert type(ex) is DilocoExecutor and len(ex.site_execs) == 2 and not ex.runs_whole_plan
@@ -171,7 +171,7 @@ class BothExecutor(SingleProgramExecutor):
 def test_a_plan_of_plans_defined_in_a_test_is_one_composite_entry(monkeypatch):
     import optax
 
-    from layers import ModelConfig
+    from hetjax.layers import ModelConfig
 
     monkeypatch.setitem(registry.COMPOSITE, "toy_both", f"{__name__}:BothExecutor")
     c = tiny_config(**{"parallel.pp": 1})
@@ -191,8 +191,8 @@ WORLDS = {"topology.preset": "cpu_hybrid", "model.d_model": 32, "model.d_ff": 64
 def test_the_runtime_of_a_multi_world_job_comes_from_its_environment():
     from hetjax.launch import free_port
     from hetjax.train import runtime_from_environ
-    from parallel.bridge import bridge_environ
-    from parallel.nic import ENV_WORLD, ENV_WORLDS
+    from hetjax.parallel.bridge import bridge_environ
+    from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS
 
     c = tiny_config(**{**WORLDS, "pipeline.executor": "mpmd"})
     topo = hconfig.build_topology(c)

@@ -16,10 +16,10 @@ import pytest
 from hetjax import testbed as tbm
 from hetjax.errors import HetjaxError, PlanError, TopologyError
 from hetjax.linkcheck import LinkMeasurement
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner.calibrate import kendall_tau, prediction_errors, spearman
 from scripts.experiments import harness, hetaccel, hetnet
-from hetjax.topology import Link, Topology, preset
+from hetjax.core.topology import Link, Topology, preset
 
 
 # --- topologies -----------------------------------------------------------------------------------

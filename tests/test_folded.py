@@ -12,11 +12,11 @@ import optax
 import pytest
 
 from hetjax.errors import ConfigError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.train import Trainer
-from parallel import hlo
-from parallel import pipeline as pl
-from parallel import schedules as sch
+from hetjax.core import hlo
+from hetjax.parallel import pipeline as pl
+from hetjax.core import schedules as sch
 from test_pipeline import assert_grads_match, pipe_config, reference_grads
 
 
@@ -176,7 +176,7 @@ def test_folded_embedding_gradient_never_crosses_the_pipeline_axis(folded_run):
 def _holmes_plans(schedule="gpipe"):
     from hetjax.planner import CostModel, CostOptions
     from hetjax.planner.calibrate import holmes_model
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions())
     looped = Plan(pp=2, dp=16, tp=1, stage_layers=(15, 15), microbatches=16, global_batch=256,
@@ -202,7 +202,7 @@ def test_cost_model_puts_embedding_and_head_on_device_0_when_folded():
 def test_planner_considers_the_placement_and_says_what_bound_it():
     from hetjax.planner import CostOptions, plan
     from hetjax.planner.calibrate import holmes_model
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     best = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,
                 microbatches=16, zero="ddp", schedule="1f1b", placement="auto",

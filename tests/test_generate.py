@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layers import ModelConfig
-from layers.generate import filter_logits, generate
-from layers.kv_cache import init_cache
-from layers.model import Transformer
+from hetjax.layers import ModelConfig
+from hetjax.layers.generate import filter_logits, generate
+from hetjax.layers.kv_cache import init_cache
+from hetjax.layers.model import Transformer
 
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11, 4], [8, 8, 8, 20]]  # different lengths: padded rows
 

@@ -1,21 +1,23 @@
-"""The layering of hetjax, read from the source with `ast` (nothing is imported). Every module of
-`hetjax/`, `layers/` and `parallel/` sits in one layer; a module imports only its own layer and
-the layers below it, and no import circle exists anywhere:
+"""The layering of hetjax, read from the source with `ast` (nothing is imported). hetjax installs
+one top-level package, `hetjax`; its model (`layers/`) and execution (`parallel/`) folders sit at
+the repository's top level and are its subpackages `hetjax.layers` and `hetjax.parallel`. Every
+module sits in one layer, stated by package where a package is a layer; a module imports only
+its own layer and the layers below it, and no import circle exists anywhere:
 
-    base        hetjax/errors.py, units.py                       leaves
-    core        the hardware topology (hardware, catalogue,       plain data and rules, no JAX
-                presets, topology), the Plan, layers/config.py,
-                parallel/schedules.py (the schedule registry),
-                parallel/program.py (schedules lowered to ops),
-                parallel/registry.py (the executor registry),
-                parallel/hlo.py (collective byte formulas)
+    base        hetjax.errors, hetjax.units                       leaves
+    core        hetjax.core: the hardware topology (hardware,    plain data and rules, no JAX
+                catalogue, presets, topology), the Plan, the
+                model's shape (model_config), the schedule
+                registry (schedules), schedules lowered to ops
+                (program), the executor registry (registry),
+                collective byte formulas (hlo), codec names (wire)
     services    distributed, checkpoint, tokenizer, data,         used by everything above;
-                history, metrics, argv, linkcheck                  import no layout logic
-    planner     hetjax/planner/, hetjax/config.py, hetjax         chooses and checks Plans (no JAX)
-    model       layers/ (the Flax modules)
-    execution   parallel/ (the executors, mesh, ZeRO kernels,     turns a Plan into JAX programs
-                bridge, NIC environment), profile, measure,
-                interop.hf_checkpoint (weights into a plan)
+                history, metrics, argv, linkcheck, interop         import no layout logic
+    planner     hetjax.planner, hetjax.config, hetjax             chooses and checks Plans (no JAX)
+    model       hetjax.layers (the Flax modules)
+    execution   hetjax.parallel (the executors, mesh, ZeRO        turns a Plan into JAX programs
+                kernels, bridge, NIC environment), profile,
+                measure, interop.hf_checkpoint
     training    hetjax/train.py, hooks, sampling, stopping
     entry       cli, launch, testbed                              nothing imports them from below
 
@@ -34,23 +36,21 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOTS = ("hetjax", "layers", "parallel")
+ROOT = "hetjax"  # layers/ and parallel/ are inside it (hetjax/layers, hetjax/parallel)
 
 # Lowest first. A module's layer is the one of its most specific matching pattern (the longest);
 # a new module whose name matches no pattern fails `test_every_module_has_a_layer`.
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("hetjax.errors", "hetjax.units"),
-    "core": ("hetjax.hardware", "hetjax.catalogue", "hetjax.paper_presets",
-             "hetjax.testbed_presets", "hetjax.topology", "hetjax.local_preset", "hetjax.plan", "layers", "layers.config",
-             "parallel", "parallel.schedules", "parallel.program", "parallel.hlo",
-             "parallel.wire", "parallel.registry"),
+    "core": ("hetjax.core", "hetjax.core.*"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
                  "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*",
                  "hetjax.corpus_size", "hetjax.noise"),
     "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
-    "model": ("layers.*",),
-    "execution": ("parallel.*", "hetjax.profile", "hetjax.measure", "hetjax.interop.hf_checkpoint"),
+    "model": ("hetjax.layers", "hetjax.layers.*"),
+    "execution": ("hetjax.parallel", "hetjax.parallel.*", "hetjax.profile", "hetjax.measure",
+                  "hetjax.interop.hf_checkpoint"),
     "training": ("hetjax.train", "hetjax.hooks", "hetjax.sampling",
                  "hetjax.stopping"),
     "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
@@ -68,17 +68,17 @@ def layer_of(module: str) -> str | None:
 
 
 def _module_files() -> dict[str, str]:
-    """Module name -> file, for every module of hetjax/, layers/ and parallel/."""
+    """Module name -> file, for every module of the hetjax package (its layers/ and parallel/
+    subpackages are links to the top-level folders, so the walk follows links)."""
     files = {}
-    for root in ROOTS:
-        for folder, dirs, names in os.walk(os.path.join(REPO, root)):
-            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
-            rel = os.path.relpath(folder, REPO)
-            for name in names:
-                if name.endswith(".py"):
-                    package = rel.replace(os.sep, ".")
-                    module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
-                    files[module] = os.path.join(rel, name)
+    for folder, dirs, names in os.walk(os.path.join(REPO, ROOT), followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        rel = os.path.relpath(folder, REPO)
+        for name in names:
+            if name.endswith(".py"):
+                package = rel.replace(os.sep, ".")
+                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
+                files[module] = os.path.join(rel, name)
     return files
 
 
@@ -182,7 +182,7 @@ def test_no_import_circles():
 
 
 def test_every_module_has_a_layer():
-    assert len(MODULES) > 60 and {"hetjax.train", "layers.model", "parallel.mpmd"} <= set(MODULES)
+    assert len(MODULES) > 60 and {"hetjax.train", "hetjax.layers.model", "hetjax.parallel.mpmd"} <= set(MODULES)
     missing = sorted(m for m in MODULES if layer_of(m) is None)
     assert not missing, f"give these modules a layer in LAYERS: {missing}"
 
@@ -190,8 +190,8 @@ def test_every_module_has_a_layer():
 def test_the_layers_are_as_documented():
     """A few fixed points, so a pattern change cannot quietly move a module."""
     assert layer_of("hetjax.planner.cost") == "planner"
-    assert layer_of("parallel.schedules") == "core" and layer_of("parallel.mpmd") == "execution"
-    assert layer_of("layers.config") == "core" and layer_of("layers.attention") == "model"
+    assert layer_of("hetjax.core.schedules") == "core" and layer_of("hetjax.parallel.mpmd") == "execution"
+    assert layer_of("hetjax.core.model_config") == "core" and layer_of("hetjax.layers.attention") == "model"
     assert layer_of("hetjax.cli") == "entry" and layer_of("hetjax.nonexistent") is None
 
 
@@ -201,8 +201,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_upward_import_finder_finds_one():
-    assert upward_imports({"hetjax.plan": {"parallel.mpmd"}, "parallel.mpmd": {"hetjax.plan"}}) \
-        == ["hetjax.plan (core) -> parallel.mpmd (execution)"]
+    assert upward_imports({"hetjax.core.plan": {"hetjax.parallel.mpmd"}, "hetjax.parallel.mpmd": {"hetjax.core.plan"}}) \
+        == ["hetjax.core.plan (core) -> hetjax.parallel.mpmd (execution)"]
 
 
 def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
@@ -214,20 +214,20 @@ def test_the_units_are_a_leaf():
 
 
 def test_the_plan_is_a_leaf():
-    """hetjax/plan.py: the standard library, numpy, the topology, the errors, the units, the
+    """hetjax/core/plan.py: the standard library, numpy, the topology, the errors, the units, the
     schedule registry and the executor registry's names only."""
-    with open(os.path.join(REPO, MODULES["hetjax.plan"])) as f:
+    with open(os.path.join(REPO, MODULES["hetjax.core.plan"])) as f:
         tree = ast.parse(f.read())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    ours = {m for m in modules if m.split(".")[0] in ("hetjax", "parallel", "layers")}
+    ours = {m for m in modules if m.split(".")[0] == "hetjax"}
     others = {m.split(".")[0] for m in modules - ours} - set(sys.stdlib_module_names)
-    assert ours <= {"hetjax.topology", "hetjax.errors", "hetjax.units", "parallel.registry",
-                    "parallel.schedules"}, ours
+    assert ours <= {"hetjax.core.topology", "hetjax.errors", "hetjax.units", "hetjax.core.registry",
+                    "hetjax.core.schedules"}, ours
     assert others <= {"numpy"}, others
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("parallel")))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("hetjax.parallel")))
 def test_parallel_never_imports_the_planner_or_the_config(module):
     upward = {n for n in all_names(module)
               if n.startswith(("hetjax.planner", "hetjax.config", "hetjax.train"))}
@@ -235,13 +235,12 @@ def test_parallel_never_imports_the_planner_or_the_config(module):
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) == "planner"))
-def test_planning_uses_only_the_jax_free_modules_of_parallel(module):
-    """The planner may read parallel/'s jax-free modules (schedules, hlo, wire, the executor
-    registry: the core), nothing else."""
-    from_parallel = {n.split(".")[1] for n in all_names(module)
-                     if n.startswith("parallel.")}
-    assert from_parallel <= {"schedules", "hlo", "wire", "registry"}, \
-        f"{MODULES[module]}: {from_parallel}"
+def test_planning_reads_the_core_not_the_model_or_the_executors(module):
+    """The planner reads the JAX-free core (schedules, program, hlo, wire, the executor
+    registry, the model's shape), never the Flax model or the executors."""
+    below = {n for n in all_names(module)
+             if n.startswith(("hetjax.parallel", "hetjax.layers"))}
+    assert not below, f"{MODULES[module]}: {sorted(below)}"
 
 
 def test_importing_the_planner_and_the_config_does_not_start_jax():

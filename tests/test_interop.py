@@ -15,7 +15,7 @@ from hetjax.config import apply_model_source, load_config, validate
 from hetjax.errors import ConfigError
 from hetjax.interop import hf_checkpoint, hf_config
 from hetjax.interop.safetensors_files import SafetensorsDir
-from layers import ModelConfig, Transformer
+from hetjax.layers import ModelConfig, Transformer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 PP1 = {"parallel.pp": 1, "parallel.dp": 4, "parallel.tp": 2}
@@ -157,7 +157,7 @@ def test_rope_scaling_is_not_a_no_op():
 def test_a_pipeline_plan_loads_the_same_parameters_and_loss(tmp_path):
     """pp = 2 x dp = 2 x tp = 2: the natural parameters equal the pp = 1 load bit for bit, and
     the pipeline's own forward gives the loss of transformers' logits."""
-    from layers import cross_entropy
+    from hetjax.layers import cross_entropy
 
     piped = trainer_from(fixture("llama_gqa"), PP2, tmp_path / "b",
                          **{"train.seq_len": 15, "train.batch_size": 4})

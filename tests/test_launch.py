@@ -92,7 +92,7 @@ def launched_losses(tmp_path, launch_args, overrides) -> tuple[list[float], str]
     (2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_local_launch_matches_single_process(tmp_path, single_process, processes, pp):
     if pp > 1:
-        pytest.importorskip("parallel.pipeline",
+        pytest.importorskip("hetjax.parallel.pipeline",
                             reason="pp = 2 needs parallel/pipeline.py (the pipeline branch)")
     multi, out = launched_losses(tmp_path, ["--local", str(processes)], {"parallel.pp": pp})
     np.testing.assert_allclose(multi, single_process(pp), rtol=1e-5)
@@ -360,8 +360,8 @@ class _FakeSharding:
 
 def test_each_process_reads_only_its_rows_of_the_batch():
     from hetjax.data import Loader
-    from hetjax.plan import Plan
-    from parallel.train_state import batch_rows
+    from hetjax.core.plan import Plan
+    from hetjax.parallel.train_state import batch_rows
 
     plan = Plan(pp=1, dp=8, tp=1, stage_layers=(2,), microbatches=2, global_batch=32,
                 seq_len=4)

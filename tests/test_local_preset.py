@@ -1,15 +1,15 @@
-"""The `local` topology preset (hetjax/local_preset.py): the devices JAX sees, the catalogue
+"""The `local` topology preset (hetjax/core/local_preset.py): the devices JAX sees, the catalogue
 lookup of their kind, the message for an unknown kind, and the MFU mismatch warning."""
 
 import jax
 import pytest
 
 from hetjax import config as hconfig
-from hetjax.catalogue import ACCELERATORS, accelerator_for_kind
+from hetjax.core.catalogue import ACCELERATORS, accelerator_for_kind
 from hetjax.errors import ConfigError, TopologyError
-from hetjax.local_preset import (LocalDevice, describe_jax_devices, device_mismatch,
+from hetjax.core.local_preset import (LocalDevice, describe_jax_devices, device_mismatch,
                                  topology_from_devices)
-from hetjax.topology import preset
+from hetjax.core.topology import preset
 from tests.conftest import tiny_config
 
 

@@ -164,9 +164,9 @@ H200_MEASURED = {"none": 144.0, "dots": 28.5, "full": 23.7}
 
 @pytest.mark.parametrize("remat", sorted(H200_MEASURED))
 def test_memory_matches_what_one_h200_measured(remat):
-    from hetjax.catalogue import ACCELERATORS, LINKS, make_cluster
+    from hetjax.core.catalogue import ACCELERATORS, LINKS, make_cluster
     from hetjax.config import apply_model_source, base_config
-    from hetjax.hardware import Topology
+    from hetjax.core.hardware import Topology
     from hetjax.planner import plan_from_config
     from hetjax.planner.config_plan import predict_for_config
 

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from conftest import holmes_dp_group, holmes_pp_group, holmes_tp_group
-from hetjax import topology as topo
+from hetjax.core import topology as topo
 from hetjax.errors import PlanError
-from hetjax.plan import Plan, ZeroFactors
+from hetjax.core.plan import Plan, ZeroFactors
 from hetjax.planner import placement
-from parallel import mesh as pmesh
+from hetjax.parallel import mesh as pmesh
 
 
 def test_holmes_group_formulas_match_the_worked_example():

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layers import ModelConfig, Transformer
-from layers.model import block_apply, layer_slice
+from hetjax.layers import ModelConfig, Transformer
+from hetjax.layers.model import block_apply, layer_slice
 
 
 def reference_forward(cfg: ModelConfig, params, tokens):
@@ -139,7 +139,7 @@ def test_chunked_head_loss_equals_the_plain_loss_and_its_gradients():
     """The cross-entropy over chunks of tokens (one chunk's logits alive at a time, recomputed in
     the backward) gives the plain loss and gradients, also when the chunks do not divide the
     tokens, and XLA's program for it needs less temporary memory."""
-    from layers.model import chunked_head_loss, cross_entropy
+    from hetjax.layers.model import chunked_head_loss, cross_entropy
 
     cfg = ModelConfig(vocab_size=2048, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                       d_ff=64, max_seq_len=64, tie_embeddings=False)

@@ -14,8 +14,8 @@ import pytest
 from hetjax.launch import free_port
 from hetjax.planner.worlds import plan_worlds
 from hetjax.train import Trainer
-from parallel.bridge import Bridge
-from parallel.mpmd_worlds import WorldsExecutor
+from hetjax.parallel.bridge import Bridge
+from hetjax.parallel.mpmd_worlds import WorldsExecutor
 from test_mpmd import mpmd_config
 
 STEPS = 3
@@ -32,7 +32,7 @@ CASES = [pytest.param(((1, 3), "1f1b", 2, 2, 4), 0, id="process-per-world"),
 @pytest.mark.parametrize("case, processes", CASES)
 def test_two_worlds_train_and_evaluate_like_one(case, processes):
     from hetjax.distributed import process_slots
-    from parallel.mpmd_worlds import stage_groups
+    from hetjax.parallel.mpmd_worlds import stage_groups
 
     trainer = Trainer(mpmd_config(*case), quiet=True)
     batches = [next(trainer.data) for _ in range(STEPS)]
@@ -225,10 +225,10 @@ def test_prefetch_reads_the_remote_receives_of_the_next_tasks_from_the_program()
     receive from other groups (no devices needed: the bridge pulls are recorded)."""
     from types import SimpleNamespace
 
-    from parallel import program as pg
-    from parallel import schedules as sch
-    from parallel.mpmd import StepRun
-    from parallel.mpmd_worlds import LOOKAHEAD
+    from hetjax.core import program as pg
+    from hetjax.core import schedules as sch
+    from hetjax.parallel.mpmd import StepRun
+    from hetjax.parallel.mpmd_worlds import LOOKAHEAD
 
     assert LOOKAHEAD == 4
     ex = WorldsExecutor.__new__(WorldsExecutor)  # world of stage 1 of a 1f1b pp = 2 pipeline

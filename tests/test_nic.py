@@ -10,9 +10,9 @@ import pytest
 from conftest import holmes_dp_group, holmes_pp_group, holmes_tp_group
 from hetjax.distributed import DistributedError, ProcessSlot, process_slots
 from hetjax.errors import HetjaxError, PlanError
-from hetjax.plan import Plan
-from hetjax.topology import NicSettings, Topology, LINKS, make_cluster, preset
-from parallel import nic
+from hetjax.core.plan import Plan
+from hetjax.core.topology import NicSettings, Topology, LINKS, make_cluster, preset
+from hetjax.parallel import nic
 
 
 def plan(pp, dp, tp):

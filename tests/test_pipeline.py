@@ -14,9 +14,9 @@ import pytest
 
 from conftest import REPO, tiny_config
 from hetjax.errors import ConfigError, PlanError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.train import Trainer
-from parallel import pipeline as pl
+from hetjax.parallel import pipeline as pl
 
 
 def plan_for(split, **kw):
@@ -388,7 +388,7 @@ def test_a_strands_tick_puts_both_strands_collectives_in_one_computation(strands
     """The condition for XLA's scheduler to overlap one strand's communication with the
     other's compute: the layers' tp all-reduces of the forward and of the backward sit in one
     computation (the fused layer loop's body). GPipe and 1F1B run them in separate loops."""
-    from parallel import hlo
+    from hetjax.core import hlo
 
     comps = hlo.computations(strands_run[2].as_text())
     assert any(strands_in(lines) == {"F", "B"} for lines in comps.values())
@@ -437,7 +437,7 @@ def test_pipeline_mistakes_in_the_config_name_field_and_fix(overrides, field, fi
 
 
 def test_a_plan_the_executor_cannot_run_is_refused():
-    from layers import ModelConfig
+    from hetjax.layers import ModelConfig
 
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64)
     with pytest.raises(PlanError, match="sum to model.n_layers = 4"):

@@ -1,4 +1,4 @@
-"""Plan.problems(): every layout rule defined once (hetjax/plan.py), read by config validation,
+"""Plan.problems(): every layout rule defined once (hetjax/core/plan.py), read by config validation,
 config -> Plan, the planner's search and every executor, with the same words."""
 
 import dataclasses
@@ -8,11 +8,11 @@ import pytest
 from conftest import tiny_config
 from hetjax import config as hconfig
 from hetjax.errors import ConfigError, PlanError
-from hetjax.plan import Plan, ZeroFactors, layout_problems
+from hetjax.core.plan import Plan, ZeroFactors, layout_problems
 from hetjax.planner import cost
-from hetjax.topology import preset
-from parallel.registry import EXECUTORS
-from parallel.schedules import SCHEDULES
+from hetjax.core.topology import preset
+from hetjax.core.registry import EXECUTORS
+from hetjax.core.schedules import SCHEDULES
 
 
 def good_plan(**kw) -> Plan:
@@ -49,8 +49,8 @@ def test_a_plan_that_cannot_exist_is_refused_by_the_same_rules():
 def test_config_validation_and_the_executors_say_the_same_thing():
     """The tick-grid rule: one Problem, raised as a ConfigError by validation and as a
     PlanError by make_executor, with the same problem and fix."""
-    from parallel.executor import make_executor
-    from parallel.train_state import Optimizer
+    from hetjax.parallel.executor import make_executor
+    from hetjax.parallel.train_state import Optimizer
 
     c = tiny_config(**{"pipeline.executor": "spmd", "pipeline.schedule": "zb-h1"})
     with pytest.raises(ConfigError) as e:

@@ -10,12 +10,12 @@ import pytest
 
 from hetjax.config import base_config, build_topology
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner import (CostModel, CostOptions, model_from_config, placement_problems,
                             plan, plan_from_config, predict)
-from hetjax.topology import ClusterLink, Link, Topology, make_cluster, preset
-from layers.config import ModelConfig
-from parallel.mesh import mesh_shape
+from hetjax.core.topology import ClusterLink, Link, Topology, make_cluster, preset
+from hetjax.core.model_config import ModelConfig
+from hetjax.parallel.mesh import mesh_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -284,7 +284,7 @@ def test_memory_margin_from_the_config_reaches_the_cost_options():
 def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
     """scripts/bench_planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
     devices; plain DDP would be faster but cannot hold 16 bytes per parameter."""
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     topo = Topology("amsp_a800", (make_cluster("a800", 128, 8, "a800", "infiniband"),), None)
     model = ModelConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,

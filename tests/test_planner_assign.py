@@ -9,7 +9,7 @@ import pytest
 
 from hetjax.errors import PlanError
 from hetjax.planner import assign as A
-from hetjax.topology import DTFM_SCENARIOS, preset
+from hetjax.core.topology import DTFM_SCENARIOS, preset
 
 
 def worked_example() -> A.Problem:

@@ -8,8 +8,8 @@ import pytest
 from hetjax.errors import PlanError
 from hetjax.planner import partition as pt
 from hetjax.planner.cost import CostModel, Layout, StageCost
-from hetjax.topology import LINKS, Topology, make_cluster
-from layers.config import ModelConfig
+from hetjax.core.topology import LINKS, Topology, make_cluster
+from hetjax.core.model_config import ModelConfig
 
 
 def stage(per_layer: float, *, head: float = 0.0, slot: float = 1.0, act: float = 0.5,

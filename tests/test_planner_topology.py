@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hetjax.errors import TopologyError
-from hetjax.topology import (DTFM_SCENARIOS, ClusterLink, Link, Topology, make_cluster, preset)
+from hetjax.core.topology import (DTFM_SCENARIOS, ClusterLink, Link, Topology, make_cluster, preset)
 
 
 def _three_sites(links):

@@ -6,10 +6,10 @@ import pytest
 
 from hetjax.distributed import process_slots
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner.worlds import plan_worlds, world_lines
-from hetjax.topology import preset
-from parallel import nic
+from hetjax.core.topology import preset
+from hetjax.parallel import nic
 
 
 def mpmd(pp, dp, tp, executor="mpmd"):

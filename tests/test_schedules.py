@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hetjax.planner.simulate import in_flight, simulate
-from parallel import schedules as sch
+from hetjax.core import schedules as sch
 
 TICK_SCHEDULES = ("gpipe", "1f1b", "strands")
 SIZES = [(1, 1), (2, 4), (4, 4), (4, 8), (3, 6), (4, 9), (3, 2)]
@@ -283,9 +283,9 @@ def test_resolve_schedule_is_the_one_way_a_plan_becomes_a_schedule(monkeypatch):
     import inspect
 
     from hetjax.errors import PlanError
-    from hetjax.plan import Plan, ScheduleSpec, resolve_schedule
+    from hetjax.core.plan import Plan, ScheduleSpec, resolve_schedule
     from hetjax.planner import simulate as sim
-    from parallel import mpmd, mpmd_worlds, pipeline
+    from hetjax.parallel import mpmd, mpmd_worlds, pipeline
 
     plan = Plan(pp=2, dp=4, tp=1, stage_layers=(1, 1), microbatches=4, global_batch=8,
                 seq_len=16, schedule="1f1b")
@@ -353,8 +353,8 @@ def test_closed_form_stash_peaks_of_the_mpmd_schedules_equal_the_played_ones(nam
                 played.activation_share(s) for s in range(stages)), (stages, mb)
 
 
-# --- the lowering: a schedule as per-stage programs (parallel/program.py) ------------------------
-from parallel import program as pg  # noqa: E402
+# --- the lowering: a schedule as per-stage programs (hetjax/core/program.py) ------------------------
+from hetjax.parallel import program as pg  # noqa: E402
 
 PROGRAM_CASES = [(name, stages, mb) for name in sch.SCHEDULES
                  for stages, mb in sizes_for(name) if (stages, mb) != (4, 9)]

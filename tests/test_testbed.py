@@ -18,7 +18,7 @@ import pytest
 from hetjax import cli, linkcheck
 from hetjax import testbed as tbm
 from hetjax.errors import HetjaxError
-from hetjax.topology import ClusterLink, Link, Topology, cpu_hybrid, hethub_mixed, make_cluster
+from hetjax.core.topology import ClusterLink, Link, Topology, cpu_hybrid, hethub_mixed, make_cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

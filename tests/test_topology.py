@@ -2,7 +2,7 @@
 
 import pytest
 
-from hetjax import topology as topo
+from hetjax.core import topology as topo
 from hetjax.errors import TopologyError
 
 

@@ -130,7 +130,7 @@ def test_document_masks_reach_the_sharded_step(tmp_path):
     the same batch, which differs from the unmasked one; the description names the attention
     kernel; the MPMD executor refuses the switch."""
     from hetjax.errors import ConfigError
-    from layers import Transformer, cross_entropy
+    from hetjax.layers import Transformer, cross_entropy
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

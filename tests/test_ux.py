@@ -142,7 +142,7 @@ def test_plan_prints_runners_up_in_human_units_and_plots(capsys, tmp_path):
 
 
 def test_a_64_device_topology_prints_compactly():
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     text = preset("dtfm_worldwide").describe()
     assert len(text.splitlines()) < 16 and max(map(len, text.splitlines())) <= 100
@@ -160,7 +160,7 @@ def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
     from hetjax.planner import model_from_config, plan_from_config
     from hetjax.planner.cost import CostModel
     from hetjax.planner.plot import plan_figure
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     config = tiny_config(**{"topology.preset": "hethub_mixed", "parallel.pp": 2,
                             "parallel.dp": 4, "parallel.tp": 2, "model.n_layers": 8,
@@ -306,7 +306,7 @@ def test_eval_of_a_checkpoint_checks_the_held_out_split_before_opening_it(tmp_pa
 
 def test_topology_plan_and_history_render_as_html_tables(finished_run):
     from hetjax.planner import plan_from_config
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     topology = preset("dtfm_worldwide")
     html = topology._repr_html_()
@@ -373,7 +373,7 @@ def test_runners_up_show_every_column_they_differ_in():
     identical rows; columns in which no plan differs stay out of the table."""
     import dataclasses
 
-    from hetjax.plan import Plan, comparison_table
+    from hetjax.core.plan import Plan, comparison_table
 
     a = Plan(pp=2, dp=2, tp=2, stage_layers=(2, 2), microbatches=4, global_batch=32,
              seq_len=128, remat="full", predicted={"layout": "rank order"})
@@ -399,7 +399,7 @@ def test_a_long_schedule_is_drawn_as_phases_not_a_barcode():
     from hetjax.planner import model_from_config, plan_from_config
     from hetjax.planner.cost import CostModel
     from hetjax.planner.plot import BWD, FWD, MIXED, phases, plan_figure
-    from hetjax.topology import preset
+    from hetjax.core.topology import preset
 
     config = tiny_config(**{"parallel.pp": 2, "parallel.dp": 4, "parallel.tp": 1,
                             "train.batch_size": 512, "train.microbatches": 128})

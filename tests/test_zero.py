@@ -1,4 +1,4 @@
-"""ZeRO / AMSP sharding (parallel/zero.py): factor rules, P/G/OS specs, and the train step.
+"""ZeRO / AMSP sharding (parallel/zero_sharding.py): factor rules, P/G/OS specs, and the train step.
 
 Every preset and two partial points train 3 steps with 4 micro-batches on 8 devices and must
 equal the single-device run; each device's P and OS bytes are read from the state's shard
@@ -17,17 +17,17 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import tiny_config
-from hetjax import topology as topo
+from hetjax.core import topology as topo
 from hetjax.config import base_config, build_topology, validate
 from hetjax.errors import ConfigError
-from hetjax.plan import Plan, ZeroFactors
-from hetjax.planner import plan_from_config, zero as zr
+from hetjax.core.plan import Plan, ZeroFactors
+from hetjax.planner import plan_from_config, zero_factors as zr
 from hetjax.train import Trainer, make_optimizer, opt_state_specs
-from layers import ModelConfig, Transformer
-from parallel import hlo
-from parallel import sharding as shd
-from parallel import zero
-from parallel.mesh import DP_AXES, build_mesh
+from hetjax.layers import ModelConfig, Transformer
+from hetjax.core import hlo
+from hetjax.parallel import sharding as shd
+from hetjax.parallel import zero_sharding as zero
+from hetjax.parallel.mesh import DP_AXES, build_mesh
 
 STEPS, MICRO = 3, 4
 BASE = {"train.microbatches": MICRO, "train.batch_size": 32}
@@ -265,7 +265,7 @@ def test_7b_on_1024_devices_holds_1_over_s_of_each_state(preset, factors):
     assert zero.shard_bytes(*zip(*tensors), mesh) == 8 * phi // z.s_os
 
 
-# --- reading compiled programs (parallel/hlo.py) ------------------------------------------------
+# --- reading compiled programs (hetjax/core/hlo.py) ------------------------------------------------
 HLO = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {

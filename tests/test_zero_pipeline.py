@@ -1,4 +1,4 @@
-"""ZeRO / AMSP sharding inside the stages of a pipeline (pp > 1): parallel/zero.py's kernels
+"""ZeRO / AMSP sharding inside the stages of a pipeline (pp > 1): parallel/zero_sharding.py's kernels
 run in parallel/pipeline.py's tick loop.
 
 Every preset on the 2-cluster Holmes preset (one stage of dp = 2 x tp = 2 per cluster, 4
@@ -17,8 +17,8 @@ import jax
 import pytest
 
 from conftest import tiny_config
-from parallel import hlo
-from parallel.mesh import DP_AXES
+from hetjax.core import hlo
+from hetjax.parallel.mesh import DP_AXES
 from test_zero import MICRO, check_collectives, check_equals_reference, check_state_bytes, \
     run_steps
 

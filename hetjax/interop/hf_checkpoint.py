@@ -172,7 +172,7 @@ def init_from_hf(executor, state, directory: str, m):
 
     The SPMD pipeline's stage-stacked parameters are read in place, so a process reads only
     its own stages' layers; other executors' parameters through the natural layout."""
-    from parallel.pipeline import StageLayout, _stacks_shared, stack_layers
+    from hetjax.parallel.pipeline import StageLayout, _stacks_shared, stack_layers
 
     layout = executor.checkpoint_layout(state)
     if isinstance(layout, StageLayout):
@@ -267,7 +267,7 @@ def export_checkpoint(checkpoint: str, out: str, *, max_shard_bytes: int = 2 << 
     import orbax.checkpoint as ocp
 
     from hetjax.config import base_config
-    from layers import ModelConfig
+    from hetjax.layers import ModelConfig
 
     step_dir = checkpoint_step_dir(checkpoint)
     with open(os.path.join(step_dir, "meta", "metadata")) as f:

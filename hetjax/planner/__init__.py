@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner.cost import (CostModel, CostOptions, LayerProfile, Prediction,
                                  model_from_config)
 from hetjax.planner.config_plan import options_from_config, plan_for_config, plan_from_config
 from hetjax.planner.placement import check_placement, placement_problems
 from hetjax.planner.search import PlanResult, plan
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 
 def predict(plan_: Plan, topology: Topology, model: "ModelConfig",

@@ -27,7 +27,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from hetjax.errors import PlanError
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ a measured run equals the measurement (the prediction falls monotonically as eff
 drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
 A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
 (`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
-with the compute efficiency (the catalogue's defaults in hetjax.topology.LINKS).
+with the compute efficiency (the catalogue's defaults in hetjax.core.topology.LINKS).
 
 `Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
 block, head and optimizer update per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner import compute as ck
 from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
                                  LinkFit)
-from hetjax.planner.zero import named
-from hetjax.topology import Topology, preset
+from hetjax.planner.zero_factors import named
+from hetjax.core.topology import Topology, preset
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def fit_nic_bandwidth(m: Measurement, options: CostOptions | None = None,
 def holmes_model() -> "ModelConfig":
     """Holmes' GPT 3.6B (hidden 3072, 30 layers, 32 heads, GPT-2 vocabulary) with a SwiGLU MLP
     of the same size (d_ff = 8/3 h) and full activation recompute, in bf16."""
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     return ModelConfig(vocab_size=50257, d_model=3072, n_layers=30, n_heads=32, n_kv_heads=32,
                        d_ff=8192, max_seq_len=2048, remat="full", dtype="bfloat16",
@@ -545,7 +545,7 @@ class Calibration:
 
     @staticmethod
     def from_dict(d: dict) -> "Calibration":
-        from layers.config import ModelConfig
+        from hetjax.core.model_config import ModelConfig
 
         try:
             if not isinstance(d, dict):

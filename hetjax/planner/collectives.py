@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parallel.hlo import ring_steps  # the ring's steps: one definition with the HLO audit's bytes
+from hetjax.core.hlo import ring_steps  # the ring's steps: one definition with the HLO audit's bytes
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 ALGORITHMS = ("ring", "tree")

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.hardware import Accelerator
+from hetjax.core.hardware import Accelerator
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 # model.attention's implementations (layers/attention_kernels.py), plus the Megatron-LM
 # kernel the reference runs used. "auto" is resolved by `attention_impl`.

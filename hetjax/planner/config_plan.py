@@ -3,7 +3,7 @@
 When parallel.pp or parallel.tp is 0 (or zero.preset is 'auto') the planner's search chooses
 (`plan_for_config`); otherwise the config fixes the layout and this module completes it (dp =
 the rest, an even layer split, the ZeRO point) and applies the same rules the search keeps:
-the placement rules (hetjax/planner/placement.py) and the ZeRO rules (hetjax/planner/zero.py).
+the placement rules (hetjax/planner/placement.py) and the ZeRO rules (hetjax/planner/zero_factors.py).
 `hetjax plan`, `hetjax train` and `hetjax launch` all build their Plan here, so they accept and
 refuse the same layouts with the same messages.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 from hetjax.errors import ConfigError
-from hetjax.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
-from hetjax.planner import zero as zr
+from hetjax.core.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
+from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
                                  runs_schedule)
 from hetjax.planner.placement import placement_problems, refuse_straddle
 from hetjax.planner.search import PlanResult, plan
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 
 def resolve_microbatches(c) -> int:
@@ -34,7 +34,7 @@ def resolve_microbatches(c) -> int:
 
 def validate_layout(c, topology: Topology) -> None:
     """Check the fixed degrees in the config against the topology's device count (the Plan's
-    rules, `hetjax.plan.layout_problems`)."""
+    rules, `hetjax.core.plan.layout_problems`)."""
     p = c.parallel
     raise_first(layout_problems(pp=p.pp, dp=p.dp, tp=p.tp, devices=topology.num_devices,
                                 topology_name=topology.name, n_layers=c.model.n_layers,
@@ -177,8 +177,8 @@ def _note_executor_choice(best: Plan, priced: list[Plan]) -> None:
 def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | None) -> Plan:
     """A fixed layout's executor name: the configured one, or for 'auto' the one the cost model
     predicts faster for this layout (a single-stage plan needs no pipeline executor). This is
-    the planner pricing the registered executors (`parallel.registry`); which executor object
-    runs the Plan is `parallel.executor.make_executor`'s choice alone."""
+    the planner pricing the registered executors (`hetjax.core.registry`); which executor object
+    runs the Plan is `hetjax.parallel.executor.make_executor`'s choice alone."""
     if c.pipeline.executor != "auto":
         return dataclasses.replace(plan_, executor=c.pipeline.executor)
     if plan_.pp == 1:

@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError, TopologyError
-from hetjax.plan import Plan, ZeroFactors, effective_remat, schedule_problem
-from hetjax.planner import collectives as coll, compute as ck, memory as mem, zero as zr
+from hetjax.core.plan import Plan, ZeroFactors, effective_remat, schedule_problem
+from hetjax.planner import collectives as coll, compute as ck, memory as mem, zero_factors as zr
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
-from hetjax.topology import Accelerator, Link, Topology
+from hetjax.core.topology import Accelerator, Link, Topology
 from hetjax.units import BYTES_PER_GBIT
-from parallel.registry import EXECUTORS as REGISTERED
+from hetjax.core.registry import EXECUTORS as REGISTERED
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 # Fraction of peak FLOP/s a decoder layer reaches, fitted on Holmes Table 1 together with the
-# fabric efficiencies of hetjax.topology.LINKS (calibrate.fit_fabrics); docs/planner.md.
+# fabric efficiencies of hetjax.core.topology.LINKS (calibrate.fit_fabrics); docs/planner.md.
 DEFAULT_EFFICIENCY = 0.72
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -55,7 +55,7 @@ _ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node
 #   recompute follows model.remat, a stage holds only its own layers (no padding), the
 #   embedding lives on the first stage and the head on the last (a tied embedding's gradient is
 #   exchanged point-to-point between the two), the gradient sync is fused into the stage's last
-#   backward so it may overlap it; ZeRO as in parallel/zero.py (P gathered once per step).
+#   backward so it may overlap it; ZeRO as in parallel/zero_sharding.py (P gathered once per step).
 # - "megatron": Megatron-LM as the papers ran it. Stages run asynchronously, recompute follows
 #   model.remat, the embedding lives on the first stage and the head on the last (a tied
 #   embedding's gradient is all-reduced between the two), the sync may overlap the backward.
@@ -63,7 +63,7 @@ EXECUTORS = ("hetjax", "mpmd", "megatron")
 
 
 class _PricedAs(Mapping):
-    """Each pipeline executor a Plan can name (`parallel.registry.EXECUTORS`) -> the cost
+    """Each pipeline executor a Plan can name (`hetjax.core.registry.EXECUTORS`) -> the cost
     model's executor that prices it (`ExecutorKind.priced_as`: the SPMD executor is priced as
     "hetjax"), read from the registry at each use, so a registered executor is priced too."""
 
@@ -82,7 +82,7 @@ PLAN_EXECUTORS: Mapping[str, str] = _PricedAs()
 
 def runs_schedule(executor: str, schedule: str) -> bool:
     """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
-    schedule: the Plan's rule (`hetjax.plan.schedule_problem`) for the executor, or for a cost
+    schedule: the Plan's rule (`hetjax.core.plan.schedule_problem`) for the executor, or for a cost
     model name for every registered executor it prices (the SPMD executor is priced as
     "hetjax")."""
     names = [executor] if executor in REGISTERED else [
@@ -673,7 +673,7 @@ class CostModel:
 
     @property
     def zero_style(self) -> str:
-        """How ZeRO runs under this executor: 'hetjax' (parallel/zero.py, both of hetjax's
+        """How ZeRO runs under this executor: 'hetjax' (parallel/zero_sharding.py, both of hetjax's
         executors: P gathered once per step and held) or 'megatron' (AMSP's per-layer terms)."""
         return "megatron" if self.options.executor == "megatron" else "hetjax"
 
@@ -791,7 +791,7 @@ class CostModel:
 
     def runs_staged(self, layout: Layout) -> bool:
         """Whether one of hetjax's pipeline executors (SPMD or MPMD) runs this layout, each
-        layer's forward and backward in separate programs (`parallel.residuals`)."""
+        layer's forward and backward in separate programs (`hetjax.parallel.residuals`)."""
         return self.options.executor in ("hetjax", "mpmd") and layout.pp > 1
 
     def remat_choices(self, pp: int) -> tuple[str, ...]:
@@ -1099,7 +1099,7 @@ def model_from_config(c, vocab_size: int | None = None,
     """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded); model.dtype
     'auto' resolved on `topology` (Topology.default_compute_dtype; without one, float32)."""
     from hetjax.tokenizer import ByteTokenizer, padded_vocab
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     model = ModelConfig.from_config(c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
     if c.model.dtype == "auto" and topology is not None:

@@ -2,7 +2,7 @@
 
 The cost model (`hetjax.planner.cost`) sums these terms per pipeline stage; this module owns
 the terms that depend on how the step is compiled rather than on the layout's algebra
-(`hetjax.planner.zero` owns the model states under the ZeRO factors):
+(`hetjax.planner.zero_factors` owns the model states under the ZeRO factors):
 
 - activations a layer keeps for its backward, per recompute policy (`model.remat`) and
   attention implementation (`model.attention`): XLA's attention materialises f32
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 GIB = 2.0 ** 30
 FUSED_ATTENTION = ("cudnn", "pallas")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import warnings
 
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
-from hetjax.topology import Topology
+from hetjax.core.plan import Plan
+from hetjax.core.topology import Topology
 
 
 def placement_problems(plan: Plan, topology: Topology) -> list[str]:

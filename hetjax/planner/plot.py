@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hetjax import units
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner.cost import CostModel, CostOptions
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 FWD, BWD, SYNC = "#4C72B0", "#DD8452", "#9a9a9a"
 MIXED = "#8172B3"  # an aggregated run of alternating forwards and backwards

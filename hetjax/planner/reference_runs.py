@@ -27,17 +27,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from hetjax.catalogue import LINKS, make_cluster
+from hetjax.core.catalogue import LINKS, make_cluster
 from hetjax.errors import PlanError
-from hetjax.hardware import Link, Topology
-from hetjax.plan import Plan
+from hetjax.core.hardware import Link, Topology
+from hetjax.core.plan import Plan
 from hetjax.planner import compute as ck
 from hetjax.planner.cost import CostModel, CostOptions
 from hetjax.planner.formulas import megatron_flops_per_step
-from hetjax.planner.zero import named
+from hetjax.planner.zero_factors import named
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 SEQ_LEN = 2048
 VOCAB = 51200
@@ -109,7 +109,7 @@ def megatron_model(r: MegatronRow) -> "ModelConfig":
     """The row's GPT as a hetjax ModelConfig: multi-head attention, a gated MLP of
     d_ff = 8h / 3 (the same 12 l h^2 parameters and FLOPs as GPT's 4h GELU MLP), tied
     embeddings, full activation recompute, 16-bit compute."""
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
     return ModelConfig(vocab_size=VOCAB, d_model=r.hidden, n_layers=r.layers, n_heads=r.heads,
                        n_kv_heads=r.heads, d_ff=round(8 * r.hidden / 3), max_seq_len=SEQ_LEN,

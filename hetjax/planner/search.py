@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import (Plan, ZeroFactors, batch_split_problem, even_split, name_problems,
+from hetjax.core.plan import (Plan, ZeroFactors, batch_split_problem, even_split, name_problems,
                          placement_problem, raise_first)
-from hetjax.planner import assign, partition, zero as zr
+from hetjax.planner import assign, partition, zero_factors as zr
 from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, Layout,
                                  MissingLinkError, StageCost, runs_schedule)
 from hetjax.planner.placement import placement_problems
 from hetjax.planner.simulate import (closed_form, exposed, folded_ticks, in_flight, lockstep_ticks,
                                      lower_bound)
-from hetjax.topology import Topology
-from parallel.schedules import SCHEDULES, spmd_schedules
+from hetjax.core.topology import Topology
+from hetjax.core.schedules import SCHEDULES, spmd_schedules
 
 if TYPE_CHECKING:
-    from layers.config import ModelConfig
+    from hetjax.core.model_config import ModelConfig
 
 GIB = 2.0 ** 30
 # ZeRO points priced per layout during the search (least traffic first); the winning layout

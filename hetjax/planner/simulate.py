@@ -3,10 +3,10 @@
 `simulate` plays the schedule (the same table the executor runs and the plot draws) with each
 stage's forward / backward time per micro-batch and each boundary's transfer time, in one of
 two ways:
-- asynchronous (`parallel.schedules.timeline`): each stage runs its next action as soon as its
+- asynchronous (`hetjax.core.schedules.timeline`): each stage runs its next action as soon as its
   input has arrived, as Megatron-LM does; each stage's data-parallel gradient sync follows its
   last backward, of which a fraction `overlap` may hide behind that backward;
-- lockstep (`lockstep=True`): the tick grid (`parallel.schedules.tick_table`) run as one SPMD
+- lockstep (`lockstep=True`): the tick grid (`hetjax.core.schedules.tick_table`) run as one SPMD
   program, as hetjax's executor does: a tick lasts as long as its slowest action, then the
   activations and the gradients it produced move (one transfer each way, the slowest one);
   the gradient sync follows the last tick.
@@ -24,11 +24,11 @@ from typing import Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.plan import ScheduleSpec, resolve_schedule
-from parallel.schedules import (SCHEDULES, Action, Event, Schedule, cell_tasks, tick_codes,
+from hetjax.core.plan import ScheduleSpec, resolve_schedule
+from hetjax.core.schedules import (SCHEDULES, Action, Event, Schedule, cell_tasks, tick_codes,
                                 tick_table, timeline)
-from parallel.schedules import folded_lockstep_ticks
-from parallel.schedules import lockstep_ticks as schedules_lockstep_ticks
+from hetjax.core.schedules import folded_lockstep_ticks
+from hetjax.core.schedules import lockstep_ticks as schedules_lockstep_ticks
 
 
 def exposed(comm: float, window: float, overlap: float) -> float:
@@ -57,7 +57,7 @@ def in_flight(name: str, stages: int, microbatches: int) -> tuple[float, ...]:
     """Most micro-batches whose activations each stage holds at once under the schedule.
 
     GPipe holds all M; 1F1B holds at most pp - s on stage s (its warm-up plus one), as
-    parallel/schedules.py defines them (tests check these against Schedule.max_in_flight,
+    hetjax/core/schedules.py defines them (tests check these against Schedule.max_in_flight,
     which the planner cannot afford to build for thousands of micro-batches). Other
     schedules are played from their table, in units of one micro-batch's activations for the
     whole stage (`Schedule.activation_share`)."""
@@ -108,7 +108,7 @@ def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                    bwd: Sequence[float], send_fwd: Sequence[float] = (),
                    send_bwd: Sequence[float] = ()) -> np.ndarray:
     """Duration of each tick of the named schedule's grid run in lockstep
-    (`parallel.schedules.lockstep_ticks`, with the grid cached)."""
+    (`hetjax.core.schedules.lockstep_ticks`, with the grid cached)."""
     codes = grid_codes(schedule, len(fwd), microbatches)
     return schedules_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd)
 
@@ -118,7 +118,7 @@ def folded_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                  send_bwd: Sequence[float] = (), down_share: Sequence[float] = ()
                  ) -> np.ndarray:
     """Duration of each tick of a folded pipeline in lockstep: the named schedule's grid for
-    2 pp virtual stages, priced per device (`parallel.schedules.folded_lockstep_ticks`)."""
+    2 pp virtual stages, priced per device (`hetjax.core.schedules.folded_lockstep_ticks`)."""
     codes = grid_codes(schedule, 2 * len(fwd), microbatches)
     return folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from hetjax.distributed import ProcessSlot, process_slots
 from hetjax.errors import PlanError
-from hetjax.plan import Plan
-from hetjax.topology import Topology
+from hetjax.core.plan import Plan
+from hetjax.core.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def world_of_stage(worlds: list[World], s: int) -> World:
 def world_lines(plan: Plan, topology: Topology, environment, slots=None) -> list[str]:
     """For `hetjax plan`: each world's stages, clusters, accelerator kind, processes and
     NCCL network, and which stage boundaries cross the bridge (and on which link).
-    `environment(world, slot)` is a process's environment (`parallel.nic.world_environment`;
+    `environment(world, slot)` is a process's environment (`hetjax.parallel.nic.world_environment`;
     passed in because the planner does not read parallel/'s jax modules)."""
     slots = slots or process_slots(topology, topology.num_nodes)
     worlds = plan_worlds(plan, topology, slots)

@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 
 from hetjax import linkcheck
 from hetjax.errors import HetjaxError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner.calibrate import prediction_errors
 from hetjax.testbed import DEFAULT_SCALE, Testbed
-from hetjax.topology import Topology
+from hetjax.core.topology import Topology
 
 # The checkout the benches write their plots (docs/img) and results (runs/) into.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -47,13 +47,13 @@ from .harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
                                         calibrate_testbed, run_case, save_json, select,
                                         start, table)
 from hetjax.errors import HetjaxError
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner import CostModel, options_from_config, plan
 from hetjax.planner.cost import PLAN_EXECUTORS
 from hetjax.planner.formulas import hethub_efficiency, hethub_throughput, hethub_upper_bound
 from hetjax.planner.partition import holmes_split
 from hetjax.testbed import Testbed
-from hetjax.topology import ACCELERATORS, Topology, preset
+from hetjax.core.topology import ACCELERATORS, Topology, preset
 
 WORKLOAD = Workload(d_model=128, n_layers=8, n_heads=2, d_ff=384, seq_len=256, batch=32,
                     microbatches=4, steps=8)

@@ -57,10 +57,10 @@ from .harness import (ACCURACY_NOTE, CPUS_HEADER, CPUS_NOTE, Case,
                                         case_record, cpus_text, failures, fmt, link_table,
                                         calibrate_testbed, load_line, run_case, save_json, select,
                                         start, table)
-from hetjax.plan import Plan, even_split
+from hetjax.core.plan import Plan, even_split
 from hetjax.errors import HetjaxError
 from hetjax.testbed import Testbed
-from hetjax.topology import preset
+from hetjax.core.topology import preset
 
 
 def nic_cases(work: Workload, cpus: float) -> list[Case]:

@@ -24,7 +24,7 @@ import numpy as np
 from hetjax.errors import HetjaxError
 from .harness import (Case, Workload, fmt, kept_calibration_path,
                                         predict_case, table)
-from hetjax.plan import Plan
+from hetjax.core.plan import Plan
 from hetjax.planner.calibrate import prediction_errors
 
 

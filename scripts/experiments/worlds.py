@@ -46,7 +46,7 @@ def build(overrides):
     from hetjax.planner import plan_from_config
     from hetjax.tokenizer import load_tokenizer
     from hetjax.train import make_optimizer
-    from layers import ModelConfig
+    from hetjax.layers import ModelConfig
 
     cfg = hconfig.load_config(None, [*DEFAULTS, *overrides])
     hconfig.validate(cfg)
@@ -71,7 +71,7 @@ def _scalar(x) -> float:
 
 def reference(overrides, steps: int) -> list[float]:
     """The losses of the plan in one process (the single-world MPMD executor)."""
-    from parallel.mpmd import MpmdExecutor
+    from hetjax.parallel.mpmd import MpmdExecutor
 
     cfg, topology, plan, model_cfg, tx, schedule = build(overrides)
     ex = MpmdExecutor(plan, topology, model_cfg, tx, schedule, cfg.train.grad_clip)
@@ -86,9 +86,9 @@ def worker(overrides, steps: int) -> list[float]:
     """One process of one world: join the world, build its stages, train over the bridge."""
     from hetjax.distributed import WorkerSpec, initialize, process_slots
     from hetjax.planner.worlds import plan_worlds
-    from parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
-    from parallel.mpmd_worlds import WorldsExecutor
-    from parallel.nic import ENV_WORLD
+    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
+    from hetjax.parallel.mpmd_worlds import WorldsExecutor
+    from hetjax.parallel.nic import ENV_WORLD
 
     cfg, topology, plan, model_cfg, tx, schedule = build(overrides)
     spec = WorkerSpec.from_environ()
@@ -121,7 +121,7 @@ def launch_worlds(overrides, steps: int, processes: int = 4, die: str = "",
     from types import SimpleNamespace
 
     from hetjax.launch import plan_workers, run
-    from parallel import nic
+    from hetjax.parallel import nic
 
     cfg, topology, plan, *_ = build(overrides)
     args = SimpleNamespace(local=processes, hostfile=None, port=0, coordinator=None,

@@ -8,7 +8,7 @@ topology, or `hetjax.planner.calibrate`).
 from __future__ import annotations
 
 from hetjax.errors import TopologyError
-from hetjax.hardware import Accelerator, Cluster, Link, NicSettings
+from hetjax.core.hardware import Accelerator, Cluster, Link, NicSettings
 
 # Nominal figures for planning; a real deployment overrides them from measurements
 # (`hetjax calibrate`). Efficiency = achieved / nominal bandwidth under NCCL collectives:

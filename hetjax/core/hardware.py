@@ -12,8 +12,8 @@ Clusters with no link between them are expressed by leaving `inter_cluster` as N
 the pairs listed in `cluster_links` are connected, and `disconnected_pairs()` names the others
 (the planner refuses a topology whose clusters do not form one connected network).
 
-Nominal accelerators and links live in hetjax/catalogue.py, named topologies in
-hetjax/paper_presets.py and hetjax/testbed_presets.py; `hetjax.topology` gathers them. This
+Nominal accelerators and links live in hetjax/core/catalogue.py, named topologies in
+hetjax/core/paper_presets.py and hetjax/core/testbed_presets.py; `hetjax.core.topology` gathers them. This
 module does not import jax, so the CLI can size the simulated CPU device count from a topology
 before jax starts.
 """
@@ -58,7 +58,7 @@ class Link:
     bandwidth_gbps: float  # gigabits per second, as NICs are quoted (nominal)
     latency_us: float
     # Achieved / nominal bandwidth of this fabric under collective traffic (the catalogue's
-    # values are fitted on Holmes Table 1, see hetjax/catalogue.py); 1.0 for a measured link.
+    # values are fitted on Holmes Table 1, see hetjax/core/catalogue.py); 1.0 for a measured link.
     efficiency: float = 1.0
 
     def __post_init__(self):

@@ -1,6 +1,6 @@
 """The testbed's miniature topologies (docs/testbed.md; README, Results): the papers' settings
 shrunk to what hetjax/testbed.py can emulate on one small machine. `TESTBED_PRESETS` maps
-each name to its builder; `hetjax.topology` registers them for `preset(name)` and the
+each name to its builder; `hetjax.core.topology` registers them for `preset(name)` and the
 config's topology.preset.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetjax.catalogue import ACCELERATORS, LINKS, make_cluster
+from hetjax.core.catalogue import ACCELERATORS, LINKS, make_cluster
 from hetjax.errors import TopologyError
-from hetjax.hardware import Accelerator, Topology
-from hetjax.paper_presets import cpu_hybrid
+from hetjax.core.hardware import Accelerator, Topology
+from hetjax.core.paper_presets import cpu_hybrid
 
 # 2 clusters x 2 single-device hosts: on the 2-core testbed machine one process per emulated
 # host, 4 in all, is what fits. Link rates are nominal; the testbed scales them all by one

@@ -2,7 +2,7 @@
 
 `topology_from_devices` is plain data in, Topology out (no JAX): each process is a node, its
 devices the node's devices, the device kind looked up in the catalogue
-(`hetjax.catalogue.DEVICE_KINDS`); a kind the catalogue lacks needs its peak and memory stated
+(`hetjax.core.catalogue.DEVICE_KINDS`); a kind the catalogue lacks needs its peak and memory stated
 (`topology.peak_tflops`, `topology.memory_gib`). `local()` reads `jax.devices()` -- the one
 place the topology layer touches JAX, imported only when the preset is built.
 """
@@ -14,9 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from hetjax.catalogue import ACCELERATORS, LINKS, accelerator_for_kind, make_cluster
+from hetjax.core.catalogue import ACCELERATORS, LINKS, accelerator_for_kind, make_cluster
 from hetjax.errors import TopologyError
-from hetjax.hardware import Accelerator, Topology
+from hetjax.core.hardware import Accelerator, Topology
 
 
 @dataclass(frozen=True)

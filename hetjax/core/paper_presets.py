@@ -1,13 +1,13 @@
 """Named topologies of the papers hetjax reproduces (spec/), and the CPU defaults shaped like
 them: Holmes' hybrid and homogeneous clusters, HetHub's mixed accelerators, DT-FM's five
-geo-distributed scenarios. `PAPER_PRESETS` maps each name to its builder; `hetjax.topology`
+geo-distributed scenarios. `PAPER_PRESETS` maps each name to its builder; `hetjax.core.topology`
 registers them for `preset(name)` and the config's topology.preset.
 """
 
 from __future__ import annotations
 
-from hetjax.catalogue import LINKS, make_cluster
-from hetjax.hardware import ClusterLink, Link, Topology
+from hetjax.core.catalogue import LINKS, make_cluster
+from hetjax.core.hardware import ClusterLink, Link, Topology
 
 
 def cpu_hybrid(nodes: int = 2, devices_per_node: int = 2) -> Topology:

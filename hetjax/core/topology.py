@@ -1,11 +1,11 @@
 """Hardware topologies: the data model, the catalogue and the named presets, in one namespace.
 
-    from hetjax.topology import Topology, Link, make_cluster, preset
+    from hetjax.core.topology import Topology, Link, make_cluster, preset
     t = preset("holmes_hybrid", devices_per_node=2)
 
-The ideas live in their own modules: hetjax/hardware.py (the data model: Topology, Cluster,
-Link, ...), hetjax/catalogue.py (nominal accelerators, links and NIC settings), and the named
-topologies in hetjax/paper_presets.py (the papers' settings) and hetjax/testbed_presets.py
+The ideas live in their own modules: hetjax/core/hardware.py (the data model: Topology, Cluster,
+Link, ...), hetjax/core/catalogue.py (nominal accelerators, links and NIC settings), and the named
+topologies in hetjax/core/paper_presets.py (the papers' settings) and hetjax/core/testbed_presets.py
 (the testbed's miniatures). This module owns the preset registry (`PRESETS`, `preset`,
 `register_preset`) and re-exports the rest. No jax.
 """
@@ -15,17 +15,17 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from hetjax.catalogue import (ACCELERATORS, ETH_SETTINGS, IB_SETTINGS, LINKS, ROCE_SETTINGS,
+from hetjax.core.catalogue import (ACCELERATORS, ETH_SETTINGS, IB_SETTINGS, LINKS, ROCE_SETTINGS,
                               accelerator, accelerator_for_kind, make_cluster, nic_settings_for)
 from hetjax.errors import TopologyError
-from hetjax.local_preset import local
-from hetjax.hardware import (LINK_KINDS, Accelerator, Cluster, ClusterLink, DeviceInfo, Link,
+from hetjax.core.local_preset import local
+from hetjax.core.hardware import (LINK_KINDS, Accelerator, Cluster, ClusterLink, DeviceInfo, Link,
                              NicSettings, Topology)
-from hetjax.paper_presets import (DTFM_SCENARIOS, PAPER_PRESETS, cpu_hybrid, cpu_single,
+from hetjax.core.paper_presets import (DTFM_SCENARIOS, PAPER_PRESETS, cpu_hybrid, cpu_single,
                                   hethub_mixed)
-from hetjax.testbed_presets import TESTBED_PRESETS
+from hetjax.core.testbed_presets import TESTBED_PRESETS
 
-# `local`: the devices the running JAX sees (hetjax/local_preset.py; JAX imported only then).
+# `local`: the devices the running JAX sees (hetjax/core/local_preset.py; JAX imported only then).
 PRESETS: dict[str, Callable[..., Topology]] = {**PAPER_PRESETS, **TESTBED_PRESETS, "local": local}
 
 

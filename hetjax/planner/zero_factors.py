@@ -1,7 +1,7 @@
 """ZeRO sharding factors (AMSP, spec/amsp.md): the one owner of their rules -- the named points
 (presets), the ordering and node rules, the factors a config asks for on a plan -- and the
 space of (s_p, s_g, s_os), the model-state memory formula, the communication terms and the
-list of collectives parallel/zero.py issues (`expected_collectives`, what the HLO audit checks).
+list of collectives parallel/zero_sharding.py issues (`expected_collectives`, what the HLO audit checks).
 
 Parameters, gradients and optimizer states of a stage are each sharded over s_p, s_g and s_os
 of its dp data-parallel devices. hetjax's mesh factors the dp axis into (dp / s_os, s_os / s_p,
@@ -14,7 +14,7 @@ only executes the point a Plan carries. Collective times come from the cost mode
 two ways of running the step:
 - "megatron": AMSP's accounting (PyTorch systems): parameters gathered per layer in every
   forward and backward, gradients reduce-scattered per layer, a prefetched layer in memory;
-- "hetjax": parallel/zero.py (JAX even sharding): parameters gathered once per step and kept
+- "hetjax": parallel/zero_sharding.py (JAX even sharding): parameters gathered once per step and kept
   for the step, each micro-batch's gradient reduce-scattered over the G group, after the loop
   a reduce-scatter to the OS shards and an all-reduce across replicas, then the refresh.
 """
@@ -28,10 +28,10 @@ from typing import Callable
 import numpy as np
 
 from hetjax.errors import ConfigError, PlanError
-from hetjax.plan import (DP_AXES, Plan, ZeroAxes, ZeroFactors, raise_first,
+from hetjax.core.plan import (DP_AXES, Plan, ZeroAxes, ZeroFactors, raise_first,
                          zero_order_problem)  # the ordering rule: the Plan's
-from hetjax.topology import Topology
-from parallel.hlo import Collective as HloCollective
+from hetjax.core.topology import Topology
+from hetjax.core.hlo import Collective as HloCollective
 
 NAMED = ("ddp", "zero1", "zero2", "zero3", "mics")
 # What config.zero.preset accepts: a named point, 'auto' (AMSP's enumeration by the planner)
@@ -76,7 +76,7 @@ def valid_factors(nodes: np.ndarray) -> list[int]:
     """The sharding factors a placement allows, from the node of every member of every DP
     group ([groups, dp], in mesh order): divisors s of dp such that each block of s
     consecutive members lies inside one node or consists of whole nodes (AMSP: fill a node
-    before spanning nodes; the rule parallel/zero.py checks)."""
+    before spanning nodes; the rule parallel/zero_sharding.py checks)."""
     dp = nodes.shape[1]
     # each row's nodes relabelled 0, 1, ... in sorted order (np.unique's inverse), all rows at
     # once: large dp worlds have thousands of groups but few patterns
@@ -193,7 +193,7 @@ SUBGROUP_AXES = {"p": ("dp_p",), "replicas": ("dp", "dp_os"), "os": ("dp_os",),
 # (`zero_times`, executor "hetjax") and by the audit of the compiled step (`expected_collectives`)
 @dataclass(frozen=True)
 class StepCollective:
-    """One collective parallel/zero.py issues for the split parameters of a step: its kind,
+    """One collective parallel/zero_sharding.py issues for the split parameters of a step: its kind,
     the data-parallel mesh axes of its group (mesh order), the bytes it moves (those of the
     state `of`, "p" or "g", per device, divided by `divisor`) and when it runs: "microbatch"
     (every micro-batch), "sync" (once per step, around the micro-batch loop) or "refresh"
@@ -263,7 +263,7 @@ def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.nda
 
     megatron: AMSP's T_p, T_g, T_os0, T_os1, with even sharding (as in JAX) G beyond P a
     reduce-scatter and the refresh an all-gather inside the OS subgroup (spec/amsp.md).
-    hetjax: `step_collectives`, what parallel/zero.py issues: P gathered once per step, G
+    hetjax: `step_collectives`, what parallel/zero_sharding.py issues: P gathered once per step, G
     reduce-scattered over its group every micro-batch, after the loop a reduce-scatter to the
     OS shards and an all-reduce across the OS replicas, then the refresh."""
     if over is None:
@@ -325,10 +325,10 @@ def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
 # --- the collectives hetjax's ZeRO step issues (what the HLO audit compares with) ------------
 def expected_collectives(z: ZeroFactors, dp: int, microbatches: int, split: int,
                          replicated: int) -> list[HloCollective]:
-    """The data-parallel collectives one step of parallel/zero.py `accumulate_gradients` + the
+    """The data-parallel collectives one step of parallel/zero_sharding.py `accumulate_gradients` + the
     sharded update issues for point z (`step_collectives`), as the audit of the compiled
-    program reads them (parallel/hlo.py), with V in bytes per device (`split` / `replicated`
-    from parallel/zero.py `split_bytes`). Parameters left unsplit are all-reduced over every
+    program reads them (hetjax/core/hlo.py), with V in bytes per device (`split` / `replicated`
+    from parallel/zero_sharding.py `split_bytes`). Parameters left unsplit are all-reduced over every
     data-parallel device, as plain data parallelism; scalar reductions (loss, gradient norm)
     are left out."""
     sizes = {"dp": dp // z.s_os, "dp_os": z.s_os // z.s_p, "dp_p": z.s_p}

@@ -3,9 +3,9 @@
 Each component has its own sharding factor over the data-parallel devices of a stage
 (`ZeroFactors(s_p, s_g, s_os)`, see ../shared/spec/amsp.md and docs/zero.md). This module
 executes a Plan's point: its specs and collectives. Which points exist and are valid (presets,
-the ordering and node rules, the config's choice) is the planner's (hetjax/planner/zero.py),
+the ordering and node rules, the config's choice) is the planner's (hetjax/planner/zero_factors.py),
 and so is the list of collectives a point issues (`expected_collectives`), which the compiled
-step is audited against (parallel/hlo.py).
+step is audited against (hetjax/core/hlo.py).
 
 - **Specs.** The mesh factors dp into ('dp', 'dp_os', 'dp_p') (parallel/mesh.py). P shards
   over 'dp_p', OS over ('dp_p', 'dp_os') -- 'dp_p' major, so each OS shard is a slice of the
@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
-from hetjax.plan import Plan, ZeroAxes, ZeroFactors
-from parallel import sharding as shd
-from parallel.mesh import AXES, DP_AXES, mesh_shape
+from hetjax.core.plan import Plan, ZeroAxes, ZeroFactors
+from hetjax.parallel import sharding as shd
+from hetjax.parallel.mesh import AXES, DP_AXES, mesh_shape
 
 # Logical names of stacked dimensions: sharding them would split layers (or stages) between
 # devices instead of splitting every layer.

@@ -1,6 +1,6 @@
 """A pipeline schedule lowered to a program: the operations every stage runs in one training
 step, in the order one controller issues them. Plain data, no JAX; the MPMD executors
-interpret it (`parallel.mpmd`, `parallel.mpmd_worlds`), tests and docs print it.
+interpret it (`hetjax.parallel.mpmd`, `hetjax.parallel.mpmd_worlds`), tests and docs print it.
 
 `lower(schedule)` walks the schedule's tasks in the issue order (`issue_order`: by start on
 the unit-time timeline, a valid order of the dependency graph) and gives each task its ops:
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from parallel import schedules as sch
+from hetjax.core import schedules as sch
 
 
 @dataclass(frozen=True)

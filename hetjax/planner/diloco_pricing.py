@@ -33,11 +33,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from hetjax.errors import ConfigError
-from hetjax.hardware import Link, Topology
-from hetjax.plan import DilocoPlan, Plan
+from hetjax.core.hardware import Link, Topology
+from hetjax.core.plan import DilocoPlan, Plan
 from hetjax.planner.cost import ring_time
-from parallel.hlo import ring_bytes
-from parallel.wire import BITS, DILOCO_CODECS as CODECS
+from hetjax.core.hlo import ring_bytes
+from hetjax.core.wire import BITS, DILOCO_CODECS as CODECS
 
 SCALE_BYTES = 4  # one float32 scale per quantized row
 SLOW_LINK_GBPS = 10.0  # `hetjax plan` prices DiLoCo when sites are joined by slower links
@@ -263,7 +263,7 @@ def plan_sites(c, topology: Topology) -> DilocoPlan:
 
 
 def plan_to_run(c, topology: Topology, plan: Plan) -> Plan | DilocoPlan:
-    """What the executor of config `c` runs (`parallel.executor.make_executor` chooses it
+    """What the executor of config `c` runs (`hetjax.parallel.executor.make_executor` chooses it
     from this): `plan` (the planner's for the whole topology), or with `diloco.inner_steps`
     > 0 the DiLoCo plan of the sites (`plan_sites`)."""
     return plan_sites(c, topology) if c.diloco.inner_steps else plan

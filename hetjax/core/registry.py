@@ -1,8 +1,8 @@
 """The executor registry: the pipeline executors a Plan can name, in one table (no JAX).
 
 Every place that shows or checks an executor name reads `EXECUTORS`: the Plan
-(`hetjax.plan`), config validation and `--help` (`hetjax.config`), and the cost model, which
-prices each under `ExecutorKind.priced_as`. `parallel.executor.make_executor` is the only
+(`hetjax.core.plan`), config validation and `--help` (`hetjax.config`), and the cost model, which
+prices each under `ExecutorKind.priced_as`. `hetjax.parallel.executor.make_executor` is the only
 place that turns a Plan's name into a running executor: it imports the entry's class then, so
 the names stay importable by the planner and the Plan without starting JAX (which is why an
 entry names its class as "module:Class" rather than holding it).
@@ -10,7 +10,7 @@ entry names its class as "module:Class" rather than holding it).
 A plan of plans (DiLoCo's sites) names its executor in `COMPOSITE`.
 
 Adding an executor is one `register(ExecutorKind(...))` entry plus its own module: a subclass
-of `parallel.train_state.Executor` whose `create(plan, topology, model_cfg, optimizer,
+of `hetjax.parallel.train_state.Executor` whose `create(plan, topology, model_cfg, optimizer,
 runtime)` builds it (the default passes the optimizer's transform and learning-rate
 schedule). tests/test_executor_registry.py adds a toy one.
 """
@@ -28,7 +28,7 @@ class ExecutorKind:
     `worlds` the one that runs one world of a multi-world job, "" when this executor cannot.
     `priced_as` is the cost model's executor (`hetjax.planner.cost.EXECUTORS`) that prices it;
     `tick_grid_only`: it runs only the schedules of the SPMD tick grid
-    (`parallel.schedules.spmd_schedules`); `document_masks`: it passes the packer's segment
+    (`hetjax.core.schedules.spmd_schedules`); `document_masks`: it passes the packer's segment
     ids to its stages (`data.document_mask`). `help` is its line in `--help`."""
 
     name: str
@@ -41,14 +41,14 @@ class ExecutorKind:
 
 
 # A plan of one stage runs as one program whatever executor it names (there is no pipeline).
-SINGLE_PROGRAM = "parallel.executor:SingleProgramExecutor"
+SINGLE_PROGRAM = "hetjax.parallel.executor:SingleProgramExecutor"
 
 # Executors of a plan made of plans, by the name its type carries as `executor`
-# (`hetjax.plan.DilocoPlan.executor`: "diloco", each site's Plan and the exchange between the
+# (`hetjax.core.plan.DilocoPlan.executor`: "diloco", each site's Plan and the exchange between the
 # sites). They are not pipeline executors: a Plan cannot name them and `pipeline.executor`
 # does not offer them. Adding one is one entry here plus its module and its plan type.
 COMPOSITE: dict[str, str] = {
-    "diloco": "parallel.diloco:DilocoExecutor",
+    "diloco": "hetjax.parallel.diloco:DilocoExecutor",
 }
 
 EXECUTORS: dict[str, ExecutorKind] = {}
@@ -62,13 +62,13 @@ def register(kind: ExecutorKind) -> ExecutorKind:
 
 
 register(ExecutorKind(
-    "spmd", "parallel.executor:SpmdPipelineExecutor",
+    "spmd", "hetjax.parallel.executor:SpmdPipelineExecutor",
     "one shard_map program, stages in lockstep ticks", priced_as="hetjax",
     tick_grid_only=True, document_masks=True))
 register(ExecutorKind(
-    "mpmd", "parallel.mpmd:MpmdExecutor",
+    "mpmd", "hetjax.parallel.mpmd:MpmdExecutor",
     "one program per stage, stages run asynchronously", priced_as="mpmd",
-    worlds="parallel.mpmd_worlds:WorldsExecutor"))
+    worlds="hetjax.parallel.mpmd_worlds:WorldsExecutor"))
 
 
 def executor_help() -> str:

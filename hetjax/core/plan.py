@@ -8,11 +8,11 @@ model states are ZeRO-sharded. It may carry the planner's predictions. Everythin
 is saved as JSON next to checkpoints.
 
 `resolve_schedule` is the one place a plan becomes a schedule object (of the registry in
-`parallel.schedules`). This module is a leaf: it imports only the topology, the errors, the
-units, the schedule registry and the executor registry's names (`parallel.registry`; none of
+`hetjax.core.schedules`). This module is a leaf: it imports only the topology, the errors, the
+units, the schedule registry and the executor registry's names (`hetjax.core.registry`; none of
 them imports JAX). Turning a config into a
 Plan is the planner's (`hetjax.planner.plan_from_config`). A `DilocoPlan` is a plan of plans:
-each DiLoCo site's Plan and the exchange between the sites (`hetjax.planner.diloco.plan_sites`
+each DiLoCo site's Plan and the exchange between the sites (`hetjax.planner.diloco_pricing.plan_sites`
 builds it, the DiLoCo executor runs it).
 """
 
@@ -27,9 +27,9 @@ import numpy as np
 
 from hetjax.errors import ConfigError, PlanError
 from hetjax.units import gib, percent, seconds
-from hetjax.topology import Topology
-from parallel.schedules import SCHEDULES, Schedule, folded, make_schedule, spmd_schedules
-from parallel.registry import EXECUTORS  # the pipeline executors a Plan can name
+from hetjax.core.topology import Topology
+from hetjax.core.schedules import SCHEDULES, Schedule, folded, make_schedule, spmd_schedules
+from hetjax.core.registry import EXECUTORS  # the pipeline executors a Plan can name
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
 # data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p') for ZeRO, with
@@ -584,7 +584,7 @@ class DilocoPlan:
     and the logging cadence (`log_every`, `steps`: on those steps the sites' mean loss is
     gathered across processes). Field names are the config's `diloco.*` ones."""
 
-    # the executor registry's entry for plans of this kind (`parallel.registry.COMPOSITE`)
+    # the executor registry's entry for plans of this kind (`hetjax.core.registry.COMPOSITE`)
     executor: ClassVar[str] = "diloco"
 
     sites: tuple
