@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 from hetjax.config import load_config  # noqa: E402
 from hetjax.train import Trainer  # noqa: E402
-from hetjax.parallel import schedules as sch  # noqa: E402
+from hetjax.core import schedules as sch  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLMES_MINI = os.path.join(REPO, "configs", "holmes_mini.py")

@@ -354,7 +354,7 @@ def test_closed_form_stash_peaks_of_the_mpmd_schedules_equal_the_played_ones(nam
 
 
 # --- the lowering: a schedule as per-stage programs (hetjax/core/program.py) ------------------------
-from hetjax.parallel import program as pg  # noqa: E402
+from hetjax.core import program as pg  # noqa: E402
 
 PROGRAM_CASES = [(name, stages, mb) for name in sch.SCHEDULES
                  for stages, mb in sizes_for(name) if (stages, mb) != (4, 9)]
