@@ -29,7 +29,7 @@ import ml_collections
 from hetjax.errors import ConfigError, HetjaxError
 from hetjax.core import topology as topo
 from hetjax.planner import zero_factors as zr
-from hetjax.planner.config_plan import resolve_microbatches
+from hetjax.planner.config_plan import free_unset, resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
 from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
@@ -230,7 +230,8 @@ def _layout_name(kind: str):
 def _schedule_help() -> str:
     grid = [k.name for k in EXECUTORS.values() if k.tick_grid_only]
     return (f"{' | '.join(SCHEDULES)} (executor {' and '.join(grid)} runs "
-            f"{', '.join(spmd_schedules())}; strands: two strands per tick)")
+            f"{', '.join(spmd_schedules())}; strands: two strands per tick) | auto: the "
+            "planner chooses")
 
 
 def _model_presets() -> str:
@@ -326,7 +327,7 @@ FIELDS: tuple[Field, ...] = (
           "two chunks per device in a V (down, then back up; device 0 holds embedding and "
           "head), each device's stage_layers split ceil/floor down/up | auto: the planner "
           "prices both", _layout_name("placement")),
-    Field("pipeline.microbatches", 0, "alias of train.microbatches for pipeline users; 0: unset"),
+    Field("pipeline.microbatches", 0, "another name for train.microbatches; 0: unset"),
     Field("pipeline.boundary_codec", "none", "activations and their gradients crossing worlds "
           "(MPMD stages on different clusters): {choices}",
           Choices(BOUNDARY_CODECS, "codec", {
@@ -355,8 +356,9 @@ FIELDS: tuple[Field, ...] = (
     Field("train.steps", 300, "optimizer steps of the run", positive_int()),
     Field("train.batch_size", 32, "global batch, in sequences", positive_int()),
     Field("train.seq_len", 128, "tokens per sequence", positive_int()),
-    Field("train.microbatches", 1, "the batch is split into this many micro-batches per step",
-          positive_int()),
+    Field("train.microbatches", 1, "the batch is split into this many micro-batches per step; "
+          "0: the planner chooses", Bound(lo=0, integer=True, fix="set --config.{field}=1, or 0 "
+                                          "to let the planner choose")),
     Field("train.lr", 3e-3, "peak learning rate (AdamW)", Bound(
         lo=0, lo_open=True, problem="the learning rate must be positive, got {value}",
         fix="set --config.train.lr to a value > 0, e.g. 3e-4")),
@@ -525,9 +527,16 @@ def field_problems(c) -> list[tuple[str, str, str]]:
 
 # --- loading -----------------------------------------------------------------------------------
 def load_config(path: str | None = None, overrides=(),
-                base: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+                base: ml_collections.ConfigDict | None = None,
+                default_job: bool = False) -> ml_collections.ConfigDict:
     """Load a `get_config()` file (or `base`, default the defaults) and apply `--config.x.y=v`
     overrides.
+
+    When the layout is left to the planner (parallel.pp or parallel.tp 0), the layout fields
+    the planner searches (`hetjax.planner.config_plan.SEARCHED`: executor, schedule,
+    placement, micro-batches, recompute, ZeRO) that neither an override nor the file set are
+    left to it too (`free_unset`). `default_job`: `path` is the default job standing in for a
+    --config the user did not give, so its values do not count as the user's.
 
     Every way the file or an override can be wrong (missing file, not Python, a syntax error,
     get_config failing or returning something else, an unknown field, a value of the wrong
@@ -567,6 +576,10 @@ def load_config(path: str | None = None, overrides=(),
     base = base_config().model
     keep = set(latest) | {f"model.{k}" for k in base.keys() if cfg.model[k] != base[k]}
     apply_model_source(fv.config, keep)
+    defaults = base_config()
+    changed = () if default_job else [f.name for f in FIELDS
+                                      if _get(cfg, f.name) != _get(defaults, f.name)]
+    free_unset(fv.config, {*latest, *changed})
     return fv.config
 
 

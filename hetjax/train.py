@@ -30,8 +30,6 @@ disk) becomes one error naming the path, after the checkpoint in flight is drain
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import os
 import sys
@@ -46,7 +44,7 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.corpus_size import check_corpus_size
-from hetjax.data import make_loader, padded_vocab
+from hetjax.data import make_loader
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
@@ -54,7 +52,7 @@ from hetjax.lock import WorkdirLock
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
 from hetjax.core.plan import Plan
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
-from hetjax.planner import check_placement, plan_from_config
+from hetjax.planner import check_placement, model_from_config, plan_job
 from hetjax.planner.config_plan import predict_for_config
 from hetjax.planner.diloco_pricing import plan_to_run
 from hetjax.planner.memory import asked_bytes, fit_problem, is_out_of_memory, oom_message
@@ -62,7 +60,6 @@ from hetjax.profile import StepProfiler, summarise
 from hetjax.stopping import NoAgreement, StopFlag
 from hetjax.tokenizer import tokenizer_from_config
 from hetjax.core.topology import Topology
-from hetjax.layers import ModelConfig
 from hetjax.layers.attention_kernels import choose_local
 from hetjax.parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
 from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS
@@ -241,16 +238,16 @@ class Trainer:
         self.config = config
         self.quiet = quiet
         self.topology = topology or hconfig.build_topology(config)
-        self.plan = plan or plan_from_config(config, self.topology)
+        # the one path from config to (model, plan): the model the planner priced is this one
+        if plan is None:
+            job = plan_job(config, self.topology)
+            self.plan, self.model_cfg = job.plan, job.model
+        else:
+            self.plan, self.model_cfg = plan, model_from_config(config, self.topology, plan)
         self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle,
                                      sites=bool(config.diloco.inner_steps))
         self.workdir = workdir or config.workdir
         self.tokenizer = tokenizer_from_config(config.data)
-        self.model_cfg = dataclasses.replace(
-            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size)),
-            dtype=hconfig.compute_dtype(config, self.topology))
-        if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
-            self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
         if (config.data.document_mask and self.plan.pp > 1
                 and not EXECUTORS[self.plan.executor].document_masks):
             masks = [k.name for k in EXECUTORS.values() if k.document_masks]

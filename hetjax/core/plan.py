@@ -441,7 +441,7 @@ def name_problems(executor: str = "", schedule: str = "", placement: str = "",
     out = []
     for name, value, names, what in (
             ("pipeline.executor", executor, (*EXECUTORS, *auto), "executor"),
-            ("pipeline.schedule", schedule, tuple(SCHEDULES), "schedule"),
+            ("pipeline.schedule", schedule, (*SCHEDULES, *auto), "schedule"),
             ("pipeline.placement", placement, (*PLACEMENTS, *auto), "placement")):
         if value and value not in names:
             out.append(Problem(name, f"unknown {what} {value!r}",

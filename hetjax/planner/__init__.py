@@ -9,7 +9,7 @@ Modules: `cost` (the cost model: compute, communication, memory), `collectives` 
 and tree algorithms), `simulate` (the schedule simulator), `partition` (layers per stage: Holmes, HetHub, exact), `assign` (DT-FM's
 device assignment on slow networks), `zero` (AMSP's sharding factors: presets, rules,
 collectives), `placement` (where TP groups and stages may sit), `search` (the outer search),
-`config_plan` (config -> Plan: `plan_from_config`), `calibrate` (fits to measured runs;
+`config_plan` (config -> (model, Plan, runners-up): `plan_job`, the one path every command takes), `calibrate` (fits to measured runs;
 `hetjax calibrate`'s file), `formulas` (the papers' metric formulas). Pure Python + numpy: importing the planner does not start JAX.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetjax.core.plan import Plan
-from hetjax.planner.cost import (CostModel, CostOptions, LayerProfile, Prediction,
-                                 model_from_config)
-from hetjax.planner.config_plan import options_from_config, plan_for_config, plan_from_config
+from hetjax.planner.cost import CostModel, CostOptions, LayerProfile, Prediction
+from hetjax.planner.config_plan import (JobPlan, model_from_config, options_from_config,
+                                        plan_from_config, plan_job)
 from hetjax.planner.placement import check_placement, placement_problems
 from hetjax.planner.search import PlanResult, plan
 from hetjax.core.topology import Topology
@@ -35,6 +35,6 @@ def predict(plan_: Plan, topology: Topology, model: "ModelConfig",
     return CostModel(topology, model, options).predict(plan_)
 
 
-__all__ = ["plan", "plan_for_config", "plan_from_config", "options_from_config", "check_placement",
+__all__ = ["plan", "plan_job", "JobPlan", "plan_from_config", "options_from_config", "check_placement",
            "placement_problems", "predict", "PlanResult", "CostModel", "CostOptions",
            "LayerProfile", "Prediction", "model_from_config"]

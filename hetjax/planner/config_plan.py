@@ -1,31 +1,83 @@
-"""Config -> Plan: the layout a hetjax config asks for, checked against the layout rules.
+"""Config -> (model, Plan, runners-up): the one path every entry point takes.
 
-When parallel.pp or parallel.tp is 0 (or zero.preset is 'auto') the planner's search chooses
-(`plan_for_config`); otherwise the config fixes the layout and this module completes it (dp =
-the rest, an even layer split, the ZeRO point) and applies the same rules the search keeps:
-the placement rules (hetjax/planner/placement.py) and the ZeRO rules (hetjax/planner/zero_factors.py).
-`hetjax plan`, `hetjax train` and `hetjax launch` all build their Plan here, so they accept and
-refuse the same layouts with the same messages.
+`plan_job(config, topology)` is what `hetjax plan`, `hetjax train` (the Trainer), `hetjax
+launch` and the notebooks call. It resolves the config's aliases (`resolve_microbatches`),
+checks the fixed degrees against the topology once (`validate_layout`), builds the model the
+Trainer builds (`model_from_config`: the configured tokenizer's vocabulary, the compute dtype
+of the topology, the recompute policy the plan chose) and either searches (`hetjax.planner.
+search.plan`, every executor the config allows; degrees at 0 or any SEARCHED field left to
+the planner) or completes the layout the config fixes (dp = the rest, an even layer split, the
+ZeRO point, the same placement and ZeRO rules the search keeps: hetjax/planner/placement.py,
+hetjax/planner/zero_factors.py) and prices it. So every command accepts and refuses the same
+layouts with the same messages, and prices the model it trains.
+
+Searched defaults: when the layout is searched (parallel.pp or parallel.tp at 0) the config
+loader leaves every SEARCHED field the user did not set to the planner (`free_unset`); a field
+the user set stays fixed, and `plan_job(..., explain=True)` says what freeing it would give.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hetjax.errors import ConfigError
+from hetjax.errors import ConfigError, HetjaxError
 from hetjax.core.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
+from hetjax.core.schedules import SCHEDULES
 from hetjax.planner import zero_factors as zr
-from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
-                                 runs_schedule)
+from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
 from hetjax.planner.placement import placement_problems, refuse_straddle
-from hetjax.planner.search import PlanResult, plan
+from hetjax.planner.search import TIE, PlanResult, layout_key, plan
 from hetjax.core.topology import Topology
+from hetjax.units import seconds
+
+if TYPE_CHECKING:
+    from hetjax.core.model_config import ModelConfig
+
+# The fields the planner chooses when they are left to it, and the value that leaves them:
+# when the layout is searched, the config loader sets each one the user did not set to it.
+SEARCHED = {"pipeline.executor": "auto", "pipeline.schedule": "auto",
+            "pipeline.placement": "auto", "train.microbatches": 0, "model.remat": "auto",
+            "zero.preset": "auto"}
+# Other names the user may set a SEARCHED field by (aliases).
+ALIASES = {"pipeline.microbatches": "train.microbatches"}
+
+
+def _get(c, field: str):
+    section, name = field.split(".")
+    return c[section][name]
+
+
+def _set(c, field: str, value) -> None:
+    section, name = field.split(".")
+    c[section][name] = value
+
+
+def layout_searched(c) -> bool:
+    """Whether the planner chooses the degrees (parallel.pp or parallel.tp at 0)."""
+    return not c.parallel.pp or not c.parallel.tp
+
+
+def free_unset(c, user_set) -> None:
+    """When the layout is searched, leave every SEARCHED field the user did not set (a dotted
+    name in `user_set`, or an alias of it) to the planner, so nothing is inherited from a
+    default the user did not choose (the default job's micro-batch count fits its own
+    topology only). A fixed layout keeps every value: the default job stays as it is."""
+    if not layout_searched(c):
+        return
+    named = set(user_set) | {ALIASES[f] for f in user_set if f in ALIASES}
+    for field, auto in SEARCHED.items():
+        if field not in named:
+            _set(c, field, auto)
 
 
 def resolve_microbatches(c) -> int:
-    """train.microbatches, or pipeline.microbatches if the user set that alias instead."""
+    """train.microbatches, or pipeline.microbatches if the user set that alias instead
+    (0: the planner chooses). The one place the alias is read."""
     pm, tm = c.pipeline.microbatches, c.train.microbatches
-    if pm and tm not in (1, pm):
+    if pm and tm not in (0, 1, pm):
         raise ConfigError("pipeline.microbatches",
                           f"= {pm} disagrees with train.microbatches = {tm}",
                           "set only one of them (they name the same number)")
@@ -39,6 +91,25 @@ def validate_layout(c, topology: Topology) -> None:
     raise_first(layout_problems(pp=p.pp, dp=p.dp, tp=p.tp, devices=topology.num_devices,
                                 topology_name=topology.name, n_layers=c.model.n_layers,
                                 stage_layers=tuple(c.pipeline.stage_layers)), ConfigError)
+
+
+def model_from_config(c, topology: Topology | None = None,
+                      plan_: Plan | None = None) -> "ModelConfig":
+    """The ModelConfig a config trains, as the Trainer builds it: model.vocab_size, or when it
+    is 0 the configured tokenizer's vocabulary (data.tokenizer) padded to a multiple of 128;
+    model.dtype 'auto' resolved on `topology` (Topology.default_compute_dtype; without one,
+    float32); the recompute policy `plan_` chose, when it chose one."""
+    from hetjax.core.model_config import ModelConfig
+    from hetjax.tokenizer import load_tokenizer, padded_vocab
+
+    vocab = c.model.vocab_size or padded_vocab(load_tokenizer(c.data.tokenizer,
+                                                              c.data.add_bos).vocab_size)
+    model = ModelConfig.from_config(c.model, vocab)
+    if c.model.dtype == "auto" and topology is not None:
+        model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
+    if plan_ is not None and plan_.remat:
+        model = dataclasses.replace(model, remat=plan_.remat)
+    return model
 
 
 _WARNED: set[tuple[str, str]] = set()  # (calibration file, topology) pairs warned about
@@ -94,7 +165,7 @@ def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
     the config's calibration file and memory margin (`overrides`: other CostOptions)."""
     options = dataclasses.replace(options_from_config(c, topology),
                                   executor=PLAN_EXECUTORS[plan_.executor], **overrides)
-    return CostModel(topology, model_from_config(c, topology=topology), options).predict(plan_)
+    return CostModel(topology, model_from_config(c, topology), options).predict(plan_)
 
 
 # Below this predicted gain `hetjax plan` does not propose int8 pipeline boundaries.
@@ -103,7 +174,7 @@ CODEC_PROPOSAL_GAIN = 0.02
 
 def boundary_codec_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     """What `hetjax plan` adds for an MPMD pipeline whose stage boundaries cross clusters with
-    uncompressed activations (issue 19): the step priced with int8 boundaries
+    uncompressed activations: the step priced with int8 boundaries
     (`pipeline.boundary_codec=int8`, which compresses only boundaries between clusters), when
     that is at least CODEC_PROPOSAL_GAIN faster -- slow inter-cluster links."""
     if plan_.executor != "mpmd" or plan_.pp < 2 or c.pipeline.boundary_codec != "none":
@@ -112,51 +183,115 @@ def boundary_codec_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     packed = predict_for_config(c, plan_, topology, boundary_codec="int8").step_time
     if packed > plain * (1 - CODEC_PROPOSAL_GAIN):
         return []
-    from hetjax.units import seconds
-
     return [f"int8 pipeline boundaries (--config.pipeline.boundary_codec=int8): predicted step "
             f"{seconds(packed)} instead of {seconds(plain)} ({1 - packed / plain:.0%} faster); "
             f"activations and their gradients cross clusters as int8 with a scale per row "
             f"(loss over 300 steps: docs/diloco.md)"]
 
 
-def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
-                    top: int = 5) -> PlanResult:
-    """Plan for a hetjax config: degrees at 0 are chosen, fixed ones kept.
+@dataclass(frozen=True)
+class JobPlan:
+    """What a config trains on a topology: the model (as the Trainer builds it), the Plan (with
+    its prediction), the runners-up (distinct layouts, when the planner searched), and with
+    `explain` what freeing each field the user fixed would give (`fixed_lines`)."""
 
-    Micro-batches: pipeline.microbatches (or train.microbatches when it is not the default 1,
-    or when the layout is fixed) fixes M; otherwise the planner chooses. zero.preset 'auto'
-    lets AMSP's enumeration choose; 'custom' uses zero.s_p / s_g / s_os; a name picks that
-    point."""
-    model = model_from_config(c, topology=topology)
-    m = resolve_microbatches(c)
-    layout_fixed = bool(c.parallel.pp and c.parallel.tp)  # then only ZeRO is left to choose
-    fixed_m = c.pipeline.microbatches or (m if m != 1 or layout_fixed else 0)
-    z = c.zero
-    zero = ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
-    results = []
-    for executor in _executors(c):
-        opts = dataclasses.replace(options or options_from_config(c, topology),
-                                   executor=PLAN_EXECUTORS[executor])
-        r = plan(topology, model, c.train.batch_size, c.train.seq_len,
-                 pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp, microbatches=fixed_m,
-                 schedule=c.pipeline.schedule, zero=zero,
-                 stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
-                 allow_straddle=c.parallel.allow_straddle,
-                 placement=c.pipeline.placement)
-        results.append(_with_executor(r, executor))
-    best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
-    if len(results) > 1:
-        _note_executor_choice(best.plan, [r.plan for r in results])
-    return best
+    model: "ModelConfig"
+    plan: Plan
+    runners_up: tuple[Plan, ...] = ()
+    search: PlanResult | None = None  # what the search did, when it ran
+    fixed_lines: tuple[str, ...] = ()
+
+    def describe(self, topology: Topology) -> str:
+        return self.search.describe(topology) if self.search else self.plan.describe(topology)
+
+
+def searches(c) -> bool:
+    """Whether the config leaves anything to the planner's search: degrees at 0, or a SEARCHED
+    field left to it (an executor alone is priced per layout; model.remat 'auto' on a fixed
+    layout is the model's policy, `effective_remat`)."""
+    return (layout_searched(c) or not resolve_microbatches(c)
+            or any(_get(c, f) == "auto"
+                   for f in ("pipeline.schedule", "pipeline.placement", "zero.preset")))
+
+
+def plan_job(c, topology: Topology, *, explain: bool = False, top: int = 5,
+             options: CostOptions | None = None) -> JobPlan:
+    """The model, Plan and runners-up for config `c` on `topology` (see the module doc).
+    `explain`: also price what freeing each field the user fixed would give (`fixed_lines`,
+    one search each)."""
+    validate_layout(c, topology)
+    model = model_from_config(c, topology)
+    options = options or options_from_config(c, topology)
+    result = None
+    if searches(c):
+        result = _search(c, topology, model, options, top)
+        best, runners_up = result.plan, result.runners_up
+    else:
+        best, runners_up = _fixed(c, topology, model, options), ()
+    lines = tuple(_fixed_lines(c, topology, best, options)) if explain else ()
+    return JobPlan(model_from_config(c, topology, best), best, runners_up, result, lines)
+
+
+def plan_from_config(c, topology: Topology) -> Plan:
+    """The Plan for a config (`plan_job(c, topology).plan`). Raises PlanError for a layout
+    that breaks the placement rules unless parallel.allow_straddle."""
+    return plan_job(c, topology).plan
 
 
 def _executors(c) -> tuple[str, ...]:
     """The pipeline executors to consider: the configured one, or for 'auto' every one that
-    can run the configured schedule."""
+    can run the configured schedule (every one when the schedule is searched too)."""
     if c.pipeline.executor != "auto":
         return (c.pipeline.executor,)
-    return tuple(e for e in PLAN_EXECUTORS if runs_schedule(e, c.pipeline.schedule))
+    return tuple(e for e in PLAN_EXECUTORS if c.pipeline.schedule == "auto"
+                 or runs_schedule(e, c.pipeline.schedule))
+
+
+def _zero(c):
+    z = c.zero
+    return ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
+
+
+def _search(c, topology: Topology, model, options: CostOptions, top: int) -> PlanResult:
+    """The planner's search under every executor the config allows; the best plan and the
+    best distinct layouts after it (`layout_key`: degrees, executor, devices)."""
+    results = []
+    schedule = SCHEDULES if c.pipeline.schedule == "auto" else c.pipeline.schedule
+    for executor in _executors(c):
+        opts = dataclasses.replace(options, executor=PLAN_EXECUTORS[executor])
+        r = plan(topology, model, c.train.batch_size, c.train.seq_len,
+                 pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp,
+                 microbatches=resolve_microbatches(c), schedule=schedule, zero=_zero(c),
+                 stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
+                 allow_straddle=c.parallel.allow_straddle, placement=c.pipeline.placement,
+                 distinct=True)
+        results.append(_with_executor(r, executor))
+    return merge_results(results, top)
+
+
+def merge_results(results: list[PlanResult], top: int) -> PlanResult:
+    """One result from searches over different executors (or device sets): the fastest plan
+    (a simpler one first within TIE, as the search ranks), then the fastest plan of each other
+    distinct layout, `top` in all; their counts summed."""
+    plans = sorted((p for r in results for p in (r.plan, *r.runners_up)),
+                   key=lambda p: p.predicted["step_time_s"])
+    fastest = plans[0].predicted["step_time_s"]
+    firsts = [r.plan for r in results]
+    best = min(firsts, key=lambda p: (p.predicted["step_time_s"] > fastest * (1 + TIE),
+                                      p.predicted["step_time_s"]))
+    if len(results) > 1:
+        _note_executor_choice(best, firsts)
+    seen, ranked = {layout_key(best)}, [best]
+    for p in plans:
+        if layout_key(p) not in seen and len(ranked) < top:
+            seen.add(layout_key(p))
+            ranked.append(p)
+    main = next(r for r in results if r.plan is best)
+    return dataclasses.replace(
+        main, plan=best, runners_up=tuple(ranked[1:]),
+        candidates=sum(r.candidates for r in results),
+        simulated=sum(r.simulated for r in results), seconds=sum(r.seconds for r in results),
+        pruned=sum(r.pruned for r in results))
 
 
 def _with_executor(result: PlanResult, executor: str) -> PlanResult:
@@ -174,39 +309,11 @@ def _note_executor_choice(best: Plan, priced: list[Plan]) -> None:
     best.predicted["executor_choice"] = f"{best.executor} (predicted step: {times})"
 
 
-def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | None) -> Plan:
-    """A fixed layout's executor name: the configured one, or for 'auto' the one the cost model
-    predicts faster for this layout (a single-stage plan needs no pipeline executor). This is
-    the planner pricing the registered executors (`hetjax.core.registry`); which executor object
-    runs the Plan is `hetjax.parallel.executor.make_executor`'s choice alone."""
-    if c.pipeline.executor != "auto":
-        return dataclasses.replace(plan_, executor=c.pipeline.executor)
-    if plan_.pp == 1:
-        return plan_
-    model = model_from_config(c, topology=topology)
-    priced = []
-    for executor in _executors(c):
-        name = PLAN_EXECUTORS[executor]
-        cm = CostModel(topology, model, dataclasses.replace(options or CostOptions(),
-                                                            executor=name))
-        p = dataclasses.replace(plan_, executor=executor, predicted={})
-        p.predicted.update(cm.predict(p).as_dict())
-        priced.append(p)
-    best = min(priced, key=lambda p: p.predicted["step_time_s"])
-    _note_executor_choice(best, priced)
-    return best
-
-
-def plan_from_config(c, topology: Topology) -> Plan:
-    """The Plan for a config: the planner's choice when parallel.pp or parallel.tp is 0 (or
-    only the ZeRO point, by AMSP's enumeration, when zero.preset is 'auto'), else the fixed
-    layout (dp may be 0 = the rest; its recompute policy is model.remat's, the planner chooses
-    one only when it searches). Raises PlanError for a layout that breaks the placement
-    rules unless parallel.allow_straddle."""
-    validate_layout(c, topology)
-    if (not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto"
-            or c.pipeline.placement == "auto"):
-        return plan_for_config(c, topology).plan
+def _fixed(c, topology: Topology, model, options: CostOptions) -> Plan:
+    """The layout the config fixes, completed (dp = the rest, an even split, the ZeRO point)
+    and checked by the rules the search keeps; its recompute policy is model.remat's. Its
+    executor is the configured one, or for 'auto' the one the cost model predicts faster for
+    this layout (a single-stage plan needs no pipeline executor); priced."""
     n = topology.num_devices
     p = c.parallel
     pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
@@ -224,4 +331,54 @@ def plan_from_config(c, topology: Topology) -> Plan:
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
     plan_ = dataclasses.replace(plan_, zero=zr.factors_from_config(c.zero, plan_, topology))
-    return _choose_executor(c, plan_, topology, None)
+    executors = _executors(c) if plan_.pp > 1 else (c.pipeline.executor,)
+    priced = []
+    for executor in executors:
+        named = executor if executor != "auto" else plan_.executor
+        p_ = dataclasses.replace(plan_, executor=named, predicted={})
+        cm = CostModel(topology, model, dataclasses.replace(
+            options, executor=PLAN_EXECUTORS[named]))
+        p_.predicted.update(cm.predict(p_).as_dict())
+        priced.append(p_)
+    best = min(priced, key=lambda p: p.predicted["step_time_s"])
+    if len(priced) > 1:
+        _note_executor_choice(best, priced)
+    return best
+
+
+def _fixed_lines(c, topology: Topology, best: Plan, options: CostOptions) -> list[str]:
+    """When the layout is searched: for each SEARCHED field the user fixed, the plan the
+    search finds with it left free, when that is predicted faster (beyond TIE): "executor=spmd
+    is fixed; auto would pick mpmd: 15.6 s instead of 67.2 s (--config.pipeline.executor=auto)"."""
+    if not layout_searched(c):
+        return []
+    step = best.predicted["step_time_s"]
+    lines = []
+    for field, auto in SEARCHED.items():
+        value = resolve_microbatches(c) if field == "train.microbatches" else _get(c, field)
+        if value == auto:
+            continue
+        free = copy.deepcopy(c)
+        _set(free, field, auto)
+        if field == "train.microbatches":
+            free.pipeline.microbatches = 0
+        try:
+            other = _search(free, topology, model_from_config(free, topology), options, 1).plan
+        except HetjaxError:  # nothing fits even with it free: say nothing
+            continue
+        t = other.predicted["step_time_s"]
+        if t >= step * (1 - TIE):
+            continue
+        name = field.split(".")[1]
+        chosen = {"executor": other.executor, "schedule": other.schedule,
+                  "placement": other.placement, "microbatches": other.microbatches,
+                  "remat": other.remat or "the model's", "preset": other.zero.name}[name]
+        lines.append(f"{name}={value} is fixed; auto would pick {name}={chosen} "
+                     f"({_layout(other)}): step {seconds(t)} instead of {seconds(step)} "
+                     f"(--config.{field}={auto})")
+    return lines
+
+
+def _layout(p: Plan) -> str:
+    return (f"pp={p.pp} dp={p.dp} tp={p.tp}" + (f" {p.executor}" if p.pp > 1 else "")
+            + f" M={p.microbatches}")

@@ -1094,19 +1094,6 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
     return sum(topology.accelerator_of(r).peak_tflops * 1e12 for r in ranks)
 
 
-def model_from_config(c, vocab_size: int | None = None,
-                      topology: Topology | None = None) -> "ModelConfig":
-    """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded); model.dtype
-    'auto' resolved on `topology` (Topology.default_compute_dtype; without one, float32)."""
-    from hetjax.tokenizer import ByteTokenizer, padded_vocab
-    from hetjax.core.model_config import ModelConfig
-
-    model = ModelConfig.from_config(c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
-    if c.model.dtype == "auto" and topology is not None:
-        model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
-    return model
-
-
 __all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile",
            "ComputeCurve", "LinkFit", "Layout", "StageCost", "Prediction",
-           "ring_time", "DEFAULT_EFFICIENCY", "model_from_config"]
+           "ring_time", "DEFAULT_EFFICIENCY"]

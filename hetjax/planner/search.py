@@ -139,7 +139,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
          assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
-         prune: bool = True) -> PlanResult:
+         prune: bool = True, distinct: bool = False) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -157,7 +157,11 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
 
     `prune` skips layouts whose `CostModel.step_floor` is no better than the top-th step time
     simulated for a few promising layouts first: their candidates could not enter the top, so
-    the plan and runners-up are those of the exhaustive search (`prune=False`), found faster."""
+    the plan and runners-up are those of the exhaustive search (`prune=False`), found faster.
+
+    `distinct`: the runners-up are the best plans of other layouts (`layout_key`: degrees,
+    devices), not the chosen layout with another micro-batch count, schedule or
+    ZeRO point."""
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -169,6 +173,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     s = _Search(topology, model, global_batch, seq_len, options or CostOptions(),
                 allow_straddle, network_aware, assign_seconds)
+    s.distinct = distinct
     s.fixed_layers = bool(stage_layers)
     schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for name in schedules:
@@ -223,7 +228,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         if c is not None and c.layout.zero != best.zero:
             alt = s.confirm([c], 1)[0]
             if alt.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
-                ranked = [alt] + [p for p in ranked if p != alt][:top - 1]
+                ranked = [alt] + [p for p in ranked if p != alt and not (
+                    distinct and layout_key(p) == layout_key(alt))][:top - 1]
                 best = alt
     free = {}
     if zero == "auto":
@@ -262,6 +268,15 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                       time.perf_counter() - t0, s.pruned)
 
 
+def layout_key(p: "Plan | Layout") -> tuple:
+    """What makes two plans different layouts rather than variants of one: the executor of a
+    pipeline, the degrees and the set of devices used (not the micro-batch count, schedule,
+    placement, ZeRO point, recompute policy or layer split)."""
+    executor = getattr(p, "executor", "") if p.pp > 1 else ""
+    shapes = getattr(p, "stage_shapes", ()) or ()
+    return (executor, p.pp, p.dp, p.tp, tuple(shapes), frozenset(p.device_order))
+
+
 def zero_points_by_traffic(topology: Topology, model: "ModelConfig", global_batch: int,
                            seq_len: int, plan_: Plan,
                            options: CostOptions | None = None) -> list[ZeroFactors]:
@@ -297,6 +312,7 @@ class _Search:
         self.refused_best: tuple[float, Layout, float, float] | None = None
         self.pruned = 0
         self.probed: dict[int, tuple] = {}  # layout index -> evaluate_noted's result
+        self.distinct = False  # one plan per layout in the top (see `plan`)
         self._predictions: dict[tuple[Layout, tuple[int, ...]], Plan] = {}
 
     # --- the choices ---------------------------------------------------------------------------
@@ -619,6 +635,9 @@ class _Search:
             self.probed[i] = self.evaluate_noted(lay, orders, tag, zero, stage_layers)
             if isinstance(self.probed[i][0], _Candidate):
                 found.append(self.probed[i][0])
+        if self.distinct:  # each layout's best-estimated candidate stands for it
+            found = list({layout_key(c.layout): c for c in
+                          sorted(found, key=lambda c: -c.estimate)}.values())
         if len(found) < top:
             return math.inf
         best = sorted(found, key=lambda c: c.estimate)[:top]
@@ -663,7 +682,10 @@ class _Search:
 
     def confirm(self, cands: list[_Candidate], top: int) -> list[Plan]:
         """Simulate candidates best estimate first until no lower bound can enter the top.
-        Equal step times rank the simpler plan first (fewer stages, micro-batches, shards)."""
+        Equal step times rank the simpler plan first (fewer stages, micro-batches, shards).
+        With `distinct`, the top holds one plan per layout (`layout_key`)."""
+        if self.distinct:
+            return self._confirm_distinct(cands, top)
         best: list[tuple[float, int, Plan]] = []  # max-heap on step time via negation
         for i, c in enumerate(sorted(cands, key=lambda c: c.estimate)):
             if len(best) >= top and c.bound >= -best[0][0]:
@@ -679,6 +701,33 @@ class _Search:
             return (round(-t / fastest, 9), p.pp, p.microbatches, p.tp, p.zero.s_os, p.zero.s_p)
 
         return [p for _, _, p in sorted(best, key=rank)]
+
+    def _confirm_distinct(self, cands: list[_Candidate], top: int) -> list[Plan]:
+        """`confirm` keeping the best plan of each layout: a candidate whose lower bound is no
+        better than the top-th layout's step cannot improve its own layout (already in the
+        top, at or below that step) nor bring a new one in."""
+        def simpler(p: Plan) -> tuple:
+            return (p.pp, p.microbatches, p.tp, p.zero.s_os, p.zero.s_p)
+
+        best: dict[tuple, Plan] = {}
+        for c in sorted(cands, key=lambda c: c.estimate):
+            if len(best) >= top and c.bound >= max(p.predicted["step_time_s"]
+                                                   for p in best.values()):
+                continue
+            plan = self.simulate(c)
+            key, t = layout_key(c.layout), plan.predicted["step_time_s"]
+            old = best.get(key)
+            if old is not None:
+                t_old = old.predicted["step_time_s"]
+                if t > t_old * (1 + 1e-9) or (t >= t_old * (1 - 1e-9)
+                                               and simpler(plan) >= simpler(old)):
+                    continue
+            best[key] = plan
+            if len(best) > top:
+                del best[max(best, key=lambda k: best[k].predicted["step_time_s"])]
+        fastest = min(p.predicted["step_time_s"] for p in best.values())
+        return sorted(best.values(), key=lambda p: (
+            round(p.predicted["step_time_s"] / fastest, 9), *simpler(p)))
 
     def infeasible(self) -> PlanError:
         n = self.topology.num_devices
@@ -712,4 +761,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["PlanResult", "plan", "bound_lines", "zero_points_by_traffic"]
+__all__ = ["PlanResult", "plan", "bound_lines", "layout_key", "zero_points_by_traffic", "TIE"]
