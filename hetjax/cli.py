@@ -374,6 +374,14 @@ def cmd_plan(argv: list[str]) -> int:
     plan, runners_up, model = job.plan, job.runners_up, job.model
     print(topology.describe())
     print(plan.describe(topology))
+    from hetjax.planner.breakdown import breakdown_lines
+
+    for line in breakdown_lines(job.breakdown):  # what the step is made of
+        print(line)
+    if job.what_if_lines:
+        print("what if (the planner on the changed cluster):")
+        for line in job.what_if_lines:
+            print("  " + line)
     from hetjax.planner.config_plan import plausibility_lines
 
     for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range

@@ -200,6 +200,9 @@ class JobPlan:
     runners_up: tuple[Plan, ...] = ()
     search: PlanResult | None = None  # what the search did, when it ran
     fixed_lines: tuple[str, ...] = ()
+    # with `explain`: the step's parts (hetjax/planner/breakdown.py) and one line per what-if
+    breakdown: dict = dataclasses.field(default_factory=dict)
+    what_if_lines: tuple[str, ...] = ()
 
     def describe(self, topology: Topology) -> str:
         return self.search.describe(topology) if self.search else self.plan.describe(topology)
@@ -222,14 +225,45 @@ def plan_job(c, topology: Topology, *, explain: bool = False, top: int = 5,
     validate_layout(c, topology)
     model = model_from_config(c, topology)
     options = options or options_from_config(c, topology)
-    result = None
+    result = _search(c, topology, model, options, top) if searches(c) else None
+    best = result.plan if result else _fixed(c, topology, model, options)
+    job = JobPlan(model_from_config(c, topology, best), best,
+                  result.runners_up if result else (), result)
+    if not explain:
+        return job
+    from hetjax.planner.breakdown import step_breakdown, what_ifs
+
+    cm = CostModel(topology, model, dataclasses.replace(
+        options, executor=PLAN_EXECUTORS[best.executor]))
+    step = best.predicted["step_time_s"]
+    what_if = []
+    # the config's own planner on each changed topology, keeping the chosen plan's schedule,
+    # placement and recompute policy (a search over every layout, executor, micro-batch count
+    # and ZeRO point; a fraction of the full one's time)
+    kept = copy.deepcopy(c)
+    kept.pipeline.schedule, kept.pipeline.placement = best.schedule, best.placement
+    kept.model.remat = best.remat or c.model.remat
+    for w in what_ifs(topology):
+        try:
+            other = _plan_on(kept, w.topology, options, top=1)
+        except HetjaxError as e:
+            what_if.append(f"{w.label}: {e}")
+            continue
+        t = other.predicted["step_time_s"]
+        what_if.append(f"{w.label}: step {seconds(t)} ({_layout(other)}; now {seconds(step)})")
+    parts = step_breakdown(cm, best)
+    best.predicted["breakdown_s"] = parts  # in the JSON too
+    return dataclasses.replace(job, fixed_lines=tuple(_fixed_lines(c, topology, best, options)),
+                               breakdown=parts, what_if_lines=tuple(what_if))
+
+
+def _plan_on(c, topology: Topology, options: CostOptions, top: int) -> Plan:
+    """The plan the config gets on `topology` (searched or fixed), with `options`' measured
+    rates and memory margin."""
+    model = model_from_config(c, topology)
     if searches(c):
-        result = _search(c, topology, model, options, top)
-        best, runners_up = result.plan, result.runners_up
-    else:
-        best, runners_up = _fixed(c, topology, model, options), ()
-    lines = tuple(_fixed_lines(c, topology, best, options)) if explain else ()
-    return JobPlan(model_from_config(c, topology, best), best, runners_up, result, lines)
+        return _search(c, topology, model, options, top).plan
+    return _fixed(c, topology, model, options)
 
 
 def plan_from_config(c, topology: Topology) -> Plan:

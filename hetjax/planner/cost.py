@@ -311,6 +311,10 @@ class StageCost:
     padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
     update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
     update_fixed: float = 0.0
+    # Of fwd_layer / bwd_layer, the communication (for the step's breakdown): the TP
+    # all-reduces (each of forward and backward), and the exposed ZeRO traffic of the forward
+    # and of the backward.
+    comm_layer: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -368,6 +372,7 @@ class _Slot:
     update_layer: float = 0.0  # optimizer update of one layer slot's parameter shard
     update_embed: float = 0.0
     update_head: float = 0.0
+    comm_layer: tuple[float, float, float] = (0.0, 0.0, 0.0)  # StageCost.comm_layer
 
 
 @dataclass(frozen=True)
@@ -854,10 +859,11 @@ class CostModel:
             z, ze, zh = (self.zero_times(f, x, dp_groups) for x in (layer_p, embed_p, head_p))
             cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
             kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
+            zero_fwd = exposed(z.gather, cf, o.overlap)
+            zero_bwd = exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M, cb, o.overlap)
             slots.append(_Slot(
-                fwd_layer=cf + tp_ar + exposed(z.gather, cf, o.overlap),
-                bwd_layer=cb + tp_ar + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
-                                               cb, o.overlap),
+                fwd_layer=cf + tp_ar + zero_fwd, bwd_layer=cb + tp_ar + zero_bwd,
+                comm_layer=(tp_ar, zero_fwd, zero_bwd),
                 sync_layer=z.sync + z.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
                 # hetjax stashes each layer's residuals (its input under remat 'full') in
@@ -926,7 +932,7 @@ class CostModel:
             padded=self.options.executor != "mpmd",
             update_slot=slot.update_layer,
             update_fixed=(slot.update_embed if embed else 0.0)
-            + (slot.update_head if head else 0.0))
+            + (slot.update_head if head else 0.0), comm_layer=slot.comm_layer)
 
     @staticmethod
     def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:

@@ -202,8 +202,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top) if prune else math.inf
     cands, broken = [], set()
     for i, ((lay, orders, tag), floor) in enumerate(zip(todo, floors)):
-        if floor >= ceiling:  # no candidate of this layout can enter the top
-            s.pruned += 1
+        if floor >= min(ceiling, s.key_ceiling.get(layout_key(lay), math.inf)):
+            s.pruned += 1  # no candidate of this layout can enter the top
             continue
         key = (lay.pp, lay.dp, lay.tp, lay.device_order, lay.microbatches)
         if key in broken:
@@ -313,6 +313,7 @@ class _Search:
         self.pruned = 0
         self.probed: dict[int, tuple] = {}  # layout index -> evaluate_noted's result
         self.distinct = False  # one plan per layout in the top (see `plan`)
+        self.key_ceiling: dict[tuple, float] = {}  # distinct: each probed layout's step
         self._predictions: dict[tuple[Layout, tuple[int, ...]], Plan] = {}
 
     # --- the choices ---------------------------------------------------------------------------
@@ -630,14 +631,27 @@ class _Search:
         `probed` for the search, which replays their notes in its own order. inf if fewer than
         `top` fit."""
         found = []
-        for i in sorted(range(len(todo)), key=floors.__getitem__)[:most]:
+        order = sorted(range(len(todo)), key=floors.__getitem__)
+        if self.distinct:  # the top needs `top` layouts: probe each one's lowest floor first
+            firsts = sorted({layout_key(todo[i][0]): i for i in reversed(order)}.values(),
+                            key=floors.__getitem__)
+            order = firsts + [i for i in order if i not in set(firsts)]
+        keys = set()
+        for n, i in enumerate(order):
+            # distinct: go on until `top` layouts fit (many may not), else no ceiling
+            if n >= most and not (self.distinct and len(keys) < top and n < 4 * most):
+                break
             lay, orders, tag = todo[i]
             self.probed[i] = self.evaluate_noted(lay, orders, tag, zero, stage_layers)
             if isinstance(self.probed[i][0], _Candidate):
                 found.append(self.probed[i][0])
+                keys.add(layout_key(lay))
         if self.distinct:  # each layout's best-estimated candidate stands for it
             found = list({layout_key(c.layout): c for c in
                           sorted(found, key=lambda c: -c.estimate)}.values())
+            # a candidate no better than its own layout's probed step cannot improve it
+            self.key_ceiling = {layout_key(c.layout): self.simulate(c).predicted["step_time_s"]
+                                for c in found}
         if len(found) < top:
             return math.inf
         best = sorted(found, key=lambda c: c.estimate)[:top]
