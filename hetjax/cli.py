@@ -193,7 +193,7 @@ def _start_devices(cfg):
     """The config's topology and this process's place in a multi-process job (None: not a
     worker), with this process's JAX devices ready for it: a worker of a
     multi-process job (`hetjax launch` sets HETJAX_* variables; a SLURM task of a multi-world
-    job first derives its world's, `launch.join_slurm_worlds`) joins the job; a lone process
+    job first derives its world's, `hetjax.worker.join_slurm_worlds`) joins the job; a lone process
     asks for the topology's number of simulated CPU devices (used where JAX finds no
     accelerator)."""
     from hetjax import config as hconfig
@@ -201,14 +201,14 @@ def _start_devices(cfg):
 
     topology = hconfig.build_topology(cfg)
     if os.environ.get(ENV_CLUSTER) == "slurm":
-        from hetjax.launch import join_slurm_worlds
+        from hetjax.worker import join_slurm_worlds
 
         join_slurm_worlds(cfg, topology)
     spec = WorkerSpec.from_environ()
     if spec is None:
         ensure_cpu_devices(topology.num_devices)
     else:
-        from hetjax.launch import prepare_worker
+        from hetjax.worker import prepare_worker
 
         prepare_worker(cfg, topology, spec)
     return topology, spec

@@ -195,7 +195,7 @@ def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
     import io
     import sys
 
-    from hetjax import launch
+    from hetjax import supervise
 
     script = ("import sys\n"
               "print('step 1 loss 5.0', flush=True)\n"
@@ -206,7 +206,7 @@ def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
     children = [(f"p{i}", (sys.executable, "-c", script), None) for i in range(2)]
     for verbose in (False, True):
         out = io.StringIO()
-        assert launch.run(children, grace=5, out=out, verbose=verbose) == 0
+        assert supervise.run(children, grace=5, out=out, verbose=verbose) == 0
         lines = out.getvalue().splitlines()
         worker = [line for line in lines if not line.startswith("hetjax launch:")]
         assert all(line.startswith(("[p0] ", "[p1] ")) for line in worker)
