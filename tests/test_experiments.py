@@ -17,7 +17,7 @@ from hetjax import testbed as tbm
 from hetjax.errors import HetjaxError, PlanError, TopologyError
 from hetjax.linkcheck import LinkMeasurement
 from hetjax.core.plan import Plan
-from hetjax.planner.calibrate import kendall_tau, prediction_errors, spearman
+from hetjax.planner.scoring import kendall_tau, prediction_errors, spearman
 from scripts.experiments import harness, hetaccel, hetnet
 from hetjax.core.topology import Link, Topology, preset
 
