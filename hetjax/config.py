@@ -33,7 +33,7 @@ from hetjax.planner.config_plan import resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
 from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
-                         name_problems, raise_first)
+                         name_problems, raise_first, tp_problems)
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
@@ -891,12 +891,7 @@ def _validate_layout(c) -> None:
         placement=c.pipeline.placement,
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
-        for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                     ("model.d_ff", m.d_ff)):
-            _require(v % p.tp == 0, "parallel.tp",
-                     f"tp = {p.tp} does not divide {f} = {v}; tensor parallelism splits it",
-                     f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
-                     f"{_common_divisors(m.n_heads, m.n_kv_heads, m.d_ff)}")
+        raise_first(tp_problems(p.tp, m), ConfigError)
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:
@@ -972,8 +967,3 @@ def _validate_diloco(c) -> None:
              f"mixes a fragment that trained on while its exchange travelled; with "
              f"overlap_steps = 0 there is none (mix = {d.mix})",
              "set --config.diloco.overlap_steps too, or leave diloco.mix=0")
-
-
-def _common_divisors(*xs: int) -> list[int]:
-    g = math.gcd(*xs)
-    return [d for d in range(1, g + 1) if g % d == 0]
