@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from hetjax.errors import ConfigError, HetjaxError
+from hetjax.errors import ConfigError, HetjaxError, TopologyValueError
 from hetjax.core import topology as topo
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.config_plan import resolve_microbatches
@@ -757,6 +757,9 @@ def build_topology(c) -> topo.Topology:
             raise ConfigError("topology.file", f"{t.file!r} is not valid JSON (line {e.lineno}, "
                               f"column {e.colno}: {e.msg})",
                               "fix the JSON; Topology.to_json() shows the format") from None
+        except TopologyValueError as e:  # names the value (its JSON path) and the fix
+            raise ConfigError("topology.file", f"{t.file!r}: {e.where}: {e.problem}",
+                              e.fix) from None
         except HetjaxError as e:
             raise ConfigError("topology.file", f"{t.file!r}: {e}",
                               "correct that entry of the file") from None

@@ -55,9 +55,10 @@ def test_alpha_beta_transfer_time():
 @pytest.mark.parametrize("build, message", [
     (lambda: topo.preset("nope"), "unknown topology preset 'nope'"),
     (lambda: topo.preset("cpu_hybrid", gpus=3), "takes (nodes, devices_per_node)"),
-    (lambda: topo.Link("carrier-pigeon", 1, 1), "link kind 'carrier-pigeon' is unknown"),
-    (lambda: topo.Link("ethernet", 0, 1), "bandwidth must be > 0"),
-    (lambda: topo.make_cluster("x", 0, 8, "a100", "roce"), "nodes >= 1"),
+    (lambda: topo.Link("carrier-pigeon", 1, 1), "link kind: 'carrier-pigeon' is unknown"),
+    (lambda: topo.Link("ethernet", 0, 1), "ethernet link bandwidth_gbps: must be > 0 Gbit/s"),
+    (lambda: topo.Link("nvlink", 1, 1, p2p=False), "false applies to PCIe links only"),
+    (lambda: topo.make_cluster("x", 0, 8, "a100", "roce"), "nodes: must be a whole number >= 1"),
     (lambda: topo.accelerator("tpu9"), "accelerator 'tpu9' is unknown"),
     (lambda: topo.Topology.from_dict({"clusters": []}), "is malformed"),
 ])
@@ -80,3 +81,32 @@ def test_topology_maps_onto_devices_in_rank_order():
 
     devs = topo.preset("cpu_hybrid").jax_devices()
     assert [d.id for d in devs] == [d.id for d in sorted(jax.devices(), key=lambda d: d.id)]
+
+
+def test_catalogue_links_name_generations_and_keep_the_first_names():
+    links = topo.LINKS
+    # per GPU and direction: NVLink 2 / 3 / 4 at 300 / 600 / 900 GB/s bidirectional
+    assert [links[n].bandwidth_gbps for n in ("nvlink2", "nvlink3", "nvlink4")] == \
+        [1200.0, 2400.0, 3600.0]
+    assert [links[n].bandwidth_gbps for n in ("pcie3", "pcie4", "pcie5")] == [128.0, 256.0, 512.0]
+    # the first names are aliases of today's figures (the planner's recorded answers use them)
+    assert links["nvlink"] == links["nvlink3"] == topo.Link("nvlink", 2400.0, 2.0, 0.78)
+    assert links["pcie"] == links["pcie4"] == topo.Link("pcie", 256.0, 5.0)
+    assert links["infiniband"] == links["ib_hdr_200g"] and links["roce"] == links["roce_200g"]
+    assert links["ethernet"] == links["eth_25g"]
+    assert topo.link_name(links["nvlink"]) == "nvlink3"
+    assert topo.link_name(topo.Link("ethernet", 7.0, 50.0)) is None
+    assert len({topo.link_name(lk) for lk in links.values()}) == \
+        len(links) - len(topo.LINK_ALIASES)  # every entry has its own figures
+
+
+def test_a_pcie_link_without_p2p_pays_the_trip_through_host_memory():
+    p2p, staged = topo.LINKS["pcie4"], topo.LINKS["pcie4_no_p2p"]
+    assert not staged.p2p and staged.bandwidth_gbps == p2p.bandwidth_gbps
+    assert staged.bytes_per_s == p2p.bytes_per_s * topo.HOST_STAGED_BANDWIDTH == 16e9
+    assert staged.latency_s == pytest.approx(2 * p2p.latency_s)
+    node = topo.Topology("box", (topo.make_cluster("box", 1, 4, "rtx_4090", "eth_25g",
+                                                   intra="pcie4_no_p2p"),), None)
+    bw, lat = node.bandwidth_matrix()
+    assert bw[0, 1] == 16e9 and lat[0, 1] == pytest.approx(10e-6)
+    assert "pcie no P2P 256 Gb/s" in node.describe()

@@ -15,12 +15,14 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from hetjax.core.catalogue import (ACCELERATORS, ETH_SETTINGS, IB_SETTINGS, LINKS, ROCE_SETTINGS,
-                              accelerator, accelerator_for_kind, make_cluster, nic_settings_for)
+from hetjax.core.catalogue import (ACCELERATORS, ETH_SETTINGS, IB_SETTINGS, LINK_ALIASES, LINKS,
+                                   ROCE_SETTINGS, accelerator, accelerator_for_kind, link_name,
+                                   make_cluster, nic_settings_for)
 from hetjax.errors import TopologyError
 from hetjax.core.local_preset import local
-from hetjax.core.hardware import (LINK_KINDS, Accelerator, Cluster, ClusterLink, DeviceInfo, Link,
-                             NicSettings, Topology)
+from hetjax.core.hardware import (HOST_STAGED_BANDWIDTH, HOST_STAGED_LATENCY, LINK_KINDS,
+                                  Accelerator, Cluster, ClusterLink, DeviceInfo, Link,
+                                  NicSettings, Topology)
 from hetjax.core.paper_presets import (DTFM_SCENARIOS, PAPER_PRESETS, cpu_hybrid, cpu_single,
                                   hethub_mixed)
 from hetjax.core.testbed_presets import TESTBED_PRESETS
@@ -49,7 +51,8 @@ def preset(name: str, **kwargs) -> Topology:
 
 __all__ = [
     "Accelerator", "Cluster", "ClusterLink", "DeviceInfo", "Link", "NicSettings", "Topology",
-    "LINK_KINDS", "ACCELERATORS", "LINKS", "IB_SETTINGS", "ROCE_SETTINGS", "ETH_SETTINGS",
+    "LINK_KINDS", "HOST_STAGED_BANDWIDTH", "HOST_STAGED_LATENCY", "ACCELERATORS", "LINKS",
+    "LINK_ALIASES", "link_name", "IB_SETTINGS", "ROCE_SETTINGS", "ETH_SETTINGS",
     "PRESETS", "preset", "register_preset", "make_cluster", "accelerator", "nic_settings_for",
     "accelerator_for_kind", "local",
     "DTFM_SCENARIOS", "cpu_hybrid", "cpu_single", "hethub_mixed",
