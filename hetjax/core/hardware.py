@@ -1,7 +1,7 @@
 """The hardware topology's data model: clusters of nodes of devices, and the links between any
 two devices.
 
-A `Topology` is plain data (frozen dataclasses, JSON round-trip) describing what hetjax trains
+A `Topology` is plain data (frozen dataclasses) describing what hetjax trains
 on: each cluster has a number of nodes, devices per node, one accelerator kind, an intra-node
 link (NVLink/PCIe) and an inter-node NIC (InfiniBand, RoCE or Ethernet) with the settings NCCL
 needs to use it. Clusters are joined by an inter-cluster link that can be overridden per
@@ -12,10 +12,11 @@ Clusters with no link between them are expressed by leaving `inter_cluster` as N
 the pairs listed in `cluster_links` are connected, and `disconnected_pairs()` names the others
 (the planner refuses a topology whose clusters do not form one connected network).
 
-Nominal accelerators and links live in hetjax/core/catalogue.py, named topologies in
-hetjax/core/paper_presets.py and hetjax/core/testbed_presets.py; `hetjax.core.topology` gathers them. This
-module does not import jax, so the CLI can size the simulated CPU device count from a topology
-before jax starts.
+Nominal accelerators and links live in hetjax/core/catalogue.py, the JSON file a person writes
+in hetjax/core/topology_file.py, named topologies in hetjax/core/paper_presets.py and
+hetjax/core/testbed_presets.py; `hetjax.core.topology` gathers them. The data classes check their
+own values and raise `TopologyValueError` naming the field. This module does not import jax, so
+the CLI can size the simulated CPU device count from a topology before jax starts.
 """
 
 from __future__ import annotations
@@ -48,16 +49,6 @@ def _number(value, owner: str, field: str, what: str) -> None:
                 f"write a number without quotes: {what}")
     if not math.isfinite(value):
         _refuse(owner, field, f"must be a finite number, got {value}", f"give {what}")
-
-
-def _count(value, cluster: str, field: str) -> int:
-    """A whole count read from JSON (`"nodes": 2.5` was truncated to 2)."""
-    what = "the number of " + ("nodes" if field == "nodes" else "devices in a node") + ", e.g. 2"
-    _number(value, f"cluster {cluster!r}", field, what)
-    if value != int(value):
-        _refuse(f"cluster {cluster!r}", field, f"must be a whole number, got {value}",
-                f"give {what}")
-    return int(value)
 
 
 # Without PCIe peer-to-peer (NVIDIA's driver disables it on GeForce cards; an IOMMU or two CPU
@@ -507,41 +498,6 @@ class Topology:
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Topology":
-        try:
-            def link(x):
-                return Link(**x)
-
-            clusters = tuple(
-                Cluster(
-                    name=c["name"], nodes=_count(c["nodes"], c['name'], "nodes"),
-                    devices_per_node=_count(c["devices_per_node"], c['name'],
-                                                            "devices_per_node"),
-                    accelerator=Accelerator(**c["accelerator"]),
-                    nic=link(c["nic"]), intra_node=link(c["intra_node"]),
-                    nic_settings=NicSettings(**{
-                        **c.get("nic_settings", {}),
-                        "hcas": tuple(c.get("nic_settings", {}).get("hcas", ())),
-                    }),
-                ) for c in d["clusters"])
-            return Topology(
-                name=d.get("name", "custom"), clusters=clusters,
-                inter_cluster=(link(d["inter_cluster"]) if d["inter_cluster"] is not None
-                               else None),
-                cluster_links=tuple(ClusterLink(x["a"], x["b"], link(x["link"]))
-                                    for x in d.get("cluster_links", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TopologyError(
-                f"topology description is malformed ({type(e).__name__}: {e}); it needs "
-                "'clusters' (each with name, nodes, devices_per_node, accelerator, nic, "
-                "intra_node) and 'inter_cluster' (a link, or null for none); write one with Topology.to_json() to see "
-                "the format") from None
-
-    @staticmethod
-    def from_json(text: str) -> "Topology":
-        return Topology.from_dict(json.loads(text))
 
     # --- mapping onto JAX devices -----------------------------------------------------------
     def jax_devices(self):

@@ -31,7 +31,7 @@ from hetjax.planner import compute as ck
 from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
                                  LinkFit)
 from hetjax.planner.zero_factors import named
-from hetjax.core.topology import Topology, preset
+from hetjax.core.topology import Topology, preset, topology_from_dict
 
 if TYPE_CHECKING:
     from hetjax.core.model_config import ModelConfig
@@ -553,7 +553,7 @@ class Calibration:
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
             return Calibration(
-                Topology.from_dict(d["topology"]), ModelConfig(**d["model"]),
+                topology_from_dict(d["topology"]), ModelConfig(**d["model"]),
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
