@@ -361,3 +361,26 @@ def test_every_preset_round_trips_through_hetjax_topology_json(name, tmp_path, c
     assert written == topo.preset(name)
     # and the config reads it back as topology.file
     assert build_topology(tiny_config(**{"topology.file": path})) == written
+
+
+def catalogue_rows() -> list[str]:
+    """The start of each catalogue row of docs/topology.md, from the catalogue itself (the
+    page adds a source or description column)."""
+    rows = [f"| `{n}` | {a.vendor} | {a.peak_tflops:g} | {a.memory_gib:g} | "
+            f"{a.memory_bandwidth_gbs:g} |" for n, a in topo.ACCELERATORS.items()]
+    rows += [f"| `{n}` | {lk.kind} | {lk.bandwidth_gbps:g} | {lk.latency_us:g} | "
+             f"{lk.efficiency:g} | {'yes' if lk.p2p else 'no'} | {lk.bytes_per_s / 1e9:.4g} |"
+             for n, lk in topo.LINKS.items() if n not in topo.LINK_ALIASES]
+    return rows
+
+
+def test_the_catalogue_tables_in_the_docs_match_the_catalogue():
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "topology.md")) as f:
+        text = f.read()
+    section = text.split("\n## The catalogue\n")[1].split("\n## ")[0]
+    documented = [line for line in section.splitlines() if line.startswith("| `")]
+    rows = catalogue_rows()
+    assert [r for r in rows if not any(line.startswith(r) for line in documented)] == []
+    assert len(documented) == len(rows)  # and no row of an entry that is gone
