@@ -65,6 +65,9 @@ def test_alpha_beta_transfer_time():
     (lambda: topo.Link("nvlink", 1, 1, p2p=False), "false applies to PCIe links only"),
     (lambda: topo.make_cluster("x", 0, 8, "a100", "roce"), "nodes: must be a whole number >= 1"),
     (lambda: topo.accelerator("tpu9"), "accelerator 'tpu9' is unknown"),
+    (lambda: topo.make_cluster("x", 1, 8, "a100", "ib_hdr_300g"),
+     "link 'ib_hdr_300g' is unknown; known links: nvlink2, nvlink3"),
+    (lambda: topo.Topology("x", (), None), "clusters: the topology has no clusters"),
     (lambda: topo.topology_from_dict({"clusters": []}), "clusters: must be a list of at least"),
 ])
 def test_bad_topologies_are_refused_clearly(build, message):
@@ -286,6 +289,33 @@ BAD_FILES = [
     ("an unknown GDR level", "clusters[1].nic_settings.gdr_level", "NEAR",
      "clusters[1].nic_settings.gdr_level: 'NEAR' is not an NCCL GDR level; fix: use one of LOC, "
      "PIX, PXB, PHB, SYS, or null"),
+    ("a name that is not text", "clusters[0].name", 7,
+     "clusters[0].name: must be text, got a number; fix: write the cluster's name in quotes"),
+    ("a custom accelerator's name with a slash", "clusters[1].accelerator",
+     {"name": "../x", "peak_tflops": 1, "memory_gib": 1},
+     "clusters[1].accelerator.name: '../x' is not a name hetjax accepts; fix: use letters, "
+     "digits, '_', '.' and '-' (at most 64, not starting with '.' or '-')"),
+    ("a vendor with a space", "clusters[1].accelerator",
+     {"name": "x", "peak_tflops": 1, "memory_gib": 1, "vendor": "big co"},
+     "clusters[1].accelerator.vendor: 'big co' is not a name hetjax accepts; fix: use letters, "
+     "digits, '_', '.' and '-' (at most 64, not starting with '.' or '-')"),
+    ("an HCA with a space", "clusters[1].nic_settings.hcas", ["mlx5_0", "mlx5 1"],
+     "clusters[1].nic_settings.hcas[1]: 'mlx5 1' is not an RDMA device name; fix: write a name "
+     "such as \"mlx5_0\" or \"mlx5_0:1\""),
+    ("a negative GID index", "clusters[1].nic_settings.gid_index", -1,
+     "clusters[1].nic_settings.gid_index: must be >= 0, got -1; fix: give the RoCE v2 GID index,"
+     " e.g. 3"),
+    ("an infinite node count", "clusters[0].nodes", float("inf"),
+     "clusters[0].nodes: must be a whole number, got inf; fix: give the number of nodes, e.g. 2"),
+    ("cluster links given as an object", "cluster_links", {"a": "a", "b": "b"},
+     "cluster_links: must be a list, got an object; fix: write [{\"a\": ..., \"b\": ..., "
+     "\"link\": ...}] or leave it out"),
+    ("a cluster link without its link", "cluster_links[0].link", DELETE,
+     "cluster_links[0]: 'link' is missing; fix: add 'link': a catalogue link name or a link "
+     "object"),
+    ("too many clusters", "clusters", [{"name": f"c{i}"} for i in range(1025)],
+     "clusters: lists 1,025 clusters, more than 1,024; fix: describe alike clusters as one with "
+     "more nodes"),
     ("empty clusters", "clusters", [],
      "clusters: must be a list of at least one cluster, got an empty list; fix: write "
      '[{"name": ..., "nodes": ..., "devices_per_node": ..., "accelerator": ...}]'),
@@ -300,6 +330,13 @@ def test_a_bad_value_is_named_by_its_json_path_with_the_fix(what, path, value, m
         topo.topology_from_json(text)
     assert str(e.value) == message
     assert "\n" not in str(e.value)
+
+
+def test_a_file_that_is_not_an_object_is_refused():
+    with pytest.raises(topo.TopologyValueError) as e:
+        topo.topology_from_json("[1, 2]")
+    assert str(e.value) == ("(top level): must be an object {...}, got a list; fix: write an "
+                            "object with clusters")
 
 
 def test_the_whole_file_is_checked_before_it_is_parsed(tmp_path, monkeypatch):

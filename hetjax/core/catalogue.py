@@ -197,6 +197,15 @@ def accelerator_for_kind(device_kind: str) -> str | None:
     return next((name for pattern, name in DEVICE_KINDS if re.search(pattern, kind)), None)
 
 
+def link(name: str) -> Link:
+    """The catalogue's link of that name (an alias included)."""
+    try:
+        return LINKS[name]
+    except KeyError:
+        raise TopologyError(f"link {name!r} is unknown; known links: "
+                            f"{', '.join(n for n in LINKS if n not in LINK_ALIASES)}") from None
+
+
 def accelerator(name: str) -> Accelerator:
     try:
         return ACCELERATORS[name]
@@ -219,10 +228,12 @@ def nic_settings_for(kind: str) -> NicSettings:
 def make_cluster(name: str, nodes: int, devices_per_node: int, accel: str | Accelerator,
                  nic: str | Link, intra: str | Link = "nvlink",
                  settings: NicSettings | None = None) -> Cluster:
-    nic_link = LINKS[nic] if isinstance(nic, str) else nic
+    """A Cluster of catalogue names (or objects); NIC settings default to the catalogue's for
+    the NIC's kind."""
+    nic_link = link(nic) if isinstance(nic, str) else nic
     return Cluster(
         name=name, nodes=nodes, devices_per_node=devices_per_node,
         accelerator=accelerator(accel) if isinstance(accel, str) else accel,
-        nic=nic_link, intra_node=LINKS[intra] if isinstance(intra, str) else intra,
+        nic=nic_link, intra_node=link(intra) if isinstance(intra, str) else intra,
         nic_settings=settings if settings is not None else nic_settings_for(nic_link.kind))
 

@@ -17,8 +17,8 @@ import inspect
 from typing import Callable
 
 from hetjax.core.catalogue import (ACCELERATORS, ETH_SETTINGS, IB_SETTINGS, LINK_ALIASES, LINKS,
-                                   ROCE_SETTINGS, accelerator, accelerator_for_kind, link_name,
-                                   make_cluster, nic_settings_for)
+                                   ROCE_SETTINGS, accelerator, accelerator_for_kind, link,
+                                   link_name, make_cluster, nic_settings_for)
 from hetjax.errors import TopologyError, TopologyValueError
 from hetjax.core.local_preset import local
 from hetjax.core.hardware import (HOST_STAGED_BANDWIDTH, HOST_STAGED_LATENCY, LINK_KINDS,
@@ -56,7 +56,7 @@ __all__ = [
     "Accelerator", "Cluster", "ClusterLink", "DeviceInfo", "Link", "NicSettings", "Topology",
     "TopologyError", "TopologyValueError",
     "LINK_KINDS", "HOST_STAGED_BANDWIDTH", "HOST_STAGED_LATENCY", "ACCELERATORS", "LINKS",
-    "LINK_ALIASES", "link_name", "IB_SETTINGS", "ROCE_SETTINGS", "ETH_SETTINGS",
+    "LINK_ALIASES", "link", "link_name", "IB_SETTINGS", "ROCE_SETTINGS", "ETH_SETTINGS",
     "PRESETS", "preset", "register_preset", "make_cluster", "accelerator", "nic_settings_for",
     "accelerator_for_kind", "local",
     "DTFM_SCENARIOS", "cpu_hybrid", "cpu_single", "hethub_mixed",

@@ -97,7 +97,7 @@ def _json_type(value) -> str:
 def _object(value, where: str, fields: dict[str, str], required: tuple[str, ...]) -> dict:
     """`value` as a JSON object with only `fields`, the `required` ones present."""
     if not isinstance(value, dict):
-        _fail(where, f"must be an object {{...}}, got {_json_type(value)}",
+        _fail(where or "(top level)", f"must be an object {{...}}, got {_json_type(value)}",
               f"write an object with {', '.join(required or tuple(fields))}")
     for key in value:
         if key not in fields:
@@ -143,8 +143,6 @@ def _hardware(build, where: str):
         if e.field:
             raise TopologyValueError(f"{where}.{e.field}", e.problem, e.fix) from None
         raise
-    except TypeError as e:  # a value of a JSON type the data class cannot compare
-        _fail(where, f"has a value of the wrong type ({e})", "see docs/topology.md")
 
 
 def _catalogue_name(value: str, where: str, what: str, names: dict, known: list[str],
