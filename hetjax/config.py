@@ -17,7 +17,6 @@ counts, placement, ZeRO factors on nodes) run where the Plan is built
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from hetjax.errors import ConfigError, HetjaxError
+from hetjax.errors import ConfigError, HetjaxError, TopologyValueError
 from hetjax.core import topology as topo
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.config_plan import resolve_microbatches
@@ -250,7 +249,8 @@ FIELDS: tuple[Field, ...] = (
     Field("topology.preset", "cpu_hybrid", "a name from hetjax.core.topology.PRESETS",
           Choices(lambda: sorted(topo.PRESETS), "preset",
                   fix="choose one of: " + ", ".join(sorted(topo.PRESETS)))),
-    Field("topology.file", "", "a JSON topology (Topology.to_json()); overrides preset",
+    Field("topology.file", "", "a JSON topology file (docs/topology.md; 'hetjax topology --json "
+          "FILE' writes one); overrides preset",
           path=True),
     Field("topology.nodes", 0, "> 0 overrides the preset's nodes per cluster", _TOPOLOGY_COUNT),
     Field("topology.devices_per_node", 0, "> 0 overrides the preset's devices per node",
@@ -748,18 +748,14 @@ def build_topology(c) -> topo.Topology:
                  f"is {t.preset!r} but topology.file = {t.file!r} is set too; the file would "
                  "silently win", "set only one of topology.file and topology.preset")
         try:
-            with open(t.file) as f:
-                return topo.Topology.from_json(f.read())
-        except (FileNotFoundError, IsADirectoryError):
-            raise ConfigError("topology.file", f"{t.file!r} does not exist",
-                              "give the path of a JSON topology (Topology.to_json())") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError("topology.file", f"{t.file!r} is not valid JSON (line {e.lineno}, "
-                              f"column {e.colno}: {e.msg})",
-                              "fix the JSON; Topology.to_json() shows the format") from None
-        except HetjaxError as e:
-            raise ConfigError("topology.file", f"{t.file!r}: {e}",
-                              "correct that entry of the file") from None
+            return topo.read_topology(t.file)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            what = "is a directory" if isinstance(e, IsADirectoryError) else "does not exist"
+            raise ConfigError("topology.file", f"{t.file!r} {what}",
+                              "give the path of a JSON topology (docs/topology.md)") from None
+        except TopologyValueError as e:  # names the value (its JSON path) and the fix
+            raise ConfigError("topology.file", f"{t.file!r}" + (
+                f": {e.where}: " if e.where else " ") + e.problem, e.fix) from None
     _check(c, "topology.preset")
     kwargs = {}
     import inspect
