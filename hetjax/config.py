@@ -36,7 +36,7 @@ from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, l
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
@@ -305,6 +305,34 @@ FIELDS: tuple[Field, ...] = (
     Field("model.rope_original_max_len", 8192, "llama3 RoPE scaling: "
           "original_max_position_embeddings"),
     Field("model.qkv_bias", False, "biases on the query/key/value projections (Qwen2)"),
+    Field("model.n_experts", 0, "Mixture-of-Experts: routed experts per MoE layer; 0: a dense "
+          "model", count_or_off("set --config.{field}=8 (0: a dense model)", 8)),
+    Field("model.experts_per_token", 2, "MoE: experts each token is routed to (top-k)",
+          positive_int()),
+    Field("model.moe_d_ff", 0, "MoE: hidden width of one expert; 0: model.d_ff",
+          count_or_off("set --config.{field}=0 (model.d_ff) or a positive width", 256)),
+    Field("model.shared_expert_d_ff", 0, "MoE: hidden width of a shared expert every token "
+          "passes (Qwen2-MoE); 0: none", count_or_off("set --config.{field}=0 (none)", 256)),
+    Field("model.moe_shared_expert_gate", True, "MoE: scale the shared expert's output by a "
+          "learned sigmoid gate (Qwen2-MoE)"),
+    Field("model.decoder_sparse_step", 1, "MoE: layer i is an MoE layer when (i + 1) is a "
+          "multiple of this (and i >= first_dense_layers)", positive_int()),
+    Field("model.first_dense_layers", 0, "MoE: the first layers keep a dense feed-forward",
+          count_or_off("set --config.{field}=0", 1)),
+    Field("model.moe_norm_topk_prob", True, "MoE: renormalise the k routing weights to sum to "
+          "1 (Mixtral, Qwen3-MoE); false keeps the softmax values (OLMoE, Qwen2-MoE)"),
+    Field("model.moe_aux_loss_coef", 0.01, "MoE: load-balance loss coefficient (Switch / "
+          "Megatron convention: a uniform router's loss is this coefficient)",
+          Bound(lo=0, fix="use 0.01, or 0 to disable")),
+    Field("model.moe_z_loss_coef", 0.0, "MoE: router z-loss coefficient",
+          Bound(lo=0, fix="use 0.001, or 0 to disable")),
+    Field("model.moe_dispatch", "auto", "MoE: how tokens reach their experts: {choices}",
+          Choices(MOE_DISPATCH, "dispatch", {
+              "auto": "dropless", "dense": "every expert on every token; the reference",
+              "dropless": "sorted grouped matmuls, no token dropped",
+              "capacity": "model.moe_capacity_factor slots per expert, overflow dropped"})),
+    Field("model.moe_capacity_factor", 1.25, "MoE capacity dispatch: slots per expert = factor "
+          "* tokens * k / n_experts", Bound(lo=0, lo_open=True, fix="use 1.25")),
     Field("model.preset", "", _model_presets, _known_model_preset),
     Field("model.init_from", "", "a HuggingFace model directory (config.json + *.safetensors): "
           "its architecture, and its weights as the starting parameters",
@@ -862,6 +890,16 @@ def _validate_model(c) -> None:
                      f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
                      f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
                      "in Python call hetjax.config.apply_model_source(config))")
+    if m.n_experts:
+        _require(m.experts_per_token <= m.n_experts, "model.experts_per_token",
+                 f"{m.experts_per_token} is more than model.n_experts = {m.n_experts}",
+                 f"choose experts_per_token <= {m.n_experts}, e.g. 2")
+        _require(m.first_dense_layers == 0 and m.decoder_sparse_step == 1,
+                 "model.first_dense_layers",
+                 f"first_dense_layers = {m.first_dense_layers} and decoder_sparse_step = "
+                 f"{m.decoder_sparse_step} make some layers dense, but the layer stack holds "
+                 "one kind of block", "set first_dense_layers=0 and decoder_sparse_step=1 "
+                 "(every layer MoE)")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "
