@@ -28,7 +28,8 @@ import dataclasses
 
 from hetjax.core.plan import Plan
 from hetjax.core.topology import ClusterLink, Topology
-from hetjax.planner.cost import CostModel, Layout
+from hetjax.planner.cost import CostModel
+from hetjax.planner.layout import Layout
 from hetjax.planner.simulate import simulate
 from hetjax.units import percent, seconds
 

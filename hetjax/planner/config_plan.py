@@ -72,6 +72,9 @@ def free_unset(c, user_set) -> None:
         if field not in named:
             _set(c, field, auto)
 
+if TYPE_CHECKING:
+    from hetjax.core.model_config import ModelConfig
+
 
 def resolve_microbatches(c) -> int:
     """train.microbatches, or pipeline.microbatches if the user set that alias instead
@@ -142,22 +145,21 @@ def options_from_config(c, topology: Topology | None = None) -> CostOptions:
 def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     """The plan's predicted MFU beside the range its rates were fitted on (the calibration
     file's, Megatron-LM's table for compute by kind, else Holmes Table 1), with a warning when
-    it extrapolates far outside it (hetjax/planner/calibrate.py)."""
-    from hetjax.planner import calibrate as cal_
+    it extrapolates far outside it (hetjax/planner/fit_range.py)."""
+    from hetjax.planner.calibrate import calibration_range, load_calibration
+    from hetjax.planner.fit_range import plausibility_lines as lines
+    from hetjax.planner.reference_runs import holmes_range, megatron_range
 
     mfu = plan_.predicted.get("mfu")
     if mfu is None:
         return []
     if c.planner.calibration:
-        fit = cal_.calibration_range(cal_.load_calibration(c.planner.calibration),
-                                     c.planner.calibration)
+        fit = calibration_range(load_calibration(c.planner.calibration), c.planner.calibration)
     elif c.planner.get("compute", "flat") == "kinds":
-        from hetjax.planner.reference_runs import megatron_range
-
         fit = megatron_range()
     else:
-        fit = cal_.holmes_range()
-    return cal_.plausibility_lines(mfu, model_from_config(c), topology, fit)
+        fit = holmes_range()
+    return lines(mfu, model_from_config(c), topology, fit)
 
 
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
