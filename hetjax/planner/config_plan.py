@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ from hetjax.core.schedules import SCHEDULES
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
 from hetjax.planner.placement import placement_problems, refuse_straddle
-from hetjax.planner.search import TIE, PlanResult, layout_key, plan
+from hetjax.planner.search import TIE, BelowNothing, PlanResult, layout_key, plan
 from hetjax.core.topology import Topology
 from hetjax.units import seconds
 
@@ -291,32 +292,45 @@ def _zero(c):
 def _search(c, topology: Topology, model, options: CostOptions, top: int) -> PlanResult:
     """The planner's search under every executor the config allows; the best plan and the
     best distinct layouts after it (`layout_key`: degrees, executor, devices)."""
-    results = []
+    results, ceiling, skipped = [], math.inf, {}
     schedule = SCHEDULES if c.pipeline.schedule == "auto" else c.pipeline.schedule
-    for executor in _executors(c):
+    # the MPMD executor first: its asynchronous stages mostly price faster, and each search
+    # skips what cannot beat the top found so far
+    for executor in sorted(_executors(c), key=lambda e: e != "mpmd"):
         opts = dataclasses.replace(options, executor=PLAN_EXECUTORS[executor])
-        r = plan(topology, model, c.train.batch_size, c.train.seq_len,
-                 pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp,
-                 microbatches=resolve_microbatches(c), schedule=schedule, zero=_zero(c),
-                 stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
-                 allow_straddle=c.parallel.allow_straddle, placement=c.pipeline.placement,
-                 distinct=True)
+        try:
+            r = plan(topology, model, c.train.batch_size, c.train.seq_len,
+                     pp=c.parallel.pp, dp=c.parallel.dp, tp=c.parallel.tp,
+                     microbatches=resolve_microbatches(c), schedule=schedule, zero=_zero(c),
+                     stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
+                     allow_straddle=c.parallel.allow_straddle,
+                     placement=c.pipeline.placement, distinct=True, subsets=True,
+                     ceiling=ceiling)
+        except BelowNothing:
+            skipped[executor] = ceiling
+            continue
         results.append(_with_executor(r, executor))
-    return merge_results(results, top)
+        steps = sorted(p.predicted["step_time_s"] for q in results
+                       for p in (q.plan, *q.runners_up))
+        if len(steps) >= top:
+            ceiling = steps[top - 1]
+    return merge_results(results, top, skipped)
 
 
-def merge_results(results: list[PlanResult], top: int) -> PlanResult:
-    """One result from searches over different executors (or device sets): the fastest plan
-    (a simpler one first within TIE, as the search ranks), then the fastest plan of each other
-    distinct layout, `top` in all; their counts summed."""
+def merge_results(results: list[PlanResult], top: int,
+                  skipped: dict[str, float] | None = None) -> PlanResult:
+    """One result from searches over different executors: the fastest plan (a simpler one
+    first within TIE, as the search ranks), then the fastest plan of each other distinct
+    layout, `top` in all; their counts summed. `skipped`: executors whose search found nothing
+    faster than the given step."""
     plans = sorted((p for r in results for p in (r.plan, *r.runners_up)),
                    key=lambda p: p.predicted["step_time_s"])
     fastest = plans[0].predicted["step_time_s"]
     firsts = [r.plan for r in results]
     best = min(firsts, key=lambda p: (p.predicted["step_time_s"] > fastest * (1 + TIE),
                                       p.predicted["step_time_s"]))
-    if len(results) > 1:
-        _note_executor_choice(best, firsts)
+    if len(results) + len(skipped or {}) > 1:
+        _note_executor_choice(best, firsts, skipped or {})
     seen, ranked = {layout_key(best)}, [best]
     for p in plans:
         if layout_key(p) not in seen and len(ranked) < top:
@@ -339,9 +353,11 @@ def _with_executor(result: PlanResult, executor: str) -> PlanResult:
                                runners_up=tuple(named(p) for p in result.runners_up))
 
 
-def _note_executor_choice(best: Plan, priced: list[Plan]) -> None:
+def _note_executor_choice(best: Plan, priced: list[Plan],
+                          skipped: dict[str, float] | None = None) -> None:
     """Record in the chosen plan's predictions why its executor won."""
-    times = ", ".join(f"{p.executor} {p.predicted['step_time_s']:.4g} s" for p in priced)
+    times = ", ".join([f"{p.executor} {p.predicted['step_time_s']:.4g} s" for p in priced]
+                      + [f"{e} none under {t:.4g} s" for e, t in (skipped or {}).items()])
     best.predicted["executor_choice"] = f"{best.executor} (predicted step: {times})"
 
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.core.plan import (Plan, ZeroFactors, batch_split_problem, even_split, name_problems,
-                         placement_problem, raise_first)
+from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, batch_split_problem, even_split,
+                              name_problems, placement_problem, raise_first)
 from hetjax.planner import assign, partition, zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCost, runs_schedule
 from hetjax.planner.layout import Layout
@@ -140,7 +140,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
          assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
-         prune: bool = True, distinct: bool = False) -> PlanResult:
+         prune: bool = True, distinct: bool = False, subsets: bool = False,
+         ceiling: float = math.inf) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -162,7 +163,19 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
 
     `distinct`: the runners-up are the best plans of other layouts (`layout_key`: degrees,
     devices), not the chosen layout with another micro-batch count, schedule or
-    ZeRO point."""
+    ZeRO point.
+
+    `subsets`: the devices used are a choice too (`device_subsets`: whole clusters left out
+    when that prices faster); the plan's `predicted["unused"]` says why each idle device is
+    idle. `ceiling`: a step time found elsewhere that the top must beat: layouts whose floor
+    reaches it are skipped, and `BelowNothing` is raised when nothing is left."""
+    if subsets:
+        return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
+                             microbatches=microbatches, schedule=schedule, zero=zero,
+                             stage_layers=stage_layers, options=options, top=top,
+                             allow_straddle=allow_straddle, network_aware=network_aware,
+                             assign_seconds=assign_seconds, calibration=calibration,
+                             placement=placement, prune=prune, distinct=distinct)
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -201,7 +214,11 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                                         global_batch=global_batch, seq_len=seq_len, schedule=name,
                                         placement=place, remat=remat), orders, tag))
     floors = [s.cm.step_floor(lay) for lay, _, _ in todo]
-    ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top) if prune else math.inf
+    if not (floors and min(floors) < ceiling):
+        if todo:  # a better plan was found elsewhere
+            raise BelowNothing(f"no layout of {topology.name!r} can beat {ceiling:.4g} s")
+    elif prune and ceiling == math.inf:  # (a ceiling from elsewhere already prunes)
+        ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top)
     cands, broken = [], set()
     for i, ((lay, orders, tag), floor) in enumerate(zip(todo, floors)):
         if floor >= min(ceiling, s.key_ceiling.get(layout_key(lay), math.inf)):
@@ -219,6 +236,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         elif c is not None:
             cands.append(c)
     if not cands:
+        if s.pruned and ceiling < math.inf:
+            raise BelowNothing(f"no layout of {topology.name!r} can beat {ceiling:.4g} s")
         raise s.infeasible()
     ranked = s.confirm(cands, top)
     best = ranked[0]
@@ -268,6 +287,174 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
              for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
                       time.perf_counter() - t0, s.pruned)
+
+
+class BelowNothing(PlanError):
+    """No layout of this search can beat the ceiling it was given (a better plan exists)."""
+
+
+# More clusters than this: the subsets tried are prefixes of the clusters ordered by how well
+# they are connected and how fast they are, and each cluster left out alone (not all 2^C).
+ALL_SUBSETS_UP_TO = 4
+
+
+def device_subsets(topology: Topology) -> list[tuple[int, ...]]:
+    """The sets of clusters (indices) whose devices a plan may use, every cluster first: all
+    connected sets for up to ALL_SUBSETS_UP_TO clusters; beyond, the prefixes of the clusters
+    ordered best connected and fastest first, and every cluster left out alone. A cluster's
+    nodes are alike, so a subset is whole clusters (leaving a node of a cluster out never
+    makes the others faster)."""
+    C = len(topology.clusters)
+    if C == 1:
+        return [(0,)]
+
+    def connected(keep) -> bool:
+        seen, todo = {keep[0]}, [keep[0]]
+        while todo:
+            a = todo.pop()
+            for b in keep:
+                if b not in seen and topology.has_link(a, b):
+                    seen.add(b)
+                    todo.append(b)
+        return len(seen) == len(keep)
+
+    if C <= ALL_SUBSETS_UP_TO:
+        out = [keep for k in range(C, 0, -1) for keep in itertools.combinations(range(C), k)]
+    else:
+        def best_link(a):
+            return max((topology.cluster_link(a, b).bandwidth_gbps for b in range(C)
+                        if b != a and topology.has_link(a, b)), default=0.0)
+
+        order = sorted(range(C), key=lambda a: (-best_link(a),
+                                                -topology.clusters[a].accelerator.peak_tflops))
+        out = [tuple(range(C))] + [tuple(sorted(order[:k])) for k in range(C - 1, 0, -1)]
+        out += [tuple(b for b in range(C) if b != a) for a in range(C)]
+    return [keep for keep in dict.fromkeys(out) if connected(keep)]
+
+
+def sub_topology(topology: Topology, keep: Sequence[int]) -> tuple[Topology, list[int]]:
+    """The topology of the clusters `keep`, and the rank in `topology` of each of its ranks."""
+    if len(keep) == len(topology.clusters):
+        return topology, list(range(topology.num_devices))
+    gone = [n for i in range(len(topology.clusters)) if i not in keep
+            for n in _cluster_nodes(topology, i)]
+    ranks = [r for i in keep for r in topology.cluster_ranks(i)]
+    return topology.without_nodes(gone), ranks
+
+
+def _cluster_nodes(topology: Topology, cluster: int) -> range:
+    first = sum(c.nodes for c in topology.clusters[:cluster])
+    return range(first, first + topology.clusters[cluster].nodes)
+
+
+def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: int,
+                  ceiling: float, top: int, options: CostOptions | None, **kw) -> PlanResult:
+    """`plan` over the device subsets (`device_subsets`), all devices first: each subset's
+    search skips what cannot beat the top-th plan found so far; the plans are priced on the
+    whole topology (idle devices carry no traffic, so the prices are the subset's), the
+    fastest kept, and the plan says why each device it leaves idle is idle."""
+    t0 = time.perf_counter()
+    options = options or CostOptions()
+    cm = CostModel(topology, model, options)
+    results, first_error, whole = [], None, None
+    for keep in device_subsets(topology):
+        sub, ranks = sub_topology(topology, keep)
+        try:  # (the exhaustive search, prune=False, searches every subset in full)
+            r = plan(sub, model, global_batch, seq_len, top=top, options=options,
+                     ceiling=ceiling if kw.get("prune", True) else math.inf, **kw)
+        except BelowNothing:
+            continue
+        except PlanError as e:  # e.g. nothing fits: say the whole topology's reason
+            first_error = first_error or e
+            continue
+        r = _on_topology(r, ranks, cm, keep == tuple(range(len(topology.clusters))))
+        whole = r if len(keep) == len(topology.clusters) else whole
+        results.append(r)
+        steps = sorted(p.predicted["step_time_s"] for q in results
+                       for p in (q.plan, *q.runners_up))
+        if len(steps) >= top:
+            ceiling = min(ceiling, steps[top - 1])
+    if not results:
+        raise first_error or BelowNothing(f"no plan on {topology.name!r} beats {ceiling:.4g} s")
+    ranked = sorted((p for r in results for p in (r.plan, *r.runners_up)),
+                    key=lambda p: p.predicted["step_time_s"])
+    fastest = ranked[0].predicted["step_time_s"]
+    # a simpler plan (all devices, then fewer stages, ...) first when within TIE
+    best_r = min(results, key=lambda r: (r.plan.predicted["step_time_s"] > fastest * (1 + TIE),
+                                         -len(r.plan.device_order),
+                                         r.plan.predicted["step_time_s"]))
+    best = best_r.plan
+    seen, out = {layout_key(best)}, [best]
+    for p in ranked:
+        if len(out) < top and (layout_key(p) not in seen or not kw.get("distinct")):
+            if p is not best:
+                seen.add(layout_key(p))
+                out.append(p)
+    unused = unused_reasons(topology, best, whole)
+    if unused:
+        best.predicted[UNUSED_KEY] = unused
+    return dataclasses.replace(
+        best_r, plan=best, runners_up=tuple(out[1:]),
+        candidates=sum(r.candidates for r in results),
+        simulated=sum(r.simulated for r in results), pruned=sum(r.pruned for r in results),
+        seconds=time.perf_counter() - t0)
+
+
+def _on_topology(r: PlanResult, ranks: list[int], cm: CostModel, whole: bool) -> PlanResult:
+    """A subset's result with its plans on the whole topology's ranks, priced there."""
+    if whole:
+        return r
+
+    def moved(p: Plan) -> Plan:
+        q = dataclasses.replace(p, device_order=tuple(ranks[i] for i in p.device_order),
+                                predicted={})
+        keep = {k: v for k, v in p.predicted.items() if k in ("layout", "bound")}
+        q.predicted.update({**cm.predict(q).as_dict(), **keep})
+        return q
+
+    return dataclasses.replace(r, plan=moved(r.plan),
+                               runners_up=tuple(moved(p) for p in r.runners_up))
+
+
+def unused_reasons(topology: Topology, best: Plan, whole: PlanResult | None) -> dict[str, str]:
+    """Why `best` leaves each idle device out (rank, as a string for JSON -> why), by
+    cluster: the link that joins it to the used ones when slower than theirs, else its
+    devices slower or smaller than the used ones', and the best step priced with every
+    device (or that no plan with every device fits or could beat it)."""
+    used = set(best.device_order)
+    if len(used) == topology.num_devices:
+        return {}
+    used_clusters = sorted({topology.devices[r].cluster for r in used})
+    nics = [topology.clusters[c].nic.bandwidth_gbps for c in used_clusters
+            if topology.clusters[c].nodes > 1]
+    peak = min(topology.clusters[c].accelerator.peak_tflops for c in used_clusters)
+    mem = min(topology.clusters[c].accelerator.memory_gib for c in used_clusters)
+    step = best.predicted["step_time_s"]
+    if whole is None:
+        alone = "no plan with every device beats it"
+    else:
+        alone = ("with every device the best plan is predicted "
+                 f"{whole.plan.predicted['step_time_s']:.3g} s")
+    out = {}
+    for c, cluster in enumerate(topology.clusters):
+        if c in used_clusters:
+            continue
+        links = [topology.cluster_link(c, u) for u in used_clusters if topology.has_link(c, u)]
+        link = max(links, key=lambda lk: lk.bandwidth_gbps) if links else None
+        acc = cluster.accelerator
+        if link is None:
+            why = "no link to the devices used"
+        elif link.bandwidth_gbps < min(nics, default=link.bandwidth_gbps * 2):
+            why = f"behind a {link.bandwidth_gbps:g} Gb/s {link.kind} link"
+        elif acc.peak_tflops < peak:
+            why = f"slower ({acc.name}: {acc.peak_tflops:g} TFLOP/s against {peak:g})"
+        elif acc.memory_gib < mem:
+            why = f"smaller ({acc.name}: {acc.memory_gib:g} GiB against {mem:g})"
+        else:
+            why = "the step is faster without them"
+        text = f"{why}; without them {step:.3g} s, {alone}"
+        out.update({str(r): text for r in topology.cluster_ranks(c)})
+    return out
 
 
 def layout_key(p: "Plan | Layout") -> tuple:
@@ -777,4 +964,5 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["PlanResult", "plan", "bound_lines", "layout_key", "zero_points_by_traffic", "TIE"]
+__all__ = ["PlanResult", "plan", "bound_lines", "layout_key", "zero_points_by_traffic", "TIE",
+           "BelowNothing", "device_subsets", "sub_topology", "unused_reasons"]
