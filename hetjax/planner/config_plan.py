@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 SEARCHED = {"pipeline.executor": "auto", "pipeline.schedule": "auto",
             "pipeline.placement": "auto", "train.microbatches": 0, "model.remat": "auto",
             "zero.preset": "auto"}
-# Other names the user may set a SEARCHED field by (aliases).
-ALIASES = {"pipeline.microbatches": "train.microbatches"}
 
 
 def _get(c, field: str):
@@ -63,14 +61,13 @@ def layout_searched(c) -> bool:
 
 def free_unset(c, user_set) -> None:
     """When the layout is searched, leave every SEARCHED field the user did not set (a dotted
-    name in `user_set`, or an alias of it) to the planner, so nothing is inherited from a
+    name in `user_set`) to the planner, so nothing is inherited from a
     default the user did not choose (the default job's micro-batch count fits its own
     topology only). A fixed layout keeps every value: the default job stays as it is."""
     if not layout_searched(c):
         return
-    named = set(user_set) | {ALIASES[f] for f in user_set if f in ALIASES}
-    for field, auto in SEARCHED.items():
-        if field not in named:
+    for field, auto in SEARCHED.items():  # an alias set alone gives the value (resolved later)
+        if field not in user_set:
             _set(c, field, auto)
 
 if TYPE_CHECKING:
