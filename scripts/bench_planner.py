@@ -9,6 +9,8 @@
     python scripts/bench_planner.py speed --devices 4096 --executor hetjax mpmd
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
+    python scripts/bench_planner.py scenario       # docs/planner.md's cluster: the plan against
+                                                   # the best priced without the search
     python scripts/bench_planner.py all
     python scripts/bench_planner.py smoke          # seconds: calibrate and allreduce
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import time
 
 import numpy as np
@@ -312,11 +315,154 @@ def executors(_args) -> None:
     print(table(["model", "between clusters", "executor", "chosen", "step s"], chosen))
 
 
+def _compositions(n: int, parts: int):
+    """Every way to give `parts` stages at least one of `n` layers each, in order."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, n)))
+
+
+def exhaustive_best(topology, model, global_batch: int, seq_len: int,
+                    executors=("spmd", "mpmd"), all_splits: bool = True):
+    """The fastest plan the cost model can price, found without the search: every connected
+    set of clusters (`search.device_subsets`), executor, (pp, dp, tp) that uses those devices
+    and keeps the placement rules, arrangement of the stages (distinct by what they cost),
+    micro-batch count, schedule the executor runs, placement, recompute policy the cost model
+    weighs, ZeRO point, and layer split: every split (`all_splits`), or for each of the rest
+    the split the partition finds exact for its pipeline-time estimate. Every candidate whose
+    lower bound (`simulate.lower_bound`, which no schedule beats) is below the best so far is
+    simulated; returns (best Plan with its prediction, candidates, simulated)."""
+    from hetjax.core.plan import Plan, batch_split_problem, placement_problem
+    from hetjax.core.schedules import SCHEDULES
+    from hetjax.planner import zero_factors as zr
+    from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, runs_schedule
+    from hetjax.planner.layout import Layout
+    from hetjax.planner.placement import placement_problems
+    from hetjax.planner.search import device_subsets, fits_schedule, sub_topology
+    from hetjax.planner.simulate import lower_bound
+
+    best, candidates, simulated = None, 0, 0
+    N = model.n_layers
+    for keep in device_subsets(topology):
+        sub, ranks = sub_topology(topology, keep)
+        n = sub.num_devices
+        per_node = math.gcd(*(c.devices_per_node for c in sub.clusters))
+        tps = [t for t in range(1, n + 1) if math.gcd(model.n_heads, model.n_kv_heads,
+                                                      model.d_ff, per_node) % t == 0]
+        for name in executors:
+            cm = CostModel(topology, model, CostOptions(executor=PLAN_EXECUTORS[name]))
+            subcm = CostModel(sub, model, CostOptions(executor=PLAN_EXECUTORS[name]))
+            for tp, pp in itertools.product(tps, range(1, N + 1)):
+                if n % (tp * pp):
+                    continue
+                dp = n // (tp * pp)
+                probe = Plan(pp=pp, dp=dp, tp=tp, stage_layers=(1,) * pp, microbatches=1,
+                             global_batch=dp, seq_len=1)
+                if placement_problems(probe, sub):
+                    continue
+                rows = np.arange(n).reshape(pp, dp * tp)
+                base = Layout(pp=pp, dp=dp, tp=tp, microbatches=1, global_batch=global_batch,
+                              seq_len=seq_len)
+                keys = subcm.stage_keys(base)
+                orders = {tuple(keys[i] for i in perm): perm
+                          for perm in itertools.permutations(range(pp))}.values()
+                nodes = subcm.node_of(base.mesh().transpose(0, 2, 1).reshape(-1, dp))
+                for perm, M in itertools.product(orders, range(1, global_batch + 1)):
+                    if batch_split_problem(global_batch, M, dp):
+                        continue
+                    order = tuple(int(r) for r in rows[list(perm)].ravel())
+                    for sched, remat, zero in itertools.product(
+                            SCHEDULES, subcm.remat_choices(pp), zr.space(nodes)):
+                        if not fits_schedule(sched, pp, M, PLAN_EXECUTORS[name], "1f1b") or (
+                                pp > 1 and not runs_schedule(name, sched)):
+                            continue
+                        places = ("looped", "folded") if pp > 1 else ("looped",)
+                        for place in places:
+                            if placement_problem(place, sched):
+                                continue
+                            lay = Layout(pp=pp, dp=dp, tp=tp, device_order=order,
+                                         microbatches=M, global_batch=global_batch,
+                                         seq_len=seq_len, schedule=sched, zero=zero,
+                                         placement=place, remat=remat, executor=name)
+                            if all_splits:
+                                splits = _compositions(N, pp)
+                            else:
+                                table = subcm.stage_table(lay)
+                                found = partition.best_split(table, N, M,
+                                                             [tuple(range(pp))])
+                                splits = [found.layers] if found else []
+                            for split in splits:
+                                candidates += 1
+                                stages = subcm.stage_costs(lay)
+                                fwd = [c.fwd(k) for c, k in zip(stages, split)]
+                                bwd = [c.bwd(k) for c, k in zip(stages, split)]
+                                if not all(c.memory(k, max(split)) <= c.capacity
+                                           for c, k in zip(stages, split)):
+                                    continue
+                                send = subcm.boundary_times(lay)[0]
+                                if best is not None and lower_bound(
+                                        fwd, bwd, M, send, send) >= best.predicted[
+                                        "step_time_s"]:
+                                    continue
+                                p = lay.with_plan(split, device_order=tuple(
+                                    ranks[i] for i in order))
+                                pred = cm.predict(p)
+                                simulated += 1
+                                if pred.fits and (best is None or pred.step_time <
+                                                  best.predicted["step_time_s"]):
+                                    best = dataclasses.replace(p, predicted=pred.as_dict())
+    return best, candidates, simulated
+
+
+SCENARIO = {  # docs/planner.md: the cluster of a new user, as they would write it
+    "name": "lab",
+    "clusters": [
+        {"name": "a100ib", "nodes": 2, "devices_per_node": 8, "accelerator": "a100_80gb",
+         "nic": "ib_hdr_200g", "intra_node": "nvlink3"},
+        {"name": "l40s", "nodes": 1, "devices_per_node": 4, "accelerator": "l40s",
+         "nic": "eth_25g", "intra_node": "pcie4"}],
+    "inter_cluster": "eth_10g"}
+
+
+def scenario(_args) -> None:
+    """The plan `hetjax plan` gives the scenario of docs/planner.md (llama3_8b, batch 256 x
+    4096, 2 x 8 A100 on InfiniBand + 4 L40S, 10 Gb/s between) against the best the cost model
+    can price, found without the search (`exhaustive_best`, each stage order's exact split)."""
+    from hetjax.argv import default_job_path
+    from hetjax.config import load_config
+    from hetjax.core.topology_file import topology_from_dict
+    from hetjax.planner import plan_job
+
+    topology = topology_from_dict(SCENARIO)
+    c = load_config(default_job_path(), ["--config.parallel.pp=0", "--config.parallel.tp=0",
+                                         "--config.model.preset=llama3_8b",
+                                         "--config.train.batch_size=256",
+                                         "--config.train.seq_len=4096"], default_job=True)
+    t0 = time.process_time()
+    job = plan_job(c, topology)
+    planned = time.process_time() - t0
+    t0 = time.process_time()
+    best, candidates, simulated = exhaustive_best(topology, job.model, 256, 4096,
+                                                  all_splits=False)
+    every = time.process_time() - t0
+    rows = []
+    for what, p, secs in (("hetjax plan", job.plan, planned), ("exhaustive", best, every)):
+        rows.append([what, f"pp={p.pp} dp={p.dp} tp={p.tp} {p.executor} M={p.microbatches} "
+                     f"{p.schedule} {p.placement} remat={p.remat} {p.zero.name}",
+                     f"{len(p.device_order)}", f"{p.predicted['step_time_s']:.4f}",
+                     f"{secs:.1f}"])
+    gap = job.plan.predicted["step_time_s"] / best.predicted["step_time_s"] - 1
+    print(f"The scenario of docs/planner.md: the planner's plan against the fastest of "
+          f"{candidates:,} layouts priced without the search ({simulated:,} simulated); "
+          f"the plan is {gap:+.2%} from it\n")
+    print(table(["", "plan", "devices", "step s", "CPU s"], rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
-                                         "assign-speed", "executors", "all", "smoke"])
+                                         "assign-speed", "executors", "scenario", "all",
+                                         "smoke"])
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
@@ -330,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
+             "scenario": [scenario],
              "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed, executors],
              "smoke": [calibrate, allreduce]}[args.what]  # seconds: the two pure tables
     for i, step in enumerate(steps):

@@ -16,7 +16,8 @@ Each part is the step's drop when that cost goes (in the order above), so they s
 step exactly; an overlap between two costs is counted in the first.
 
 `what_ifs(topology)` names the slow links (inter-cluster links and the NICs of clusters with
-more than one node, slower than the topology's fastest inter-node link) and the device kinds
+more than one node, slower than the topology's fastest inter-node link or FAST_GBPS) and the
+device kinds
 slower or smaller than another kind of the topology, each with the topology changed: the link
 at the next common rate (`faster_rate`), the kind at the fastest kind's peak or with the
 largest kind's memory. The config's planner searches each (hetjax/planner/config_plan.py).
@@ -40,6 +41,8 @@ PARTS = ("exposed DP/ZeRO sync", "optimizer update", "boundary transfers",
 # Always shown; the others only when the plan has them.
 SHOWN = ("compute", "bubble", "stage imbalance", "exposed DP/ZeRO sync", "boundary transfers",
          "recompute")
+# A link between nodes slower than this (or than the topology's fastest) is a slow one.
+FAST_GBPS = 100.0
 # Common link rates in Gb/s (Ethernet and InfiniBand generations): a slow link's what-if.
 RATES = (1, 10, 25, 100, 200, 400, 800)
 
@@ -140,7 +143,7 @@ def what_ifs(topology: Topology) -> list[WhatIf]:
     internode += [topology.cluster_link(clusters.index(a), clusters.index(b)) for a, b in pairs]
     if not internode:
         return []
-    fastest = max(lk.bandwidth_gbps for lk in internode)
+    fastest = max(FAST_GBPS, *(lk.bandwidth_gbps for lk in internode))
     out = []
 
     def faster(link):
