@@ -291,7 +291,9 @@ class Trainer:
         """The plan's predicted memory; refuses a plan predicted not to fit, in the words
         `hetjax plan` prints for it."""
         predicted = self.plan.predicted
-        if "stage_memory_gib" not in predicted and self.executor.runs_whole_plan:
+        # (per-stage (dp, tp) shapes: the cost model prices one shape, so no prediction)
+        if ("stage_memory_gib" not in predicted and self.executor.runs_whole_plan
+                and self.plan.uniform):
             predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
         problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
                               self.plan.zero.name)

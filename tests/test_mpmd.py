@@ -125,3 +125,35 @@ def test_training_with_the_mpmd_executor_lowers_the_loss(tmp_path):
     assert "mpmd" in trainer.describe()
     summary = trainer.train()
     assert summary["final_loss"] < 0.75 * summary["first_loss"]  # 5.97 -> 4.29 after 30
+
+
+# --- each stage its own (dp, tp) sub-mesh ---------------------------------------------------
+def staged_config(stage_dp, stage_tp, microbatches=2, **extra):
+    """Two one-layer stages on cpu_hybrid with their own (dp, tp), two sequences per
+    micro-batch on each of the widest stage's replicas."""
+    return mpmd_config((1, 1), "1f1b", 0, 1, microbatches, **{
+        "parallel.stage_dp": stage_dp, "parallel.stage_tp": stage_tp,
+        "train.batch_size": 2 * max(stage_dp) * microbatches, **extra})
+
+
+# (stage_dp, stage_tp, extra): (tp, dp) = (2, 1) then (1, 2) on four of the eight devices (two
+# ib and two roce ones left out); (2, 2) then (1, 4) on all eight
+STAGED = [
+    pytest.param((1, 2), (2, 1), {"parallel.exclude": (2, 3, 6, 7)}, id="tp2dp1-tp1dp2-subset"),
+    pytest.param((2, 4), (2, 1), {}, id="tp2dp2-tp1dp4", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("stage_dp, stage_tp, extra", STAGED)
+def test_stages_with_their_own_shapes_give_the_plain_models_loss_and_gradients(
+        stage_dp, stage_tp, extra):
+    """The boundary moves each activation row (and its gradient) to the device of the other
+    stage that holds it; the tied embedding's two gradients are summed across the shapes."""
+    trainer = check_against_reference(staged_config(stage_dp, stage_tp, **extra))
+    plan = trainer.plan
+    assert plan.shapes() == tuple(zip(stage_dp, stage_tp))
+    for st, (dp, tp) in zip(trainer.executor.stages, plan.shapes()):
+        assert (st.mesh.shape["dp"], st.mesh.shape["tp"]) == (dp, tp)
+        assert sorted(d.id for d in st.mesh.devices.flat) == st.ex.plan.stage_ranks(st.index)
+    if "parallel.exclude" in extra:
+        assert plan.unused_ranks(trainer.topology) == list(extra["parallel.exclude"])

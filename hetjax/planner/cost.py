@@ -254,6 +254,9 @@ class Layout:
 
     @staticmethod
     def of(plan: Plan) -> "Layout":
+        if not plan.uniform:  # one (dp, tp) for every stage: pricing stage 0's would mislead
+            raise PlanError(f"the cost model prices plans whose stages share one (dp, tp) "
+                            f"shape, not the per-stage shapes {list(plan.stage_shapes)}")
         return Layout(plan.pp, plan.dp, plan.tp, plan.device_order, plan.microbatches,
                       plan.global_batch, plan.seq_len, plan.schedule, plan.zero,
                       plan.placement, plan.remat)
