@@ -157,3 +157,32 @@ def test_stages_with_their_own_shapes_give_the_plain_models_loss_and_gradients(
         assert sorted(d.id for d in st.mesh.devices.flat) == st.ex.plan.stage_ranks(st.index)
     if "parallel.exclude" in extra:
         assert plan.unused_ranks(trainer.topology) == list(extra["parallel.exclude"])
+
+
+@pytest.mark.slow  # three runs of a few steps; the equivalence test above is the default tier's
+def test_checkpoints_resume_between_per_stage_shapes_and_one_shape(tmp_path):
+    """uniform (dp 2 x tp 2 per stage) -> per-stage shapes on four of the eight devices ->
+    uniform, through the plan-independent checkpoint: the losses at steps 4 and 6 are the
+    straight uniform run's."""
+    import shutil
+
+    uniform = {"parallel.dp": 2, "parallel.tp": 2}
+    staged = {"parallel.stage_dp": (1, 2), "parallel.stage_tp": (2, 1),
+              "parallel.exclude": (2, 3, 6, 7)}
+
+    def trainer(layout, workdir):  # the same train.steps and batch, so the same lr and data
+        return Trainer(mpmd_config((1, 1), "1f1b", 0, 1, 2, **{
+            "train.batch_size": 8, "train.steps": 6, "checkpoint.every": 2,
+            "train.log_every": 1, "workdir": str(workdir), **layout}), quiet=True)
+
+    straight = trainer(uniform, tmp_path / "straight").train()
+    losses = {r["step"]: r["loss"] for r in straight.history.rows}
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "2",
+                    tmp_path / "chain" / "checkpoints" / "2")
+    mid = trainer(staged, tmp_path / "chain")
+    assert not mid.plan.uniform
+    mid = mid.train(4)
+    end = trainer(uniform, tmp_path / "chain").train(6)
+    assert mid["resumed_from"] == 2 and end["resumed_from"] == 4
+    np.testing.assert_allclose([mid["final_loss"], end["final_loss"]], [losses[4], losses[6]],
+                               rtol=1e-5)
