@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from hetjax.metrics import read_metrics
 from hetjax.train import Trainer
 from test_pipeline import assert_grads_match, pipe_config, reference_grads
 
@@ -186,3 +187,64 @@ def test_checkpoints_resume_between_per_stage_shapes_and_one_shape(tmp_path):
     assert mid["resumed_from"] == 2 and end["resumed_from"] == 4
     np.testing.assert_allclose([mid["final_loss"], end["final_loss"]], [losses[4], losses[6]],
                                rtol=1e-5)
+
+
+# --- devices left out ---------------------------------------------------------------------------
+def fast_and_slow_topology():
+    """Three fast nodes (two devices each, InfiniBand) and one node behind a 1 Gb/s link."""
+    from hetjax.core.catalogue import LINKS, make_cluster
+    from hetjax.core.hardware import Link, Topology
+
+    return Topology(name="three_fast_one_slow",
+                    clusters=(make_cluster("fast", 3, 2, "cpu", "infiniband"),
+                              make_cluster("slow", 1, 2, "cpu", "ethernet")),
+                    inter_cluster=Link("ethernet", 1.0, LINKS["ethernet"].latency_us))
+
+
+# the model and job of the two tests below (the default job's topology and layout replaced)
+SMALL_JOB = ["--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.n_layers=2",
+             "--config.model.n_heads=4", "--config.model.n_kv_heads=2",
+             "--config.model.max_seq_len=64", "--config.model.dtype=float32",
+             "--config.train.seq_len=16", "--config.train.batch_size=8",
+             "--config.train.microbatches=2", "--config.train.steps=3",
+             "--config.train.warmup_steps=1", "--config.train.log_every=1",
+             "--config.train.progress=False", "--config.data.source=synthetic",
+             "--config.tensorboard=False", "--config.eval.every=0", "--config.checkpoint.every=0"]
+
+
+def slow_node_left_out(tmp_path) -> list[str]:
+    """The layout that leaves the slow node's devices (ranks 6-7) out: stage 0 data parallel
+    on the first fast node, stage 1 two TP pairs on the other two."""
+    topology = tmp_path / "topology.json"
+    topology.write_text(fast_and_slow_topology().to_json())
+    return [f"--config.topology.file={topology}", "--config.parallel.pp=2",
+            "--config.pipeline.executor=mpmd", "--config.parallel.stage_dp=[2,2]",
+            "--config.parallel.stage_tp=[1,2]", "--config.parallel.exclude=[6,7]"]
+
+
+def test_hetjax_plan_shows_each_stages_degrees_and_the_devices_left_out(tmp_path, capsys):
+    from hetjax.cli import main
+
+    assert main(["hetjax", "plan", *SMALL_JOB, *slow_node_left_out(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pp=2 dp,tp per stage: 2x1 2x2" in out
+    assert "  unused: ranks 6-7 (slow)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("  0 ", "  1 "))]
+    assert [r[3:6] for r in rows] == [["2", "1", "0-1"], ["2", "2", "2-5"]]  # dp, tp, ranks
+
+
+@pytest.mark.slow  # two runs through the CLI; test_stages_with_their_own_shapes_... is the default tier's
+def test_a_plan_that_leaves_the_slow_node_out_trains_like_one_device(tmp_path):
+    """3 fast nodes + 1 node behind a 1 Gb/s link: `hetjax train` with the slow node left out
+    trains with the single-device run's losses."""
+    from hetjax.cli import main
+
+    runs = {}
+    for name, args in (("left_out", slow_node_left_out(tmp_path)), ("one_device", [
+            "--config.topology.preset=cpu_single", "--config.topology.devices_per_node=1",
+            "--config.parallel.pp=1", "--config.parallel.dp=1", "--config.parallel.tp=1"])):
+        assert main(["hetjax", "train", *SMALL_JOB, *args,
+                     f"--config.workdir={tmp_path / name}"]) == 0
+        runs[name] = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+    assert len(runs["one_device"]) == 3
+    np.testing.assert_allclose(runs["left_out"], runs["one_device"], rtol=1e-5)
