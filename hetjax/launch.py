@@ -67,7 +67,8 @@ from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
 from hetjax.errors import HetjaxError
 from hetjax.core.plan import Plan
 from hetjax.planner import plan_from_config
-from hetjax.planner.worlds import plan_worlds, world_lines
+from hetjax.planner.worlds import (bridged, idle_problem, idle_processes, plan_worlds,
+                                   world_lines)
 from hetjax.core.topology import Topology
 from hetjax.parallel import bridge, nic
 
@@ -129,7 +130,7 @@ def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
         stopping.listen()  # and its Ctrl-C reaches us as a line on stdin
     plan = plan_from_config(cfg, topology)
     policy = os.environ.get(ENV_NIC_POLICY, "cluster")
-    if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
+    if bridge.bridged():  # one world of a bridged job: global slots
         slots = process_slots(topology, len(os.environ[bridge.ENV_BRIDGE_HOSTS].split(",")))
         slot = slots[int(os.environ[bridge.ENV_BRIDGE_RANK])]
         worlds = plan_worlds(plan, topology, slots)
@@ -183,6 +184,11 @@ def read_hostfile(path: str) -> list[str]:
     return hosts
 
 
+def read_hosts(args) -> list[str]:
+    """The hosts of a --local (this machine, N times) or --hostfile launch, in process order."""
+    return ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
+
+
 def worker_command(python: str, config_args, command: str = "train",
                    options: tuple[str, ...] = ()) -> list[str]:
     """A worker's command line; `options` are the command's own flags (calibrate's)."""
@@ -193,13 +199,15 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
     """The processes of a --local or --hostfile launch: one jax.distributed job, or, for an
     MPMD plan whose stages sit on several fabrics or accelerator kinds, one job per world
     (`hetjax.planner.worlds`), each with its own coordinator, plus the bridge's addresses."""
-    if args.local is not None:
-        hosts = ["127.0.0.1"] * args.local
-    else:
-        hosts = read_hostfile(args.hostfile)
+    hosts = read_hosts(args)
     slots = process_slots(topology, len(hosts))
     worlds = plan_worlds(plan, topology, slots)
-    if len(worlds) == 1:
+    idle = idle_processes(plan, slots)  # not started: the plan uses none of their devices
+    problem = idle_problem(plan, idle)
+    if problem:
+        raise HetjaxError(problem)
+    joined = bridged(plan, worlds, slots)
+    if not joined:
         coordinators = [f"127.0.0.1:{args.port or free_port()}" if args.local is not None else
                         args.coordinator or f"{hosts[0]}:{args.port or DEFAULT_PORT}"]
     elif args.local is not None:
@@ -211,8 +219,11 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
         len(hosts))
     workers = []
     for slot, host in zip(slots, hosts):
+        if slot in idle:
+            continue
         env = world_worker_env(topology, plan, worlds, slot, coordinators, hosts, bridge_port,
-                               args.init_timeout, args.heartbeat_timeout, args.nic_policy)
+                               args.init_timeout, args.heartbeat_timeout, args.nic_policy,
+                               joined)
         cmd = worker_command(args.python, config_args, getattr(args, "command", "train"),
                              getattr(args, "worker_options", ()))
         local = args.local is not None
@@ -235,15 +246,17 @@ def world_coordinators(worlds, hosts: list[str], port: int | None) -> list[str]:
 
 def world_worker_env(topology: Topology, plan: Plan, worlds, slot: ProcessSlot,
                      coordinators: list[str], hosts: list[str], bridge_port: int,
-                     init_timeout: int, heartbeat_timeout: int, policy: str) -> dict[str, str]:
+                     init_timeout: int, heartbeat_timeout: int, policy: str,
+                     joined: bool | None = None) -> dict[str, str]:
     """What hetjax sets for the process of `slot`: its world's coordinator and process id,
-    its world's NCCL environment, and (several worlds) the bridge's addresses."""
+    its world's NCCL environment, and (worlds joined by the bridge, `joined`; default: several
+    worlds) the bridge's addresses."""
     w = next(w for w in worlds if slot.index in w.processes)
     spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
                       init_timeout, heartbeat_timeout)
     env = {**nic.world_environment(topology, plan, w, slot, policy, len(worlds)),
            **spec.environ(), ENV_NIC_POLICY: policy, ENV_HEARTBEAT: "1"}
-    if len(worlds) > 1:
+    if len(worlds) > 1 if joined is None else joined:
         env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
         # a world that never comes up is named by its bridge peers after the init timeout
         env[bridge.ENV_BRIDGE_TIMEOUT] = str(init_timeout)
@@ -308,20 +321,31 @@ def slurm_worlds_environ(cfg, topology: Topology, env=None) -> dict[str, str]:
                           "multi-world job runs one task per node (srun --ntasks-per-node=1)")
     slots = process_slots(topology, ntasks)
     worlds = plan_worlds(plan, topology, slots)
-    if len(worlds) == 1:
+    if not bridged(plan, worlds, slots):
         return {}
+    if slots[procid] in idle_processes(plan, slots):
+        return {ENV_IDLE: "1"}
     port = int(env.get("JAX_COORDINATOR_PORT") or DEFAULT_PORT)
     return world_worker_env(
         topology, plan, worlds, slots[procid], world_coordinators(worlds, hosts, port), hosts,
         port + BRIDGE_PORT_OFFSET, int(env.get(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)),
         int(env.get(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)),
-        env.get(ENV_NIC_POLICY, "cluster"))
+        env.get(ENV_NIC_POLICY, "cluster"), True)
+
+
+# A SLURM task whose devices the plan leaves out, all of them (srun starts every task; the
+# other launches do not start such a process): it says so and exits 0 without joining.
+ENV_IDLE = "HETJAX_IDLE"
 
 
 def join_slurm_worlds(cfg, topology: Topology) -> None:
     """A SLURM task of a multi-world job takes its world's place (`slurm_worlds_environ`):
     the variables are set here, and JAX's whole-job SLURM detection is turned off."""
     env = slurm_worlds_environ(cfg, topology)
+    if env.get(ENV_IDLE):
+        print(f"hetjax: task {os.environ.get('SLURM_PROCID')}: the plan uses none of its "
+              "devices; nothing to run", flush=True)
+        raise SystemExit(0)
     if env:
         os.environ.update(env)
         os.environ.pop(ENV_CLUSTER)
@@ -799,6 +823,11 @@ def main(argv: list[str]) -> int:
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
                    args.nic_policy), flush=True)
+    started = {w.index for w in workers}
+    for slot in process_slots(topology, len(read_hosts(args))):
+        if slot.index not in started:
+            print(f"process {slot.index} (topology nodes {list(slot.nodes)}) is not started: "
+                  "the plan uses none of its devices", flush=True)
     if plan.executor == "mpmd" and plan.pp > 1:
         for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
                 topology, plan, w, slot, args.nic_policy), tuple(w.slot for w in workers)):
@@ -830,7 +859,7 @@ def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
     the launches so far, each numbered in its own launch) are dropped, the topology loses
     their nodes, and the planner chooses the layout for what is left. The reduced topology
     and hostfile are written into the workdir for the workers to read."""
-    hosts = ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
+    hosts = read_hosts(args)
     topology = hconfig.build_topology(cfg)
     for name in failed:  # replay the drops in order: process numbers shift after each
         slot = process_slots(topology, len(hosts))[int(name[1:])]
@@ -847,7 +876,8 @@ def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
              f"--config.topology.preset={default.topology.preset}",
              "--config.topology.nodes=0", "--config.topology.devices_per_node=0",
              "--config.parallel.pp=0", "--config.parallel.dp=0", "--config.parallel.tp=0",
-             "--config.pipeline.stage_layers=()"]
+             "--config.pipeline.stage_layers=()", "--config.parallel.stage_dp=()",
+             "--config.parallel.stage_tp=()", "--config.parallel.exclude=()"]
     config_args = [*config_args, *extra]
     new_cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
                                         if a.startswith("--config=")), None),
