@@ -22,7 +22,7 @@ from hetjax.planner.compute_profile import ComputeProfile, ProfileRow
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions
 from hetjax.planner.fit_range import FitRange, link_kinds
 from hetjax.planner.network import LinkFit
-from hetjax.core.topology import Topology
+from hetjax.core.topology import Topology, topology_from_dict
 
 if TYPE_CHECKING:
     from hetjax.core.model_config import ModelConfig
@@ -372,7 +372,7 @@ class Calibration:
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
             return Calibration(
-                Topology.from_dict(d["topology"]), ModelConfig(**d["model"]),
+                topology_from_dict(d["topology"]), ModelConfig(**d["model"]),
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
