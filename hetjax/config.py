@@ -393,6 +393,11 @@ FIELDS: tuple[Field, ...] = (
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
                             "leave it empty"), path=True),
+    Field("planner.profile", "", "a compute profile JSON file: measured seconds and bytes of "
+          "the model's layer, embedding and head per accelerator kind, TP degree and "
+          "micro-batch tokens (docs/planner.md; 'hetjax calibrate' writes one)",
+          _is_file_or_empty("write one with 'hetjax calibrate --profile=profile.json' or by "
+                            "hand, or leave it empty"), path=True),
     Field("planner.compute", "flat", "{choices}: compute priced at one efficiency per FLOP "
           "(flat), or by operation kind (kinds: matmuls by size, attention per implementation, "
           "memory-bound work by bandwidth; a calibration file's measured rates when it has "
