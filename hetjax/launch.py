@@ -169,14 +169,30 @@ class Worker:
         return self.slot.index
 
 
+# A host as ssh and srun take it: [user@]name, an IPv4/IPv6 address or a DNS name. It never
+# starts with '-' (ssh would read it as an option: `-oProxyCommand=...` runs a command) and
+# holds no blank or shell character (a blank would split it into a host and a command).
+_HOST_RE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.+-]*@)?[A-Za-z0-9_\[][A-Za-z0-9_.:%\[\]-]*")
+
+
+def check_host(host: str, where: str) -> str:
+    """`host` if it is a host name (`_HOST_RE`); otherwise a HetjaxError naming `where`."""
+    if not _HOST_RE.fullmatch(host):
+        raise HetjaxError(f"{where}: {host!r} is not a host name (a host name has letters, "
+                          "digits, '.', '-', '_', ':' and an optional user@, and does not start "
+                          "with '-'); fix: write one host name per line")
+    return host
+
+
 def read_hostfile(path: str) -> list[str]:
-    """Hosts in process order, one per line (# comments and blank lines ignored)."""
+    """Hosts in process order, one per line (# comments and blank lines ignored); a line that
+    is not one host name is refused (`check_host`)."""
     try:
         with open(path) as f:
-            hosts = [line.split("#", 1)[0].strip() for line in f]
+            lines = [line.split("#", 1)[0].strip() for line in f]
     except OSError as e:
         raise HetjaxError(f"cannot read the hostfile {path!r}: {e.strerror}") from None
-    hosts = [h for h in hosts if h]
+    hosts = [check_host(h, f"hostfile {path!r} line {n}") for n, h in enumerate(lines, 1) if h]
     if not hosts:
         raise HetjaxError(f"the hostfile {path!r} lists no hosts; write one host per line, in "
                           "the topology's node order (process i runs node i)")
@@ -222,9 +238,16 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
             paths = [PACKAGE_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
             env["PYTHONPATH"] = os.pathsep.join(p for p in dict.fromkeys(paths) if p)
         shell = f"cd {shlex.quote(args.chdir)} && env {_env_prefix(env)} {shlex.join(cmd)}"
-        argv = cmd if local else shlex.split(args.rsh.format(host=host)) + [shell]
+        argv = cmd if local else rsh_argv(args.rsh, host) + [shell]
         workers.append(Worker(slot, host, env, shell, tuple(argv), local))
     return workers
+
+
+def rsh_argv(template: str, host: str) -> list[str]:
+    """The remote-shell command for `host`: the --rsh template split into words first, then
+    {host} put into its word, so a host is only ever one word (and `check_host` one that is
+    not an option)."""
+    return [word.replace("{host}", host) for word in shlex.split(template)]
 
 
 def world_coordinators(worlds, hosts: list[str], port: int | None) -> list[str]:
@@ -256,7 +279,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     for ch in nodelist + ",":
         if ch == "," and depth == 0:
             if item:
-                hosts += _expand_host(item, nodelist)
+                hosts += [check_host(h, f"SLURM node list {nodelist!r}")
+                          for h in _expand_host(item, nodelist)]
             item = ""
             continue
         depth += {"[": 1, "]": -1}.get(ch, 0)
@@ -765,6 +789,8 @@ def main(argv: list[str]) -> int:
     if args.elastic and (args.slurm or not args.max_restarts):
         raise HetjaxError("--elastic re-plans at a restart: use it with --max-restarts N >= 1 "
                           "and --local or --hostfile (under SLURM, resubmit with fewer nodes)")
+    if args.coordinator:
+        check_host(args.coordinator.rpartition(":")[0] or args.coordinator, "--coordinator")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):
