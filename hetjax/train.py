@@ -330,11 +330,13 @@ class Trainer:
                 raise self._out_of_memory(e) from None
             raise
         if self.config.model.init_from:
-            from hetjax.interop.hf_checkpoint import init_from_hf
+            from hetjax.interop.hf_checkpoint import init_from_hf, unused_message
 
             state, reader = init_from_hf(self.executor, state, self.config.model.init_from,
                                          self.model_cfg)
             self.init_from_bytes = reader.bytes_read
+            if unused_message(reader) and jax.process_index() == 0:
+                print(unused_message(reader), flush=True)
             if not self.quiet:
                 print(f"hetjax: model.init_from: process {jax.process_index()} read "
                       f"{reader.bytes_read} bytes of {self.config.model.init_from}", flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -171,3 +172,128 @@ def test_no_injected_command_runs_under_srun(tmp_path, fakes, monkeypatch):
     got = (record / "worker1").read_text().split("\n")
     assert f"--config.workdir={workdir}" in got
     assert f"--config.wandb.name={_injections(pwned)[0]}" in got
+
+
+# --- safetensors files people download ------------------------------------------------------------
+def _safetensors_dir(tmp_path):
+    """A one-file checkpoint of two small tensors, and its path."""
+    import numpy as np
+
+    from hetjax.interop.safetensors_files import write_file
+
+    d = tmp_path / "model"
+    d.mkdir()
+    write_file(str(d / "model.safetensors"), {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                                              "b": np.ones(4, np.float32)})
+    return d
+
+
+def _rewrite(path, header: dict | bytes, data: bytes = b"\0" * 40, length: int | None = None):
+    import struct
+
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + data)
+
+
+GOOD = {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "F32", "shape": [4], "data_offsets": [24, 40]}}
+BAD_HEADERS = {
+    "a header length past the end": (GOOD, 1 << 62, "header length is 4611686018427387904"),
+    "a header that is not JSON": (b"{not json", None, "header is not JSON"),
+    "a header that is a list": ([1, 2], None, "header is a JSON list"),
+    "an unknown dtype": ({**GOOD, "b": {**GOOD["b"], "dtype": "F99"}}, None, "dtype 'F99'"),
+    "a shape larger than its bytes": (
+        {**GOOD, "a": {**GOOD["a"], "shape": [1 << 20, 1 << 20]}}, None, "has 4398046511104 bytes"),
+    "a negative dimension": ({**GOOD, "a": {**GOOD["a"], "shape": [-2, -3]}}, None, "shape [-2, -3]"),
+    "offsets past the file's end": (
+        {**GOOD, "b": {"dtype": "F32", "shape": [4], "data_offsets": [1 << 40, (1 << 40) + 16]}},
+        None, "not [begin, end] inside the 40 data bytes"),
+    "offsets that overlap": ({**GOOD, "b": {**GOOD["b"], "data_offsets": [8, 24]}}, None,
+                             "share data bytes"),
+    "metadata that is not strings": ({**GOOD, "__metadata__": {"x": [1]}}, None,
+                                     "__metadata__ is not an object of strings"),
+    "an entry without data_offsets": ({**GOOD, "b": {"dtype": "F32", "shape": [4]}}, None,
+                                      "not an object of dtype, shape and data_offsets"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADERS))
+def test_a_damaged_or_hostile_safetensors_header_is_one_error(tmp_path, case):
+    from hetjax.interop.safetensors_files import SafetensorsDir
+
+    d = _safetensors_dir(tmp_path)
+    assert SafetensorsDir(str(d)).read("a", (slice(1, 2),)).tolist() == [[3.0, 4.0, 5.0]]
+    header, length, message = BAD_HEADERS[case]
+    _rewrite(d / "model.safetensors", header, length=length)
+    with pytest.raises(HetjaxError, match=re.escape(message)) as e:
+        SafetensorsDir(str(d)).read("a")
+    assert str(d / "model.safetensors") in str(e.value) and "not a valid safetensors file" in str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "link.safetensors"])
+def test_an_index_names_only_files_inside_the_model_directory(tmp_path, shard):
+    from hetjax.interop.safetensors_files import SafetensorsDir, write_file
+
+    import numpy as np
+
+    d = _safetensors_dir(tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    write_file(str(outside), {"secret": np.ones(2, np.float32)})
+    (d / "link.safetensors").symlink_to(outside)
+    shard = shard.format(outside=outside)
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"secret": shard, "a": "model.safetensors"}}))
+    with pytest.raises(HetjaxError, match=f"names the file '{re.escape(shard)}', which is not "
+                                          "inside"):
+        SafetensorsDir(str(d))
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_one_error(tmp_path):
+    from hetjax.interop.safetensors_files import SafetensorsDir
+
+    d = _safetensors_dir(tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "c": "model.safetensors"}}))
+    with pytest.raises(HetjaxError, match="names model.safetensors for tensor 'c', which that "
+                                          "file does not hold"):
+        SafetensorsDir(str(d))
+
+
+def test_tensors_the_model_does_not_use_are_named(tmp_path):
+    """An HF checkpoint with tensors hetjax's model has no place for (a rotary buffer older
+    transformers saved, a head beside tied embeddings) loads, and says which it left out."""
+    import shutil
+
+    import numpy as np
+
+    from hetjax.interop import hf_checkpoint
+    from hetjax.interop.safetensors_files import write_file
+    from test_interop import fixture, load_single
+
+    d = tmp_path / "llama"
+    shutil.copytree(fixture("llama_gqa"), d)
+    write_file(str(d / "extra.safetensors"),
+               {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
+                "model.vision_tower.weight": np.ones(2, np.float32)})
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({"model.layers.0.self_attn.rotary_emb.inv_freq": "extra.safetensors",
+                                "model.vision_tower.weight": "extra.safetensors"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    seen = {}
+    real = hf_checkpoint.load_params
+
+    def spy(*a, **k):
+        params, st = real(*a, **k)
+        seen["st"] = st
+        return params, st
+
+    hf_checkpoint.load_params = spy
+    try:
+        load_single(str(d))
+    finally:
+        hf_checkpoint.load_params = real
+    assert seen["st"].unused == ["model.layers.0.self_attn.rotary_emb.inv_freq",
+                                 "model.vision_tower.weight"]
+    assert hf_checkpoint.unused_message(seen["st"]) == (
+        f"hetjax: warning: model.init_from: 2 tensor(s) of {d} are not part of this model and "
+        "were not loaded: model.layers.0.self_attn.rotary_emb.inv_freq, model.vision_tower.weight")

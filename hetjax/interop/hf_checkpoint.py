@@ -127,6 +127,9 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
     if missing:
         raise HetjaxError(f"hetjax parameters {['/'.join(p) for p in missing]} have no HF "
                           "counterpart in hetjax.interop.hf_checkpoint")
+    used = {leaf.hf.format(i=i) for leaf in spec.values()
+            for i in (range(m.n_layers) if "{i}" in leaf.hf else [None])}
+    st.unused = sorted(set(st.entries) - used)  # named by the caller, never dropped silently
 
     def build(keypath, t):
         leaf, cache = spec[_path(keypath)], {}
@@ -160,6 +163,16 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
         return jax.make_array_from_callback(t.shape, t.sharding, shard)
 
     return jax.tree_util.tree_map_with_path(build, target), st
+
+
+def unused_message(st: SafetensorsDir) -> str | None:
+    """One line naming the tensors of `st` that the model did not load (None if none)."""
+    if not st.unused:
+        return None
+    shown = ", ".join(st.unused[:10]) + (f" and {len(st.unused) - 10} more"
+                                          if len(st.unused) > 10 else "")
+    return (f"hetjax: warning: model.init_from: {len(st.unused)} tensor(s) of {st.directory} "
+            f"are not part of this model and were not loaded: {shown}")
 
 
 def _shape(shape, index) -> tuple:
