@@ -297,3 +297,68 @@ def test_tensors_the_model_does_not_use_are_named(tmp_path):
     assert hf_checkpoint.unused_message(seen["st"]) == (
         f"hetjax: warning: model.init_from: 2 tensor(s) of {d} are not part of this model and "
         "were not loaded: model.layers.0.self_attn.rotary_emb.inv_freq, model.vision_tower.weight")
+
+
+# --- config.json: bounded before anything is allocated ----------------------------------------------
+def _llama(**change) -> dict:
+    from hetjax.interop.hf_config import PRESETS
+
+    hf = dict(PRESETS["llama3_1_8b"], rope_scaling=dict(PRESETS["llama3_1_8b"]["rope_scaling"]))
+    for k, v in change.items():
+        if v is None:
+            hf.pop(k, None)
+        else:
+            hf[k] = v
+    return hf
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(vocab_size=10 ** 12), "config.json vocab_size: 1000000000000 is not an integer >= 1 "
+                                "up to 4,194,304"),
+    (dict(num_hidden_layers=10 ** 6), "config.json num_hidden_layers: 1000000 is not an integer"),
+    (dict(hidden_size="4096"), "config.json hidden_size: '4096' is not an integer"),
+    (dict(intermediate_size=-1), "config.json intermediate_size: -1 is not an integer"),
+    (dict(num_attention_heads=None), "config.json num_attention_heads: is missing"),
+    (dict(max_position_embeddings=1e300), "config.json max_position_embeddings: 1e+300"),
+    (dict(rope_theta=float("nan")), "config.json rope_theta: nan is not a number > 0"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)),
+     "config.json rope_scaling.low_freq_factor: is missing; llama3 RoPE scaling needs factor, "
+     "low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                            high_freq_factor=4.0, original_max_position_embeddings=10 ** 9)),
+     "config.json rope_scaling.original_max_position_embeddings: 1000000000 is not"),
+    (dict(rope_scaling="yes"), "config.json rope_scaling: 'yes' is not an object"),
+])
+def test_config_json_values_are_bounded_before_anything_is_allocated(change, message):
+    from hetjax.errors import ConfigError
+    from hetjax.interop.hf_config import model_fields
+
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        model_fields(_llama(**change), "model.init_from")
+    assert str(e.value).startswith("config.model.init_from: config.json ")
+
+
+def test_a_huge_config_json_is_one_error_from_the_cli(tmp_path):
+    """`hetjax train --config.model.init_from=DIR` with a vocabulary of 10^12: exit 2 and one
+    message, before any weight is read or allocated."""
+    import subprocess
+
+    from conftest import REPO
+
+    (tmp_path / "config.json").write_text(json.dumps(_llama(vocab_size=10 ** 12)))
+    p = subprocess.run([sys.executable, "-m", "hetjax", "train",
+                        f"--config.model.init_from={tmp_path}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[0] == (
+        "hetjax: error: config.model.init_from: config.json vocab_size: 1000000000000 is not an "
+        "integer >= 1 up to 4,194,304"), p.stderr
+
+
+def test_model_shape_overrides_are_bounded():
+    from hetjax.config import load_config, validate
+
+    for field, value in (("vocab_size", 10 ** 12), ("n_layers", 10 ** 6), ("d_ff", 1 << 40)):
+        with pytest.raises(HetjaxError, match=rf"config.model.{field}: must be in \["):
+            validate(load_config(None, [f"--config.model.{field}={value}"]))

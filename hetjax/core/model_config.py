@@ -20,6 +20,12 @@ from dataclasses import dataclass
 # turns an attention request into a kernel.
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+# The largest value each shape field may take: well above every published model (vocabulary
+# 262,144 in Gemma 3; width 16,384, 126 layers and 128 heads in Llama-3.1-405B; feed-forward
+# 53,248; context 10M in Llama 4 Scout), so a damaged or hostile config.json (a vocabulary of
+# 10^12, a million layers) is refused before anything is allocated.
+LIMITS = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024,
+          "n_kv_heads": 1024, "d_ff": 1 << 18, "max_seq_len": 1 << 24, "head_dim": 4096}
 
 
 @dataclass(frozen=True)
