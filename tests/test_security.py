@@ -362,3 +362,57 @@ def test_model_shape_overrides_are_bounded():
     for field, value in (("vocab_size", 10 ** 12), ("n_layers", 10 ** 6), ("d_ff", 1 << 40)):
         with pytest.raises(HetjaxError, match=rf"config.model.{field}: must be in \["):
             validate(load_config(None, [f"--config.model.{field}={value}"]))
+
+
+# --- nothing hetjax writes lands outside the directories named ------------------------------------
+def test_an_export_replaces_links_in_its_directory_rather_than_writing_through_them(tmp_path):
+    """An export directory holding symbolic links at the names an export writes (as a
+    downloaded model directory may): the links are replaced by the export's files and the
+    files they pointed to stay as they were."""
+    from hetjax.interop import hf_checkpoint
+    from test_interop import fixture, load_single
+    from test_tokenizer import write_hf_tokenizer
+
+    m, params = load_single(fixture("llama_gqa"))
+    victims = tmp_path / "elsewhere"
+    victims.mkdir()
+    out = tmp_path / "export"
+    out.mkdir()
+    names = ["config.json", "model.safetensors", "tokenizer.json",
+             "model.safetensors.index.json", "model-00001-of-00007.safetensors"]
+    for name in names:
+        (victims / name).write_text("precious\n")
+        (out / name).symlink_to(victims / name)
+    tok = write_hf_tokenizer(tmp_path / "tok")
+    written = set()
+    for shard in (1 << 40, 1 << 17):  # one file, then shards and an index
+        written.update(hf_checkpoint.write_hf(str(out), jax_params(params), m,
+                                              tokenizer_files={"tokenizer.json": str(tok)},
+                                              max_shard_bytes=shard))
+    assert set(names) <= written, written
+    assert all((victims / n).read_text() == "precious\n" for n in names)
+    assert not any((out / n).is_symlink() for n in names)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == m.vocab_size
+
+
+def jax_params(params):
+    import jax
+
+    return jax.device_get(params)
+
+
+def test_a_saved_tokenizer_names_only_a_file_beside_it(tmp_path):
+    from hetjax.tokenizer import SAVED, load_tokenizer
+    from test_tokenizer import write_tiktoken
+
+    write_tiktoken(tmp_path / "outside.tiktoken")
+    saved = tmp_path / "run" / "checkpoints" / "tokenizer"
+    saved.mkdir(parents=True)
+    tok = load_tokenizer(str(tmp_path / "outside.tiktoken"), "false")
+    for file in ("../../../outside.tiktoken", str(tmp_path / "outside.tiktoken")):
+        (saved / SAVED).write_text(json.dumps({
+            "kind": "tiktoken", "file": file, "add_bos": False, "bos_id": None, "eos_id": None,
+            "vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint}))
+        with pytest.raises(HetjaxError, match=f"names the file '{re.escape(file)}', which is "
+                                              "not inside"):
+            load_tokenizer(str(saved))

@@ -15,13 +15,13 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from hetjax.errors import HetjaxError
+from hetjax.files import copy_file, replace_file
 from hetjax.interop import hf_config
 from hetjax.interop.safetensors_files import SafetensorsDir, write_file
 
@@ -245,14 +245,15 @@ def write_hf(out: str, params, m, *, tokenizer_files: dict | None = None,
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
                  "weight_map": weight_map}
-        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
+        replace_file(os.path.join(out, "model.safetensors.index.json"),
+                     lambda f: json.dump(index, f, indent=2), "w")
         written.append("model.safetensors.index.json")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config.hf_config(m, torch_dtype=torch_dtype), f, indent=2)
+    replace_file(os.path.join(out, "config.json"),
+                 lambda f: json.dump(hf_config.hf_config(m, torch_dtype=torch_dtype), f,
+                                     indent=2), "w")
     written.append("config.json")
     for name, src in (tokenizer_files or {}).items():
-        shutil.copyfile(src, os.path.join(out, name))
+        copy_file(src, os.path.join(out, name))
         written.append(name)
     return written
 

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from hetjax.errors import HetjaxError
+from hetjax.files import inside, replace_file
 
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
@@ -58,13 +59,13 @@ class SafetensorsDir:
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         self.entries: dict[str, tuple[str, dict, int]] = {}
         for file in files:
-            path = inside(directory, file, index)
+            path = inside(directory, file, index, FIX)
             header, start = read_header(path)
             for name, entry in header.items():
                 if name != "__metadata__":
                     self.entries[name] = (path, entry, start)
         for name, file in (weight_map or {}).items():
-            if name not in self.entries or self.entries[name][0] != inside(directory, file, index):
+            if name not in self.entries or self.entries[name][0] != inside(directory, file, index, FIX):
                 raise HetjaxError(f"{index}: names {file} for tensor {name!r}, which that file "
                                   f"does not hold; {FIX}")
 
@@ -95,18 +96,6 @@ class SafetensorsDir:
         del mm
         self.bytes_read += out.nbytes
         return out
-
-
-def inside(directory: str, name: str, named_in: str) -> str:
-    """`directory`/`name` for a file name read from `named_in`, refused unless it is a plain
-    name of a file inside `directory` (no absolute path, no '..', no link leading out)."""
-    path = os.path.join(directory, name)
-    real_dir = os.path.realpath(directory)
-    if (not isinstance(name, str) or not name or os.path.isabs(name)
-            or os.path.commonpath([real_dir, os.path.realpath(path)]) != real_dir):
-        raise HetjaxError(f"{named_in}: names the file {name!r}, which is not inside "
-                          f"{directory}; {FIX}")
-    return path
 
 
 def read_index(path: str) -> dict[str, str]:
@@ -198,10 +187,11 @@ def write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict | None 
     header["__metadata__"] = metadata or {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+
+    def write(f):
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name in sorted(tensors):
             f.write(np.ascontiguousarray(tensors[name]).tobytes())
-    os.replace(tmp, path)
+
+    replace_file(path, write)
