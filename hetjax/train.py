@@ -52,7 +52,7 @@ from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Pre
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.lock import WorkdirLock
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
-from hetjax.core.plan import Plan
+from hetjax.core.plan import Plan, vocab_shards
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.planner.config_plan import predict_for_config
@@ -246,8 +246,11 @@ class Trainer:
                                      sites=bool(config.diloco.inner_steps))
         self.workdir = workdir or config.workdir
         self.tokenizer = tokenizer_from_config(config.data)
+        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
+        run_plan = plan_to_run(config, self.topology, self.plan)
         self.model_cfg = dataclasses.replace(
-            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size)),
+            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size),
+                                    vocab_shards(run_plan)),
             dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
@@ -261,9 +264,8 @@ class Trainer:
         self.tx, self.schedule = make_optimizer(config.train)
         optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
         self.runtime = runtime_from_environ(config, self.plan, self.topology)
-        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
-        self.executor = make_executor(plan_to_run(config, self.topology, self.plan),
-                                      self.topology, self.model_cfg, optimizer, self.runtime)
+        self.executor = make_executor(run_plan, self.topology, self.model_cfg, optimizer,
+                                      self.runtime)
         # The attention kernel this process's devices run (a named one they cannot run is a
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices

@@ -75,6 +75,10 @@ def _leaves(m, has_head: bool) -> dict[tuple, _Leaf]:
     return out
 
 
+# The leaves with a row per token (HF dim 0 is the vocabulary).
+VOCAB_LEAVES = (("embedder", "embedding"), ("lm_head", "kernel"))
+
+
 def _path(keypath) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", k)) for k in keypath)
 
@@ -145,7 +149,7 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
                 return out
             out = np.zeros(_shape(t.shape, index), t.dtype)
             if 0 in range(*index[0].indices(t.shape[0])):
-                out[0] = _read_leaf(st, leaf, None, index[1:])
+                out[0] = _padded(_read_leaf(st, leaf, None, index[1:]), out.shape[1:])
             return out
 
         def shard(index):
@@ -156,8 +160,9 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
                 elif block:
                     layers = range(*index[0].indices(t.shape[0]))
                     cache[key] = np.stack([_read_leaf(st, leaf, i, index[1:]) for i in layers])
-                else:
-                    cache[key] = _read_leaf(st, leaf, None, index)
+                else:  # the vocabulary's padding rows (ModelConfig.vocab_rows) read as zeros
+                    cache[key] = _padded(_read_leaf(st, leaf, None, index),
+                                         _shape(t.shape, index))
             return cache[key].astype(t.dtype)
 
         return jax.make_array_from_callback(t.shape, t.sharding, shard)
@@ -173,6 +178,13 @@ def unused_message(st: SafetensorsDir) -> str | None:
                                           if len(st.unused) > 10 else "")
     return (f"hetjax: warning: model.init_from: {len(st.unused)} tensor(s) of {st.directory} "
             f"are not part of this model and were not loaded: {shown}")
+
+
+def _padded(a: np.ndarray, shape) -> np.ndarray:
+    """`a` with zeros after its end up to `shape` (a shard reaching into padding rows)."""
+    if a.shape == tuple(shape):
+        return a
+    return np.pad(a, [(0, n - m) for m, n in zip(a.shape, shape)])
 
 
 def _shape(shape, index) -> tuple:
@@ -209,6 +221,8 @@ def hf_tensors(params, m) -> dict[str, np.ndarray]:
     out = {}
     for path, leaf in _leaves(m, ("lm_head", "kernel") in flat).items():
         a = flat[path]
+        if path in VOCAB_LEAVES:  # leave out the padding rows (ModelConfig.vocab_rows)
+            a = np.take(a, np.arange(m.vocab_size), axis=leaf.perm.index(0))
         inverse = np.argsort(leaf.perm)
         shape = tuple(math.prod(leaf.split[d] for d in g) for g in leaf.groups)
         for i, x in enumerate(a if path[:2] == ("layers", "block") else [a]):
@@ -298,8 +312,9 @@ def export_checkpoint(checkpoint: str, out: str, *, max_shard_bytes: int = 2 << 
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           tree)
     params = ckptr.restore(os.path.join(step_dir, "state"), target)["params"]
-    m = ModelConfig.from_config(ml_collections.ConfigDict(model),
-                                params["embedder"]["embedding"].shape[0])
+    rows = params["embedder"]["embedding"].shape[0]
+    m = dataclasses.replace(ModelConfig.from_config(ml_collections.ConfigDict(model), rows),
+                            vocab_rows=rows)
     tokenizer_files = {}
     if model.get("init_from"):
         for name in TOKENIZER_FILES:
