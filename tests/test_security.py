@@ -15,6 +15,7 @@ import pytest
 
 from hetjax import config as hconfig
 from hetjax import launch
+from hetjax.worker import expand_nodelist
 from hetjax.errors import HetjaxError
 
 FAKE_SSH = """#!{python}
@@ -118,10 +119,10 @@ def test_a_hostfile_line_that_is_not_a_host_name_is_refused_before_anything_runs
 
 
 def test_slurm_node_lists_and_coordinators_are_host_names_only():
-    assert launch.expand_nodelist("gpu[007-008],login1") == ["gpu007", "gpu008", "login1"]
+    assert expand_nodelist("gpu[007-008],login1") == ["gpu007", "gpu008", "login1"]
     for bad in ("-oProxyCommand=x", "a b", "$(x)"):
         with pytest.raises(HetjaxError, match="is not a host name"):
-            launch.expand_nodelist(f"gpu1,{bad}")
+            expand_nodelist(f"gpu1,{bad}")
     with pytest.raises(HetjaxError, match="--coordinator: '-oProxyCommand=x' is not a host name"):
         launch.main(["--hostfile", "/nonexistent", "--coordinator=-oProxyCommand=x:1234",
                      "--config.data.source=synthetic"])
