@@ -148,12 +148,14 @@ def test_no_injected_command_runs_over_ssh(tmp_path, fakes):
     topo["clusters"][1]["nic_settings"]["hcas"] = [_injections(pwned)[1]]
     topo_file = tmp_path / "topo.json"
     topo_file.write_text(json.dumps(topo))
+    common = ["--hostfile", str(hostfile), "--python", python, "--chdir", str(chdir), "--grace",
+              "1", "--timeout", "60", "--config.data.source=synthetic"]
+    # Environment values from the topology are names, never shell text: refused at the file.
+    with pytest.raises(HetjaxError, match="is not a network interface name"):
+        launch.main([*common, f"--config.topology.file={topo_file}"])
     overrides = [f"--config.wandb.name={v}" for v in _injections(pwned)[3:]]
     workdir = f"{tmp_path}/run {_injections(pwned)[0]}"
-    assert launch.main(["--hostfile", str(hostfile), "--python", python, "--chdir", str(chdir),
-                        "--grace", "1", "--timeout", "60", "--config.data.source=synthetic",
-                        f"--config.topology.file={topo_file}", f"--config.workdir={workdir}",
-                        overrides[-1]]) == 0
+    assert launch.main([*common, f"--config.workdir={workdir}", overrides[-1]]) == 0
     assert os.listdir(pwned) == []
     for n in (0, 1):
         got = (record / f"worker{n}").read_text().split("\n")
