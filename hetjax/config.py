@@ -41,6 +41,9 @@ from hetjax.core.model_config import LIMITS as MODEL_LIMITS
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
+# What each data.source reads, as the run's start and its errors say it.
+SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
+               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
@@ -548,11 +551,17 @@ class _Descriptions(Mapping):
 DESCRIPTIONS: Mapping[str, str] = _Descriptions()
 
 
-def field_problems(c) -> list[tuple[str, str, str]]:
-    """(field, problem, fix) for every field whose own check refuses its value."""
+# Directories only a run that writes needs writable: reading a checkpoint (`hetjax eval`,
+# `hetjax sample`) works on a read-only copy.
+WRITTEN_FIELDS = ("workdir", "checkpoint.dir")
+
+
+def field_problems(c, reading: bool = False) -> list[tuple[str, str, str]]:
+    """(field, problem, fix) for every field whose own check refuses its value (`reading`:
+    except the writability of WRITTEN_FIELDS)."""
     out = []
     for f in FIELDS:
-        if f.check is not None:
+        if f.check is not None and not (reading and f.name in WRITTEN_FIELDS):
             verdict = f.check(f.name, _get(c, f.name))
             if verdict:
                 out.append((f.name, *verdict))
@@ -840,15 +849,16 @@ def expand_paths(c) -> None:
                 node[name] = expanded
 
 
-def validate(c) -> None:
+def validate(c, reading: bool = False) -> None:
     """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
     the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
     fields, then the layout rules of the Plan (`hetjax.core.plan.layout_problems`). Raises
-    ConfigError."""
+    ConfigError. `reading`: for a run that only reads a checkpoint (WRITTEN_FIELDS may be
+    read-only)."""
     check_fields(c)
     expand_paths(c)
     _validate_finite(c)
-    for field, problem, fix in field_problems(c)[:1]:
+    for field, problem, fix in field_problems(c, reading)[:1]:
         raise ConfigError(field, problem, fix)
     _validate_model(c)
     tr = c.train
@@ -858,6 +868,10 @@ def validate(c) -> None:
     _require(c.data.source != "files" or bool(c.data.path), "data.path",
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
+    _require(c.data.source == "files" or not c.data.path, "data.path",
+             f"is {c.data.path!r}, but data.source = {c.data.source!r} reads "
+             f"{SOURCE_TEXT[c.data.source]}, not data.path",
+             "add --config.data.source=files to train on data.path (or drop data.path)")
     if c.data.source == "files":  # found now, not after the model is compiled
         _validate_sources(c.data)
     _validate_data_and_checkpoints(c)
