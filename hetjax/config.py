@@ -37,9 +37,13 @@ from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
 from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
+from hetjax.core.model_config import LIMITS as MODEL_LIMITS
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
+# What each data.source reads, as the run's start and its errors say it.
+SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
+               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
@@ -107,8 +111,13 @@ class Bound:
         return f"{kind}{'<' if self.hi_open else '<='} {self.hi}"
 
 
-def positive_int(fix: str = "set --config.{field}={default}") -> Bound:
-    return Bound(lo=1, integer=True, fix=fix)
+def positive_int(fix: str = "set --config.{field}={default}", hi: int | None = None) -> Bound:
+    return Bound(lo=1, hi=hi, integer=True, fix=fix)
+
+
+def _model_size(name: str) -> Bound:
+    """A model shape field: an integer from 1 to hetjax's limit (`MODEL_LIMITS`)."""
+    return positive_int(hi=MODEL_LIMITS[name])
 
 
 def count_or_off(fix: str = "set --config.{field}={example} (0 turns it off)",
@@ -272,15 +281,16 @@ FIELDS: tuple[Field, ...] = (
           "default: what the runtime reports, else the catalogue)", _TOPOLOGY_FIGURE),
 
     Field("model.vocab_size", 0, "0: the tokenizer's vocabulary rounded up to a multiple of 128",
-          Bound(lo=0, fix="set 0 to size it from the tokenizer")),
-    Field("model.d_model", 128, "width of the residual stream", positive_int()),
-    Field("model.n_layers", 4, "decoder blocks", positive_int()),
-    Field("model.n_heads", 4, "attention (query) heads", positive_int()),
+          Bound(lo=0, hi=MODEL_LIMITS["vocab_size"], integer=True,
+                fix="set 0 to size it from the tokenizer")),
+    Field("model.d_model", 128, "width of the residual stream", _model_size("d_model")),
+    Field("model.n_layers", 4, "decoder blocks", _model_size("n_layers")),
+    Field("model.n_heads", 4, "attention (query) heads", _model_size("n_heads")),
     Field("model.n_kv_heads", 2, "key/value heads: grouped-query attention; = n_heads for plain "
-          "multi-head", positive_int()),
-    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", positive_int()),
+          "multi-head", _model_size("n_kv_heads")),
+    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", _model_size("d_ff")),
     Field("model.max_seq_len", 512, "longest sequence the model takes (HF "
-          "max_position_embeddings)", positive_int()),
+          "max_position_embeddings)", _model_size("max_seq_len")),
     Field("model.rope_theta", 10000.0, "rotary embedding base",
           Bound(lo=0, lo_open=True, fix="use 10000.0")),
     Field("model.norm_eps", 1e-5, "RMSNorm epsilon", Bound(lo=0, lo_open=True, fix="use 1e-5")),
@@ -306,8 +316,9 @@ FIELDS: tuple[Field, ...] = (
           "[tokens, vocab] are never whole; 0: in one piece (the single-program step, pp = 1)",
           Bound(lo=0, integer=True, fix="use 0 (one piece) or e.g. 4096")),
     Field("model.head_dim", 0, "width of one attention head; 0: d_model / n_heads",
-          lambda f, v: Bound(lo=0, fix="set 0 for d_model / n_heads, or the checkpoint's "
-                             "head_dim")(f, v) or _even_or_zero(f, v)),
+          lambda f, v: Bound(lo=0, hi=MODEL_LIMITS["head_dim"], fix="set 0 for d_model / "
+                             "n_heads, or the checkpoint's head_dim")(f, v)
+          or _even_or_zero(f, v)),
     Field("model.rope_type", "default", "RoPE frequency scaling as transformers",
           Choices(ROPE_TYPES, "type")),
     Field("model.rope_factor", 1.0, "RoPE scaling factor (linear, llama3)"),
@@ -565,11 +576,17 @@ class _Descriptions(Mapping):
 DESCRIPTIONS: Mapping[str, str] = _Descriptions()
 
 
-def field_problems(c) -> list[tuple[str, str, str]]:
-    """(field, problem, fix) for every field whose own check refuses its value."""
+# Directories only a run that writes needs writable: reading a checkpoint (`hetjax eval`,
+# `hetjax sample`) works on a read-only copy.
+WRITTEN_FIELDS = ("workdir", "checkpoint.dir")
+
+
+def field_problems(c, reading: bool = False) -> list[tuple[str, str, str]]:
+    """(field, problem, fix) for every field whose own check refuses its value (`reading`:
+    except the writability of WRITTEN_FIELDS)."""
     out = []
     for f in FIELDS:
-        if f.check is not None:
+        if f.check is not None and not (reading and f.name in WRITTEN_FIELDS):
             verdict = f.check(f.name, _get(c, f.name))
             if verdict:
                 out.append((f.name, *verdict))
@@ -857,15 +874,16 @@ def expand_paths(c) -> None:
                 node[name] = expanded
 
 
-def validate(c) -> None:
+def validate(c, reading: bool = False) -> None:
     """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
     the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
     fields, then the layout rules of the Plan (`hetjax.core.plan.layout_problems`). Raises
-    ConfigError."""
+    ConfigError. `reading`: for a run that only reads a checkpoint (WRITTEN_FIELDS may be
+    read-only)."""
     check_fields(c)
     expand_paths(c)
     _validate_finite(c)
-    for field, problem, fix in field_problems(c)[:1]:
+    for field, problem, fix in field_problems(c, reading)[:1]:
         raise ConfigError(field, problem, fix)
     _validate_model(c)
     tr = c.train
@@ -875,6 +893,10 @@ def validate(c) -> None:
     _require(c.data.source != "files" or bool(c.data.path), "data.path",
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
+    _require(c.data.source == "files" or not c.data.path, "data.path",
+             f"is {c.data.path!r}, but data.source = {c.data.source!r} reads "
+             f"{SOURCE_TEXT[c.data.source]}, not data.path",
+             "add --config.data.source=files to train on data.path (or drop data.path)")
     if c.data.source == "files":  # found now, not after the model is compiled
         _validate_sources(c.data)
     _validate_data_and_checkpoints(c)
