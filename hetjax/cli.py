@@ -388,6 +388,9 @@ def cmd_plan(argv: list[str]) -> int:
     plan, runners_up, model = job.plan, job.runners_up, job.model
     print(topology.describe())
     print(plan.describe(topology))
+    if "step_time_s" not in plan.predicted:
+        print("  predicted: not priced (the cost model prices stages that share one (dp, tp) "
+              "shape)")
     from hetjax.planner.breakdown import breakdown_lines
 
     for line in breakdown_lines(job.breakdown):  # what the step is made of
@@ -655,7 +658,8 @@ def cmd_eval(argv: list[str]) -> int:
     r = evaluate(trainer)
     c = trainer.config
     print(f"checkpoint {step}: eval loss {r['loss']:.6f}, perplexity {r['perplexity']:.4f} "
-          f"({c.eval.batches} batches of {c.train.batch_size} x {c.train.seq_len} tokens, "
+          f"({trainer.eval_batches} batches of {c.train.batch_size} x {c.train.seq_len} "
+          "tokens, "
           f"data.source={c.data.source})", flush=True)
     return 0
 

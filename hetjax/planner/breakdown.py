@@ -59,9 +59,10 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     bwd = [c.bwd(n) for c, n in zip(stages, layers)]
     sync = [c.sync(n) for c, n in zip(stages, layers)]
     update = [c.update(n, lmax) for c, n in zip(stages, layers)]
-    tp = [c.comm_layer[0] * n for c, n in zip(stages, layers)]
-    zf = [c.comm_layer[1] * n for c, n in zip(stages, layers)]
-    zb = [c.comm_layer[2] * n for c, n in zip(stages, layers)]
+    tpf = [c.comm_layer[0] * n for c, n in zip(stages, layers)]
+    tpb = [c.comm_layer[1] * n for c, n in zip(stages, layers)]
+    zf = [c.comm_layer[2] * n for c, n in zip(stages, layers)]
+    zb = [c.comm_layer[3] * n for c, n in zip(stages, layers)]
     down = cm.down_share(stages, layers) if layout.folded else ()
     zeros, quiet = [0.0] * plan.pp, [0.0] * len(send)
 
@@ -79,11 +80,11 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     steps.append(play(f1, b1, send, zeros, update))  # and the per-layer ZeRO traffic
     steps.append(play(f1, b1, send, zeros, zeros))  # and the update
     steps.append(play(f1, b1, quiet, zeros, zeros))  # and the boundaries
-    f2, b2 = minus(f1, tp), minus(b1, tp)
+    f2, b2 = minus(f1, tpf), minus(b1, tpb)
     steps.append(play(f2, b2, quiet, zeros, zeros))  # and tensor parallelism
     # the backward without recompute: the stage costs under remat 'none', communication out
-    f3 = [c.fwd(n) - c.comm_layer[0] * n - c.comm_layer[1] * n for c, n in zip(bare, layers)]
-    b3 = [c.bwd(n) - c.comm_layer[0] * n - c.comm_layer[2] * n for c, n in zip(bare, layers)]
+    f3 = [c.fwd(n) - (c.comm_layer[0] + c.comm_layer[2]) * n for c, n in zip(bare, layers)]
+    b3 = [c.bwd(n) - (c.comm_layer[1] + c.comm_layer[3]) * n for c, n in zip(bare, layers)]
     recompute = sum(b - b0 for b, b0 in zip(b2, b3)) > 0
     f3, b3 = (f3, b3) if recompute else (f2, b2)
     steps.append(play(f3, b3, quiet, zeros, zeros))

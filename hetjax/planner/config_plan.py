@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hetjax.errors import ConfigError, HetjaxError
-from hetjax.core.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
+from hetjax.core.plan import (Plan, ZeroFactors, even_split, layout_problems, raise_first,
+                              stage_shape_problem, vocab_shards)
 from hetjax.core.schedules import SCHEDULES
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
@@ -70,9 +71,6 @@ def free_unset(c, user_set) -> None:
         if field not in user_set:
             _set(c, field, auto)
 
-if TYPE_CHECKING:
-    from hetjax.core.model_config import ModelConfig
-
 
 def resolve_microbatches(c) -> int:
     """train.microbatches, or pipeline.microbatches if the user set that alias instead
@@ -85,27 +83,62 @@ def resolve_microbatches(c) -> int:
     return pm or tm
 
 
-def validate_layout(c, topology: Topology) -> None:
-    """Check the fixed degrees in the config against the topology's device count (the Plan's
-    rules, `hetjax.core.plan.layout_problems`)."""
+def usable_ranks(c, topology: Topology) -> list[int]:
+    """The topology's ranks a config lets the layout use: all but `parallel.exclude`, in rank
+    order."""
+    gone = set(c.parallel.get("exclude", ()))
+    bad = sorted(r for r in gone if r >= topology.num_devices)
+    if bad:
+        raise ConfigError("parallel.exclude", f"names ranks {bad}, but topology "
+                          f"{topology.name!r} has {topology.num_devices} devices (ranks 0-"
+                          f"{topology.num_devices - 1})", "list ranks of this topology")
+    return [r for r in range(topology.num_devices) if r not in gone]
+
+
+def stage_shapes_of(c, devices: int) -> tuple[tuple[int, int], ...]:
+    """Each stage's (dp, tp) a config fixes with parallel.stage_dp / stage_tp, on `devices`
+    usable devices: a stage without its own tp takes parallel.tp (or 1), without its own dp
+    parallel.dp or, at 0, its even share of the devices (devices / pp / tp). Empty when the
+    config gives no per-stage degrees."""
     p = c.parallel
-    raise_first(layout_problems(pp=p.pp, dp=p.dp, tp=p.tp, devices=topology.num_devices,
+    sd, st = tuple(p.get("stage_dp", ())), tuple(p.get("stage_tp", ()))
+    n = len(sd or st)
+    if not n:
+        return ()
+    tps = st or (p.tp or 1,) * n
+    share = devices // n
+    dps = sd or tuple(p.dp or max(share // t, 1) for t in tps)
+    return tuple(zip(dps, tps))
+
+
+def validate_layout(c, topology: Topology) -> None:
+    """Check the fixed degrees in the config against the devices of the topology it may use
+    (less parallel.exclude) (the Plan's rules, `hetjax.core.plan.layout_problems`)."""
+    p = c.parallel
+    devices = len(usable_ranks(c, topology))
+    shapes = stage_shapes_of(c, devices)
+    raise_first(layout_problems(pp=p.pp, dp=p.dp if not shapes else 0,
+                                tp=p.tp if not shapes else 0, devices=devices,
                                 topology_name=topology.name, n_layers=c.model.n_layers,
-                                stage_layers=tuple(c.pipeline.stage_layers)), ConfigError)
+                                stage_layers=tuple(c.pipeline.stage_layers),
+                                stage_shapes=shapes), ConfigError)
 
 
-def model_from_config(c, topology: Topology | None = None,
-                      plan_: Plan | None = None) -> "ModelConfig":
+def model_from_config(c, topology: Topology | None = None, plan_: Plan | None = None,
+                      shards: int = 0) -> "ModelConfig":
     """The ModelConfig a config trains, as the Trainer builds it: model.vocab_size, or when it
     is 0 the configured tokenizer's vocabulary (data.tokenizer) padded to a multiple of 128;
-    model.dtype 'auto' resolved on `topology` (Topology.default_compute_dtype; without one,
-    float32); the recompute policy `plan_` chose, when it chose one."""
+    the embedding and head padded for `shards`-way tensor parallelism (default: `plan_`'s,
+    `vocab_shards`); model.dtype 'auto' resolved on `topology` (Topology.
+    default_compute_dtype; without one, float32); the recompute policy `plan_` chose, when it
+    chose one."""
     from hetjax.core.model_config import ModelConfig
     from hetjax.tokenizer import load_tokenizer, padded_vocab
 
     vocab = c.model.vocab_size or padded_vocab(load_tokenizer(c.data.tokenizer,
                                                               c.data.add_bos).vocab_size)
-    model = ModelConfig.from_config(c.model, vocab)
+    shards = shards or (vocab_shards(plan_) if plan_ is not None else 1)
+    model = ModelConfig.from_config(c.model, vocab, shards)
     if c.model.dtype == "auto" and topology is not None:
         model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
     if plan_ is not None and plan_.remat:
@@ -137,6 +170,18 @@ def options_from_config(c, topology: Topology | None = None) -> CostOptions:
                   "those are priced with nominal constants. fix: run 'hetjax calibrate' on "
                   "this topology", file=sys.stderr, flush=True)
         options = cal.options(options)
+    if c.planner.get("profile", ""):
+        from hetjax.planner.compute_profile import load_profile
+
+        profile = load_profile(c.planner.profile)
+        problem = profile.mismatch(model_from_config(c, topology=topology))
+        if problem:
+            raise ConfigError("planner.profile", f"{c.planner.profile!r} was {problem}",
+                              "measure this model with 'hetjax calibrate --profile=FILE', or "
+                              "leave planner.profile empty")
+        if options.profile is not None:  # the calibration's rows too: they price what it lacks
+            profile = profile.merged(options.profile.rows)
+        options = dataclasses.replace(options, profile=profile)
     return options
 
 
@@ -157,7 +202,13 @@ def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
         fit = megatron_range()
     else:
         fit = holmes_range()
-    return lines(mfu, model_from_config(c), topology, fit)
+    out = lines(mfu, model_from_config(c), topology, fit)
+    source = plan_.predicted.get("compute_source", "flat")
+    if "profile" in source:
+        out.insert(0, f"compute priced from a measured profile ({source}); the band "
+                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s is its spread and "
+                   f"extrapolation (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
+    return out
 
 
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
@@ -177,7 +228,8 @@ def boundary_codec_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     uncompressed activations: the step priced with int8 boundaries
     (`pipeline.boundary_codec=int8`, which compresses only boundaries between clusters), when
     that is at least CODEC_PROPOSAL_GAIN faster -- slow inter-cluster links."""
-    if plan_.executor != "mpmd" or plan_.pp < 2 or c.pipeline.boundary_codec != "none":
+    if (plan_.executor != "mpmd" or plan_.pp < 2 or c.pipeline.boundary_codec != "none"
+            or "step_time_s" not in plan_.predicted):  # a plan the cost model did not price
         return []
     plain = predict_for_config(c, plan_, topology).step_time
     packed = predict_for_config(c, plan_, topology, boundary_codec="int8").step_time
@@ -208,10 +260,14 @@ class JobPlan:
         return self.search.describe(topology) if self.search else self.plan.describe(topology)
 
 
-def searches(c) -> bool:
+def searches_layout(c) -> bool:
     """Whether the config leaves anything to the planner's search: degrees at 0, or a SEARCHED
     field left to it (an executor alone is priced per layout; model.remat 'auto' on a fixed
-    layout is the model's policy, `effective_remat`)."""
+    layout is the model's policy, `effective_remat`). Per-stage degrees (parallel.stage_dp /
+    stage_tp) fix the layout."""
+    p = c.parallel
+    if p.get("stage_dp", ()) or p.get("stage_tp", ()):
+        return False
     return (layout_searched(c) or not resolve_microbatches(c)
             or any(_get(c, f) == "auto"
                    for f in ("pipeline.schedule", "pipeline.placement", "zero.preset")))
@@ -225,11 +281,16 @@ def plan_job(c, topology: Topology, *, explain: bool = False, top: int = 5,
     validate_layout(c, topology)
     model = model_from_config(c, topology)
     options = options or options_from_config(c, topology)
-    result = _search(c, topology, model, options, top) if searches(c) else None
+    if searches_layout(c) and len(usable_ranks(c, topology)) < topology.num_devices:
+        raise ConfigError("parallel.exclude", "leaves devices out of a layout the planner "
+                          "searches", "fix the layout too (parallel.pp and parallel.tp, or "
+                          "parallel.stage_dp / stage_tp), or leave parallel.exclude empty "
+                          "(the planner leaves devices out itself when that is faster)")
+    result = _search(c, topology, model, options, top) if searches_layout(c) else None
     best = result.plan if result else _fixed(c, topology, model, options)
     job = JobPlan(model_from_config(c, topology, best), best,
                   result.runners_up if result else (), result)
-    if not explain:
+    if not explain or "step_time_s" not in best.predicted:  # (an unpriced fixed layout)
         return job
     from hetjax.planner.breakdown import step_breakdown, what_ifs
 
@@ -261,7 +322,7 @@ def _plan_on(c, topology: Topology, options: CostOptions, top: int) -> Plan:
     """The plan the config gets on `topology` (searched or fixed), with `options`' measured
     rates and memory margin."""
     model = model_from_config(c, topology)
-    if searches(c):
+    if searches_layout(c):
         return _search(c, topology, model, options, top).plan
     return _fixed(c, topology, model, options)
 
@@ -359,28 +420,39 @@ def _note_executor_choice(best: Plan, priced: list[Plan],
 
 
 def _fixed(c, topology: Topology, model, options: CostOptions) -> Plan:
-    """The layout the config fixes, completed (dp = the rest, an even split, the ZeRO point)
-    and checked by the rules the search keeps; its recompute policy is model.remat's. Its
-    executor is the configured one, or for 'auto' the one the cost model predicts faster for
-    this layout (a single-stage plan needs no pipeline executor); priced."""
-    n = topology.num_devices
+    """The layout the config fixes, completed (dp = the rest, an even split, the ZeRO point;
+    the devices less parallel.exclude; each stage's (dp, tp) when parallel.stage_dp / stage_tp
+    give them) and checked by the rules the search keeps; its recompute policy is
+    model.remat's. Its executor is the configured one, or for 'auto' the one the cost model
+    predicts faster for this layout (a single-stage plan needs no pipeline executor; stages
+    of different shapes only the executors that run them). Priced, when its stages share one
+    (dp, tp) shape (the cost model prices no other)."""
+    ranks = usable_ranks(c, topology)
+    shapes = stage_shapes_of(c, len(ranks))
+    n = len(ranks)
     p = c.parallel
-    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
-    tp = p.tp or 1
-    dp = p.dp or n // (pp * tp)
+    pp = p.pp or len(shapes) or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
+    tp = shapes[0][1] if shapes else p.tp or 1
+    dp = shapes[0][0] if shapes else p.dp or n // (pp * tp)
     mb = resolve_microbatches(c)
     raise_first(layout_problems(pp=pp, dp=dp, tp=tp, devices=n, topology_name=topology.name,
-                                microbatches=mb, global_batch=c.train.batch_size), ConfigError)
+                                microbatches=mb, global_batch=c.train.batch_size,
+                                stage_shapes=shapes), ConfigError)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
                  schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
-                 placement=c.pipeline.placement if pp > 1 else "looped")
+                 placement=c.pipeline.placement if pp > 1 else "looped",
+                 device_order=tuple(ranks), stage_shapes=shapes)
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
     plan_ = dataclasses.replace(plan_, zero=zr.factors_from_config(c.zero, plan_, topology))
     executors = _executors(c) if plan_.pp > 1 else (c.pipeline.executor,)
+    if not plan_.uniform:  # per-stage shapes: only the executors that run them, unpriced
+        runnable = [e for e in executors
+                    if e == "auto" or stage_shape_problem(e, plan_.pp, plan_.pp) is None]
+        return dataclasses.replace(plan_, executor=(runnable or executors)[0])
     priced = []
     for executor in executors:
         named = executor if executor != "auto" else plan_.executor
