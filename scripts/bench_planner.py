@@ -7,6 +7,7 @@
     python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
     python scripts/bench_planner.py speed --devices 4096 --executor hetjax mpmd
+    python scripts/bench_planner.py speed --devices 4096 --executor hetjax mpmd --subsets
     python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench_planner.py scenario       # docs/planner.md's cluster: the plan against
@@ -198,24 +199,27 @@ def speed(args) -> None:
                 cached.cache_clear()  # each search builds its schedule tables afresh
             partition.split_cache_clear()  # ... and finds its layer splits afresh
             t0 = time.process_time()  # CPU seconds: the machines this runs on are shared
-            runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune),
+            runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune,
+                                subsets=args.subsets, distinct=args.subsets),
                            time.process_time() - t0)
         (result, seconds), (full, full_seconds) = runs[True], runs[False]
-        same = [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
-                for p in (result.plan, *result.runners_up)] == \
-            [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
-             for p in (full.plan, *full.runners_up)]
+        same = [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers,
+                 p.device_order) for p in (result.plan, *result.runners_up)] == \
+            [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers,
+              p.device_order) for p in (full.plan, *full.runners_up)]
         p, pr = result.plan, result.plan.predicted
         rows.append([str(n), executor, f"{seconds:.1f}", f"{full_seconds:.1f}",
                      f"{result.candidates} + {result.pruned} skipped", str(full.candidates),
                      "yes" if same else "NO",
                      f"pp={p.pp} dp={p.dp} tp={p.tp} M={p.microbatches} {p.schedule} "
-                     f"{p.zero.name}", f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
+                     f"{p.zero.name}" + (f", {p.num_devices} devices" if args.subsets else ""),
+                     f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
     print("Outer search speed: 70B-class model (80 layers, d 8192, GQA 64/8), batch 2048 x "
           "4096 tokens, on holmes_hybrid (InfiniBand + RoCE clusters of 8-A100 nodes, "
           f"Ethernet between), priced for each executor, compute "
           f"{args.compute}; the search with its lower-bound pruning beside the exhaustive "
-          "one (prune=False)\n")
+          "one (prune=False)" + ("; the devices used searched too (whole clusters left out), "
+                                 "runners-up distinct layouts" if args.subsets else "") + "\n")
     print(table(["devices", "executor", "CPU s", "exhaustive CPU s", "layouts priced",
                  "exhaustive priced", "same plans", "chosen", "step s", "MFU"], rows))
 
@@ -470,6 +474,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--compute", choices=["flat", "kinds"], default="flat",
                         help="speed: compute priced flat (one efficiency) or by operation kind")
+    parser.add_argument("--subsets", action="store_true",
+                        help="speed: the search as `hetjax plan` runs it, the devices used a "
+                        "choice too and the runners-up distinct layouts")
     parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], nargs="+",
                         default=["hetjax"], help="speed: how the plans are priced (see "
                         "cost.EXECUTORS); several: one row each, in one table")

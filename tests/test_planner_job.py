@@ -254,3 +254,18 @@ def test_the_plan_is_within_one_percent_of_the_best_priced_without_the_search(in
     assert candidates > 5000
     assert job.plan.predicted["step_time_s"] <= best.predicted["step_time_s"] * 1.01
     assert len(job.plan.device_order) == len(best.device_order) == devices
+
+
+def test_the_memory_message_counts_the_activations_the_spmd_pipeline_stashes():
+    """They were in 'model states' and 'buffers', and 'activations 0.00 GiB' was printed."""
+    import re
+
+    from hetjax.errors import PlanError
+
+    t = two_kinds()
+    with pytest.raises(PlanError, match="does not fit in memory") as e:
+        plan(t, gpu_model(n_layers=6, d_model=4096, n_heads=32, d_ff=11008, max_seq_len=8192),
+             256, 8192, microbatches=2, schedule="1f1b", zero="ddp",
+             options=CostOptions(executor="hetjax"))
+    acts = float(re.search(r"activations ([\d.]+)", str(e.value)).group(1))
+    assert acts > 1.0

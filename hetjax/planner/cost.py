@@ -238,6 +238,10 @@ class StageCost:
     source: str = "flat"  # what priced its compute (see _Slot)
     spread: float = 0.0
     distance: float = 1.0
+    # Of mem_slot and mem_fixed, the activations hetjax's SPMD pipeline stashes (per layer
+    # slot, and its stage output), for messages that split memory into its kinds
+    stash_slot: float = 0.0
+    stash_fixed: float = 0.0
     # Of fwd_layer / bwd_layer, the communication (for the step's breakdown): the TP
     # all-reduces of the forward and of the backward, and the exposed ZeRO traffic of each.
     comm_layer: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
@@ -789,6 +793,7 @@ class CostModel:
             sync_fixed=(slot.embed_sync if embed else 0.0) + (slot.head_sync if head else 0.0)
             + (shared if slot.shared_everywhere or first or last else 0.0),
             mem_slot=slot.mem_slot + slot.stash * live, mem_layer=slot.act_layer * live,
+            stash_slot=slot.stash * live, stash_fixed=slot.stash_out * live,
             mem_fixed=slot.mem_base + slot.stash_out * live + (slot.embed_mem if embed else 0.0)
             + (slot.head_mem if head else 0.0) + (slot.logits if last else 0.0),
             capacity=slot.capacity, label=slot.label,

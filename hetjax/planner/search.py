@@ -742,12 +742,15 @@ class _Search:
         worst, need = self._even_need(layout, table)
         layers = even_split(self.model.n_layers, layout.pp)
         c, n, lmax = table[worst][worst], layers[worst], max(layers)
+        slots = lmax if c.padded else n  # (as StageCost.memory counts them)
         self._note(need / c.capacity, (
             f"pp={layout.pp} dp={layout.dp} tp={layout.tp} zero={layout.zero.name} "
             f"M={layout.microbatches} {layout.schedule}: stage {worst} ({c.label}) needs "
-            f"{need / GIB:.2f} GiB per device (model states {c.mem_slot * lmax / GIB:.2f}, "
-            f"activations {c.mem_layer * n / GIB:.2f}, embedding/head/buffers "
-            f"{c.mem_fixed / GIB:.2f}) but has {c.capacity / GIB:.2f} GiB usable"))
+            f"{need / GIB:.2f} GiB per device (model states "
+            f"{(c.mem_slot - c.stash_slot) * slots / GIB:.2f}, activations "
+            f"{(c.mem_layer * n + c.stash_slot * slots + c.stash_fixed) / GIB:.2f}, "
+            f"embedding/head/buffers {(c.mem_fixed - c.stash_fixed) / GIB:.2f}) but has "
+            f"{c.capacity / GIB:.2f} GiB usable"))
 
     # --- why the choices were made ---------------------------------------------------------------
     def explain(self, plan: Plan, choices: dict[str, list[Layout]],
