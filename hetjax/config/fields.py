@@ -1,43 +1,32 @@
-"""Configuration: every field hetjax reads, its default, loading with overrides, and validation.
+"""Every config field, defined once: its dotted name, default, `--help` line and own check.
 
-Each field is defined once, as a `Field` of FIELDS: its default, its description (the `--help`
-line) and its own check; `base_config()`, `DESCRIPTIONS` (`--help`), `PATH_FIELDS` and the
-first step of `validate` are made from that table. Name sets are imported from their owners
-(schedules, executors, ZeRO presets, codecs, RoPE types, compute models). `configs/*.py` files
-start from `base_config()` and change what their scenario needs. `load_config(path,
-overrides)` reads a `get_config()` file with `--config.a.b=value` overrides exactly as the CLI
-does (ml_collections.config_flags). `validate(config)` checks everything that does not need
-JAX and raises a `ConfigError` naming the field and the fix: the fields' own checks, then the
-rules between fields. Layout rules are not repeated here: they are the Plan's
-(`hetjax.core.plan.layout_problems`); the checks that need the topology (degrees against device
-counts, placement, ZeRO factors on nodes) run where the Plan is built
-(hetjax/planner/config_plan.py).
+A field is a `Field` of `FIELDS`; its check is a `Choices` of a name set imported from its owner
+(schedules, executors, ZeRO presets, codecs, RoPE types, compute models), a `Bound` on a number,
+or a function `(field, value) -> None | (problem, fix)`. `base_config()` (every field at its
+default), `DESCRIPTIONS` (the `--help` lines, read from FIELDS at each use) and `PATH_FIELDS`
+(the fields naming files, whose `~` and `$VAR` are expanded) are made from the table. Loading is
+`hetjax.config.loading`'s, the rules between fields `hetjax.config.validation`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from hetjax.errors import ConfigError, HetjaxError
 from hetjax.core import topology as topo
-from hetjax.planner import zero_factors as zr
-from hetjax.planner.config_plan import resolve_microbatches
-from hetjax.planner.cost import COMPUTE_MODELS
-from hetjax.interop.hf_config import ROPE_TYPES
-from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
-                         name_problems, raise_first)
+from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from hetjax.interop.hf_config import ROPE_TYPES
+from hetjax.planner import zero_factors as zr
+from hetjax.planner.cost import COMPUTE_MODELS
+
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
@@ -45,7 +34,6 @@ WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
 
-# --- one spec per field -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Choices:
     """The value is one of a name set; `names` is its owner's tuple (or a function returning
@@ -92,7 +80,7 @@ class Bound:
             ok = value < self.hi if self.hi_open else value <= self.hi
         if ok:
             return None
-        kw = dict(field=field, value=value, default=_spec(field).default)
+        kw = dict(field=field, value=value, default=spec(field).default)
         return (self.problem.format(**kw) or f"must be {self.text()}, got {value!r}",
                 self.fix.format(**kw))
 
@@ -473,7 +461,8 @@ FIELDS: tuple[Field, ...] = (
 )
 
 
-def _spec(name: str) -> Field:
+def spec(name: str) -> Field:
+    """The `Field` named `name` (a dotted name of FIELDS)."""
     return next(f for f in FIELDS if f.name == name)
 
 
@@ -517,272 +506,17 @@ def field_problems(c) -> list[tuple[str, str, str]]:
     out = []
     for f in FIELDS:
         if f.check is not None:
-            verdict = f.check(f.name, _get(c, f.name))
+            verdict = f.check(f.name, field_value(c, f.name))
             if verdict:
                 out.append((f.name, *verdict))
     return out
 
 
-# --- loading -----------------------------------------------------------------------------------
-def load_config(path: str | None = None, overrides=(),
-                base: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
-    """Load a `get_config()` file (or `base`, default the defaults) and apply `--config.x.y=v`
-    overrides.
-
-    Every way the file or an override can be wrong (missing file, not Python, a syntax error,
-    get_config failing or returning something else, an unknown field, a value of the wrong
-    type) raises one HetjaxError naming the file line or the field and the fix."""
-    from absl import flags
-    from ml_collections import config_flags
-
-    cfg = _load_file(path) if path is not None else base if base is not None else base_config()
-    check_fields(cfg)  # before the overrides, so a partial file is named as the culprit
-    latest = {}
-    for o in overrides:
-        field = o[len("--config."):].split("=", 1)[0]
-        _known_field(cfg, field)
-        latest.pop(field, None)
-        latest[field] = o
-    # The last value given for a field wins (absl appends repeated tuple flags instead).
-    overrides = list(latest.values())
-    fv = flags.FlagValues()
-    # config_flags finds the --config.* override flags by scanning the argv it is given
-    # (sys.argv by default), so hand it ours.
-    argv = ["hetjax", *overrides]
-    config_flags.DEFINE_config_dict("config", cfg, flag_values=fv, sys_argv=argv)
-    try:
-        fv(argv)
-    except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
-        detail = " ".join(str(e).replace("\\n", " ").replace("\\'", "").replace("'", "").strip('"').split())
-        bad = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", detail)
-        if bad:  # a value that does not parse as the field's type
-            field = bad.group(1)
-            raise ConfigError(field, f"cannot take the value {bad.group(2)!r} ({bad.group(3)})",
-                              f"give it a value like its default, e.g. "
-                              f"--config.{field}={_get(base_config(), field)!r}") from None
-        raise HetjaxError(f"could not read the config {path or '(defaults)'}: {detail}") from None
-    check_fields(fv.config)
-    # A preset or an HF directory gives the architecture; a model field the file changed from
-    # its default or an override names explicitly still wins.
-    base = base_config().model
-    keep = set(latest) | {f"model.{k}" for k in base.keys() if cfg.model[k] != base[k]}
-    apply_model_source(fv.config, keep)
-    return fv.config
-
-
-def apply_model_source(c, keep=()) -> None:
-    """Set the architecture fields (hetjax.interop.hf_config.ARCH_FIELDS) from model.preset or
-    the config.json of model.init_from, except the dotted fields in `keep`. `load_config` calls
-    it; call it on a config built in Python after setting either field."""
-    m = c.model
-    if not m.preset and not m.init_from:
-        return
-    from hetjax.interop import hf_config
-
-    _require(not (m.preset and m.init_from), "model.preset",
-             f"{m.preset!r} is set and so is model.init_from = {m.init_from!r}",
-             "set only model.init_from: the checkpoint's config.json gives the architecture")
-    fields = (hf_config.preset_fields(m.preset) if m.preset else
-              hf_config.model_fields(hf_config.read_config_json(m.init_from),
-                                     "model.init_from"))
-    for k, v in fields.items():
-        if f"model.{k}" not in keep:
-            m[k] = v
-
-
-# From Python (hetjax.load_config) a run left at the command line's workdir goes here instead,
-# so a notebook or snippet never resumes, or writes over, the run `hetjax train` made.
-PYTHON_WORKDIR = "runs/python"
-
-
-def load_config_for_python(path: str | None = None, overrides=()) -> ml_collections.ConfigDict:
-    """`load_config` as `hetjax.load_config` offers it to Python and notebooks: the same config,
-    except that a workdir neither the file nor an override changes is PYTHON_WORKDIR rather
-    than the `hetjax` command's runs/default."""
-    cfg = load_config(path, overrides)
-    if cfg.workdir == base_config().workdir and not any(
-            o.startswith("--config.workdir=") for o in overrides):
-        cfg.workdir = PYTHON_WORKDIR
-    return cfg
-
-
-def _load_file(path: str) -> ml_collections.ConfigDict:
-    """Run a config file's `get_config(*args)` (`path` may end in `:arg`, as config_flags)."""
-    import importlib.util
-    import traceback
-
-    file, *args = path.split(":")
-    fix = ("give a Python file with get_config() returning a ConfigDict, e.g. "
-           "--config=configs/default.py")
-    if not os.path.isfile(file):
-        raise HetjaxError(f"--config={path}: no such file; fix: {fix}")
-    if not file.endswith(".py"):
-        raise HetjaxError(f"--config={path}: a config is a Python file, not "
-                          f"{os.path.splitext(file)[1] or 'a file without .py'}; fix: {fix}")
-
-    def failure(e: BaseException) -> HetjaxError:
-        # The deepest frame inside the config file says which line went wrong.
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.abspath(f.filename) == os.path.abspath(file)]
-        where = f" line {frames[-1].lineno} ({frames[-1].line.strip()})" if frames else ""
-        detail = " ".join(str(e).replace("<class ", "").replace(">", "").split())
-        return HetjaxError(f"--config={path}:{where}: {type(e).__name__}: {detail}; fix: "
-                           "correct that line (field types are those of base_config())")
-
-    spec = importlib.util.spec_from_file_location("hetjax_user_config", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise HetjaxError(f"--config={path}: syntax error at line {e.lineno}: {e.msg}; fix: "
-                          f"correct line {e.lineno}") from None
-    except Exception as e:
-        raise failure(e) from None
-    if not callable(getattr(module, "get_config", None)):
-        raise HetjaxError(f"--config={path}: defines no get_config(); fix: {fix}")
-    try:
-        cfg = module.get_config(*args)
-    except Exception as e:
-        raise failure(e) from None
-    if not isinstance(cfg, ml_collections.ConfigDict):
-        raise HetjaxError(f"--config={path}: get_config() returned a {type(cfg).__name__}, not "
-                          "a ConfigDict; fix: start from hetjax.config.base_config() and return "
-                          "it with your changes")
-    return cfg
-
-
-def _kind(default) -> tuple[tuple[type, ...], str]:
-    """The types a field with this default accepts, and their name for messages."""
-    if isinstance(default, bool):
-        return (bool,), "true or false"
-    if isinstance(default, int):
-        return (int,), "an integer"
-    if isinstance(default, float):
-        return (int, float), "a number"
-    if isinstance(default, (tuple, list)):
-        return (tuple, list), "a tuple, e.g. (3, 1)"
-    return (type(default),), f"a {type(default).__name__}"
-
-
-def _known_field(c, dotted: str) -> None:
-    """Raise ConfigError unless `dotted` names a field of `c`, suggesting the nearest name."""
-    import difflib
-
-    node, done = c, []
-    for part in dotted.split("."):
-        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-            near = difflib.get_close_matches(part, known, n=1)
-            where = ".".join(done)
-            fix = (f"did you mean {'.'.join([*done, near[0]])}?" if near else
-                   f"the fields of {where or 'the config'} are: {', '.join(known)}")
-            raise ConfigError(".".join([*done, part]), "is not a hetjax config field", fix)
-        node, done = node[part], [*done, part]
-
-
-def check_fields(c, ref=None, prefix: str = "") -> None:
-    """Every field of `c` is one of base_config()'s, none is missing, and each has its type."""
-    import difflib
-
-    ref = base_config() if ref is None else ref
-    if not isinstance(c, ml_collections.ConfigDict):
-        raise ConfigError(prefix.rstrip(".") or "(config)",
-                          f"must be a ConfigDict section, got {c!r}",
-                          "start from hetjax.config.base_config() and change fields in it")
-    for k in c.keys():
-        if k not in ref:
-            near = difflib.get_close_matches(k, list(ref.keys()), n=1)
-            raise ConfigError(prefix + k, "is not a hetjax config field",
-                              f"did you mean {prefix + near[0]}?" if near else
-                              f"the fields of {prefix.rstrip('.') or 'the config'} are: "
-                              f"{', '.join(ref.keys())}")
-    for k in ref.keys():
-        field = prefix + k
-        if k not in c:
-            raise ConfigError(field, "is missing", "start the config from "
-                              "hetjax.config.base_config() (it has every field) and change "
-                              "what you need")
-        default, value = ref[k], c[k]
-        if isinstance(default, ml_collections.ConfigDict):
-            check_fields(value, default, field + ".")
-            continue
-        types, name = _kind(default)
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise ConfigError(field, f"must be {name}, got {value!r} ({type(value).__name__})",
-                              f"set it like its default, e.g. --config.{field}={default!r}")
-
-
-# --- validation --------------------------------------------------------------------------------
-def _require(cond: bool, field: str, problem: str, fix: str) -> None:
-    if not cond:
-        raise ConfigError(field, problem, fix)
-
-
-def _check(c, field: str, check=None) -> None:
-    """Raise ConfigError unless `check` (a field check, e.g. `positive_int()`; default the
-    field's own) passes."""
-    verdict = (check or _spec(field).check)(field, _get(c, field))
-    if verdict:
-        raise ConfigError(field, *verdict)
-
-
-def _get(c, dotted: str):
+def field_value(c, dotted: str):
+    """The value of the dotted field `dotted` in config `c`."""
     for part in dotted.split("."):
         c = c[part]
     return c
-
-
-def compute_dtype(c, topology: topo.Topology | None = None) -> str:
-    """model.dtype with 'auto' resolved on the config's topology (Topology.
-    default_compute_dtype: bfloat16 compute on accelerators, float32 on CPU)."""
-    if c.model.dtype != "auto":
-        return c.model.dtype
-    return (topology or build_topology(c)).default_compute_dtype
-
-
-def build_topology(c) -> topo.Topology:
-    """The topology a config names (file or preset, with node/device overrides)."""
-    t = c.topology
-    if t.file:
-        _require(t.preset == base_config().topology.preset, "topology.preset",
-                 f"is {t.preset!r} but topology.file = {t.file!r} is set too; the file would "
-                 "silently win", "set only one of topology.file and topology.preset")
-        try:
-            with open(t.file) as f:
-                return topo.Topology.from_json(f.read())
-        except (FileNotFoundError, IsADirectoryError):
-            raise ConfigError("topology.file", f"{t.file!r} does not exist",
-                              "give the path of a JSON topology (Topology.to_json())") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError("topology.file", f"{t.file!r} is not valid JSON (line {e.lineno}, "
-                              f"column {e.colno}: {e.msg})",
-                              "fix the JSON; Topology.to_json() shows the format") from None
-        except HetjaxError as e:
-            raise ConfigError("topology.file", f"{t.file!r}: {e}",
-                              "correct that entry of the file") from None
-    _check(c, "topology.preset")
-    kwargs = {}
-    import inspect
-
-    params = inspect.signature(topo.PRESETS[t.preset]).parameters
-    for key in ("nodes", "devices_per_node"):
-        _check(c, f"topology.{key}")
-        v = t[key]
-        if v:
-            if key not in params:
-                raise ConfigError(f"topology.{key}", f"preset {t.preset!r} has no {key}",
-                                  f"leave it 0; {t.preset} takes ({', '.join(params)})")
-            kwargs[key] = v
-    for key in ("peak_tflops", "memory_gib"):
-        _check(c, f"topology.{key}")
-        v = t[key]
-        if v:
-            if key not in params:
-                raise ConfigError(f"topology.{key}", f"preset {t.preset!r} takes its devices' "
-                                  "figures from the catalogue",
-                                  "leave it 0, or use --config.topology.preset=local")
-            kwargs[key] = float(v)
-    return topo.preset(t.preset, **kwargs)
 
 
 def warmup_steps(t) -> int:
@@ -792,188 +526,3 @@ def warmup_steps(t) -> int:
 
 # Every field that names a file or directory: `expand_paths` expands `~` and `$VAR` in them.
 PATH_FIELDS = tuple(f.name for f in FIELDS if f.path)
-
-
-def expand_paths(c) -> None:
-    """Expand `~` and environment variables in every path field, in place: the one place this
-    happens, so validation, the trainer and the data see the same path (a `~` left for the
-    trainer wrote to `./~/...`)."""
-    for field in PATH_FIELDS:
-        section, _, name = field.rpartition(".")
-        node = c[section] if section else c
-        value = node.get(name)
-        if isinstance(value, str) and value:
-            expanded = os.path.expanduser(os.path.expandvars(value))
-            if expanded != value:
-                node[name] = expanded
-
-
-def validate(c) -> None:
-    """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
-    the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
-    fields, then the layout rules of the Plan (`hetjax.core.plan.layout_problems`). Raises
-    ConfigError."""
-    check_fields(c)
-    expand_paths(c)
-    _validate_finite(c)
-    for field, problem, fix in field_problems(c)[:1]:
-        raise ConfigError(field, problem, fix)
-    _validate_model(c)
-    tr = c.train
-    _require(-1 <= tr.warmup_steps <= tr.steps, "train.warmup_steps",
-             f"must be in [0, train.steps = {tr.steps}] (or -1 for 10% of the steps), "
-             f"got {tr.warmup_steps}", f"use about 10% of the steps, e.g. {max(1, tr.steps // 10)}")
-    _require(c.data.source != "files" or bool(c.data.path), "data.path",
-             "data.source = 'files' needs a directory or glob of text files",
-             "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
-    if c.data.source == "files":  # found now, not after the model is compiled
-        _validate_sources(c.data)
-    _validate_data_and_checkpoints(c)
-    _validate_diloco(c)
-    _validate_layout(c)
-
-
-def _validate_model(c) -> None:
-    m = c.model
-    if m.head_dim == 0:
-        _require(m.d_model % m.n_heads == 0, "model.d_model",
-                 f"{m.d_model} is not divisible by model.n_heads = {m.n_heads}",
-                 f"make d_model a multiple of n_heads, e.g. "
-                 f"{m.n_heads * max(1, m.d_model // m.n_heads)}, or set model.head_dim")
-        _require((m.d_model // m.n_heads) % 2 == 0, "model.d_model",
-                 f"head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd; rotary "
-                 "embeddings rotate pairs of dimensions", "choose d_model / n_heads even")
-    if m.rope_type != "default":
-        _require(m.rope_factor > 0, "model.rope_factor", f"must be > 0, got {m.rope_factor}",
-                 "use the checkpoint's rope_scaling.factor, e.g. 8.0")
-    if m.rope_type == "llama3":
-        _require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-                 "model.rope_high_freq_factor",
-                 f"must exceed model.rope_low_freq_factor = {m.rope_low_freq_factor} (> 0), "
-                 f"got {m.rope_high_freq_factor}", "use Llama 3.1's 4.0 and 1.0")
-        _check(c, "model.rope_original_max_len", positive_int())
-    _require(not (m.preset and m.init_from), "model.preset",
-             f"{m.preset!r} is set and so is model.init_from = {m.init_from!r}",
-             "set only model.init_from: the checkpoint's config.json gives the architecture")
-    if m.init_from:
-        from hetjax.interop import hf_config
-
-        # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
-        # scaling or max_seq_len, a run may change on purpose).
-        hf = hf_config.model_fields(hf_config.read_config_json(m.init_from), "model.init_from")
-        for k in hf_config.SHAPE_FIELDS:
-            _require(m[k] == hf[k], f"model.{k}",
-                     f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
-                     f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
-                     "in Python call hetjax.config.apply_model_source(config))")
-    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
-             f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
-             f"pick n_kv_heads from the divisors of {m.n_heads}: "
-             f"{[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
-    _require(c.train.seq_len <= m.max_seq_len, "train.seq_len",
-             f"{c.train.seq_len} is longer than the model takes (model.max_seq_len = "
-             f"{m.max_seq_len})", f"lower train.seq_len or raise model.max_seq_len to >= "
-             f"{c.train.seq_len}")
-
-
-def _validate_layout(c) -> None:
-    m, p, z = c.model, c.parallel, c.zero
-    factors = (z.s_p, z.s_g, z.s_os)
-    _require(z.preset == "custom" or factors == (1, 1, 1), "zero.preset",
-             f"zero.s_p / s_g / s_os = {factors} are only read when zero.preset = 'custom', "
-             f"but it is {z.preset!r}",
-             "set --config.zero.preset=custom to use them, or leave them at 1")
-    # The layout rules a config fixes before the topology is known: the Plan's, one definition.
-    raise_first(layout_problems(
-        pp=p.pp, stage_layers=tuple(c.pipeline.stage_layers), n_layers=m.n_layers,
-        microbatches=resolve_microbatches(c), global_batch=c.train.batch_size,
-        schedule=c.pipeline.schedule, executor=c.pipeline.executor,
-        placement=c.pipeline.placement,
-        zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
-    if p.tp:
-        for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                     ("model.d_ff", m.d_ff)):
-            _require(v % p.tp == 0, "parallel.tp",
-                     f"tp = {p.tp} does not divide {f} = {v}; tensor parallelism splits it",
-                     f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
-                     f"{_common_divisors(m.n_heads, m.n_kv_heads, m.d_ff)}")
-
-
-def _validate_finite(c, ref=None, prefix: str = "") -> None:
-    """Every float field is a finite number: `train.lr=inf` skipped every update and ended
-    with exit 0, a NaN passes every `x > 0` check."""
-    ref = base_config() if ref is None else ref
-    for k, default in ref.items():
-        field, value = prefix + k, c[k]
-        if isinstance(default, ml_collections.ConfigDict):
-            _validate_finite(value, default, field + ".")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(field, f"must be a finite number, got {value}",
-                              f"set it like its default, e.g. --config.{field}={default!r}")
-
-
-def _validate_sources(d) -> None:
-    """Every source of data.path names files, and data.weights gives one weight per source."""
-    import glob
-
-    paths = [p.strip() for p in d.path.split(",")]
-    for p in paths:
-        _require(bool(p) and bool(glob.glob(os.path.expanduser(p))), "data.path",
-                 f"{p!r} matches no file or directory",
-                 "give an existing directory of text files or a glob like '/data/*.txt'")
-    _require(bool(d.field), "data.field", "is empty",
-             "name the text field of your .jsonl/.parquet records, e.g. --config.data.field=text")
-    if not d.weights:
-        return
-    try:
-        weights = [float(w) for w in d.weights.split(",")]
-    except ValueError:
-        weights = []
-    _require(bool(weights) and all(math.isfinite(w) and w > 0 for w in weights), "data.weights",
-             f"{d.weights!r} is not a list of positive numbers",
-             "give one weight per data.path source, e.g. --config.data.weights=0.7,0.3")
-    _require(len(weights) == len(paths), "data.weights",
-             f"gives {len(weights)} weights for the {len(paths)} sources of data.path",
-             "give one weight per comma-separated data.path source")
-
-
-def _validate_data_and_checkpoints(c) -> None:
-    d, e, k = c.data, c.eval, c.checkpoint
-    if c.model.vocab_size:
-        # Token ids past the embedding table give NaN losses, silently: refuse them here.
-        from hetjax.tokenizer import load_tokenizer
-
-        n = load_tokenizer(d.tokenizer).vocab_size
-        _require(c.model.vocab_size >= n, "model.vocab_size",
-                 f"{c.model.vocab_size} is smaller than the tokenizer's {n} tokens "
-                 f"(data.tokenizer = {d.tokenizer!r})",
-                 f"set --config.model.vocab_size=0 (sized from the tokenizer) or >= {n}")
-    if k.keep_best:
-        _require(k.every > 0, "checkpoint.keep_best", "keeps checkpoints, but checkpoint.every "
-                 "= 0 saves none", "set checkpoint.every > 0, or keep_best = 0")
-        _require(e.every > 0 and k.every % e.every == 0, "checkpoint.keep_best",
-                 f"ranks checkpoints by eval loss, but eval.every = {e.every} does not evaluate "
-                 f"at every save (checkpoint.every = {k.every})",
-                 f"set eval.every to a divisor of {k.every}, e.g. --config.eval.every={k.every}")
-
-
-def _validate_diloco(c) -> None:
-    d = c.diloco
-    _require(not d.inner_steps or d.inner_steps % d.fragments == 0, "diloco.fragments",
-             f"{d.fragments} fragments do not divide diloco.inner_steps = {d.inner_steps}",
-             "choose fragments dividing inner_steps, e.g. --config.diloco.fragments=1")
-    every = d.inner_steps // d.fragments if d.inner_steps else 0
-    # one fragment in flight at a time: it lands before the next fragment's exchange starts
-    _require(not d.inner_steps or d.overlap_steps < every, "diloco.overlap_steps",
-             f"{d.overlap_steps} overlap steps do not fit between two fragment exchanges "
-             f"(every inner_steps / fragments = {every} steps)",
-             f"use overlap_steps < {every}, e.g. --config.diloco.overlap_steps={every - 1}")
-    _require(not d.mix or d.overlap_steps > 0, "diloco.mix",
-             f"mixes a fragment that trained on while its exchange travelled; with "
-             f"overlap_steps = 0 there is none (mix = {d.mix})",
-             "set --config.diloco.overlap_steps too, or leave diloco.mix=0")
-
-
-def _common_divisors(*xs: int) -> list[int]:
-    g = math.gcd(*xs)
-    return [d for d in range(1, g + 1) if g % d == 0]
