@@ -36,6 +36,8 @@ import numpy as np  # noqa: E402
 from hetjax.config import load_config  # noqa: E402
 from hetjax.train import Trainer  # noqa: E402
 from hetjax.core import schedules as sch  # noqa: E402
+from hetjax.core.timeline import plot_timeline, timeline  # noqa: E402
+from hetjax.planner.lockstep import folded_lockstep_time, lockstep_time  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLMES_MINI = os.path.join(REPO, "configs", "holmes_mini.py")
@@ -134,10 +136,10 @@ def step_time(split=(4, 3), microbatches=(4, 8, 16, 32)) -> None:
           "1F1B asynchronous | 1F1B / GPipe | strands / GPipe |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for m in microbatches:
-        g = sch.lockstep_time(sch.make_schedule("gpipe", len(split), m), fwd, bwd)
-        o = sch.lockstep_time(sch.make_schedule("1f1b", len(split), m), fwd, bwd)
-        d = sch.lockstep_time(sch.make_schedule("strands", len(split), m), fwd, bwd)
-        a = max(e.end for e in sch.timeline(sch.make_schedule("1f1b", len(split), m), fwd, bwd))
+        g = lockstep_time(sch.make_schedule("gpipe", len(split), m), fwd, bwd)
+        o = lockstep_time(sch.make_schedule("1f1b", len(split), m), fwd, bwd)
+        d = lockstep_time(sch.make_schedule("strands", len(split), m), fwd, bwd)
+        a = max(e.end for e in timeline(sch.make_schedule("1f1b", len(split), m), fwd, bwd))
         print(f"| {m} | {g:.0f} | {o:.0f} | {d:.0f} | {a:.0f} | {o / g:.2f} | {d / g:.2f} |")
     print()
 
@@ -148,9 +150,9 @@ def plots(outdir: str = os.path.join(REPO, "docs", "img"), stages: int = 4,
     os.makedirs(outdir, exist_ok=True)
     for name in sch.SCHEDULES:
         s = sch.make_schedule(name, stages, microbatches)
-        events = sch.timeline(s, [1.0] * stages, [2.0] * stages)
+        events = timeline(s, [1.0] * stages, [2.0] * stages)
         held = ", ".join(f"{s.activation_share(st):g}" for st in range(stages))
-        path = sch.plot_timeline(events, os.path.join(outdir, f"{name}.png"),
+        path = plot_timeline(events, os.path.join(outdir, f"{name}.png"),
                                  title=f"{name}: {stages} stages, {microbatches} micro-batches, "
                                        f"B = 2F; micro-batches held per stage: {held}",
                                  time_unit="one stage's forward = 1")
@@ -238,7 +240,7 @@ def mpmd_time(split=(4, 3), microbatches=8, repeats=3) -> None:
                                                          for s in range(pp))
         else:
             bwd, share = [v * t[s, "B"] for s in range(pp)], 0.5
-        events = sch.timeline(schedule, fwd, bwd, weight_share=share)
+        events = timeline(schedule, fwd, bwd, weight_share=share)
         step = max(e.end for e in events)
         busy = sum(e.end - e.start for e in events)
         f, b = float(np.mean(fwd)), float(np.mean(bwd))
@@ -308,11 +310,11 @@ def folded(split=(4, 3), microbatches=(4, 8, 16, 32)) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name in ("gpipe", "1f1b", "strands"):
         for m in microbatches:
-            lo = sch.lockstep_time(sch.make_schedule(name, p, m), fwd, bwd)
-            fo = sch.folded_lockstep_time(sch.make_schedule(name, 2 * p, m), fwd, bwd,
+            lo = lockstep_time(sch.make_schedule(name, p, m), fwd, bwd)
+            fo = folded_lockstep_time(sch.make_schedule(name, 2 * p, m), fwd, bwd,
                                           down_share=share)
-            la = max(e.end for e in sch.timeline(sch.make_schedule(name, p, m), fwd, bwd))
-            fa = max(e.end for e in sch.timeline(sch.folded(name, p, m), fwd, bwd))
+            la = max(e.end for e in timeline(sch.make_schedule(name, p, m), fwd, bwd))
+            fa = max(e.end for e in timeline(sch.folded(name, p, m), fwd, bwd))
             print(f"| {name} | {m} | {lo:.0f} | {fo:.0f} | {la:.0f} | {fa:.0f} |")
     print()
 
