@@ -13,7 +13,7 @@ from hetjax.core.hardware import Accelerator, Cluster, Link, NicSettings
 # Nominal figures for planning; a real deployment overrides them from measurements
 # (`hetjax calibrate`). Efficiency = achieved / nominal bandwidth under NCCL collectives:
 # InfiniBand, RoCE and Ethernet fitted on Holmes Table 1 (`hetjax.planner.calibrate.
-# fit_fabrics`, `python scripts/bench_planner.py calibrate`); NVLink from NCCL's own tuning
+# fit_fabrics`, `python scripts/bench/planner.py calibrate`); NVLink from NCCL's own tuning
 # model, which caps an A100's NVLink bus bandwidth at 235 of its 300 GB/s; PCIe unmeasured.
 LINKS = {
     "nvlink": Link("nvlink", 2400.0, 2.0, efficiency=0.78),  # A100 NVLink3: 300 GB/s per direction

@@ -6,14 +6,14 @@ layer reaches). `fit_efficiency` finds the value at which the model's predicted 
 a measured run equals the measurement (the prediction falls monotonically as efficiency
 drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
 A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
-(`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
+(`scripts/bench/planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
 with the compute efficiency (the catalogue's defaults in hetjax.core.topology.LINKS).
 
 `Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
 block, head and optimizer update per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
 a `LinkFit` per link class and operation (`options()`), compares measured with modelled
 times (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names.
-The testbed's benches (scripts/bench_het*.py) calibrate with it like a user would, and
+The testbed's benches (scripts/bench/het*.py) calibrate with it like a user would, and
 `prediction_errors` (with `spearman`, `kendall_tau`) scores predicted against measured steps.
 """
 

@@ -1,7 +1,7 @@
 """Input pipeline throughput against the train step's consumption, as a table.
 
-    python scripts/bench_data.py [--batches=200] [--steps=30] [--config.x.y=v ...]
-    python scripts/bench_data.py --smoke [--workdir=DIR]   # seconds (the suite runs it)
+    python scripts/bench/data.py [--batches=200] [--steps=30] [--config.x.y=v ...]
+    python scripts/bench/data.py --smoke [--workdir=DIR]   # seconds (the suite runs it)
 
 Measures, on the config (default: configs/default.py, i.e. the stdlib corpus, byte tokenizer,
 32 x 128 tokens per step): tokens/s of the grain loader alone (with its prefetch threads, and
@@ -64,7 +64,7 @@ def main(argv) -> int:
 
 
 def run(opts: dict, overrides: list[str]) -> int:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = load_config(os.path.join(repo, "configs", "default.py"),
                          ["--config.train.progress=False", "--config.tensorboard=False",
                           "--config.checkpoint.every=0", *overrides])

@@ -1,17 +1,17 @@
 """Pipeline benchmarks on simulated CPU devices: activation memory of GPipe vs 1F1B, uneven
 compute per stage, and the schedule timeline plots.
 
-    python scripts/bench_pipeline.py memory     # temp memory of the compiled step, M = 4..32
-    python scripts/bench_pipeline.py compute    # stage time vs active layers, one program
-    python scripts/bench_pipeline.py time       # modelled step time of both schedules
-    python scripts/bench_pipeline.py plots      # docs/img/gpipe.png, docs/img/1f1b.png
-    python scripts/bench_pipeline.py mpmd-memory  # per-stage state bytes, split [7, 1]
-    python scripts/bench_pipeline.py mpmd-time  # MPMD task times -> asynchronous step time
-    python scripts/bench_pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
-    python scripts/bench_pipeline.py folded     # modelled step time, looped vs folded placement
-    python scripts/bench_pipeline.py folded-memory  # compiled temp memory, looped vs folded
-    python scripts/bench_pipeline.py smoke      # tiny versions of time, compute, plots (seconds)
-    python scripts/bench_pipeline.py            # all but folded, folded-memory and smoke
+    python scripts/bench/pipeline.py memory     # temp memory of the compiled step, M = 4..32
+    python scripts/bench/pipeline.py compute    # stage time vs active layers, one program
+    python scripts/bench/pipeline.py time       # modelled step time of both schedules
+    python scripts/bench/pipeline.py plots      # docs/img/gpipe.png, docs/img/1f1b.png
+    python scripts/bench/pipeline.py mpmd-memory  # per-stage state bytes, split [7, 1]
+    python scripts/bench/pipeline.py mpmd-time  # MPMD task times -> asynchronous step time
+    python scripts/bench/pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
+    python scripts/bench/pipeline.py folded     # modelled step time, looped vs folded placement
+    python scripts/bench/pipeline.py folded-memory  # compiled temp memory, looped vs folded
+    python scripts/bench/pipeline.py smoke      # tiny versions of time, compute, plots (seconds)
+    python scripts/bench/pipeline.py            # all but folded, folded-memory and smoke
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
 the executor's own stage code; timings on a shared CPU are noisy, so each is the best of
@@ -39,7 +39,7 @@ from hetjax.core import schedules as sch  # noqa: E402
 from hetjax.core.timeline import plot_timeline, timeline  # noqa: E402
 from hetjax.planner.lockstep import folded_lockstep_time, lockstep_time  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOLMES_MINI = os.path.join(REPO, "configs", "holmes_mini.py")
 MIB = 2 ** 20
 

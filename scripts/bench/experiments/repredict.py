@@ -2,7 +2,7 @@
 (`runs/bench_hetnet.json`, `runs/bench_hetaccel.json`) predicted with other calibration files,
 and how far the same layout measured from one run to the next.
 
-    python scripts/repredict.py RUN.json [RUN2.json ...] [--calibration FILE ...]
+    python scripts/bench/repredict.py RUN.json [RUN2.json ...] [--calibration FILE ...]
 
 It separates the two sources of a prediction error that one accuracy table mixes: the
 calibration's (another file measured on the same cluster predicts the same run better or
@@ -35,12 +35,12 @@ def experiment_cases(record: dict) -> dict[str, Case]:
 
     work, cpus = Workload(**record["workload"]), record["cpus"]
     command = record.get("command", "")
-    for name, cases in (("bench_hetaccel", hetaccel.hetaccel_cases),
-                        ("bench_hetnet", hetnet.nic_cases)):
-        if name in command:
+    # scripts/bench/NAME.py (runs before the scripts were grouped: scripts/bench_NAME.py)
+    for name, cases in (("hetaccel", hetaccel.hetaccel_cases), ("hetnet", hetnet.nic_cases)):
+        if f"bench/{name}.py" in command or f"bench_{name}.py" in command:
             return {c.name: c for c in cases(work, cpus)}
-    raise HetjaxError(f"results file written by {command!r}, not by scripts/bench_hetnet.py "
-                      "or scripts/bench_hetaccel.py; give one of their --json files")
+    raise HetjaxError(f"results file written by {command!r}, not by scripts/bench/hetnet.py "
+                      "or scripts/bench/hetaccel.py; give one of their --json files")
 
 
 @dataclass

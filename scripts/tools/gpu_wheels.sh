@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Download, into .whl/, the wheels hetjax needs that a GPU image with jax, flax, optax, orbax,
-# torch and transformers lacks (Python 3.12, x86-64), so that scripts/gpu_check.sh can install
+# torch and transformers lacks (Python 3.12, x86-64), so that scripts/tools/gpu_check.sh can install
 # them there without a network. Run once from the repository root:
-#     bash scripts/gpu_wheels.sh
+#     bash scripts/tools/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

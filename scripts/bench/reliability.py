@@ -1,8 +1,8 @@
 """Crash and restart, measured: `hetjax launch --local 4 --max-restarts 1` with one worker killed
 by SIGKILL mid-run finishes with the losses of an uninterrupted run (docs/reliability.md).
 
-    PYTHONPATH=. python scripts/bench_reliability.py [--steps 40] [--kill-after 12] [--elastic]
-    python scripts/bench_reliability.py --smoke   # --steps 7 --kill-after 6 (the suite runs it)
+    PYTHONPATH=. python scripts/bench/reliability.py [--steps 40] [--kill-after 12] [--elastic]
+    python scripts/bench/reliability.py --smoke   # --steps 7 --kill-after 6 (the suite runs it)
 
 Runs the tiny job twice in temporary workdirs: once undisturbed, once killing process p2 with
 SIGKILL after step `--kill-after` has been logged; prints both loss lists, the restart lines of
@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
         "model.d_ff": 64, "model.max_seq_len": 64, "train.seq_len": 16, "train.batch_size": 16,
         "train.warmup_steps": 1, "train.log_every": 1, "train.progress": False,

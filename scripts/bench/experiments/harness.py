@@ -1,4 +1,4 @@
-"""The harness the testbed experiments share (scripts/experiments/hetnet.py, hetaccel.py;
+"""The harness the testbed experiments share (scripts/bench/experiments/hetnet.py, hetaccel.py;
 docs/testbed.md): what is trained (`Workload`), calibrating the cost model on the emulated
 cluster the way a user calibrates theirs (`calibrate_testbed`: `hetjax calibrate` under
 `hetjax launch` on every emulated host), one configuration's run (`Case`, `run_case`; SPMD, or
@@ -30,7 +30,7 @@ from hetjax.testbed import DEFAULT_SCALE, Testbed
 from hetjax.core.topology import Topology
 
 # The checkout the benches write their plots (docs/img) and results (runs/) into.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 OTHERS_LIMIT = 0.3  # CPUs other processes may use during a timed run before it is repeated
 QUIET_WAIT_S = 900  # how long to wait for a quiet machine at most
 
@@ -491,7 +491,7 @@ def load_line() -> str:
 
 def kept_calibration_path(results_path: str) -> str:
     """Where a bench keeps the calibration file it used, beside its results JSON (the
-    workdir's copy is overwritten by the next run; scripts/repredict.py reads this one)."""
+    workdir's copy is overwritten by the next run; scripts/bench/repredict.py reads this one)."""
     return os.path.splitext(results_path)[0] + ".calibration.json"
 
 

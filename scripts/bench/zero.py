@@ -2,11 +2,11 @@
 compiled step, and step time, on 8 simulated CPU devices; then the same bytes for a 7B model
 on 1,024 abstract devices (nothing allocated).
 
-    python scripts/bench_zero.py                 # default model, 8 devices, all points
-    python scripts/bench_zero.py --steps 10 --config.model.d_model=256
+    python scripts/bench/zero.py                 # default model, 8 devices, all points
+    python scripts/bench/zero.py --steps 10 --config.model.d_model=256
 
-    python scripts/bench_zero.py --pp 2 --skip-7b  # only the pp = 2 points
-    python scripts/bench_zero.py --smoke         # seconds: tiny model, 1 step, a point per table
+    python scripts/bench/zero.py --pp 2 --skip-7b  # only the pp = 2 points
+    python scripts/bench/zero.py --smoke         # seconds: tiny model, 1 step, a point per table
 
 The pp = 2 rows run ZeRO inside each pipeline stage (docs/zero.md): bytes are a stage's, and
 "in the loop" is the tick loop's B branch, counted once per micro-batch.

@@ -1,16 +1,16 @@
 """Planner benchmarks; each prints a markdown table.
 
-    python scripts/bench_planner.py calibrate      # Holmes Table 1: fit on one row, predict;
+    python scripts/bench/planner.py calibrate      # Holmes Table 1: fit on one row, predict;
                                                    # one efficiency per fabric
-    python scripts/bench_planner.py allreduce      # 1,024-rank all-reduce: flat ring vs NCCL
-    python scripts/bench_planner.py amsp           # AMSP's ZeRO choice, LLaMA 7/13/30B, 1,024 A800
-    python scripts/bench_planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
-    python scripts/bench_planner.py speed          # outer search on 64 .. 4,096 devices
-    python scripts/bench_planner.py speed --devices 4096 --executor hetjax mpmd
-    python scripts/bench_planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
-    python scripts/bench_planner.py executors      # Holmes' hybrid layouts under each executor
-    python scripts/bench_planner.py all
-    python scripts/bench_planner.py smoke          # seconds: calibrate and allreduce
+    python scripts/bench/planner.py allreduce      # 1,024-rank all-reduce: flat ring vs NCCL
+    python scripts/bench/planner.py amsp           # AMSP's ZeRO choice, LLaMA 7/13/30B, 1,024 A800
+    python scripts/bench/planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
+    python scripts/bench/planner.py speed          # outer search on 64 .. 4,096 devices
+    python scripts/bench/planner.py speed --devices 4096 --executor hetjax mpmd
+    python scripts/bench/planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
+    python scripts/bench/planner.py executors      # Holmes' hybrid layouts under each executor
+    python scripts/bench/planner.py all
+    python scripts/bench/planner.py smoke          # seconds: calibrate and allreduce
 
 Times are wall-clock on this machine, single-threaded (speed and assign-speed: CPU seconds of
 the process, steadier on a shared machine); nothing here asserts on them.

@@ -1,8 +1,8 @@
 """DiLoCo (H inner steps a round) against synchronous data parallelism across 3 sites joined by
 a slow link: loss after the same tokens, tokens/s, bytes per step crossing the sites.
 
-    python scripts/bench_diloco.py                       # 300 steps, H = 50, 5 Mbit/s, 20 ms
-    python scripts/bench_diloco.py --steps 600 --mbps 5 --codec int8 --codec none
+    python scripts/bench/diloco.py                       # 300 steps, H = 50, 5 Mbit/s, 20 ms
+    python scripts/bench/diloco.py --steps 600 --mbps 5 --codec int8 --codec none
 
 --testbed (root): the emulated testbed, 3 hosts (one per site) joined at --mbps; `hetjax
 launch` runs the real trainer there, one `hetjax train` process a host: synchronous DP (the
@@ -11,14 +11,14 @@ processes). Measured: step time (the trainer's metrics), the bytes each host sen
 sites (htb counters) beside the planner's prediction, the held-out loss, the CPUs other
 processes used during each run (timings are only clean when that is near 0).
 
-    python scripts/bench_diloco.py --testbed --steps 300 --sync-steps 8 --H 50 --mbps 3 \
+    python scripts/bench/diloco.py --testbed --steps 300 --sync-steps 8 --H 50 --mbps 3 \
         --codec int8 --outer-lr 1 --outer-momentum 0 --json out.json
     # streamed in 2 fragments, exchanges blocking (tau 0) vs overlapped with 4 inner steps
-    python scripts/bench_diloco.py --testbed --steps 100 --sync-steps 8 --H 10 --fragments 2 \
+    python scripts/bench/diloco.py --testbed --steps 100 --sync-steps 8 --H 10 --fragments 2 \
         --overlap-steps 0 --overlap-steps 4 --mix 0.5 --mbps 3 --codec int8
     # link-bound: each site capped at 0.4 CPUs (cgroup), 1 Mbit/s; no synchronous row, a run
     # without exchanges first (its step is t_inner, which the planner's predictions use)
-    python scripts/bench_diloco.py --testbed --no-sync --inner-only --cpus 0.4 --steps 100 \
+    python scripts/bench/diloco.py --testbed --no-sync --inner-only --cpus 0.4 --steps 100 \
         --H 20 --fragments 2 --overlap-steps 0 --overlap-steps 9 --mbps 1 --codec int8
 
 With --cpus each site's process runs in a cgroup capped at that many CPUs; the table then also
@@ -29,7 +29,7 @@ measured (the sites run one after another here, so DiLoCo's compute is over-coun
 three machines), communication modelled with hetjax/planner/diloco_pricing.py's alpha-beta ring for
 the bytes each run really produces.
 
-    python scripts/bench_diloco.py --smoke [--workdir DIR]   # seconds (the suite runs it)
+    python scripts/bench/diloco.py --smoke [--workdir DIR]   # seconds (the suite runs it)
 
 --smoke: the one-process path (`run`, the same table) on a tiny model and synthetic data, 7
 steps, synchronous DP and one DiLoCo row (H = 3, int8), workdirs under --workdir (default: a
@@ -49,9 +49,9 @@ import time
 
 from hetjax.cli import ensure_cpu_devices
 
-if __package__:  # python -m scripts.bench_diloco, or imported by the suite
+if __package__:  # python -m scripts.bench.diloco, or imported by the suite
     from .experiments import harness
-else:  # python scripts/bench_diloco.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/diloco.py: Python puts scripts/ first on sys.path
     from experiments import harness
 
 if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices (unless the
@@ -119,7 +119,7 @@ def testbed(args):
     `hetjax launch` there (one `hetjax train` process a host): synchronous DP (the plan's dp=3
     all-reduce every step) and DiLoCo (parallel/diloco.py, the exchange across processes).
     Step time from the trainer's metrics, bytes from the hosts' htb counters, the machine's
-    load recorded per run (scripts.experiments.harness)."""
+    load recorded per run (scripts.bench.experiments.harness)."""
     CpuWatch, load_line, wait_for_quiet = (harness.CpuWatch, harness.load_line,
                                            harness.wait_for_quiet)
     from hetjax.testbed import Testbed, parse_cpus

@@ -1,9 +1,9 @@
 """How faithfully a CPU cap emulates a slower accelerator, and how much a capped process's
 speed moves from one process (and one hour) to the next.
 
-    sudo python scripts/bench_quota.py                  # 3 rounds, about 3 min
-    sudo python scripts/bench_quota.py --rounds 5 --samples 30
-    python scripts/bench_quota.py --smoke                # seconds, no root (the suite runs it)
+    sudo python scripts/bench/quota.py                  # 3 rounds, about 3 min
+    sudo python scripts/bench/quota.py --rounds 5 --samples 30
+    python scripts/bench/quota.py --smoke                # seconds, no root (the suite runs it)
 
 On the heterogeneous testbed (bench_hetaccel's: `cpu` hosts 0.4 CPU, `cpu_half` hosts 0.2),
 every host runs a fresh process per round, all at once, that times bench_hetaccel's decoder
@@ -26,9 +26,9 @@ import subprocess
 import sys
 import time
 
-if __package__:  # python -m scripts.bench_quota, or imported by the suite
+if __package__:  # python -m scripts.bench.quota, or imported by the suite
     from .experiments import harness, hetaccel
-else:  # python scripts/bench_quota.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/quota.py: Python puts scripts/ first on sys.path
     from experiments import harness, hetaccel
 
 

@@ -6,8 +6,8 @@ byte tokenizer) with uncompressed and with int8 boundaries (activations and, wit
 feedback, their gradients); the same batches, seed and schedule. Prints the training loss
 (mean of windows) and the held-out loss at the end for both.
 
-    nice -n 19 python scripts/bench_boundary_codec.py --steps 300
-    python scripts/bench_boundary_codec.py --smoke     # seconds (the suite runs it)
+    nice -n 19 python scripts/bench/boundary_codec.py --steps 300
+    python scripts/bench/boundary_codec.py --smoke     # seconds (the suite runs it)
 
 --smoke: the same two runs (both worlds, both codecs, the same table) for 2 steps on a smaller
 model and synthetic data, one held-out batch, the workdir under --workdir (default: a

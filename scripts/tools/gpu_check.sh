@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # hetjax's GPU check in one command (about 4 minutes on one H100/H200):
-#     bash scripts/gpu_check.sh [OUTDIR]          (default: $OUT, else runs/gpu_check)
+#     bash scripts/tools/gpu_check.sh [OUTDIR]          (default: $OUT, else runs/gpu_check)
 # 1. `hetjax calibrate --quick` on the device, for a TinyLlama-1.1B-shaped job (bf16 compute,
 #    fp32 parameters, batch 8 x 2048, no recompute) on `topology.preset=local`;
 # 2. `hetjax plan` of that job priced with the calibration, compute flat and by operation kind
 #    (predicted step time and memory per device);
-# 3. scripts/bench_gpu.py: hetjax's Trainer, a hand-written jax.jit step with the fused kernel,
+# 3. scripts/bench/gpu.py: hetjax's Trainer, a hand-written jax.jit step with the fused kernel,
 #    and HuggingFace's Llama eager and torch.compile of the same shape, with the prediction.
 # Wheels the image lacks (ml_collections, grain, tfds, ...) are installed from .whl/ when present
-# (scripts/gpu_wheels.sh downloads them). GPU_CHECK_SMOKE=1 runs a tiny shape (on CPU too).
+# (scripts/tools/gpu_wheels.sh downloads them). GPU_CHECK_SMOKE=1 runs a tiny shape (on CPU too).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-runs/gpu_check}}
@@ -50,8 +50,8 @@ for compute in flat kinds; do
     --json="$out/plan_$compute.json" > "$out/plan_$compute.log" 2>&1; echo "exit $?"
   grep -iE "predicted|step|memory|fit|MFU|warning" "$out/plan_$compute.log" | head -n 12
 done
-echo "== 3. scripts/bench_gpu.py"
+echo "== 3. scripts/bench/gpu.py"
 calflag=()
 [ -f "$out/calibration.json" ] && calflag=(--calibration "$out/calibration.json")
-timeout 330 "$py" scripts/bench_gpu.py --out "$out/bench_gpu.json" "${bench[@]}" "${calflag[@]}"
+timeout 330 "$py" scripts/bench/gpu.py --out "$out/bench_gpu.json" "${bench[@]}" "${calflag[@]}"
 echo "exit $?"

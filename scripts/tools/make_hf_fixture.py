@@ -6,7 +6,7 @@ model-*.safetensors + model.safetensors.index.json) plus `reference.npz` holding
 [2, 16] and transformers' float32 `logits` for them. Every weight is random, norm scales and
 biases included (transformers initialises those to 1 and 0, which would hide a mapping error).
 
-    python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
+    python scripts/tools/make_hf_fixture.py [--out tests/fixtures/hf]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def build(name: str, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests",
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests",
                                                   "fixtures", "hf"))
     ap.add_argument("names", nargs="*", default=list(FIXTURES))
     args = ap.parse_args()

@@ -4,9 +4,9 @@ extracted, made small by a few explicit rules, and run from (a mirror of) the re
 tests/test_docs.py runs every block that is not marked; this script lists the blocks and runs
 the ones the suite leaves out (`--skipped`: they need root, a GPU or hours) or any one of them:
 
-    python scripts/doc_blocks.py --list
-    python scripts/doc_blocks.py --skipped          # run the marked blocks, as written
-    python scripts/doc_blocks.py README.md:75       # run one block (file:line of its fence)
+    python scripts/tools/doc_blocks.py --list
+    python scripts/tools/doc_blocks.py --skipped          # run the marked blocks, as written
+    python scripts/tools/doc_blocks.py README.md:75       # run one block (file:line of its fence)
 
 A line right before a fence marks its block (several marks may stack):
 
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
 FENCE = re.compile(r"^```(bash|python)\s*$")
 SKIP = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((.+)\)\s*-->\s*$")

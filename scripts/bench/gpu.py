@@ -4,9 +4,9 @@ and transformers import, HuggingFace's `LlamaForCausalLM` of the same shape (eag
 `torch.compile`, bf16 autocast, fused AdamW); with the device name, tokens/s, MFU, peak memory
 and `hetjax plan`'s predicted step time and memory for the same job.
 
-    python scripts/bench_gpu.py --out runs/bench_gpu.json          # TinyLlama-1.1B, 8 x 2048
-    python scripts/bench_gpu.py --smoke                            # a tiny shape, seconds
-    python scripts/bench_gpu.py --rows jit-fused,hf-compile --steps 5
+    python scripts/bench/gpu.py --out runs/bench_gpu.json          # TinyLlama-1.1B, 8 x 2048
+    python scripts/bench/gpu.py --smoke                            # a tiny shape, seconds
+    python scripts/bench/gpu.py --rows jit-fused,hf-compile --steps 5
 
 Default shape: TinyLlama-1.1B (d_model 2048, 22 layers, 32 heads, 4 kv heads, d_ff 5632, vocab
 32000, untied head), batch 8 x 2048 tokens, bf16 compute, fp32 parameters, AdamW with global-norm

@@ -1,7 +1,7 @@
 """One JAX world per cluster, checked: an MPMD job run as several worlds (a `jax.distributed`
 job each, gloo inside, the bridge between) against the same plan in one process.
 
-    python -m scripts.experiments.worlds check [--steps 10] [--die p3:4] [--config.x=y ...]
+    python -m scripts.bench.experiments.worlds check [--steps 10] [--die p3:4] [--config.x=y ...]
 
 `check` starts the worlds locally with `hetjax.launch` (one coordinator per world, the bridge
 environment), each process running `worker`, and one `reference` process with all devices
@@ -193,7 +193,7 @@ def world_losses(output: str) -> dict[str, list[float]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.experiments.worlds")
+    p = argparse.ArgumentParser(prog="python -m scripts.bench.experiments.worlds")
     p.add_argument("mode", choices=("check", "worker", "reference"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--die", default="", help="N:S -- process N kills itself before step S")

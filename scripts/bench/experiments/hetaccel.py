@@ -1,9 +1,9 @@
 """Heterogeneous accelerators (HetHub) on the emulated cluster: an uneven split against T_UB.
 
-    sudo python scripts/bench_hetaccel.py                 # the tables, docs/img/bench_hetaccel.png
-    sudo python scripts/bench_hetaccel.py --steps 5 --out /tmp/x.png    # a quicker look
+    sudo python scripts/bench/hetaccel.py                 # the tables, docs/img/bench_hetaccel.png
+    sudo python scripts/bench/hetaccel.py --steps 5 --out /tmp/x.png    # a quicker look
 
-(scripts/bench_hetaccel.py runs `main` of this module.)
+(scripts/bench/hetaccel.py runs `main` of this module.)
 
 Two clusters of two single-device hosts, cluster a InfiniBand inside, cluster b RoCE inside,
 joined by Ethernet (links x --scale). Accelerator speed is a CPU cap per host: kind `cpu` gets

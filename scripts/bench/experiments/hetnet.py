@@ -1,9 +1,9 @@
 """Heterogeneous NICs (Holmes) on the emulated cluster: where each parallelism's traffic goes.
 
-    sudo python scripts/bench_hetnet.py                   # the tables, docs/img/bench_hetnet.png
-    sudo python scripts/bench_hetnet.py --steps 4 --out /tmp/x.png   # a quicker look
+    sudo python scripts/bench/hetnet.py                   # the tables, docs/img/bench_hetnet.png
+    sudo python scripts/bench/hetnet.py --steps 4 --out /tmp/x.png   # a quicker look
 
-(scripts/bench_hetnet.py runs `main` of this module.)
+(scripts/bench/hetnet.py runs `main` of this module.)
 
 Two clusters of two single-device hosts (4 processes on this 2-core machine), each host capped
 at --cpus CPUs, trained for --steps steps in four environments:
@@ -83,7 +83,7 @@ def nic_cases(work: Workload, cpus: float) -> list[Case]:
     cases += [Case(f"{c.name}, MPMD", c.topology, plan, cpus, executor="mpmd")
               for c in cases[:3]]
     # Issue 19's compressed boundaries where they cross the slow link: int8 activations and
-    # gradients (their loss effect: scripts/bench_boundary_codec.py).
+    # gradients (their loss effect: scripts/bench/boundary_codec.py).
     return cases + [Case("hybrid, hetjax plan, MPMD, int8 boundaries", hybrid, plan, cpus,
                          executor="mpmd", extra=("--config.pipeline.boundary_codec=int8",))]
 
