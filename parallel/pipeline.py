@@ -10,7 +10,7 @@ optimizer states; boxed or not; numpy or jax) and are exact inverses on the vali
 Embedding, final norm and output projection stay unstacked and replicated over 'pp'.
 
 Executor. `Pipeline.loss_and_grads` runs one training step's forward and backward as a loop
-over the ticks of `schedules.tick_program`, inside `jax.shard_map` with only 'pp' manual (dp and
+over the ticks of `hetjax.core.tick_program`, inside `jax.shard_map` with only 'pp' manual (dp and
 tp stay with the compiler, which places them from the parameter shardings and the layers'
 logical constraints). At every tick each stage does what its column of the program says
 (`StageStep`, the shard_map's body, has one method per tick kind):

@@ -86,16 +86,16 @@ BAD_INPUTS = [
     ("topology file with invalid JSON", "topology --config.topology.file={tmp}/topo_bad.json",
      "config.topology.file: '{tmp}/topo_bad.json' is not valid JSON (line 1, column 2: "
      "Expecting property name enclosed in double quotes)\n  fix: fix the JSON; "
-     "Topology.to_json() shows the format"),
+     "docs/topology.md shows the format"),
     ("topology file with a string where a number belongs",
      "topology --config.topology.file={tmp}/topo_string_number.json",
-     "config.topology.file: '{tmp}/topo_string_number.json': ethernet link bandwidth_gbps must "
-     "be a number, got 'ten'; write it without quotes\n  fix: correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_string_number.json': clusters[0].nic.bandwidth_gbps: "
+     "must be a number, got 'ten'\n  fix: write a number without quotes: the link's nominal "
+     "rate per direction in Gbit/s, e.g. 25"),
     ("accelerator with peak_tflops 0",
      "plan --config.topology.file={tmp}/topo_zero_tflops.json",
-     "config.topology.file: '{tmp}/topo_zero_tflops.json': accelerator 'cpu' peak_tflops must "
-     "be > 0, got 0; give the device's peak dense bf16 TFLOP/s and memory in GiB\n  fix: "
-     "correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_zero_tflops.json': clusters[0].accelerator.peak_tflops: "
+     "must be > 0, got 0\n  fix: give the device's peak dense bf16 TFLOP/s, e.g. 312"),
     ("topology.file and topology.preset both set",
      "topology --config.topology.file={tmp}/topo_bad.json "
      "--config.topology.preset=holmes_hybrid",
@@ -154,12 +154,12 @@ BAD_INPUTS = [
      "default, e.g. --config.diloco.outer_lr=0.7"),
     ("a NaN latency in a topology file",
      "topology --config.topology.file={tmp}/topo_nan_latency.json",
-     "config.topology.file: '{tmp}/topo_nan_latency.json': ethernet link latency_us must be a "
-     "finite number, got nan\n  fix: correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_nan_latency.json': clusters[0].nic.latency_us: must "
+     "be a finite number, got nan\n  fix: give one message's latency in µs, e.g. 5"),
     ("a fractional node count in a topology file",
      "topology --config.topology.file={tmp}/topo_fractional_nodes.json",
-     "config.topology.file: '{tmp}/topo_fractional_nodes.json': cluster 'a' nodes must be a "
-     "whole number, got 2.5\n  fix: correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_fractional_nodes.json': clusters[0].nodes: must be a "
+     "whole number, got 2.5\n  fix: give the number of nodes, e.g. 2"),
     ("a calibration file of valid JSON but the wrong shape",
      "plan --config.planner.calibration={tmp}/calibration_list.json",
      "planner.calibration: '{tmp}/calibration_list.json': not a hetjax calibration file "

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_collections
 
 from hetjax.core import topology as topo
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
+from hetjax.core.model_config import LIMITS as MODEL_LIMITS
 from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
@@ -30,6 +31,9 @@ from hetjax.planner.cost import COMPUTE_MODELS
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
+# What each data.source reads, as the run's start and its errors say it.
+SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
+               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
@@ -96,8 +100,13 @@ class Bound:
         return f"{kind}{'<' if self.hi_open else '<='} {self.hi}"
 
 
-def positive_int(fix: str = "set --config.{field}={default}") -> Bound:
-    return Bound(lo=1, integer=True, fix=fix)
+def positive_int(fix: str = "set --config.{field}={default}", hi: int | None = None) -> Bound:
+    return Bound(lo=1, hi=hi, integer=True, fix=fix)
+
+
+def _model_size(name: str) -> Bound:
+    """A model shape field: an integer from 1 to hetjax's limit (`MODEL_LIMITS`)."""
+    return positive_int(hi=MODEL_LIMITS[name])
 
 
 def count_or_off(fix: str = "set --config.{field}={example} (0 turns it off)",
@@ -157,6 +166,17 @@ def _known_model_preset(field, v):
         from hetjax.interop.hf_config import preset_fields
 
         preset_fields(v)  # an unknown name is one error listing the presets
+    return None
+
+
+def _int_tuple(field, v, lo: int, example: str, distinct: bool = False):
+    """A list of whole numbers >= `lo` (and no repeats when `distinct`)."""
+    v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo for x in v):
+        return (f"must be whole numbers >= {lo}, got {list(v)}",
+                f"give e.g. --config.{field}={example.split(' ')[0]}, or leave it empty")
+    if distinct and len(set(v)) != len(v):
+        return f"names a rank twice: {list(v)}", f"give each rank once, e.g. {example}"
     return None
 
 
@@ -238,7 +258,8 @@ FIELDS: tuple[Field, ...] = (
     Field("topology.preset", "cpu_hybrid", "a name from hetjax.core.topology.PRESETS",
           Choices(lambda: sorted(topo.PRESETS), "preset",
                   fix="choose one of: " + ", ".join(sorted(topo.PRESETS)))),
-    Field("topology.file", "", "a JSON topology (Topology.to_json()); overrides preset",
+    Field("topology.file", "", "a JSON topology file (docs/topology.md; 'hetjax topology --json "
+          "FILE' writes one); overrides preset",
           path=True),
     Field("topology.nodes", 0, "> 0 overrides the preset's nodes per cluster", _TOPOLOGY_COUNT),
     Field("topology.devices_per_node", 0, "> 0 overrides the preset's devices per node",
@@ -249,15 +270,16 @@ FIELDS: tuple[Field, ...] = (
           "default: what the runtime reports, else the catalogue)", _TOPOLOGY_FIGURE),
 
     Field("model.vocab_size", 0, "0: the tokenizer's vocabulary rounded up to a multiple of 128",
-          Bound(lo=0, fix="set 0 to size it from the tokenizer")),
-    Field("model.d_model", 128, "width of the residual stream", positive_int()),
-    Field("model.n_layers", 4, "decoder blocks", positive_int()),
-    Field("model.n_heads", 4, "attention (query) heads", positive_int()),
+          Bound(lo=0, hi=MODEL_LIMITS["vocab_size"], integer=True,
+                fix="set 0 to size it from the tokenizer")),
+    Field("model.d_model", 128, "width of the residual stream", _model_size("d_model")),
+    Field("model.n_layers", 4, "decoder blocks", _model_size("n_layers")),
+    Field("model.n_heads", 4, "attention (query) heads", _model_size("n_heads")),
     Field("model.n_kv_heads", 2, "key/value heads: grouped-query attention; = n_heads for plain "
-          "multi-head", positive_int()),
-    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", positive_int()),
+          "multi-head", _model_size("n_kv_heads")),
+    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", _model_size("d_ff")),
     Field("model.max_seq_len", 512, "longest sequence the model takes (HF "
-          "max_position_embeddings)", positive_int()),
+          "max_position_embeddings)", _model_size("max_seq_len")),
     Field("model.rope_theta", 10000.0, "rotary embedding base",
           Bound(lo=0, lo_open=True, fix="use 10000.0")),
     Field("model.norm_eps", 1e-5, "RMSNorm epsilon", Bound(lo=0, lo_open=True, fix="use 1e-5")),
@@ -283,8 +305,9 @@ FIELDS: tuple[Field, ...] = (
           "[tokens, vocab] are never whole; 0: in one piece (the single-program step, pp = 1)",
           Bound(lo=0, integer=True, fix="use 0 (one piece) or e.g. 4096")),
     Field("model.head_dim", 0, "width of one attention head; 0: d_model / n_heads",
-          lambda f, v: Bound(lo=0, fix="set 0 for d_model / n_heads, or the checkpoint's "
-                             "head_dim")(f, v) or _even_or_zero(f, v)),
+          lambda f, v: Bound(lo=0, hi=MODEL_LIMITS["head_dim"], fix="set 0 for d_model / "
+                             "n_heads, or the checkpoint's head_dim")(f, v)
+          or _even_or_zero(f, v)),
     Field("model.rope_type", "default", "RoPE frequency scaling as transformers",
           Choices(ROPE_TYPES, "type")),
     Field("model.rope_factor", 1.0, "RoPE scaling factor (linear, llama3)"),
@@ -293,6 +316,34 @@ FIELDS: tuple[Field, ...] = (
     Field("model.rope_original_max_len", 8192, "llama3 RoPE scaling: "
           "original_max_position_embeddings"),
     Field("model.qkv_bias", False, "biases on the query/key/value projections (Qwen2)"),
+    Field("model.n_experts", 0, "Mixture-of-Experts: routed experts per MoE layer; 0: a dense "
+          "model", count_or_off("set --config.{field}=8 (0: a dense model)", 8)),
+    Field("model.experts_per_token", 2, "MoE: experts each token is routed to (top-k)",
+          positive_int()),
+    Field("model.moe_d_ff", 0, "MoE: hidden width of one expert; 0: model.d_ff",
+          count_or_off("set --config.{field}=0 (model.d_ff) or a positive width", 256)),
+    Field("model.shared_expert_d_ff", 0, "MoE: hidden width of a shared expert every token "
+          "passes (Qwen2-MoE); 0: none", count_or_off("set --config.{field}=0 (none)", 256)),
+    Field("model.moe_shared_expert_gate", True, "MoE: scale the shared expert's output by a "
+          "learned sigmoid gate (Qwen2-MoE)"),
+    Field("model.decoder_sparse_step", 1, "MoE: layer i is an MoE layer when (i + 1) is a "
+          "multiple of this (and i >= first_dense_layers)", positive_int()),
+    Field("model.first_dense_layers", 0, "MoE: the first layers keep a dense feed-forward",
+          count_or_off("set --config.{field}=0", 1)),
+    Field("model.moe_norm_topk_prob", True, "MoE: renormalise the k routing weights to sum to "
+          "1 (Mixtral, Qwen3-MoE); false keeps the softmax values (OLMoE, Qwen2-MoE)"),
+    Field("model.moe_aux_loss_coef", 0.01, "MoE: load-balance loss coefficient (Switch / "
+          "Megatron convention: a uniform router's loss is this coefficient)",
+          Bound(lo=0, fix="use 0.01, or 0 to disable")),
+    Field("model.moe_z_loss_coef", 0.0, "MoE: router z-loss coefficient",
+          Bound(lo=0, fix="use 0.001, or 0 to disable")),
+    Field("model.moe_dispatch", "auto", "MoE: how tokens reach their experts: {choices}",
+          Choices(MOE_DISPATCH, "dispatch", {
+              "auto": "dropless", "dense": "every expert on every token; the reference",
+              "dropless": "sorted grouped matmuls, no token dropped",
+              "capacity": "model.moe_capacity_factor slots per expert, overflow dropped"})),
+    Field("model.moe_capacity_factor", 1.25, "MoE capacity dispatch: slots per expert = factor "
+          "* tokens * k / n_experts", Bound(lo=0, lo_open=True, fix="use 1.25")),
     Field("model.preset", "", _model_presets, _known_model_preset),
     Field("model.init_from", "", "a HuggingFace model directory (config.json + *.safetensors): "
           "its architecture, and its weights as the starting parameters",
@@ -306,6 +357,15 @@ FIELDS: tuple[Field, ...] = (
           _DEGREE),
     Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
           "clusters"),
+    Field("parallel.stage_dp", (), "data-parallel replicas of each stage, e.g. [2,1] (each "
+          "stage its own sub-mesh: pipeline.executor=mpmd); empty: parallel.dp for every stage",
+          lambda f, v: _int_tuple(f, v, 1, "[2,1] (one number >= 1 per stage)")),
+    Field("parallel.stage_tp", (), "tensor-parallel shards of each stage, e.g. [2,1] (each "
+          "stage its own sub-mesh: pipeline.executor=mpmd); empty: parallel.tp for every stage",
+          lambda f, v: _int_tuple(f, v, 1, "[2,1] (one number >= 1 per stage)")),
+    Field("parallel.exclude", (), "topology ranks the layout leaves out (idle), e.g. "
+          "[12,13,14,15]; the stages take the others in rank order",
+          lambda f, v: _int_tuple(f, v, 0, "[12,13,14,15] (distinct ranks >= 0)", True)),
 
     Field("pipeline.stage_layers", (), "layers per stage, e.g. (3, 1); empty: even split"),
     Field("pipeline.schedule", "1f1b", _schedule_help, _layout_name("schedule")),
@@ -333,6 +393,11 @@ FIELDS: tuple[Field, ...] = (
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
                             "leave it empty"), path=True),
+    Field("planner.profile", "", "a compute profile JSON file: measured seconds and bytes of "
+          "the model's layer, embedding and head per accelerator kind, TP degree and "
+          "micro-batch tokens (docs/planner.md; 'hetjax calibrate' writes one)",
+          _is_file_or_empty("write one with 'hetjax calibrate --profile=profile.json' or by "
+                            "hand, or leave it empty"), path=True),
     Field("planner.compute", "flat", "{choices}: compute priced at one efficiency per FLOP "
           "(flat), or by operation kind (kinds: matmuls by size, attention per implementation, "
           "memory-bound work by bandwidth; a calibration file's measured rates when it has "
@@ -499,13 +564,17 @@ class _Descriptions(Mapping):
 
 # What each field means, shown by `hetjax <command> --help`, in base_config()'s order.
 DESCRIPTIONS: Mapping[str, str] = _Descriptions()
+# Directories only a run that writes needs writable: reading a checkpoint (`hetjax eval`,
+# `hetjax sample`) works on a read-only copy.
+WRITTEN_FIELDS = ("workdir", "checkpoint.dir")
 
 
-def field_problems(c) -> list[tuple[str, str, str]]:
-    """(field, problem, fix) for every field whose own check refuses its value."""
+def field_problems(c, reading: bool = False) -> list[tuple[str, str, str]]:
+    """(field, problem, fix) for every field whose own check refuses its value (`reading`:
+    except the writability of WRITTEN_FIELDS)."""
     out = []
     for f in FIELDS:
-        if f.check is not None:
+        if f.check is not None and not (reading and f.name in WRITTEN_FIELDS):
             verdict = f.check(f.name, field_value(c, f.name))
             if verdict:
                 out.append((f.name, *verdict))

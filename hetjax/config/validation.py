@@ -11,17 +11,18 @@ them; `compute_dtype` resolves `model.dtype = 'auto'` on it.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 import ml_collections
 
-from hetjax.config.fields import base_config, field_problems, field_value, positive_int, spec
+from hetjax.config.fields import (SOURCE_TEXT, base_config, field_problems, field_value,
+                                  positive_int, spec)
 from hetjax.config.loading import check_fields, check_one_model_source, expand_paths
 from hetjax.core import topology as topo
-from hetjax.core.plan import ZeroFactors, layout_problems, raise_first
-from hetjax.errors import ConfigError, HetjaxError
+from hetjax.core.plan import (ZeroFactors, layout_problems, raise_first, stage_shape_problem,
+                              tp_problems)
+from hetjax.errors import ConfigError, TopologyValueError
 from hetjax.planner.config_plan import resolve_microbatches
 
 
@@ -54,18 +55,14 @@ def build_topology(c) -> topo.Topology:
                  f"is {t.preset!r} but topology.file = {t.file!r} is set too; the file would "
                  "silently win", "set only one of topology.file and topology.preset")
         try:
-            with open(t.file) as f:
-                return topo.Topology.from_json(f.read())
-        except (FileNotFoundError, IsADirectoryError):
-            raise ConfigError("topology.file", f"{t.file!r} does not exist",
-                              "give the path of a JSON topology (Topology.to_json())") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError("topology.file", f"{t.file!r} is not valid JSON (line {e.lineno}, "
-                              f"column {e.colno}: {e.msg})",
-                              "fix the JSON; Topology.to_json() shows the format") from None
-        except HetjaxError as e:
-            raise ConfigError("topology.file", f"{t.file!r}: {e}",
-                              "correct that entry of the file") from None
+            return topo.read_topology(t.file)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            what = "is a directory" if isinstance(e, IsADirectoryError) else "does not exist"
+            raise ConfigError("topology.file", f"{t.file!r} {what}",
+                              "give the path of a JSON topology (docs/topology.md)") from None
+        except TopologyValueError as e:  # names the value (its JSON path) and the fix
+            raise ConfigError("topology.file", f"{t.file!r}" + (
+                f": {e.where}: " if e.where else " ") + e.problem, e.fix) from None
     _check(c, "topology.preset")
     kwargs = {}
     import inspect
@@ -91,15 +88,16 @@ def build_topology(c) -> topo.Topology:
     return topo.preset(t.preset, **kwargs)
 
 
-def validate(c) -> None:
+def validate(c, reading: bool = False) -> None:
     """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
     the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
     fields, then the layout rules of the Plan (`hetjax.core.plan.layout_problems`). Raises
-    ConfigError."""
+    ConfigError. `reading`: for a run that only reads a checkpoint (WRITTEN_FIELDS may be
+    read-only)."""
     check_fields(c)
     expand_paths(c)
     _validate_finite(c)
-    for field, problem, fix in field_problems(c)[:1]:
+    for field, problem, fix in field_problems(c, reading)[:1]:
         raise ConfigError(field, problem, fix)
     _validate_model(c)
     tr = c.train
@@ -109,6 +107,10 @@ def validate(c) -> None:
     _require(c.data.source != "files" or bool(c.data.path), "data.path",
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
+    _require(c.data.source == "files" or not c.data.path, "data.path",
+             f"is {c.data.path!r}, but data.source = {c.data.source!r} reads "
+             f"{SOURCE_TEXT[c.data.source]}, not data.path",
+             "add --config.data.source=files to train on data.path (or drop data.path)")
     if c.data.source == "files":  # found now, not after the model is compiled
         _validate_sources(c.data)
     _validate_data_and_checkpoints(c)
@@ -147,6 +149,16 @@ def _validate_model(c) -> None:
                      f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
                      f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
                      "in Python call hetjax.config.apply_model_source(config))")
+    if m.n_experts:
+        _require(m.experts_per_token <= m.n_experts, "model.experts_per_token",
+                 f"{m.experts_per_token} is more than model.n_experts = {m.n_experts}",
+                 f"choose experts_per_token <= {m.n_experts}, e.g. 2")
+        _require(m.first_dense_layers == 0 and m.decoder_sparse_step == 1,
+                 "model.first_dense_layers",
+                 f"first_dense_layers = {m.first_dense_layers} and decoder_sparse_step = "
+                 f"{m.decoder_sparse_step} make some layers dense, but the layer stack holds "
+                 "one kind of block", "set first_dense_layers=0 and decoder_sparse_step=1 "
+                 "(every layer MoE)")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "
@@ -172,12 +184,37 @@ def _validate_layout(c) -> None:
         placement=c.pipeline.placement,
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
-        for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                     ("model.d_ff", m.d_ff)):
-            _require(v % p.tp == 0, "parallel.tp",
-                     f"tp = {p.tp} does not divide {f} = {v}; tensor parallelism splits it",
-                     f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
-                     f"{_common_divisors(m.n_heads, m.n_kv_heads, m.d_ff)}")
+        raise_first(tp_problems(p.tp, m), ConfigError)
+    _validate_stage_degrees(c)
+
+
+def _validate_stage_degrees(c) -> None:
+    """parallel.stage_dp / stage_tp: one number per stage, each tp splitting the model, and an
+    executor that gives each stage its own sub-mesh when the stages' shapes differ."""
+    m, p = c.model, c.parallel
+    sd, st = tuple(p.stage_dp), tuple(p.stage_tp)
+    for field in ("parallel.stage_dp", "parallel.stage_tp", "parallel.exclude"):
+        _require(not c.diloco.inner_steps or not field_value(c, field), field,
+                 "fixes the synchronous layout, but DiLoCo (diloco.inner_steps > 0) plans "
+                 "each site's own", f"leave {field} empty, or set diloco.inner_steps=0")
+    if not (sd or st):
+        return
+    _require(not (sd and st) or len(sd) == len(st), "parallel.stage_tp",
+             f"gives {len(st)} stages but parallel.stage_dp gives {len(sd)}",
+             "give one number per stage in both")
+    n = len(sd or st)
+    _require(p.pp in (0, n), "parallel.pp", f"is {p.pp}, but parallel.stage_dp / stage_tp "
+             f"give {n} stages", f"set --config.parallel.pp={n}")
+    for field in ("zero.preset", "pipeline.placement"):
+        _require(field_value(c, field) != "auto", field,
+                 "is 'auto' (the planner's search), but parallel.stage_dp / stage_tp fix the "
+                 "layout", f"choose {field} yourself, or leave the per-stage degrees empty")
+    for t in sorted(set(st)):
+        raise_first(tp_problems(t, m, "parallel.stage_tp"), ConfigError)
+    if len(set(sd)) > 1 or len(set(st)) > 1:
+        problem = stage_shape_problem(c.pipeline.executor, 0, n)
+        if problem is not None:
+            raise ConfigError(problem.field, problem.problem, problem.fix)
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:
@@ -253,8 +290,3 @@ def _validate_diloco(c) -> None:
              f"mixes a fragment that trained on while its exchange travelled; with "
              f"overlap_steps = 0 there is none (mix = {d.mix})",
              "set --config.diloco.overlap_steps too, or leave diloco.mix=0")
-
-
-def _common_divisors(*xs: int) -> list[int]:
-    g = math.gcd(*xs)
-    return [d for d in range(1, g + 1) if g % d == 0]

@@ -6,12 +6,19 @@ d_model / n_heads (`head_dim`), RoPE scaling (`rope_type` 'linear' or 'llama3', 
 parameters transformers reads from `rope_scaling`), q/k/v projection biases (Qwen2) and a tied
 or untied output head.
 
+Mixture-of-Experts models (`n_experts` > 0; the layer is `layers/moe.py`) replace every block's
+feed-forward with `n_experts` SwiGLU experts of width `moe_d_ff` of which a router picks
+`experts_per_token` per token, optionally beside a shared expert (Qwen2-MoE). Their parameter
+counts distinguish all parameters (`num_params`, what memory holds) from the active ones per
+token (`active_params`, what the FLOPs follow).
+
 `ModelConfig.flops_per_token` is the one FLOPs formula hetjax uses: for MFU in the trainer and
 for compute time in the cost model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # The names a ModelConfig accepts, defined here (no JAX) so the config's checks and --help read
@@ -20,6 +27,28 @@ from dataclasses import dataclass
 # turns an attention request into a kernel.
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+# How an MoE layer sends tokens to experts (layers/moe.py): dense (every expert on every token,
+# the reference), dropless (sorted, grouped matmuls), capacity (fixed slots per expert, overflow
+# dropped and counted); auto: dropless.
+MOE_DISPATCH = ("auto", "dense", "dropless", "capacity")
+# The largest value each shape field may take: well above every published model (vocabulary
+# 262,144 in Gemma 3; width 16,384, 126 layers and 128 heads in Llama-3.1-405B; feed-forward
+# 53,248; context 10M in Llama 4 Scout), so a damaged or hostile config.json (a vocabulary of
+# 10^12, a million layers) is refused before anything is allocated.
+LIMITS = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024,
+          "n_kv_heads": 1024, "d_ff": 1 << 18, "max_seq_len": 1 << 24, "head_dim": 4096}
+
+
+def vocab_rows(vocab_size: int, shards: int = 1) -> int:
+    """Rows of the embedding and head for a vocabulary split over `shards` devices (the
+    plan's tp). A vocabulary that is a multiple of 128 and of `shards` is kept; any other is
+    rounded up to a multiple of lcm(128, shards), as Megatron pads (to a multiple of 128 x tp),
+    so 333 tokens get 384 rows and Llama-2 fine-tunes' 32001 get 32128. For every tp that
+    divides 128 the rows do not depend on tp, so checkpoints stay plan-independent."""
+    step = math.lcm(128, shards)
+    if vocab_size % 128 == 0 and vocab_size % shards == 0:
+        return vocab_size
+    return -(-vocab_size // step) * step
 
 
 @dataclass(frozen=True)
@@ -50,16 +79,40 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False
+    # Rows of the embedding and the output head: `vocab_size` (0), or more so that tensor
+    # parallelism splits them evenly (`vocab_rows`); the extra rows start at zero, their
+    # logits are masked out of the softmax, and exports leave them out.
+    vocab_rows: int = 0
+    # Mixture-of-Experts (layers/moe.py); n_experts = 0: a dense model (none of the rest is read).
+    n_experts: int = 0
+    experts_per_token: int = 2  # k: experts each token is routed to
+    moe_d_ff: int = 0  # hidden width of one expert; 0: d_ff
+    shared_expert_d_ff: int = 0  # a shared expert every token passes (Qwen2-MoE); 0: none
+    moe_shared_expert_gate: bool = True  # the shared expert's output scaled by sigmoid(x @ g)
+    # Which layers are MoE, as HF's Qwen2-MoE / DeepSeek configs say: layer i (from 0) when
+    # i >= first_dense_layers and (i + 1) % decoder_sparse_step == 0.
+    decoder_sparse_step: int = 1
+    first_dense_layers: int = 0
+    moe_norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
+    moe_aux_loss_coef: float = 0.01  # load-balance loss coefficient (1.0 * coef if uniform)
+    moe_z_loss_coef: float = 0.0  # router z-loss coefficient
+    moe_dispatch: str = "auto"  # one of MOE_DISPATCH
+    moe_capacity_factor: float = 1.25  # capacity dispatch: slots = factor * tokens * k / E
 
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if not self.vocab_rows:
+            object.__setattr__(self, "vocab_rows", self.vocab_size)
 
     @staticmethod
-    def from_config(m, vocab_size: int | None = None) -> "ModelConfig":
-        """From the `model` section of a hetjax config (vocab 0 -> `vocab_size`)."""
+    def from_config(m, vocab_size: int | None = None, shards: int = 1) -> "ModelConfig":
+        """From the `model` section of a hetjax config (vocab 0 -> `vocab_size`), with the
+        embedding and head padded for `shards`-way tensor parallelism (`vocab_rows`)."""
+        vocab = m.vocab_size or vocab_size
         return ModelConfig(
-            vocab_size=m.vocab_size or vocab_size, d_model=m.d_model, n_layers=m.n_layers,
+            vocab_size=vocab, vocab_rows=vocab_rows(vocab, shards), d_model=m.d_model,
+            n_layers=m.n_layers,
             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff,
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             # dtype 'auto' needs the devices: callers that know them resolve it first
@@ -70,7 +123,46 @@ class ModelConfig:
             head_dim=m.head_dim, rope_type=m.rope_type,
             rope_factor=m.rope_factor, rope_low_freq_factor=m.rope_low_freq_factor,
             rope_high_freq_factor=m.rope_high_freq_factor,
-            rope_original_max_len=m.rope_original_max_len, qkv_bias=m.qkv_bias)
+            rope_original_max_len=m.rope_original_max_len, qkv_bias=m.qkv_bias,
+            **{f: m[f] for f in MOE_FIELDS})
+
+    # --- Mixture-of-Experts ----------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i (from 0) is an MoE layer."""
+        return (self.is_moe and i >= self.first_dense_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def mixed_layers(self) -> bool:
+        """An MoE model some of whose layers are dense."""
+        return self.is_moe and self.n_moe_layers != self.n_layers
+
+    def _ffn_params(self, active: bool) -> int:
+        d = self.d_model
+        if not self.is_moe:
+            return 3 * d * self.d_ff
+        experts = self.experts_per_token if active else self.n_experts
+        shared = 3 * d * self.shared_expert_d_ff
+        if self.shared_expert_d_ff and self.moe_shared_expert_gate:
+            shared += d
+        return d * self.n_experts + experts * 3 * d * self.expert_d_ff + shared
+
+    @property
+    def expert_params(self) -> int:
+        """Routed experts' parameters of one MoE layer (what expert parallelism splits)."""
+        return self.n_experts * 3 * self.d_model * self.expert_d_ff if self.is_moe else 0
 
     @property
     def layer_params(self) -> int:
@@ -79,8 +171,12 @@ class ModelConfig:
         attn = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
         if self.qkv_bias:
             attn += (self.n_heads + 2 * self.n_kv_heads) * h
-        mlp = 3 * d * self.d_ff
-        return attn + mlp + 2 * d
+        return attn + self._ffn_params(active=False) + 2 * d
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters one token passes through in one block (the k routed experts only)."""
+        return self.layer_params - self._ffn_params(False) + self._ffn_params(True)
 
     @property
     def embed_params(self) -> int:
@@ -95,11 +191,16 @@ class ModelConfig:
     def num_params(self) -> int:
         return self.embed_params + self.n_layers * self.layer_params + self.head_params
 
+    @property
+    def active_params(self) -> int:
+        """Parameters per token: num_params with only k experts of each MoE layer."""
+        return self.embed_params + self.n_layers * self.active_layer_params + self.head_params
+
     def layer_flops(self, seq_len: int) -> float:
         """Forward FLOPs of one block per token: matmuls (2 per MAC) plus causal attention."""
         d, h = self.d_model, self.head_dim
         proj = 2 * (d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2)
-        mlp = 2 * 3 * d * self.d_ff
+        mlp = 2 * self._ffn_params(active=True)
         # QK^T and AV over the full (uncausal-masked) square, as MFU conventions count it.
         attn = 2 * 2 * seq_len * self.n_heads * h
         return proj + mlp + attn
@@ -111,3 +212,10 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward), without recompute."""
         return 3 * (self.n_layers * self.layer_flops(seq_len) + self.head_flops())
+
+
+# The ModelConfig fields of an MoE model, as the config's `model.*` fields of the same names.
+MOE_FIELDS = ("n_experts", "experts_per_token", "moe_d_ff", "shared_expert_d_ff",
+              "moe_shared_expert_gate", "decoder_sparse_step", "first_dense_layers",
+              "moe_norm_topk_prob", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_dispatch",
+              "moe_capacity_factor")

@@ -295,7 +295,7 @@ def remat(schedules=("gpipe", "1f1b"), microbatches: int = 8) -> None:
 def folded(split=(4, 3), microbatches=(4, 8, 16, 32)) -> None:
     """Step time of each grid schedule looped and folded, in units of one layer's forward for
     the holmes_mini split (F = n, B = 3 n per device): lockstep as the SPMD executor runs it
-    (`schedules.lockstep_time` against `folded_lockstep_time` on the 2 pp stage grid, each
+    (`lockstep.lockstep_time` against `folded_lockstep_time` on the 2 pp stage grid, each
     device's down chunk ceil(n / 2) of its layers) and asynchronous as the MPMD executor runs
     it (`timeline` of the schedule against that of `schedules.folded`)."""
     p = len(split)
