@@ -221,6 +221,9 @@ BAD_FILES = [
     ("text for a rate", "clusters[1].nic.bandwidth_gbps", "25",
      "clusters[1].nic.bandwidth_gbps: must be a number, got '25'; fix: write a number without "
      "quotes: the link's nominal rate per direction in Gbit/s, e.g. 25"),
+    ("a rate too large for a float", "clusters[1].nic.bandwidth_gbps", 10**400,
+     "clusters[1].nic.bandwidth_gbps: must be a finite number, got a number of 401 digits; fix: "
+     "give the link's nominal rate per direction in Gbit/s, e.g. 25"),
     ("negative rate", "clusters[1].nic.bandwidth_gbps", -25,
      "clusters[1].nic.bandwidth_gbps: must be > 0 Gbit/s, got -25; fix: give the link's nominal "
      "rate per direction in Gbit/s, e.g. 25"),
