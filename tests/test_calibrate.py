@@ -182,6 +182,8 @@ HOSTILE_CALIBRATIONS = [
     ("links.0.op", "broadcast", "links[0].op: 'broadcast' is not one of all_reduce, "
      "reduce_scatter, all_gather, p2p"),
     ("links.0.seconds", float("nan"), "links[0].seconds: must be a finite number, got nan"),
+    ("compute.0.fwd_s", 10**400, "compute[0].fwd_s: must be a finite number, got a number of "
+     "401 digits"),
     ("topology.clusters.0.nodes", 10**9, "topology.clusters[0].nodes: must be at most 65,536, "
      "got 1,000,000,000"),
     ("processes", -1, "processes: must be > 0, got -1"),

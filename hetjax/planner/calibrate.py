@@ -11,6 +11,7 @@ published runs are hetjax/planner/reference_runs.py's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -382,8 +383,14 @@ class _Malformed(ValueError):
 
 
 def _number(v, where: str, positive: bool) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _Malformed(f"{where}: must be a finite number, got {v!r}")
+    try:  # an integer too large for a float (JSON allows any number of digits) is refused too
+        finite = math.isfinite(v)
+    except OverflowError:
+        finite, v = False, f"a number of {len(str(v))} digits"
+    if not finite:
+        raise _Malformed(f"{where}: must be a finite number, got {v}")
     if v < 0 or (positive and v == 0):
         raise _Malformed(f"{where}: must be {'> 0' if positive else '>= 0'}, got {v}")
     return float(v)
@@ -436,10 +443,10 @@ def _checked(d: dict, n_devices: int) -> dict:
         sized = part in _SIZED or part.startswith("attention:")
         _number(r.get("fwd_s"), f"{where}.fwd_s", positive=True)
         _number(r.get("bwd_s"), f"{where}.bwd_s", positive=timed)
-        _number(r.get("peak_tflops", 0.0), f"{where}.peak_tflops",
-                positive=timed or part != "memory" and sized)
+        shaped = timed or sized and part != "memory"  # its batch, length and peak are used
+        _number(r.get("peak_tflops", 0.0), f"{where}.peak_tflops", positive=shaped)
         for key in ("batch", "seq_len"):
-            _whole(r.get(key), f"{where}.{key}", positive=part != "update")
+            _whole(r.get(key), f"{where}.{key}", positive=shaped)
         _whole(r.get("params", 0), f"{where}.params", positive=sized)
     for i, r in enumerate(_list(d, "links")):
         where = f"links[{i}]"
