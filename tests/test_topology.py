@@ -387,6 +387,18 @@ def test_writing_keeps_catalogue_names_and_spells_out_the_rest():
     assert topo.topology_from_json(topo.topology_to_json(wide)) == wide
 
 
+def test_writing_a_topology_leaves_only_the_named_file(tmp_path):
+    import os
+
+    path = tmp_path / "out" / "t.json"
+    path.parent.mkdir()
+    t = topo.preset("holmes_hybrid")
+    assert topo.write_topology(t, str(path)) == str(path)
+    assert topo.write_topology(t, str(path)) == str(path)  # over an older one
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(path.parent) == ["t.json"]
+    assert topo.read_topology(str(path)) == t
+
+
 @pytest.mark.parametrize("name", sorted(topo.PRESETS))
 def test_every_preset_round_trips_through_hetjax_topology_json(name, tmp_path, capsys):
     from hetjax import cli
