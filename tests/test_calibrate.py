@@ -187,6 +187,9 @@ HOSTILE_CALIBRATIONS = [
     ("topology.clusters.0.nodes", 10**9, "topology.clusters[0].nodes: must be at most 65,536, "
      "got 1,000,000,000"),
     ("processes", -1, "processes: must be > 0, got -1"),
+    ("profile_rows", [{"accelerator": "cpu", "piece": "block", "tp": 1, "tokens": 64,
+                       "seq_len": 64, "fwd_s": "fast", "bwd_s": 1.0}],
+     "profile_rows[0].fwd_s: must be a finite number, got 'fast'"),
 ]
 
 
