@@ -239,8 +239,8 @@ def test_the_plan_is_within_one_percent_of_the_best_priced_without_the_search(in
                                                                              devices):
     """Every device subset, executor, layout, stage order, micro-batch count, schedule,
     placement, recompute policy, ZeRO point and layer split of a small mixed cluster, priced
-    (scripts/bench_planner.py `exhaustive_best`); at 100 Gb/s the L40S help, at 25 they do not."""
-    from scripts import bench_planner
+    (scripts/bench/planner.py `exhaustive_best`); at 100 Gb/s the L40S help, at 25 they do not."""
+    from scripts.bench import planner as bench_planner
 
     t = two_kinds(inter_gbps)
     c = load_config(None, ["--config.parallel.pp=0", "--config.parallel.tp=0",
