@@ -166,8 +166,9 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     ZeRO point.
 
     `subsets`: the devices used are a choice too (`device_subsets`: whole clusters left out
-    when that prices faster); the plan's `predicted["unused"]` says why each idle device is
-    idle. `ceiling`: a step time found elsewhere that the top must beat: layouts whose floor
+    when that prices faster; a smaller set is searched for a plan better than the best so far,
+    so the runners-up of a smaller set beat that too); the plan's `predicted["unused"]` says
+    why each idle device is idle. `ceiling`: a step time found elsewhere that the top must beat: layouts whose floor
     reaches it are skipped, and `BelowNothing` is raised when nothing is left."""
     if subsets:
         return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
@@ -349,9 +350,9 @@ def _cluster_nodes(topology: Topology, cluster: int) -> range:
 
 def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: int,
                   ceiling: float, top: int, options: CostOptions | None, **kw) -> PlanResult:
-    """`plan` over the device subsets (`device_subsets`), all devices first: each subset's
-    search skips what cannot beat the top-th plan found so far; the plans are priced on the
-    whole topology (idle devices carry no traffic, so the prices are the subset's), the
+    """`plan` over the device subsets (`device_subsets`), all devices first: each later
+    subset's search skips what cannot beat the best plan found so far; the plans are priced on
+    the whole topology (idle devices carry no traffic, so the prices are the subset's), the
     fastest kept, and the plan says why each device it leaves idle is idle."""
     t0 = time.perf_counter()
     options = options or CostOptions()
@@ -370,10 +371,9 @@ def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, s
         r = _on_topology(r, ranks, cm, keep == tuple(range(len(topology.clusters))))
         whole = r if len(keep) == len(topology.clusters) else whole
         results.append(r)
-        steps = sorted(p.predicted["step_time_s"] for q in results
-                       for p in (q.plan, *q.runners_up))
-        if len(steps) >= top:
-            ceiling = min(ceiling, steps[top - 1])
+        # a smaller set is searched for a better plan, not for runners-up: it skips what
+        # cannot beat the best so far (its runners-up are those that beat that too)
+        ceiling = min(ceiling, r.plan.predicted["step_time_s"])
     if not results:
         raise first_error or BelowNothing(f"no plan on {topology.name!r} beats {ceiling:.4g} s")
     ranked = sorted((p for r in results for p in (r.plan, *r.runners_up)),
