@@ -12,6 +12,7 @@ from hetjax.config import build_topology, load_config
 from hetjax.core.hardware import Link, Topology
 from hetjax.core.catalogue import make_cluster
 from hetjax.core.model_config import ModelConfig
+from hetjax.core.plan import Plan
 from hetjax.core.topology import preset
 from hetjax.planner import CostModel, CostOptions, model_from_config, plan, plan_job
 from hetjax.planner import breakdown as bd
@@ -269,3 +270,64 @@ def test_the_memory_message_counts_the_activations_the_spmd_pipeline_stashes():
              options=CostOptions(executor="hetjax"))
     acts = float(re.search(r"activations ([\d.]+)", str(e.value)).group(1))
     assert acts > 1.0
+
+
+# --- each stage its own degrees ------------------------------------------------------------------
+def nvlink_and_pcie(nv_devices: int = 8) -> Topology:
+    """A node of A100 on NVLink and a node of four L40S on PCIe, on InfiniBand."""
+    return Topology("nv_pcie", (make_cluster("nv", 1, nv_devices, "a100_80gb", "infiniband",
+                                             intra="nvlink3"),
+                                make_cluster("pc", 1, 4, "l40s", "infiniband", intra="pcie4")),
+                    Link("infiniband", 100.0, 5.0))
+
+
+STAGE_DEGREES = dict(options=CostOptions(executor="mpmd"), distinct=True, subsets=True,
+                     stage_degrees=True, placement="auto")
+
+
+def big_layers() -> ModelConfig:
+    return gpu_model(d_model=8192, n_heads=64, d_ff=28672, max_seq_len=2048)
+
+
+@pytest.mark.slow  # (two searches of a 12-device mixed cluster, about 10 s)
+def test_stages_on_different_nodes_get_their_own_degrees_when_that_prices_faster():
+    t, m = nvlink_and_pcie(), big_layers()
+    p = plan(t, m, 32, 2048, **STAGE_DEGREES).plan
+    assert not p.uniform and p.executor == "mpmd"
+    nv = {tuple(p.stage_shape(s)) for s in range(p.pp) if p.stage_ranks(s)[0] < 8}
+    pc = {tuple(p.stage_shape(s)) for s in range(p.pp) if p.stage_ranks(s)[0] >= 8}
+    assert nv and pc and nv != pc  # each node's stages their own (dp, tp)
+    assert "dp,tp per stage" in p.header() and p.predicted["layout"] == "per-stage degrees"
+    uniform = plan(t, m, 32, 2048, **{**STAGE_DEGREES, "stage_degrees": False}).plan
+    assert p.predicted["step_time_s"] < uniform.predicted["step_time_s"] * (1 - 0.01)
+    again = CostModel(t, m, CostOptions(executor="mpmd")).predict(
+        dataclasses.replace(p, predicted={}))
+    assert again.step_time == pytest.approx(p.predicted["step_time_s"], rel=1e-12)
+    assert Plan.from_json(p.to_json()).stage_shapes == p.stage_shapes
+
+
+@pytest.mark.slow
+def test_with_stage_degrees_the_pruned_search_finds_the_exhaustive_plans():
+    t, m = nvlink_and_pcie(), big_layers()
+    r, full = (plan(t, m, 32, 2048, prune=prune, **STAGE_DEGREES) for prune in (True, False))
+    assert [(q.shapes(), q.microbatches, q.predicted["step_time_s"])
+            for q in (r.plan, *r.runners_up)] == [
+        (q.shapes(), q.microbatches, q.predicted["step_time_s"])
+        for q in (full.plan, *full.runners_up)]
+
+
+def test_a_stage_of_another_shape_is_priced_as_a_stage_of_that_shape():
+    """Stages of different (dp, tp) cost what uniform stages of their shape cost on their
+    devices; boundaries carry one micro-batch's activations, however they are cut."""
+    t = nvlink_and_pcie(4)
+    m = gpu_model(d_model=4096, n_heads=32, d_ff=11008, remat="none")
+    cm = CostModel(t, m, CostOptions(executor="mpmd"))
+    mixed = Plan(pp=2, dp=0, tp=0, stage_layers=(2, 2), microbatches=8, global_batch=32,
+                 seq_len=1024, executor="mpmd", stage_shapes=((1, 4), (4, 1)))
+    tp4 = Plan(pp=2, dp=1, tp=4, stage_layers=(2, 2), microbatches=8, global_batch=32,
+               seq_len=1024, executor="mpmd")
+    dp4 = dataclasses.replace(tp4, dp=4, tp=1)
+    a, b, c = (cm.predict(p) for p in (mixed, tp4, dp4))
+    assert a.stage_time == pytest.approx((b.stage_time[0], c.stage_time[1]), rel=1e-12)
+    assert a.stage_memory[0] == pytest.approx(b.stage_memory[0], rel=1e-12)
+    assert a.dp_links == ("-", "pcie") and a.pp_links == ("infiniband",)

@@ -363,7 +363,7 @@ def _search(c, topology: Topology, model, options: CostOptions, top: int) -> Pla
                      stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                      allow_straddle=c.parallel.allow_straddle,
                      placement=c.pipeline.placement, distinct=True, subsets=True,
-                     ceiling=ceiling)
+                     stage_degrees=True, ceiling=ceiling)
         except BelowNothing:
             skipped[executor] = ceiling
             continue

@@ -30,7 +30,7 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, batch_split_problem, even_split,
-                              name_problems, placement_problem, raise_first)
+                              name_problems, placement_problem, raise_first, stage_shape_problem)
 from hetjax.planner import assign, partition, zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCost, runs_schedule
 from hetjax.planner.layout import Layout
@@ -141,7 +141,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          allow_straddle: bool = False, network_aware: bool | None = None,
          assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
          prune: bool = True, distinct: bool = False, subsets: bool = False,
-         ceiling: float = math.inf) -> PlanResult:
+         stage_degrees: bool = False, ceiling: float = math.inf) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -168,7 +168,9 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     `subsets`: the devices used are a choice too (`device_subsets`: whole clusters left out
     when that prices faster; a smaller set is searched for a plan better than the best so far,
     so the runners-up of a smaller set beat that too); the plan's `predicted["unused"]` says
-    why each idle device is idle. `ceiling`: a step time found elsewhere that the top must beat: layouts whose floor
+    why each idle device is idle. `stage_degrees`: under an executor that runs them (MPMD),
+    stages may differ in (dp, tp) where clusters differ in their nodes (each cluster's stages
+    one shape, `_Search.stage_shape_layouts`; their model states replicated). `ceiling`: a step time found elsewhere that the top must beat: layouts whose floor
     reaches it are skipped, and `BelowNothing` is raised when nothing is left."""
     if subsets:
         return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
@@ -176,7 +178,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                              stage_layers=stage_layers, options=options, top=top,
                              allow_straddle=allow_straddle, network_aware=network_aware,
                              assign_seconds=assign_seconds, calibration=calibration,
-                             placement=placement, prune=prune, distinct=distinct)
+                             placement=placement, prune=prune, distinct=distinct,
+                             stage_degrees=stage_degrees)
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -214,6 +217,18 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                     todo.append((Layout(pp=p, dp=d, tp=t, device_order=order, microbatches=M,
                                         global_batch=global_batch, seq_len=seq_len, schedule=name,
                                         placement=place, remat=remat), orders, tag))
+    if stage_degrees and not (pp or dp or tp or stage_layers) and stage_shape_problem(
+            {v: k for k, v in PLAN_EXECUTORS.items()}.get(executor, ""), 0, 0) is None:
+        for shapes, order in s.stage_shape_layouts():  # each cluster its own (dp, tp)
+            P, dps = len(shapes), {d for d, _ in shapes}
+            for M in s.microbatch_counts(math.lcm(*dps), microbatches):
+                for name, remat in itertools.product(schedules, remats(P)):
+                    if fits_schedule(name, P, M, executor, schedules[0]):
+                        todo.append((Layout(
+                            pp=P, dp=shapes[0][0], tp=shapes[0][1], stage_shapes=shapes,
+                            device_order=order, microbatches=M, global_batch=global_batch,
+                            seq_len=seq_len, schedule=name, remat=remat), None,
+                            "per-stage degrees"))
     floors = [s.cm.step_floor(lay) for lay, _, _ in todo]
     if not (floors and min(floors) < ceiling):
         if todo:  # a better plan was found elsewhere
@@ -254,13 +269,14 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                     distinct and layout_key(p) == layout_key(alt))][:top - 1]
                 best = alt
     free = {}
-    if zero == "auto":
+    if zero == "auto" and best.uniform:  # (stages of different dp: replicated states only)
         free["zero"] = [dataclasses.replace(Layout.of(best), zero=f)
                         for f in zr.space(s.dp_nodes(Layout.of(best)))
                         if f != best.zero]
     if not microbatches:
         free["microbatches"] = [dataclasses.replace(Layout.of(best), microbatches=M)
-                                for M in s.microbatch_counts(best.dp, 0)
+                                for M in s.microbatch_counts(
+                                    math.lcm(*(d for d, _ in best.shapes())), 0)
                                 if M != best.microbatches
                                 and _schedule_runs(best.schedule, best.pp, M)]
     if len(schedules) > 1 and best.pp > 1:
@@ -268,7 +284,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                             for n in schedules if n != best.schedule
                             and _schedule_runs(n, best.pp, best.microbatches)]
     places = [n for n in s.placements(placement, best.pp)
-              if placement_problem(n, best.schedule) is None]
+              if placement_problem(n, best.schedule) is None and (best.uniform or n == "looped")]
     if len(places) > 1:
         free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
                              for n in places if n != best.placement]
@@ -570,6 +586,29 @@ class _Search:
                 f"of {dp * (fixed or 1)})")
         return counts
 
+    def stage_shape_layouts(self) -> list[tuple[tuple[tuple[int, int], ...],
+                                                tuple[int, ...]]]:
+        """Layouts whose stages differ in (dp, tp), where clusters differ in their nodes
+        (accelerator, devices per node or the link inside a node): every cluster split into
+        stages of its own (dp, tp) (tp dividing heads, kv heads, d_ff and the cluster's node,
+        stages of consecutive ranks, so TP groups stay in a node and stages in the cluster);
+        (stage shapes, device order) for each combination whose shapes are not all alike."""
+        t, m = self.topology, self.model
+        kinds = {(c.accelerator, c.devices_per_node, c.intra_node) for c in t.clusters}
+        if len(kinds) < 2:
+            return []
+        per_cluster = []
+        for c in t.clusters:
+            n, ok = c.num_devices, math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, c.devices_per_node)
+            per_cluster.append([(p, n // (p * d), d) for d in _divisors(ok)
+                                for p in _divisors(n // d) if p <= m.n_layers])
+        out = []
+        for choice in itertools.product(*per_cluster):
+            shapes = tuple((dp, tp) for p, dp, tp in choice for _ in range(p))
+            if len(set(shapes)) > 1 and len(shapes) <= m.n_layers:
+                out.append((shapes, tuple(range(t.num_devices))))
+        return out
+
     def layouts(self, pp: int, dp: int, tp: int
                 ) -> list[tuple[tuple[int, ...], list[tuple[int, ...]] | None, str]]:
         """(device order, stage orders the partition may try (None: its default set), tag)."""
@@ -602,6 +641,11 @@ class _Search:
         """The ZeRO points to try: AMSP's enumeration of the points whose model states can
         fit at all, sorted by AMSP's communication time (so equal step times keep the point
         with less traffic); or the one point asked."""
+        if not layout.uniform:  # stages of different dp: replicated states (ddp) only
+            ddp = ZeroFactors()
+            ok = zero in ("auto", "ddp") or (isinstance(zero, ZeroFactors) and (
+                zero.s_p, zero.s_g, zero.s_os) == (1, 1, 1))
+            return [ddp] if ok else []
         mesh = layout.mesh()
         key = (layout.device_order, layout.pp, layout.dp, layout.tp)
         nodes = self.dp_nodes(layout)
@@ -702,6 +746,12 @@ class _Search:
         if split is None:
             self._note_shortfall(lay, table)
             return None
+        if not lay.uniform:  # the stages move with their shapes
+            order = tuple(int(r) for i in split.order for r in lay.stage_mesh(i).ravel())
+            lay = dataclasses.replace(lay, stage_shapes=tuple(
+                lay.stage_shapes[i] for i in split.order), device_order=order,
+                dp=lay.stage_shapes[split.order[0]][0], tp=lay.stage_shapes[split.order[0]][1])
+            return self._price(lay, split.layers, tag)
         mesh = lay.mesh()
         order = tuple(mesh[list(split.order)].ravel().tolist())
         return self._price(dataclasses.replace(lay, device_order=order), split.layers, tag)

@@ -200,7 +200,8 @@ def speed(args) -> None:
             partition.split_cache_clear()  # ... and finds its layer splits afresh
             t0 = time.process_time()  # CPU seconds: the machines this runs on are shared
             runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune,
-                                subsets=args.subsets, distinct=args.subsets),
+                                subsets=args.subsets, distinct=args.subsets,
+                                stage_degrees=args.subsets),
                            time.process_time() - t0)
         (result, seconds), (full, full_seconds) = runs[True], runs[False]
         same = [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers,
@@ -329,9 +330,10 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
                     executors=("spmd", "mpmd"), all_splits: bool = True):
     """The fastest plan the cost model can price, found without the search: every connected
     set of clusters (`search.device_subsets`), executor, (pp, dp, tp) that uses those devices
-    and keeps the placement rules, arrangement of the stages (distinct by what they cost),
-    micro-batch count, schedule the executor runs, placement, recompute policy the cost model
-    weighs, ZeRO point, and layer split: every split (`all_splits`), or for each of the rest
+    and keeps the placement rules (and, for the MPMD executor, each cluster's stages of their
+    own (dp, tp) where clusters differ in their nodes, replicated states), arrangement of the
+    stages (distinct by what they cost), micro-batch count, schedule the executor runs,
+    placement, recompute policy the cost model weighs, ZeRO point, and layer split: every split (`all_splits`), or for each of the rest
     the split the partition finds exact for its pipeline-time estimate. Every candidate whose
     lower bound (`simulate.lower_bound`, which no schedule beats) is below the best so far is
     simulated; returns (best Plan with its prediction, candidates, simulated)."""
@@ -341,11 +343,38 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
     from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, runs_schedule
     from hetjax.planner.layout import Layout
     from hetjax.planner.placement import placement_problems
-    from hetjax.planner.search import device_subsets, fits_schedule, sub_topology
+    from hetjax.planner.search import _Search, device_subsets, fits_schedule, sub_topology
     from hetjax.planner.simulate import lower_bound
+
+    def splits_of(lay, subcm):
+        if all_splits:
+            return list(_compositions(N, lay.pp))
+        found = partition.best_split(subcm.stage_table(lay), N, lay.microbatches,
+                                     [tuple(range(lay.pp))])
+        return [found.layers] if found else []
 
     best, candidates, simulated = None, 0, 0
     N = model.n_layers
+
+    def price(lay, splits, cm, subcm, ranks):
+        nonlocal best, candidates, simulated
+        for split in splits:
+            candidates += 1
+            stages = subcm.stage_costs(lay)
+            fwd = [c.fwd(k) for c, k in zip(stages, split)]
+            bwd = [c.bwd(k) for c, k in zip(stages, split)]
+            if not all(c.memory(k, max(split)) <= c.capacity for c, k in zip(stages, split)):
+                continue
+            send = subcm.boundary_times(lay)[0]
+            if best is not None and lower_bound(fwd, bwd, lay.microbatches, send, send) >= \
+                    best.predicted["step_time_s"]:
+                continue
+            p = lay.with_plan(split, device_order=tuple(ranks[i] for i in lay.device_order))
+            pred = cm.predict(p)
+            simulated += 1
+            if pred.fits and (best is None or pred.step_time < best.predicted["step_time_s"]):
+                best = dataclasses.replace(p, predicted=pred.as_dict())
+
     for keep in device_subsets(topology):
         sub, ranks = sub_topology(topology, keep)
         n = sub.num_devices
@@ -387,33 +416,35 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
                                          microbatches=M, global_batch=global_batch,
                                          seq_len=seq_len, schedule=sched, zero=zero,
                                          placement=place, remat=remat, executor=name)
-                            if all_splits:
-                                splits = _compositions(N, pp)
-                            else:
-                                table = subcm.stage_table(lay)
-                                found = partition.best_split(table, N, M,
-                                                             [tuple(range(pp))])
-                                splits = [found.layers] if found else []
-                            for split in splits:
-                                candidates += 1
-                                stages = subcm.stage_costs(lay)
-                                fwd = [c.fwd(k) for c, k in zip(stages, split)]
-                                bwd = [c.bwd(k) for c, k in zip(stages, split)]
-                                if not all(c.memory(k, max(split)) <= c.capacity
-                                           for c, k in zip(stages, split)):
-                                    continue
-                                send = subcm.boundary_times(lay)[0]
-                                if best is not None and lower_bound(
-                                        fwd, bwd, M, send, send) >= best.predicted[
-                                        "step_time_s"]:
-                                    continue
-                                p = lay.with_plan(split, device_order=tuple(
-                                    ranks[i] for i in order))
-                                pred = cm.predict(p)
-                                simulated += 1
-                                if pred.fits and (best is None or pred.step_time <
-                                                  best.predicted["step_time_s"]):
-                                    best = dataclasses.replace(p, predicted=pred.as_dict())
+                            price(lay, splits_of(lay, subcm), cm, subcm, ranks)
+            if name != "mpmd":  # stages of different (dp, tp): the MPMD executor's
+                continue
+            search = _Search(sub, model, global_batch, seq_len, CostOptions(), False, False, 0)
+            for shapes, order in search.stage_shape_layouts():
+                pp = len(shapes)
+                blocks = [order[sum(d * t for d, t in shapes[:i]):
+                                sum(d * t for d, t in shapes[:i + 1])] for i in range(pp)]
+                whole = Layout(pp=pp, dp=shapes[0][0], tp=shapes[0][1], stage_shapes=shapes,
+                               device_order=order, microbatches=1,
+                               global_batch=global_batch, seq_len=seq_len)
+                kinds = [(shapes[i], subcm.stage_keys(CostModel.stage_view(whole, i))[i])
+                         for i in range(pp)]
+                perms = {tuple(kinds[i] for i in perm): perm
+                         for perm in itertools.permutations(range(pp))}.values()
+                dp = math.lcm(*(d for d, _ in shapes))
+                for perm, M in itertools.product(perms, range(1, global_batch + 1)):
+                    if batch_split_problem(global_batch, M, dp):
+                        continue
+                    for sched, remat in itertools.product(SCHEDULES, subcm.remat_choices(pp)):
+                        if not fits_schedule(sched, pp, M, "mpmd", "1f1b"):
+                            continue
+                        moved = tuple(shapes[i] for i in perm)
+                        lay = Layout(pp=pp, dp=moved[0][0], tp=moved[0][1], stage_shapes=moved,
+                                     device_order=tuple(r for i in perm for r in blocks[i]),
+                                     microbatches=M, global_batch=global_batch,
+                                     seq_len=seq_len, schedule=sched, remat=remat,
+                                     executor=name)
+                        price(lay, splits_of(lay, subcm), cm, subcm, ranks)
     return best, candidates, simulated
 
 
@@ -475,8 +506,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compute", choices=["flat", "kinds"], default="flat",
                         help="speed: compute priced flat (one efficiency) or by operation kind")
     parser.add_argument("--subsets", action="store_true",
-                        help="speed: the search as `hetjax plan` runs it, the devices used a "
-                        "choice too and the runners-up distinct layouts")
+                        help="speed: the search as `hetjax plan` runs it: the devices used "
+                        "and per-stage degrees a choice too, the runners-up distinct layouts")
     parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], nargs="+",
                         default=["hetjax"], help="speed: how the plans are priced (see "
                         "cost.EXECUTORS); several: one row each, in one table")
