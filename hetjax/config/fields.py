@@ -24,7 +24,7 @@ from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from hetjax.interop.hf_config import ROPE_TYPES
+from hetjax.core.hf_config import ROPE_TYPES
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import COMPUTE_MODELS
 
@@ -163,7 +163,7 @@ def _is_file_or_empty(fix: str):
 
 def _known_model_preset(field, v):
     if v:
-        from hetjax.interop.hf_config import preset_fields
+        from hetjax.core.hf_config import preset_fields
 
         preset_fields(v)  # an unknown name is one error listing the presets
     return None
@@ -242,9 +242,9 @@ def _schedule_help() -> str:
 
 
 def _model_presets() -> str:
-    from hetjax.interop.hf_config import PRESETS
+    from hetjax.core.hf_config import PRESETS
 
-    return (f"a published architecture (hetjax.interop.hf_config.PRESETS: "
+    return (f"a published architecture (hetjax.core.hf_config.PRESETS: "
             f"{', '.join(PRESETS)}); sets the architecture fields, explicit --config.model.* "
             "overrides win")
 

@@ -139,7 +139,7 @@ def _validate_model(c) -> None:
         _check(c, "model.rope_original_max_len", positive_int())
     check_one_model_source(m)
     if m.init_from:
-        from hetjax.interop import hf_config
+        from hetjax.core import hf_config
 
         # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
         # scaling or max_seq_len, a run may change on purpose).
