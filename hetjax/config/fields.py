@@ -374,7 +374,8 @@ FIELDS: tuple[Field, ...] = (
           "two chunks per device in a V (down, then back up; device 0 holds embedding and "
           "head), each device's stage_layers split ceil/floor down/up | auto: the planner "
           "prices both", _layout_name("placement")),
-    Field("pipeline.microbatches", 0, "alias of train.microbatches for pipeline users; 0: unset"),
+    Field("pipeline.microbatches", 0, "fixes M, the micro-batches per step, for pipeline users: "
+          "the number train.microbatches also sets (give one of the two); 0: unset"),
     Field("pipeline.boundary_codec", "none", "activations and their gradients crossing worlds "
           "(MPMD stages on different clusters): {choices}",
           Choices(BOUNDARY_CODECS, "codec", {
