@@ -33,6 +33,7 @@ EXERCISED_BY = {
         "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
     "scripts/bench_pipeline.py": "test_bench_pipeline_smoke",
     "scripts/bench_planner.py": "test_bench_planner_smoke",
+    "scripts/bench_predict.py": "test_bench_predict_smoke",
     "scripts/bench_quota.py": "test_bench_quota_smoke",
     "scripts/bench_reliability.py": "test_bench_reliability_smoke",
     "scripts/bench_zero.py": "test_bench_zero_smoke",
@@ -194,6 +195,32 @@ def test_bench_planner_smoke(capsys):
     bench_planner.main(["smoke"])
     out = capsys.readouterr().out
     assert "All-reduce over 1,024" in out and "Holmes" in out, out[-2000:]
+
+
+def test_bench_predict_smoke(capsys, tmp_path):
+    """Every source but the compiled steps' memory (a compile: the slow tier's smoke below)."""
+    import json
+
+    from scripts import bench_predict
+
+    out_json = tmp_path / "rows.json"
+    bench_predict.main(["--smoke", "--sources", "emulated,megatron,amsp,holmes,h200",
+                        "--json", str(out_json)])
+    out = capsys.readouterr().out
+    for source in ("emulated cluster", "Megatron-LM Table 1", "AMSP, 1,024 A800",
+                   "Holmes Table 1", "one H200 (recorded)"):
+        assert f"| {source} |" in out, out[-2000:]
+    rows = json.loads(out_json.read_text())
+    assert all(r["predicted"] > 0 and r["measured"] > 0 for r in rows)
+    assert any(r["fitted"] for r in rows) and any(not r["fitted"] for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_predict_smoke_compiles_a_step_for_its_memory(capsys):
+    from scripts import bench_predict
+
+    bench_predict.main(["--smoke", "--sources", "memory"])
+    assert "| XLA memory_analysis() |" in capsys.readouterr().out
 
 
 @pytest.mark.slow
