@@ -15,8 +15,11 @@ validation):
   bytes against XLA's argument + output + temp - alias; the activation terms were fitted on
   data-parallel float32 steps at one layout (hetjax/planner/memory.py), so the rows here are
   the other layouts, dtypes and ZeRO points;
+- profile, a size held out: each kept calibration file's compute profile read at a measured
+  micro-batch size from its other sizes (what the band's per-doubling term rests on);
 - published tables: Megatron-LM's Table 1 (TFLOP/s per GPU; rows 1.7B and 310.1B fitted the
-  per-kind rates, the other eight held out), AMSP's MFU at 1,024 GPUs (held out), Holmes'
+  per-kind rates, the other eight held out; and every row priced by the flat model, whose
+  efficiency was fitted on Holmes: what the band of a flat prediction rests on), AMSP's MFU at 1,024 GPUs (held out), Holmes'
   Table 1 (samples/s; all three rows fitted the flat efficiency and the fabric efficiencies:
   shown, not scored);
 - one H200: the peak memory of a TinyLlama-shaped step recorded on the GPU (tests/
@@ -130,6 +133,48 @@ def megatron(smoke: bool) -> list[Row]:
             for r in (ref.MEGATRON_TABLE1[:2] if smoke else ref.MEGATRON_TABLE1)]
 
 
+def megatron_flat(smoke: bool) -> list[Row]:
+    """The flat model (one efficiency, fitted on Holmes) on Megatron's table: none of its
+    constants was fitted on these rows."""
+    from hetjax.planner import reference_runs as ref
+    from hetjax.planner.cost import CostOptions
+
+    flat = CostOptions(executor="megatron")
+    return [Row("Megatron-LM Table 1, flat model", r.name, "TFLOP/s",
+                ref.predicted_tflops(r, flat), r.tflops_per_gpu)
+            for r in (ref.MEGATRON_TABLE1[:2] if smoke else ref.MEGATRON_TABLE1)]
+
+
+def profile_sizes(smoke: bool) -> list[Row]:
+    """Each calibration file's profile read at a measured size from its other sizes (the
+    smallest and the largest of each piece held out in turn): the extrapolation's error."""
+    import dataclasses
+    import glob
+
+    from hetjax.planner.calibrate import load_calibration
+
+    rows = []
+    files = sorted(glob.glob(os.path.join(RESULTS, "*calibration*.json")))
+    for path in files[:1] if smoke else files:
+        prof = load_calibration(path).profile()
+        groups: dict[tuple, list] = {}
+        for r in prof.rows:
+            groups.setdefault((r.accelerator, r.piece, r.tp, r.seq_len, r.recompute,
+                               r.pipelined), []).append(r)
+        for key, mine in groups.items():
+            sizes = sorted({r.tokens for r in mine})
+            for held in ((sizes[0], sizes[-1]) if len(sizes) > 1 else ()):
+                rest = dataclasses.replace(prof, rows=tuple(
+                    r for r in prof.rows if not (r in mine and r.tokens == held)))
+                e = rest.lookup(key[0], key[1], key[2], held, key[3], key[4], key[5])
+                true = next(r for r in mine if r.tokens == held)
+                name = (f"{os.path.basename(path)[:-5]}: {key[1]} {key[4]}"
+                        f"{' pipelined' if key[5] else ''} {held} tokens (x{e.distance:.3g})")
+                rows.append(Row("profile, a size held out", name, "fwd + bwd s",
+                                e.fwd_s + e.bwd_s, true.fwd_s + true.bwd_s))
+    return rows
+
+
 def amsp(smoke: bool) -> list[Row]:
     from hetjax.planner import reference_runs as ref
 
@@ -180,8 +225,9 @@ def one_h200(smoke: bool) -> list[Row]:
     return rows
 
 
-SOURCES = {"emulated": emulated_cluster, "memory": xla_memory, "megatron": megatron,
-           "amsp": amsp, "holmes": holmes, "h200": one_h200}
+SOURCES = {"emulated": emulated_cluster, "profile": profile_sizes, "memory": xla_memory,
+           "megatron": megatron, "megatron_flat": megatron_flat, "amsp": amsp,
+           "holmes": holmes, "h200": one_h200}
 
 
 # --- the tables -----------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_amsp_reported_mfu_is_predicted_within_10_percent():
     """AMSP's 52% MFU for LLaMA 7B and 13B on 1,024 A800s: ZeRO's per-layer gathers and
     reduce-scatters overlap the layers' compute and the gradient buckets the last backward,
     so at the assumed 400 Gb/s a node only the last bucket and a pass's first gather are
-    exposed. (Before the overlap was scheduled the model predicted 34-36%.)"""
+    exposed. (Before the overlap was scheduled the model predicted 40%.)"""
     from hetjax.planner.reference_runs import AMSP_MFU, AMSP_REPORTED, amsp_plan
 
     for name in AMSP_REPORTED:

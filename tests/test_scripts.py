@@ -204,7 +204,8 @@ def test_bench_predict_smoke(capsys, tmp_path):
     from scripts import bench_predict
 
     out_json = tmp_path / "rows.json"
-    bench_predict.main(["--smoke", "--sources", "emulated,megatron,amsp,holmes,h200",
+    bench_predict.main(["--smoke", "--sources",
+                        "emulated,profile,megatron,megatron_flat,amsp,holmes,h200",
                         "--json", str(out_json)])
     out = capsys.readouterr().out
     for source in ("emulated cluster", "Megatron-LM Table 1", "AMSP, 1,024 A800",
@@ -232,9 +233,16 @@ def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     r = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for name in ("calibration.json", "plan_flat.json", "plan_kinds.json", "bench_gpu.json"):
+    for name in ("calibration.json", "profile.json", "plan_flat.json", "plan_kinds.json",
+                 "plan_profile.json", "bench_gpu.json"):
         assert (tmp_path / name).is_file(), (name, r.stdout[-3000:])
-    assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
+    assert r.stdout.count("exit 0") == 5, r.stdout[-3000:]
+    # the profile has the layer at one sequence and at the job's micro-batch (2 sequences)
+    from hetjax.planner.compute_profile import load_profile
+
+    prof = load_profile(str(tmp_path / "profile.json"))
+    assert {r.tokens for r in prof.rows if r.piece == "layer"} == {64, 128}
+    assert "(compute: profile)" in (tmp_path / "plan_profile.log").read_text()
 
 
 @pytest.mark.parametrize("name", ["bench_hetaccel", "bench_hetnet", "check_worlds", "repredict",
