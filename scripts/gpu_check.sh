@@ -44,7 +44,7 @@ job+=(--config.topology.preset=local --config.model.dtype=bfloat16
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 "$py" -c "import jax; print('jax', jax.__version__, jax.devices())"
 echo "== 1. hetjax calibrate --quick (and the compute profile: micro-batches of 1 and of the job)"
-timeout 110 "$py" -m hetjax calibrate --quick "${job[@]}" --batches="1,$batch" \
+timeout 180 "$py" -m hetjax calibrate --quick "${job[@]}" --batches="1,$batch" \
   --out="$out/calibration.json" --profile="$out/profile.json" \
   > "$out/calibrate.log" 2>&1; echo "exit $?"; tail -n 25 "$out/calibrate.log"
 cal=()

@@ -214,3 +214,21 @@ def test_calibrate_measures_the_layer_at_each_tp_degree_a_node_allows():
     assert (row.piece, row.tp, row.tokens, row.seq_len) == ("layer", 2, 16, 16)
     assert row.fwd_s > 0 and row.bwd_s > 0 and row.peak_bytes > 0
     assert "cpu layer tp=2 b=1 s=16 forward" in lines[1]
+
+
+def test_hetjax_plan_prints_the_band_and_what_priced_the_compute(tmp_path, capsys):
+    from hetjax.cli import main
+
+    p = _profile(_row(256, 3e-3, 7e-3, spread=0.05))
+    p = dataclasses.replace(p, model={"d_model": 128, "n_heads": 4, "n_kv_heads": 2,
+                                      "d_ff": 384, "vocab_size": 384})
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(p.to_dict()))
+    common = ["hetjax", "plan", "--config.parallel.pp=1", "--config.parallel.tp=1",
+              "--config.train.microbatches=1"]
+    assert main([*common, f"--config.planner.profile={path}"]) == 0
+    out = capsys.readouterr().out
+    assert " ± " in out and "(compute: profile)" in out
+    assert "compute priced from a measured profile" in out
+    assert main(common) == 0
+    assert "(compute: flat)" in capsys.readouterr().out
