@@ -284,7 +284,7 @@ def test_memory_margin_from_the_config_reaches_the_cost_options():
 
 
 def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
-    """scripts/bench_planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
+    """scripts/bench/planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
     devices; plain DDP cannot hold 16 bytes per parameter, so it is among the points that do
     not fit, and the chosen one fits with the runtime's reserve and the margin kept aside."""
     from hetjax.planner.reference_runs import amsp_plan

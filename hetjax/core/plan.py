@@ -793,3 +793,12 @@ class DilocoPlan:
     inner_lr_scale: float
     log_every: int
     steps: int
+
+
+def vocab_shards(plan) -> int:
+    """How many ways the embedding and head are split: the plan's tp, or for a DilocoPlan the
+    least common multiple of its sites' (`hetjax.core.model_config.vocab_rows` pads for it)."""
+    import math
+
+    plans = getattr(plan, "site_plans", None) or (plan,)
+    return math.lcm(*(p.tp for p in plans))

@@ -4,9 +4,9 @@ A step time predicted from a measured compute profile carries the error such pre
 on measured steps they were not fitted on, the measurements' spread, and grows with how far
 the profile was extrapolated (per doubling beyond the measured sizes or TP degrees); one
 predicted by the flat model (no profile) carries the flat model's error on measured runs it
-was not fitted on. Each constant below is a measurement of scripts/bench_predict.py. Memory predicted by the fitted terms carries their error
-against XLA's `memory_analysis()` grid; measured peak bytes their spread. The relative parts
-add in quadrature: `step_band(...)` and `memory_band(...)` return the relative half-width.
+was not fitted on. Memory predicted by the fitted terms carries their error against XLA's
+`memory_analysis()` grid; measured peak bytes their spread. Each constant below is a
+measurement of scripts/bench/predict.py. The relative parts add in quadrature: `step_band(...)` and `memory_band(...)` return the relative half-width.
 """
 
 from __future__ import annotations
