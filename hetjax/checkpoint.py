@@ -248,32 +248,30 @@ class Checkpointer:
     def _restore_newest(self, layout: Layout, step: int | None) -> Restored | None:
         if step is not None:
             return self._restore(layout, step)
-        for candidate in sorted(self.manager.all_steps(), reverse=True):
+        candidates = sorted(self.manager.all_steps(), reverse=True)
+        for i, candidate in enumerate(candidates):
             try:
                 return self._restore(layout, candidate)
             except _Unreadable as e:
-                self._set_aside(candidate, str(e))
+                self._set_aside(candidate, str(e), candidates[i + 1] if i + 1 < len(candidates)
+                                else None)
         return None
 
     def _stored_shapes(self, step: int) -> dict[str, tuple] | None:
         """The array shapes checkpoint `step` holds, from its metadata alone (None if that
         cannot be read: the restore itself then says what is wrong)."""
-        import logging
+        from hetjax.noise import quiet_absl
 
-        absl = logging.getLogger("absl")
-        level = absl.level
         # orbax warns that the item directory has no step metadata file (it is one level up)
-        absl.setLevel(logging.ERROR)
         try:
-            md = ocp.StandardCheckpointer().metadata(
-                os.path.join(self.directory, str(step), "state"))
+            with quiet_absl():
+                md = ocp.StandardCheckpointer().metadata(
+                    os.path.join(self.directory, str(step), "state"))
             tree = getattr(md, "item_metadata", md)  # a StepMetadata in newer orbax
             return {_key(path): tuple(m.shape)
                     for path, m in jax.tree_util.tree_leaves_with_path(tree)}
         except Exception:  # noqa: BLE001 - orbax raises many kinds; the restore reports them
             return None
-        finally:
-            absl.setLevel(level)
 
     def _check_shapes(self, step: int, target) -> None:
         """Refuse a checkpoint of another model before any array is read: orbax's reads that
@@ -313,9 +311,10 @@ class Checkpointer:
             raise _Unreadable(f"it holds NaN/Inf values in {', '.join(bad[:3])}")
         return Restored(step, layout.from_natural(r.state), dict(r.data), dict(r.meta))
 
-    def _set_aside(self, step: int, what: str) -> None:
+    def _set_aside(self, step: int, what: str, previous: int | None) -> None:
         """Rename an unreadable checkpoint to `<step>.corrupt` (kept for a post-mortem, out of
-        orbax's sight) and tell the user in one line."""
+        orbax's sight) and tell the user in one line what comes next: the `previous`
+        checkpoint, or (None) a start from step 0."""
         src = os.path.join(self.directory, str(step))
         dst = src + ".corrupt"
         n = 1
@@ -325,7 +324,9 @@ class Checkpointer:
         if jax.process_index() == 0:
             os.rename(src, dst)
             print(f"hetjax: checkpoint {step} in {self.directory} cannot be read ({what}); "
-                  f"moved aside to {os.path.basename(dst)}, trying the previous one",
+                  f"moved aside to {os.path.basename(dst)}, "
+                  + (f"trying the previous one ({previous})" if previous is not None else
+                     "and there is no earlier checkpoint: starting from step 0"),
                   file=sys.stderr, flush=True)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
