@@ -356,7 +356,9 @@ class Trainer:
         from hetjax.layers.model import Transformer
 
         single = isinstance(prompts, str)
-        ids = [self.tokenizer.encode(p).tolist() for p in ([prompts] if single else prompts)]
+        prompts = [prompts] if single else list(prompts)
+        # as training documents begin: BOS first when the tokenizer adds it
+        ids = [self.tokenizer.encode_document(p).tolist() for p in prompts]
         for name, v, ok in (("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
                             ("temperature", temperature, temperature >= 0),
                             ("top_k", top_k, top_k >= 0), ("top_p", top_p, 0 < top_p <= 1)):
@@ -364,7 +366,7 @@ class Trainer:
                 raise HetjaxError(f"{name} = {v} is out of range; use max_new_tokens >= 1, "
                                   "temperature >= 0 (0: greedy), top_k >= 0 (0: all), "
                                   "0 < top_p <= 1 (1: all)")
-        if not all(ids):
+        if not all(prompts):
             raise HetjaxError("an empty prompt has nothing to continue; give at least one "
                               "character")
         longest = max(map(len, ids)) + max_new_tokens
