@@ -32,7 +32,7 @@ from hetjax.planner.config_plan import resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
 from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
-                         name_problems, raise_first, tp_problems)
+                         name_problems, raise_first, stage_shape_problem, tp_problems)
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
@@ -177,6 +177,17 @@ def _known_model_preset(field, v):
         from hetjax.interop.hf_config import preset_fields
 
         preset_fields(v)  # an unknown name is one error listing the presets
+    return None
+
+
+def _int_tuple(field, v, lo: int, example: str, distinct: bool = False):
+    """A list of whole numbers >= `lo` (and no repeats when `distinct`)."""
+    v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo for x in v):
+        return (f"must be whole numbers >= {lo}, got {list(v)}",
+                f"give e.g. --config.{field}={example.split(' ')[0]}, or leave it empty")
+    if distinct and len(set(v)) != len(v):
+        return f"names a rank twice: {list(v)}", f"give each rank once, e.g. {example}"
     return None
 
 
@@ -366,6 +377,15 @@ FIELDS: tuple[Field, ...] = (
           _DEGREE),
     Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
           "clusters"),
+    Field("parallel.stage_dp", (), "data-parallel replicas of each stage, e.g. [2,1] (each "
+          "stage its own sub-mesh: pipeline.executor=mpmd); empty: parallel.dp for every stage",
+          lambda f, v: _int_tuple(f, v, 1, "[2,1] (one number >= 1 per stage)")),
+    Field("parallel.stage_tp", (), "tensor-parallel shards of each stage, e.g. [2,1] (each "
+          "stage its own sub-mesh: pipeline.executor=mpmd); empty: parallel.tp for every stage",
+          lambda f, v: _int_tuple(f, v, 1, "[2,1] (one number >= 1 per stage)")),
+    Field("parallel.exclude", (), "topology ranks the layout leaves out (idle), e.g. "
+          "[12,13,14,15]; the stages take the others in rank order",
+          lambda f, v: _int_tuple(f, v, 0, "[12,13,14,15] (distinct ranks >= 0)", True)),
 
     Field("pipeline.stage_layers", (), "layers per stage, e.g. (3, 1); empty: even split"),
     Field("pipeline.schedule", "1f1b", _schedule_help, _layout_name("schedule")),
@@ -393,6 +413,11 @@ FIELDS: tuple[Field, ...] = (
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
                             "leave it empty"), path=True),
+    Field("planner.profile", "", "a compute profile JSON file: measured seconds and bytes of "
+          "the model's layer, embedding and head per accelerator kind, TP degree and "
+          "micro-batch tokens (docs/planner.md; 'hetjax calibrate' writes one)",
+          _is_file_or_empty("write one with 'hetjax calibrate --profile=profile.json' or by "
+                            "hand, or leave it empty"), path=True),
     Field("planner.compute", "flat", "{choices}: compute priced at one efficiency per FLOP "
           "(flat), or by operation kind (kinds: matmuls by size, attention per implementation, "
           "memory-bound work by bandwidth; a calibration file's measured rates when it has "
@@ -957,6 +982,36 @@ def _validate_layout(c) -> None:
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
         raise_first(tp_problems(p.tp, m), ConfigError)
+    _validate_stage_degrees(c)
+
+
+def _validate_stage_degrees(c) -> None:
+    """parallel.stage_dp / stage_tp: one number per stage, each tp splitting the model, and an
+    executor that gives each stage its own sub-mesh when the stages' shapes differ."""
+    m, p = c.model, c.parallel
+    sd, st = tuple(p.stage_dp), tuple(p.stage_tp)
+    for field in ("parallel.stage_dp", "parallel.stage_tp", "parallel.exclude"):
+        _require(not c.diloco.inner_steps or not _get(c, field), field,
+                 "fixes the synchronous layout, but DiLoCo (diloco.inner_steps > 0) plans "
+                 "each site's own", f"leave {field} empty, or set diloco.inner_steps=0")
+    if not (sd or st):
+        return
+    _require(not (sd and st) or len(sd) == len(st), "parallel.stage_tp",
+             f"gives {len(st)} stages but parallel.stage_dp gives {len(sd)}",
+             "give one number per stage in both")
+    n = len(sd or st)
+    _require(p.pp in (0, n), "parallel.pp", f"is {p.pp}, but parallel.stage_dp / stage_tp "
+             f"give {n} stages", f"set --config.parallel.pp={n}")
+    for field in ("zero.preset", "pipeline.placement"):
+        _require(_get(c, field) != "auto", field,
+                 "is 'auto' (the planner's search), but parallel.stage_dp / stage_tp fix the "
+                 "layout", f"choose {field} yourself, or leave the per-stage degrees empty")
+    for t in sorted(set(st)):
+        raise_first(tp_problems(t, m, "parallel.stage_tp"), ConfigError)
+    if len(set(sd)) > 1 or len(set(st)) > 1:
+        problem = stage_shape_problem(c.pipeline.executor, 0, n)
+        if problem is not None:
+            raise ConfigError(problem.field, problem.problem, problem.fix)
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:

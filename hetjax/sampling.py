@@ -75,6 +75,7 @@ def saved_config(path: str, overrides=(), step: int | None = None):
     # One program over the run's devices: the run's tp, no pipeline (pp > 1 checkpoints load
     # into this layout), the rest data parallel; inference steps are not accumulated.
     base.parallel.pp, base.parallel.dp = 1, 0
+    base.parallel.stage_dp = base.parallel.stage_tp = ()  # one stage: the run's tp
     base.pipeline.stage_layers, base.pipeline.microbatches = (), 0
     base.train.microbatches = 1
     base.diloco.inner_steps = 0

@@ -65,7 +65,7 @@ from hetjax.core.topology import Topology
 from hetjax.layers import ModelConfig
 from hetjax.layers.attention_kernels import choose_local
 from hetjax.parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
-from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS
+from hetjax.parallel.nic import ENV_WORLD
 from hetjax.core.registry import EXECUTORS
 
 
@@ -96,18 +96,20 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
 
 def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Runtime:
     """What this process's environment says about its job (`hetjax.parallel.train_state.Runtime`),
-    read once: the launcher's init timeout, and for one world of a multi-world job (`hetjax
-    launch` set HETJAX_WORLDS > 1) the plan's worlds (`hetjax.planner.worlds`), which process
-    runs which rank, this world's index and its bridge to the others."""
+    read once: the launcher's init timeout, and for one world of a job whose worlds the bridge
+    joins (`hetjax launch` set the HETJAX_BRIDGE_* variables: several worlds, or processes the
+    plan leaves out) the plan's worlds (`hetjax.planner.worlds`), which process runs which
+    rank, this world's index and its bridge to the others."""
     from hetjax.distributed import ENV_INIT_TIMEOUT
 
     env = os.environ if env is None else env
     timeout = float(env[ENV_INIT_TIMEOUT]) if env.get(ENV_INIT_TIMEOUT) else None
-    if int(env.get(ENV_WORLDS, "1")) <= 1:
+    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ, bridged
+
+    if not bridged(env):
         return Runtime(init_timeout_s=timeout)
     from hetjax.distributed import process_slots
     from hetjax.planner.worlds import plan_worlds
-    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
 
     slots = process_slots(topology, len(env[ENV_BRIDGE_HOSTS].split(",")))
     worlds = plan_worlds(plan, topology, slots)
@@ -184,7 +186,9 @@ class Trainer:
         """The plan's predicted memory; refuses a plan predicted not to fit, in the words
         `hetjax plan` prints for it."""
         predicted = self.plan.predicted
-        if "stage_memory_gib" not in predicted and self.executor.runs_whole_plan:
+        # (per-stage (dp, tp) shapes: the cost model prices one shape, so no prediction)
+        if ("stage_memory_gib" not in predicted and self.executor.runs_whole_plan
+                and self.plan.uniform):
             predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
         problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
                               self.plan.zero.name)
