@@ -24,7 +24,9 @@ refused from its metadata, before any array is read.
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +40,58 @@ from hetjax.errors import HetjaxError
 # Test-only: seconds to hold every save open after its files are written and before orbax
 # commits it (renames it into place), so a test can kill the process mid-save for certain.
 HOLD_ENV = "HETJAX_TEST_HOLD_SAVE_S"
+# tensorstore reports a failed write (a full disk, a read-only file system) as a ValueError
+# whose text carries the system's error code; orbax raises it from its writer threads.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def storage_error(e: BaseException, directory: str) -> OSError | None:
+    """The OSError a failed checkpoint write stands for (on `directory`, the disk the user
+    chose), or None when `e` is not one."""
+    if isinstance(e, OSError):
+        return e
+    m = _OS_ERROR_CODE.search(str(e))
+    if not m:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), directory)
+
+
+class _StorageErrorEcho(logging.Filter):
+    """Drops the log records orbax's writer threads and asyncio's unretrieved tasks print for a
+    failed checkpoint write (one per thread and array, ~730 lines for a small model): the
+    Checkpointer raises it once, as an OSError the run reports in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not _OS_ERROR_CODE.search(text)
+
+
+_ECHO_FILTER = _StorageErrorEcho()
+
+
+def _quiet_storage_echoes() -> None:
+    for name in ("absl", "asyncio"):
+        log = logging.getLogger(name)
+        if _ECHO_FILTER not in log.filters:
+            log.addFilter(_ECHO_FILTER)
+    if not getattr(sys.excepthook, "hetjax_closed_loop", False):
+        sys.excepthook = _closed_loop_quiet(sys.excepthook)
+
+
+def _closed_loop_quiet(hook):
+    """`hook` without the 'Event loop is closed' reports tensorstore prints (through
+    sys.excepthook) for each write still in flight when orbax's save failed and closed its
+    event loop: the failure itself is reported once."""
+    def excepthook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            return
+        hook(kind, value, tb)
+
+    excepthook.hetjax_closed_loop = True
+    return excepthook
 
 
 class Layout(Protocol):
@@ -205,7 +259,14 @@ class Checkpointer:
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
         metrics = {"eval_loss": float(eval_loss)} if eval_loss is not None else None
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        _quiet_storage_echoes()
+        try:  # (waits for the previous save first, whose failure surfaces here)
+            self.manager.save(step, args=args, metrics=metrics, force=True)
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+            err = storage_error(e, self.directory)
+            if err is None:
+                raise
+            raise err from None
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -337,7 +398,13 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+                err = storage_error(e, self.directory)
+                if err is None:
+                    raise
+                raise err from None
 
     def close(self) -> None:
         if self._manager is not None:
