@@ -284,7 +284,7 @@ def test_memory_margin_from_the_config_reaches_the_cost_options():
 
 
 def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
-    """scripts/bench_planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
+    """scripts/bench/planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
     devices; plain DDP would be faster but cannot hold 16 bytes per parameter."""
     from hetjax.core.model_config import ModelConfig
 

@@ -148,7 +148,7 @@ class CostOptions:
     (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
     does in one process, where every collective-permute is a rendezvous of all devices; across
     processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
-    the asynchronous timeline -- the emulated cluster measures this (scripts/bench_hetnet.py)
+    the asynchronous timeline -- the emulated cluster measures this (scripts/bench/hetnet.py)
     -- and the gradient sync may then overlap the last backward. collectives: "nccl" prices
     each collective with NCCL's cheapest algorithm (ring, tree, hierarchical; see
     hetjax/planner/collectives.py), "ring" with the flat alpha-beta ring; link_fits: measured
