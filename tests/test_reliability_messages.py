@@ -92,16 +92,16 @@ def test_the_checkpoint_docs_claim_no_test_that_is_skipped():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["bench_hetnet.py", "--only", "mpmd", "--out", "x.md"],
+    (["hetnet.py", "--only", "mpmd", "--out", "x.md"],
      "bench_hetnet: error: --out=x.md: cannot write a plot as .md; fix: end the name with one "
      "of .png, .pdf, .svg, .jpg, .jpeg"),
-    (["bench_hetaccel.py", "--json", "{tmp}"],
+    (["hetaccel.py", "--json", "{tmp}"],
      "bench_hetaccel: error: --json={tmp}: is a directory; fix: give a file name, e.g. "
      "--json={tmp}/out.json"),
-    (["bench_gpu.py", "--out", "results.csv"],
+    (["gpu.py", "--out", "results.csv"],
      "bench_gpu: error: --out=results.csv: cannot write results as .csv; fix: end the name "
      "with one of .json"),
-    (["bench_diloco.py", "--smoke", "--json", "{tmp}/r.txt"],
+    (["diloco.py", "--smoke", "--json", "{tmp}/r.txt"],
      "bench_diloco: error: --json={tmp}/r.txt: cannot write results as .txt; fix: end the "
      "name with one of .json"),
 ])
@@ -109,7 +109,7 @@ def test_every_bench_checks_its_output_paths_before_the_work(tmp_path, argv, mes
     """(before: `bench_hetnet.py --only mpmd --out x.md` ran 20 minutes, then died on
     matplotlib's "Format 'md' is not supported")"""
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", argv[0]), *argv[1:]],
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench", argv[0]), *argv[1:]],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     assert p.stderr.strip() == message.replace("{tmp}", str(tmp_path))
