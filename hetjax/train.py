@@ -44,7 +44,7 @@ import optax
 
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
-from hetjax.corpus_size import check_corpus_size
+from hetjax.corpus_size import check_corpus_size, source_line
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
@@ -488,18 +488,8 @@ class Trainer:
                         else "") + f", {m.dtype} compute")
         lines.append(f"attention: {self.attention}"
                      + (", document masks" if self.config.data.document_mask else ""))
-        lines.append(self.data_line())
+        lines.append(source_line(self.config.data))
         return "\n".join(lines)
-
-    def data_line(self) -> str:
-        """What the run reads: the source, the tokenizer and the held-out share."""
-        d = self.config.data
-        what = (f"data.path {d.path!r}" + (f" weighted {d.weights}" if d.weights else "")
-                if d.source == "files" else
-                f"{hconfig.SOURCE_TEXT[d.source]} (data.source = {d.source})")
-        held = (f", {d.eval_fraction:g} of the documents held out for evaluation"
-                if d.source != "synthetic" else "")
-        return f"data: {what}, tokenizer {d.tokenizer}{held}"
 
     def _repr_html_(self) -> str:
         """Notebooks: the topology and plan tables, the device map and simulated timeline as

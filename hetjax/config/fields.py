@@ -20,6 +20,7 @@ import ml_collections
 from hetjax.core import topology as topo
 from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
 from hetjax.core.model_config import LIMITS as MODEL_LIMITS
+from hetjax.corpus_size import SOURCE_TEXT
 from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
@@ -31,9 +32,6 @@ from hetjax.planner.cost import COMPUTE_MODELS
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-# What each data.source reads, as the run's start and its errors say it.
-SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
-               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
