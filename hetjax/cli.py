@@ -67,9 +67,9 @@ PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 
 def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
-                      example: str = "out.json") -> None:
+                      example: str = "out.json", kind: str = "a plot") -> None:
     """An output file flag is checked before the work it saves: not a directory, in a
-    writable directory, and (for a plot) in a format we can write."""
+    writable directory, and (for `kind`, a plot or a results file) in a format we write."""
     where = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         name = f"out.{formats[0]}" if formats else example
@@ -80,7 +80,7 @@ def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
                           f"writable; fix: create it, or give a path in an existing one")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if formats and ext not in formats:
-        raise HetjaxError(f"--{flag}={path}: cannot write a plot as "
+        raise HetjaxError(f"--{flag}={path}: cannot write {kind} as "
                           f"{'.' + ext if ext else 'a file without an extension'}; fix: end the"
                           " name with one of "
                           f"{', '.join('.' + f for f in formats)}")
