@@ -237,7 +237,7 @@ def test_the_device_map_of_per_stage_shapes_says_which_devices_are_left_out():
     texts = sorted(t.get_text() for t in ax.texts)
     assert texts == ["s0", "s0", "s1 r0", "s1 r1"] + ["unused"] * 4
     assert len(ax.patches) == 1  # stage 0's TP pair
-    assert "dp x tp per stage 1x2,2x1" in ax.get_title()
+    assert "pp=2 dp,tp per stage: 1x2 2x1" in ax.get_title()
 
 
 # --- launch output ----------------------------------------------------------------------------

@@ -139,9 +139,7 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     ax.set_xticks(range(0, width, max(1, math.ceil(width / 16))))
     ax.set_xlabel("device in cluster" if per_cluster else "device in node")
     more = f" (first {shown} of {nodes} rows)" if shown < nodes else ""
-    degrees = (f"dp={plan.dp} tp={plan.tp}" if plan.uniform else "dp x tp per stage " +
-               ",".join(f"{d}x{t}" for d, t in plan.stage_shapes))
-    ax.set_title(f"device map: pp={plan.pp} {degrees}{more} -- colour: stage, "
+    ax.set_title(f"device map: pp={plan.pp} {plan.degrees()}{more} -- colour: stage, "
                  f"r: DP replica{', black box: TP group' if tp_any else ''}", fontsize=10)
     if plan.pp <= 12:
         ax.legend(handles=[Patch(color=cmap(s), label=f"stage {s}") for s in range(plan.pp)],
