@@ -660,7 +660,8 @@ def cmd_eval(argv: list[str]) -> int:
     r = evaluate(trainer)
     c = trainer.config
     print(f"checkpoint {step}: eval loss {r['loss']:.6f}, perplexity {r['perplexity']:.4f} "
-          f"({c.eval.batches} batches of {c.train.batch_size} x {c.train.seq_len} tokens, "
+          f"({trainer.eval_batches} batches of {c.train.batch_size} x {c.train.seq_len} "
+          "tokens, "
           f"data.source={c.data.source})", flush=True)
     return 0
 

@@ -36,7 +36,7 @@ from hetjax.corpus_size import check_corpus_size
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, ProcessSlot, free_port,
-                                free_port_block, process_slots)
+                                check_host, free_port_block, process_slots)
 from hetjax.errors import HetjaxError
 from hetjax.parallel import nic
 from hetjax.planner import plan_from_config
@@ -69,13 +69,14 @@ class Worker:
 
 
 def read_hostfile(path: str) -> list[str]:
-    """Hosts in process order, one per line (# comments and blank lines ignored)."""
+    """Hosts in process order, one per line (# comments and blank lines ignored); a line that
+    is not one host name is refused (`check_host`)."""
     try:
         with open(path) as f:
-            hosts = [line.split("#", 1)[0].strip() for line in f]
+            lines = [line.split("#", 1)[0].strip() for line in f]
     except OSError as e:
         raise HetjaxError(f"cannot read the hostfile {path!r}: {e.strerror}") from None
-    hosts = [h for h in hosts if h]
+    hosts = [check_host(h, f"hostfile {path!r} line {n}") for n, h in enumerate(lines, 1) if h]
     if not hosts:
         raise HetjaxError(f"the hostfile {path!r} lists no hosts; write one host per line, in "
                           "the topology's node order (process i runs node i)")
@@ -131,9 +132,16 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
             paths = [PACKAGE_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
             env["PYTHONPATH"] = os.pathsep.join(p for p in dict.fromkeys(paths) if p)
         shell = f"cd {shlex.quote(args.chdir)} && env {_env_prefix(env)} {shlex.join(cmd)}"
-        argv = cmd if local else shlex.split(args.rsh.format(host=host)) + [shell]
+        argv = cmd if local else rsh_argv(args.rsh, host) + [shell]
         workers.append(Worker(slot, host, env, shell, tuple(argv), local))
     return workers
+
+
+def rsh_argv(template: str, host: str) -> list[str]:
+    """The remote-shell command for `host`: the --rsh template split into words first, then
+    {host} put into its word, so a host is only ever one word (and `check_host` one that is
+    not an option)."""
+    return [word.replace("{host}", host) for word in shlex.split(template)]
 
 
 def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict[str, str],
@@ -258,6 +266,8 @@ def main(argv: list[str]) -> int:
     if args.elastic and (args.slurm or not args.max_restarts):
         raise HetjaxError("--elastic re-plans at a restart: use it with --max-restarts N >= 1 "
                           "and --local or --hostfile (under SLURM, resubmit with fewer nodes)")
+    if args.coordinator:
+        check_host(args.coordinator.rpartition(":")[0] or args.coordinator, "--coordinator")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):

@@ -28,7 +28,8 @@ from hetjax.core.topology import Topology
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, DistributedError,
-                                ProcessSlot, WorkerSpec, initialize, process_slots)
+                                ProcessSlot, WorkerSpec, check_host, initialize,
+                                process_slots)
 from hetjax.errors import HetjaxError
 from hetjax.parallel import bridge, nic
 from hetjax.planner import plan_from_config
@@ -137,7 +138,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     for ch in nodelist + ",":
         if ch == "," and depth == 0:
             if item:
-                hosts += _expand_host(item, nodelist)
+                hosts += [check_host(h, f"SLURM node list {nodelist!r}")
+                          for h in _expand_host(item, nodelist)]
             item = ""
             continue
         depth += {"[": 1, "]": -1}.get(ch, 0)

@@ -128,6 +128,18 @@ def options_from_config(c, topology: Topology | None = None) -> CostOptions:
                   "those are priced with nominal constants. fix: run 'hetjax calibrate' on "
                   "this topology", file=sys.stderr, flush=True)
         options = cal.options(options)
+    if c.planner.get("profile", ""):
+        from hetjax.planner.compute_profile import load_profile
+
+        profile = load_profile(c.planner.profile)
+        problem = profile.mismatch(model_from_config(c, topology=topology))
+        if problem:
+            raise ConfigError("planner.profile", f"{c.planner.profile!r} was {problem}",
+                              "measure this model with 'hetjax calibrate --profile=FILE', or "
+                              "leave planner.profile empty")
+        if options.profile is not None:  # the calibration's rows too: they price what it lacks
+            profile = profile.merged(options.profile.rows)
+        options = dataclasses.replace(options, profile=profile)
     return options
 
 
@@ -148,7 +160,13 @@ def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
         fit = megatron_range()
     else:
         fit = holmes_range()
-    return lines(mfu, model_from_config(c), topology, fit)
+    out = lines(mfu, model_from_config(c), topology, fit)
+    source = plan_.predicted.get("compute_source", "flat")
+    if "profile" in source:
+        out.insert(0, f"compute priced from a measured profile ({source}); the band "
+                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s is its spread and "
+                   f"extrapolation (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
+    return out
 
 
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):

@@ -5,7 +5,7 @@ Megatron-LM): the flat model's one free compute parameter is the efficiency fact
 of peak a layer reaches). `fit_efficiency` finds the value at which the model's predicted
 throughput of a measured run equals the measurement (the prediction falls monotonically as
 efficiency drops, so bisection); `holmes_table1` gives the three rows as Measurements, to fit
-on one row and predict the others (`scripts/bench_planner.py calibrate`); `fit_fabrics` fits
+on one row and predict the others (`scripts/bench/planner.py calibrate`); `fit_fabrics` fits
 one NIC efficiency per fabric with the compute efficiency (the catalogue's defaults in
 hetjax.core.topology.LINKS).
 
