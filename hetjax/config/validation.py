@@ -16,10 +16,10 @@ import os
 
 import ml_collections
 
-from hetjax.config.fields import (SOURCE_TEXT, base_config, field_problems, field_value,
-                                  positive_int, spec)
+from hetjax.config.fields import base_config, field_problems, field_value, positive_int, spec
 from hetjax.config.loading import check_fields, check_one_model_source, expand_paths
 from hetjax.core import topology as topo
+from hetjax.corpus_size import SOURCE_TEXT
 from hetjax.core.plan import (ZeroFactors, layout_problems, raise_first, stage_shape_problem,
                               tp_problems)
 from hetjax.errors import ConfigError, TopologyValueError

@@ -11,7 +11,7 @@ import sys
 
 if __package__:  # python -m scripts.bench.check_worlds
     from .experiments.worlds import main
-else:  # python scripts/bench/check_worlds.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/check_worlds.py: Python puts scripts/bench/ first on sys.path
     from experiments.worlds import main
 
 if __name__ == "__main__":
