@@ -233,7 +233,7 @@ def cmd_train(argv: list[str]) -> int:
     topology, spec = _start_devices(cfg)
     from hetjax.train import Trainer
 
-    trainer = Trainer(cfg, topology=topology)
+    trainer = Trainer.from_config(cfg, topology=topology)
     if spec is None or spec.process_id == 0:
         print(trainer.describe(), flush=True)
     trainer.train()
