@@ -20,6 +20,7 @@ import ml_collections
 from hetjax.core import topology as topo
 from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
 from hetjax.core.model_config import LIMITS as MODEL_LIMITS
+from hetjax.corpus_size import SOURCE_TEXT
 from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
@@ -31,9 +32,6 @@ from hetjax.planner.cost import COMPUTE_MODELS
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-# What each data.source reads, as the run's start and its errors say it.
-SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
-               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
@@ -205,6 +203,15 @@ def _writable_dir(field, path):
     while not os.path.exists(parent):  # the deepest existing ancestor must be writable
         parent = os.path.dirname(parent)
     if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+        # access() says yes to root everywhere, and to pseudo file systems (/proc, /sys) that
+        # refuse new entries: create one to be sure (and remove it)
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hetjax-probe-", dir=parent))
+        except OSError as e:
+            return (f"{path} cannot be created ({parent}: {e.strerror})",
+                    f"choose a --config.{field} under a directory you can write")
         return None
     return (f"{path} cannot be written ({parent} is "
             f"{'not writable' if os.path.isdir(parent) else 'a file'})",

@@ -430,6 +430,7 @@ def main(argv=None):
                          "its step is t_inner, with which the planner's step times are shown")
     ap.add_argument("--timeout", type=float, default=3600, help="--testbed: seconds per run")
     args = ap.parse_args(argv)
+    harness.check_outputs("bench_diloco", results={"json": args.json})
     if args.smoke:
         if args.testbed:
             raise SystemExit("bench_diloco: --smoke runs the one-process path; drop --testbed")
