@@ -57,7 +57,7 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     lmax = max(layers)
     fwd = [c.fwd(n) for c, n in zip(stages, layers)]
     bwd = [c.bwd(n) for c, n in zip(stages, layers)]
-    sync = [c.sync(n) for c, n in zip(stages, layers)]
+    sync = cm.exposed_sync(layout, stages, layers, fwd, bwd)  # as `CostModel.predict` plays it
     update = [c.update(n, lmax) for c, n in zip(stages, layers)]
     tpf = [c.comm_layer[0] * n for c, n in zip(stages, layers)]
     tpb = [c.comm_layer[1] * n for c, n in zip(stages, layers)]
@@ -67,7 +67,7 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     zeros, quiet = [0.0] * plan.pp, [0.0] * len(send)
 
     def play(f, b, s, y, u) -> float:
-        return float(simulate(plan.schedule, M, f, b, s, s, y, cm.options.overlap,
+        return float(simulate(plan.schedule, M, f, b, s, s, y, 0.0,
                               lockstep=cm.runs_in_lockstep(layout), placement=plan.placement,
                               down_share=down, update=u, events=False).step_time)
 
