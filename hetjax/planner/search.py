@@ -170,8 +170,9 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     so the runners-up of a smaller set beat that too); the plan's `predicted["unused"]` says
     why each idle device is idle. `stage_degrees`: under an executor that runs them (MPMD),
     stages may differ in (dp, tp) where clusters differ in their nodes (each cluster's stages
-    one shape, `_Search.stage_shape_layouts`; their model states replicated). `ceiling`: a step time found elsewhere that the top must beat: layouts whose floor
-    reaches it are skipped, and `BelowNothing` is raised when nothing is left."""
+    one shape, `stage_shape_layouts`; their model states replicated). `ceiling`: a step time
+    found elsewhere that the top must beat: layouts whose floor reaches it are skipped, and
+    `BelowNothing` is raised when nothing is left."""
     if subsets:
         return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
                              microbatches=microbatches, schedule=schedule, zero=zero,
@@ -219,7 +220,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                                         placement=place, remat=remat), orders, tag))
     if stage_degrees and not (pp or dp or tp or stage_layers) and stage_shape_problem(
             {v: k for k, v in PLAN_EXECUTORS.items()}.get(executor, ""), 0, 0) is None:
-        for shapes, order in s.stage_shape_layouts():  # each cluster its own (dp, tp)
+        for shapes, order in stage_shape_layouts(topology, model):  # each cluster its own
             P, dps = len(shapes), {d for d, _ in shapes}
             for M in s.microbatch_counts(math.lcm(*dps), microbatches):
                 for name, remat in itertools.product(schedules, remats(P)):
@@ -473,6 +474,30 @@ def unused_reasons(topology: Topology, best: Plan, whole: PlanResult | None) -> 
     return out
 
 
+def stage_shape_layouts(topology: Topology, model: "ModelConfig"
+                    ) -> list[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]]:
+    """Layouts whose stages differ in (dp, tp), where clusters differ in their nodes
+    (accelerator, devices per node or the link inside a node): every cluster split into
+    stages of its own (dp, tp) (tp dividing heads, kv heads, d_ff and the cluster's node,
+    stages of consecutive ranks, so TP groups stay in a node and stages in the cluster);
+    (stage shapes, device order) for each combination whose shapes are not all alike."""
+    t, m = topology, model
+    kinds = {(c.accelerator, c.devices_per_node, c.intra_node) for c in t.clusters}
+    if len(kinds) < 2:
+        return []
+    per_cluster = []
+    for c in t.clusters:
+        n, ok = c.num_devices, math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, c.devices_per_node)
+        per_cluster.append([(p, n // (p * d), d) for d in _divisors(ok)
+                            for p in _divisors(n // d) if p <= m.n_layers])
+    out = []
+    for choice in itertools.product(*per_cluster):
+        shapes = tuple((dp, tp) for p, dp, tp in choice for _ in range(p))
+        if len(set(shapes)) > 1 and len(shapes) <= m.n_layers:
+            out.append((shapes, tuple(range(t.num_devices))))
+    return out
+
+
 def layout_key(p: "Plan | Layout") -> tuple:
     """What makes two plans different layouts rather than variants of one: the executor of a
     pipeline, the degrees and the set of devices used (not the micro-batch count, schedule,
@@ -585,29 +610,6 @@ class _Search:
                 f"dp{f' with microbatches = {fixed}' if fixed else ''} (make it a multiple "
                 f"of {dp * (fixed or 1)})")
         return counts
-
-    def stage_shape_layouts(self) -> list[tuple[tuple[tuple[int, int], ...],
-                                                tuple[int, ...]]]:
-        """Layouts whose stages differ in (dp, tp), where clusters differ in their nodes
-        (accelerator, devices per node or the link inside a node): every cluster split into
-        stages of its own (dp, tp) (tp dividing heads, kv heads, d_ff and the cluster's node,
-        stages of consecutive ranks, so TP groups stay in a node and stages in the cluster);
-        (stage shapes, device order) for each combination whose shapes are not all alike."""
-        t, m = self.topology, self.model
-        kinds = {(c.accelerator, c.devices_per_node, c.intra_node) for c in t.clusters}
-        if len(kinds) < 2:
-            return []
-        per_cluster = []
-        for c in t.clusters:
-            n, ok = c.num_devices, math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, c.devices_per_node)
-            per_cluster.append([(p, n // (p * d), d) for d in _divisors(ok)
-                                for p in _divisors(n // d) if p <= m.n_layers])
-        out = []
-        for choice in itertools.product(*per_cluster):
-            shapes = tuple((dp, tp) for p, dp, tp in choice for _ in range(p))
-            if len(set(shapes)) > 1 and len(shapes) <= m.n_layers:
-                out.append((shapes, tuple(range(t.num_devices))))
-        return out
 
     def layouts(self, pp: int, dp: int, tp: int
                 ) -> list[tuple[tuple[int, ...], list[tuple[int, ...]] | None, str]]:
@@ -1017,4 +1019,5 @@ def _divisors(n: int) -> list[int]:
 
 
 __all__ = ["PlanResult", "plan", "bound_lines", "layout_key", "zero_points_by_traffic", "TIE",
-           "BelowNothing", "device_subsets", "sub_topology", "unused_reasons"]
+           "BelowNothing", "device_subsets", "sub_topology", "unused_reasons",
+           "stage_shape_layouts"]

@@ -336,7 +336,8 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
     from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, runs_schedule
     from hetjax.planner.layout import Layout
     from hetjax.planner.placement import placement_problems
-    from hetjax.planner.search import _Search, device_subsets, fits_schedule, sub_topology
+    from hetjax.planner.search import (device_subsets, fits_schedule, stage_shape_layouts,
+                                       sub_topology)
     from hetjax.planner.simulate import lower_bound
 
     def splits_of(lay, subcm):
@@ -412,8 +413,7 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
                             price(lay, splits_of(lay, subcm), cm, subcm, ranks)
             if name != "mpmd":  # stages of different (dp, tp): the MPMD executor's
                 continue
-            search = _Search(sub, model, global_batch, seq_len, CostOptions(), False, False, 0)
-            for shapes, order in search.stage_shape_layouts():
+            for shapes, order in stage_shape_layouts(sub, model):
                 pp = len(shapes)
                 blocks = [order[sum(d * t for d, t in shapes[:i]):
                                 sum(d * t for d, t in shapes[:i + 1])] for i in range(pp)]
