@@ -40,7 +40,7 @@ def gpu_model(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-# --- searched defaults and fields the user fixed ---------------------------------------------------
+# --- searched defaults and fields the user fixed -------------------------------------------------
 def test_the_default_job_keeps_its_fixed_layout_and_values():
     c = default_job()
     assert (c.pipeline.executor, c.pipeline.schedule, c.train.microbatches) == ("spmd", "1f1b", 4)
@@ -88,7 +88,7 @@ def test_hetjax_plan_just_works_for_a_model_preset_on_gpus(name):
     assert job.runners_up
 
 
-# --- the model the Trainer builds --------------------------------------------------------------------
+# --- the model the Trainer builds ----------------------------------------------------------------
 def write_word_tokenizer(path, size: int):
     """A HuggingFace tokenizer.json with `size` whole-word tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -153,7 +153,8 @@ def test_what_ifs_name_the_slow_links_and_the_weaker_kinds():
         "the 8 a100_80gb devices at 362 TFLOP/s",
         "the 4 l40s devices with 80 GiB"]
     changed = bd.what_ifs(t)[0].topology
-    assert changed.cluster_link(0, 1).bandwidth_gbps == 100 and t.cluster_link(0, 1).bandwidth_gbps == 10
+    assert changed.cluster_link(0, 1).bandwidth_gbps == 100
+    assert t.cluster_link(0, 1).bandwidth_gbps == 10
     assert [bd.faster_rate(x) for x in (1, 10, 25, 100, 800)] == [10, 100, 100, 400, 1600]
 
 
@@ -234,7 +235,7 @@ def test_with_subsets_the_search_keeps_todays_answers_where_every_device_wins():
     assert checked >= 4
 
 
-# --- the plan against the best the cost model can price ---------------------------------------------
+# --- the plan against the best the cost model can price ------------------------------------------
 @pytest.mark.parametrize("inter_gbps,devices", [(100.0, 6), (25.0, 4)])
 def test_the_plan_is_within_one_percent_of_the_best_priced_without_the_search(inter_gbps,
                                                                              devices):

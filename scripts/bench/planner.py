@@ -326,10 +326,11 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
     and keeps the placement rules (and, for the MPMD executor, each cluster's stages of their
     own (dp, tp) where clusters differ in their nodes, replicated states), arrangement of the
     stages (distinct by what they cost), micro-batch count, schedule the executor runs,
-    placement, recompute policy the cost model weighs, ZeRO point, and layer split: every split (`all_splits`), or for each of the rest
-    the split the partition finds exact for its pipeline-time estimate. Every candidate whose
-    lower bound (`simulate.lower_bound`, which no schedule beats) is below the best so far is
-    simulated; returns (best Plan with its prediction, candidates, simulated)."""
+    placement, recompute policy the cost model weighs, ZeRO point, and layer split: every
+    split (`all_splits`), or for each of the rest the split the partition finds exact for its
+    pipeline-time estimate. Every candidate whose lower bound (`simulate.lower_bound`, which
+    no schedule beats) is below the best so far is simulated; returns (best Plan with its
+    prediction, candidates, simulated)."""
     from hetjax.core.plan import Plan, batch_split_problem, placement_problem
     from hetjax.core.schedules import SCHEDULES
     from hetjax.planner import zero_factors as zr
@@ -489,8 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", choices=["calibrate", "allreduce", "amsp", "dtfm",
-                                                    "speed", "assign-speed", "executors", "scenario",
-                                                    "all"])
+                                                    "speed", "assign-speed", "executors",
+                                                    "scenario", "all"])
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: the two pure tables (calibrate and allreduce)")
     parser.add_argument("--seconds", type=float, default=60.0,
