@@ -319,13 +319,45 @@ def _compositions(n: int, parts: int):
         yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, n)))
 
 
+# Stage arrangements `exhaustive_best` enumerates per layout before it takes the search's own
+# orders instead (slot order, slowest first, fastest first: `partition.candidate_orders`).
+ARRANGEMENTS = 2000
+
+
+def arrangements(kinds: list, most: int = ARRANGEMENTS) -> list[tuple[int, ...]]:
+    """Stage orders that differ in the sequence of stage kinds (stages of one kind cost the
+    same), every one when there are at most `most`, else []."""
+    labels = sorted(set(kinds), key=kinds.index)
+    pools = {k: [i for i, x in enumerate(kinds) if x == k] for k in labels}
+    counts = [len(pools[k]) for k in labels]
+    total = math.factorial(len(kinds)) // math.prod(math.factorial(c) for c in counts)
+    if total > most:
+        return []
+    out = []
+
+    def walk(prefix, left):
+        if not any(left):
+            used = {k: iter(pools[k]) for k in labels}
+            out.append(tuple(next(used[labels[j]]) for j in prefix))
+            return
+        for j, c in enumerate(left):
+            if c:
+                left[j] -= 1
+                walk(prefix + [j], left)
+                left[j] += 1
+
+    walk([], counts)
+    return out
+
+
 def exhaustive_best(topology, model, global_batch: int, seq_len: int,
                     executors=("spmd", "mpmd"), all_splits: bool = True):
     """The fastest plan the cost model can price, found without the search: every connected
     set of clusters (`search.device_subsets`), executor, (pp, dp, tp) that uses those devices
     and keeps the placement rules (and, for the MPMD executor, each cluster's stages of their
     own (dp, tp) where clusters differ in their nodes, replicated states), arrangement of the
-    stages (distinct by what they cost), micro-batch count, schedule the executor runs,
+    stages (distinct by what they cost; beyond ARRANGEMENTS of them, the search's own stage
+    orders), micro-batch count, schedule the executor runs,
     placement, recompute policy the cost model weighs, ZeRO point, and layer split: every
     split (`all_splits`), or for each of the rest the split the partition finds exact for its
     pipeline-time estimate. Every candidate whose lower bound (`simulate.lower_bound`, which
@@ -391,8 +423,8 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
                 base = Layout(pp=pp, dp=dp, tp=tp, microbatches=1, global_batch=global_batch,
                               seq_len=seq_len)
                 keys = subcm.stage_keys(base)
-                orders = {tuple(keys[i] for i in perm): perm
-                          for perm in itertools.permutations(range(pp))}.values()
+                orders = arrangements(list(keys)) or partition.candidate_orders(
+                    subcm.stage_table(base))
                 nodes = subcm.node_of(base.mesh().transpose(0, 2, 1).reshape(-1, dp))
                 for perm, M in itertools.product(orders, range(1, global_batch + 1)):
                     if batch_split_problem(global_batch, M, dp):
@@ -423,8 +455,8 @@ def exhaustive_best(topology, model, global_batch: int, seq_len: int,
                                global_batch=global_batch, seq_len=seq_len)
                 kinds = [(shapes[i], subcm.stage_keys(CostModel.stage_view(whole, i))[i])
                          for i in range(pp)]
-                perms = {tuple(kinds[i] for i in perm): perm
-                         for perm in itertools.permutations(range(pp))}.values()
+                perms = arrangements(kinds) or partition.candidate_orders(
+                    subcm.stage_table(whole))
                 dp = math.lcm(*(d for d, _ in shapes))
                 for perm, M in itertools.product(perms, range(1, global_batch + 1)):
                     if batch_split_problem(global_batch, M, dp):
