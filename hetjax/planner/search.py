@@ -386,11 +386,16 @@ def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, s
             first_error = first_error or e
             continue
         r = _on_topology(r, ranks, cm, keep == tuple(range(len(topology.clusters))))
+        if results:  # a smaller set is searched for a better plan, not for runners-up: its
+            # plans count only when they beat the best so far (as the pruned search finds them)
+            beat = [p for p in (r.plan, *r.runners_up) if p.predicted["step_time_s"] < best_step]
+            if not beat:
+                continue
+            r = dataclasses.replace(r, plan=beat[0], runners_up=tuple(beat[1:]))
         whole = r if len(keep) == len(topology.clusters) else whole
         results.append(r)
-        # a smaller set is searched for a better plan, not for runners-up: it skips what
-        # cannot beat the best so far (its runners-up are those that beat that too)
-        ceiling = min(ceiling, r.plan.predicted["step_time_s"])
+        best_step = min(p.plan.predicted["step_time_s"] for p in results)
+        ceiling = min(ceiling, best_step)
     if not results:
         raise first_error or BelowNothing(f"no plan on {topology.name!r} beats {ceiling:.4g} s")
     ranked = sorted((p for r in results for p in (r.plan, *r.runners_up)),
