@@ -194,9 +194,9 @@ class CostOptions:
     # piece, TP degree, tokens and recompute policy): used before everything above for the
     # accelerator kinds it has rows of; its layer times include their TP collectives.
     profile: ComputeProfile | None = None
-    # Bytes per device the runtime spends outside the step, by accelerator name, instead of
-    # the vendor's reserve (hetjax/planner/memory.py RESERVES).
-    reserve_bytes: dict[str, float] = field(default_factory=dict)
+    # The runtime's reserve by accelerator name (hetjax/planner/memory.py RuntimeReserve),
+    # instead of the vendor's (memory.RESERVES).
+    reserve: dict[str, mem.RuntimeReserve] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.compute not in COMPUTE_MODELS:
@@ -236,7 +236,9 @@ class StageCost:
     padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
     update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
     update_fixed: float = 0.0
-    reserve: float = 0.0  # the runtime's bytes per device (outside `memory`, off capacity)
+    # the runtime's reserve of the stage's devices: `memory` is the step's bytes, what a device
+    # holds is reserve.device_bytes(memory); `capacity` is the step's share of the usable
+    reserve: mem.RuntimeReserve = mem.RuntimeReserve()
     refresh_layer: float = 0.0  # ZeRO's parameter refresh after the update, per layer
     refresh_fixed: float = 0.0
     overlap: float = 0.0  # share of overlappable traffic that hides (0 on CPU)
@@ -292,7 +294,7 @@ class _Slot:
     logits: float
     shared_everywhere: bool  # embedding and head on every stage (hetjax executor)
     capacity: float
-    reserve: float  # the runtime's bytes, taken off the device's memory before capacity
+    reserve: mem.RuntimeReserve  # the devices' runtime reserve (see StageCost.reserve)
     label: str
     update_layer: float = 0.0  # optimizer update of one layer slot's parameter shard
     update_embed: float = 0.0
@@ -337,8 +339,10 @@ class Prediction:
     memory_band: float = 0.0
     compute_source: str = "flat"
     extrapolation: float = 1.0
-    stage_reserve: tuple[float, ...] = ()  # the runtime's bytes per device, off capacity
-    memory_margin: float = 0.0  # share of what remains after the reserve left free
+    # what a device holds beyond the step's bytes (the runtime's reserve: context, collective
+    # buffers, workspaces, fragmentation), and the share of device memory left free
+    stage_reserve: tuple[float, ...] = ()
+    memory_margin: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -545,12 +549,10 @@ class CostModel:
             self.model, seq_len, tp, remat or effective_remat(self.model.remat),
             self.attention, 4.0 if cpu else self.act_bytes, cpu=cpu)
 
-    def reserve_bytes(self, acc: Accelerator, memory_bytes: float) -> float:
-        """What the runtime spends on a device of `acc` outside the step (CostOptions.
-        reserve_bytes, else the vendor's `memory.RuntimeReserve`)."""
-        if acc.name in self.options.reserve_bytes:
-            return float(self.options.reserve_bytes[acc.name])
-        return mem.runtime_reserve(acc.vendor).bytes(memory_bytes)
+    def runtime_reserve(self, acc: Accelerator) -> mem.RuntimeReserve:
+        """The runtime's reserve on a device of `acc` (CostOptions.reserve, else the
+        vendor's `memory.RESERVES`)."""
+        return self.options.reserve.get(acc.name) or mem.runtime_reserve(acc.vendor)
 
     def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
         """Transient bytes per device beyond states and kept activations: the buffers of the
@@ -741,8 +743,8 @@ class CostModel:
             cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
             kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
             transient = self.temporary_bytes(layout, remat, cpu)
-            smallest = float(self._memory[ranks].min())
-            reserve = max(self.reserve_bytes(a, smallest) for a in accs)
+            reserve = max((self.runtime_reserve(a) for a in accs),
+                          key=lambda r: (r.fixed_bytes, r.fragmentation))
             measured = [e for _, _, e in priced if e is not None and e.peak_bytes > 0]
             if measured and len(measured) == len(priced):  # every device's layer measured
                 kept = max(e.kept_bytes for e in measured) or kept
@@ -792,7 +794,8 @@ class CostModel:
                 # folded: embedding and head only on device 0 (it runs both end chunks)
                 shared_everywhere=hetjax and not layout.folded,
                 reserve=reserve,
-                capacity=(float(self._memory[ranks].min()) - reserve) * o.memory_fraction,
+                capacity=reserve.usable_for_step(
+                    float(self._memory[ranks].min()) * o.memory_fraction),
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
             self._stage_slot_cache[base, stage_key] = slots[-1]
@@ -936,7 +939,8 @@ class CostModel:
             padding_bytes=float(max(c.memory(n, lmax) - c.memory(n, n)
                                     for c, n in zip(stages, layers))),
             dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links),
-            stage_reserve=_floats(c.reserve for c in stages),
+            stage_reserve=_floats(c.reserve.device_bytes(c.memory(n, lmax)) - c.memory(n, lmax)
+                                  for c, n in zip(stages, layers)),
             memory_margin=1.0 - self.options.memory_fraction, **self._band(stages, step))
         return (pred, sim) if with_events else pred
 
