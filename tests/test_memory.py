@@ -215,7 +215,8 @@ def test_a_device_holds_the_step_and_the_runtime_reserve_within_the_margin():
     assert pred.stage_capacity == pytest.approx(((memory * 0.9 - fixed) / 1.05,))
     assert pred.as_dict()["memory_margin"] == pytest.approx(0.1)
     shown = dataclasses.replace(plan_, predicted=pred.as_dict()).summary_line()
-    assert f"runtime reserve {gib(fixed + 0.05 * step)}" in shown
+    assert f"a device holds up to {gib(step * 1.05 + fixed)}: the step's {gib(step)} and " \
+        f"the runtime reserve {gib(fixed + 0.05 * step)}" in shown
     assert "margin of 10%" in shown
     cpu = CostModel(preset("cpu_single"), model).predict(plan_)
     assert cpu.stage_reserve == (0.0,)

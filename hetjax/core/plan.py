@@ -351,9 +351,12 @@ class Plan:
                 f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {percent(pr['mfu'])}, "
                 f"bubble {percent(pr['bubble'], 3)}{fits}")
         if pr.get("stage_reserve_gib") and max(pr["stage_reserve_gib"]) > 0:
-            line += (f"\n  memory kept aside per device: runtime reserve "
-                     f"{gib(max(pr['stage_reserve_gib']) * 2**30)} (context, collective "
-                     f"buffers, workspace, fragmentation), then a margin of "
+            held = [m + r for m, r in zip(pr["stage_memory_gib"], pr["stage_reserve_gib"])]
+            s = max(range(len(held)), key=held.__getitem__)
+            line += (f"\n  a device holds up to {gib(held[s] * 2**30)}: the step's "
+                     f"{gib(pr['stage_memory_gib'][s] * 2**30)} and the runtime reserve "
+                     f"{gib(pr['stage_reserve_gib'][s] * 2**30)} (context, collective "
+                     f"buffers, workspace, fragmentation), within a margin of "
                      f"{percent(pr.get('memory_margin', 0.0))}")
         return line
 
