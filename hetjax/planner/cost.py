@@ -745,7 +745,8 @@ class CostModel:
             transient = self.temporary_bytes(layout, remat, cpu)
             reserve = max((self.runtime_reserve(a) for a in accs),
                           key=lambda r: (r.fixed_bytes, r.fragmentation))
-            measured = [e for _, _, e in priced if e is not None and e.peak_bytes > 0]
+            measured = [e for _, _, e in priced
+                        if e is not None and e.peak_bytes > 0 and e.kept_bytes > 0]
             if measured and len(measured) == len(priced):  # every device's layer measured
                 kept = max(e.kept_bytes for e in measured) or kept
                 transient = max(max(e.peak_bytes - e.kept_bytes, 0.0) for e in measured)
