@@ -1,20 +1,27 @@
 """The cost model: compute, communication and memory of a layout, per pipeline stage.
 
 One place prices everything the planner compares:
-- compute per layer per accelerator kind: FLOPs from `ModelConfig` (the one FLOPs formula) at
-  the micro-batch's tokens, over peak x an efficiency factor, or a measured per-layer profile
-  when the user supplies one (HetHub: profiles beat ratios); recompute per `model.remat`; the
-  output projection on the last stage (the embedding lookup has no FLOPs, only memory);
+- compute per layer per accelerator kind: a measured compute profile first (per TP degree,
+  micro-batch tokens and recompute policy: hetjax/planner/compute_profile.py; HetHub: profiles
+  beat ratios), else FLOPs from `ModelConfig` (the one FLOPs formula) at the micro-batch's
+  tokens over peak x an efficiency factor (a measured curve, or priced by operation kind:
+  hetjax/planner/compute.py), the flat model, which the prediction then names; recompute per
+  `model.remat`; the output projection on the last stage;
 - communication through its `Network` (hetjax/planner/network.py): collectives and
   point-to-point transfers on the links the groups cross; ZeRO's collectives as this executor
   runs them (hetjax/planner/zero_factors.py);
+- overlap as scheduled: ZeRO's traffic layer by layer, the gradient sync in per-layer buckets
+  behind the last backward (`exposed_sync`), nothing on CPU; TP on the node's own link;
 - memory per device: model states under the ZeRO factors (padded to the longest stage, as the
   executor stacks stage parameters), activations for the micro-batches the schedule keeps in
-  flight, embedding / head states and the last stage's logits.
+  flight, embedding / head states and the last stage's logits, and the runtime's reserve
+  (hetjax/planner/memory.py) within the usable share;
+- a band on each prediction (hetjax/planner/band.py).
 
 `CostModel.stage_costs(layout)` (a `Layout`: a Plan before its layer split) returns a
-`StageCost` per pipeline position whose times and memory are linear in the stage's layer
-count, so the partition search can place layers exactly; `CostModel.predict(plan)` prices a finished Plan with the event simulator.
+`StageCost` per pipeline position whose times and memory are linear in the stage's layer count,
+so the partition search can place layers exactly; `CostModel.predict(plan)` prices a finished
+Plan with the event simulator.
 """
 
 from __future__ import annotations
@@ -552,7 +559,9 @@ class CostModel:
     def runtime_reserve(self, acc: Accelerator) -> mem.RuntimeReserve:
         """The runtime's reserve on a device of `acc` (CostOptions.reserve, else the
         vendor's `memory.RESERVES`)."""
-        return self.options.reserve.get(acc.name) or mem.runtime_reserve(acc.vendor)
+        if acc.name in self.options.reserve:
+            return self.options.reserve[acc.name]
+        return mem.runtime_reserve(acc.vendor)
 
     def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
         """Transient bytes per device beyond states and kept activations: the buffers of the

@@ -165,9 +165,11 @@ class RuntimeReserve:
 # environment documentation) per channel and direction for each peer of a communicator, about
 # 0.5 GiB for a TP and a DP communicator at 16-32 channels; cuBLASLt's and cuDNN's workspaces
 # (32 MiB for cuBLAS on Hopper, cuDNN's fused attention and XLA's autotuned GEMMs) about
-# 0.25 GiB; a caching allocator (PyTorch's, XLA's BFC) keeps about 5% of its pool in blocks it
-# cannot reuse for the next size (a share of the step's bytes). TPU: the runtime reserves a small program area (the HBM
-# `bytes_limit` is below the chip's nominal size, which the local preset reads); CPU: none.
+# 0.25 GiB; a caching allocator (PyTorch's, XLA's BFC) holds blocks it cannot reuse for the
+# next size: 5% of the step's bytes, an estimate no measurement here has checked (the H200's
+# recorded peaks are the allocator's bytes in use, without it). TPU: the runtime reserves a
+# small program area (the HBM `bytes_limit` is below the chip's nominal size, which the local
+# preset reads); CPU: none.
 RESERVES = {
     "nvidia": RuntimeReserve(0.75, 0.5, 0.25, 0.05),
     "amd": RuntimeReserve(0.75, 0.5, 0.25, 0.05),

@@ -19,9 +19,9 @@ validation):
   micro-batch size from its other sizes (what the band's per-doubling term rests on);
 - published tables: Megatron-LM's Table 1 (TFLOP/s per GPU; rows 1.7B and 310.1B fitted the
   per-kind rates, the other eight held out; and every row priced by the flat model, whose
-  efficiency was fitted on Holmes: what the band of a flat prediction rests on), AMSP's MFU at 1,024 GPUs (held out), Holmes'
-  Table 1 (samples/s; all three rows fitted the flat efficiency and the fabric efficiencies:
-  shown, not scored);
+  efficiency was fitted on Holmes: what the band of a flat prediction rests on), AMSP's MFU at
+  1,024 GPUs (held out), Holmes' Table 1 (samples/s; all three rows fitted the flat efficiency
+  and the fabric efficiencies: shown, not scored);
 - one H200: the peak memory of a TinyLlama-shaped step recorded on the GPU (tests/
   test_memory.py; remat 'none' set the GPU score factor, 'dots' and 'full' held out).
 """
