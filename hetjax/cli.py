@@ -67,9 +67,9 @@ PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 
 def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
-                      example: str = "out.json") -> None:
+                      example: str = "out.json", kind: str = "a plot") -> None:
     """An output file flag is checked before the work it saves: not a directory, in a
-    writable directory, and (for a plot) in a format we can write."""
+    writable directory, and (for `kind`, a plot or a results file) in a format we write."""
     where = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         name = f"out.{formats[0]}" if formats else example
@@ -80,7 +80,7 @@ def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
                           f"writable; fix: create it, or give a path in an existing one")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if formats and ext not in formats:
-        raise HetjaxError(f"--{flag}={path}: cannot write a plot as "
+        raise HetjaxError(f"--{flag}={path}: cannot write {kind} as "
                           f"{'.' + ext if ext else 'a file without an extension'}; fix: end the"
                           " name with one of "
                           f"{', '.join('.' + f for f in formats)}")
@@ -233,7 +233,7 @@ def cmd_train(argv: list[str]) -> int:
     topology, spec = _start_devices(cfg)
     from hetjax.train import Trainer
 
-    trainer = Trainer(cfg, topology=topology)
+    trainer = Trainer.from_config(cfg, topology=topology)
     if spec is None or spec.process_id == 0:
         print(trainer.describe(), flush=True)
     trainer.train()
@@ -573,9 +573,12 @@ def cmd_export(argv: list[str]) -> int:
     mb = opts.get("max_shard_mb", "2048")
     if not mb.isdigit() or int(mb) < 1:
         raise HetjaxError(f"--max_shard_mb={mb} is not a whole number >= 1; use e.g. 2048")
+    from hetjax import config as hconfig
     from hetjax.interop.hf_checkpoint import export_checkpoint
 
-    files = export_checkpoint(opts["checkpoint"], opts["out"], max_shard_bytes=int(mb) << 20)
+    files = export_checkpoint(opts["checkpoint"], opts["out"],
+                              hconfig.base_config().model.to_dict(),
+                              max_shard_bytes=int(mb) << 20)
     print(f"wrote {opts['out']}: {', '.join(files)}\nload it: "
           f"transformers.AutoModelForCausalLM.from_pretrained({opts['out']!r})")
     return 0
