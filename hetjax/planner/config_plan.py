@@ -164,8 +164,9 @@ def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     source = plan_.predicted.get("compute_source", "flat")
     if "profile" in source:
         out.insert(0, f"compute priced from a measured profile ({source}); the band "
-                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s is its spread and "
-                   f"extrapolation (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
+                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s: such predictions' "
+                   "error on measured steps, the profile's spread and how far it was "
+                   f"extrapolated (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
     return out
 
 
