@@ -141,6 +141,8 @@ def test_the_band_grows_with_the_spread_and_the_extrapolation():
     assert out.extrapolation == pytest.approx(4.0)
     assert out.step_band / out.step_time == pytest.approx(
         math.sqrt(band.PROFILE_STEP_ERROR ** 2 + 0.05 ** 2 + (band.PER_DOUBLING * 2) ** 2))
+    assert out.compute_notes == ("tokens 256 beyond the measured sizes (x4)",)
+    assert out.as_dict()["compute_notes"] == list(out.compute_notes)
     flat = CostModel(t, MODEL).predict(plan_)
     assert flat.step_band / flat.step_time == pytest.approx(band.FLAT_STEP_ERROR)
 
@@ -230,6 +232,7 @@ def test_hetjax_plan_prints_the_band_and_what_priced_the_compute(tmp_path, capsy
     out = capsys.readouterr().out
     assert " ± " in out and "(compute: profile)" in out
     assert "compute priced from a measured profile" in out
+    assert "beyond the measured sizes" in out  # the profile's 256 tokens; the plan asks more
     assert main(common) == 0
     assert "(compute: flat)" in capsys.readouterr().out
 

@@ -166,7 +166,8 @@ def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
         out.insert(0, f"compute priced from a measured profile ({source}); the band "
                    f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s: such predictions' "
                    "error on measured steps, the profile's spread and how far it was "
-                   f"extrapolated (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
+                   f"extrapolated (x{plan_.predicted.get('extrapolation', 1.0):.3g})"
+                   + "".join(f"; {n}" for n in plan_.predicted.get("compute_notes", ())))
     return out
 
 

@@ -253,6 +253,7 @@ class StageCost:
     source: str = "flat"  # what priced its compute (see _Slot)
     spread: float = 0.0
     distance: float = 1.0
+    notes: tuple[str, ...] = ()  # what the profile derived, scaled or extrapolated
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -321,6 +322,7 @@ class _Slot:
     source: str = "flat"
     spread: float = 0.0
     distance: float = 1.0
+    notes: tuple[str, ...] = ()  # what the profile derived, scaled or extrapolated
     mem_measured: bool = False
 
 
@@ -346,6 +348,7 @@ class Prediction:
     memory_band: float = 0.0
     compute_source: str = "flat"
     extrapolation: float = 1.0
+    compute_notes: tuple[str, ...] = ()  # what a profile derived, scaled or extrapolated
     # what a device holds beyond the step's bytes (the runtime's reserve: context, collective
     # buffers, workspaces, fragmentation), and the share of device memory left free
     stage_reserve: tuple[float, ...] = ()
@@ -368,6 +371,7 @@ class Prediction:
             "dp_links": list(self.dp_links), "pp_links": list(self.pp_links),
             "fits": self.fits, "step_band_s": self.step_band, "memory_band": self.memory_band,
             "compute_source": self.compute_source, "extrapolation": self.extrapolation,
+            "compute_notes": list(self.compute_notes),
             "stage_reserve_gib": [r / gib for r in self.stage_reserve],
             "memory_margin": self.memory_margin,
         }
@@ -795,6 +799,7 @@ class CostModel:
                 source=source, spread=max((e.spread for e in est), default=0.0),
                 mem_measured=bool(measured) and len(measured) == len(priced),
                 distance=max((e.distance for e in est), default=1.0),
+                notes=tuple(dict.fromkeys(n for e in est for n in e.notes)),
                 embed_sync=ze.sync,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
                 head_sync=zh.sync,
@@ -860,7 +865,7 @@ class CostModel:
             refresh_fixed=(slot.embed_refresh if embed else 0.0)
             + (slot.head_refresh if head else 0.0),
             reserve=slot.reserve, mem_measured=slot.mem_measured, source=slot.source,
-            spread=slot.spread, distance=slot.distance)
+            spread=slot.spread, distance=slot.distance, notes=slot.notes)
 
     @staticmethod
     def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
@@ -985,7 +990,8 @@ class CostModel:
         measured = all(c.mem_measured for c in stages)
         return dict(step_band=step * band.step_band(source, spread, distance),
                     memory_band=band.memory_band(measured, spread), compute_source=source,
-                    extrapolation=distance)
+                    extrapolation=distance,
+                    compute_notes=tuple(dict.fromkeys(n for c in stages for n in c.notes)))
 
 
 class StageTable:
