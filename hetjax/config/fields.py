@@ -394,8 +394,8 @@ FIELDS: tuple[Field, ...] = (
     Field("zero.s_os", 1, "optimizer-state shard factor (zero.preset=custom only)",
           positive_int()),
 
-    Field("planner.memory_margin", 0.1, "share of device memory a plan leaves free "
-          "(fragmentation)", Bound(lo=0, hi=1, hi_open=True,
+    Field("planner.memory_margin", 0.1, "share of device memory a plan leaves free (what "
+          "the model does not count; the runtime's reserve is counted)", Bound(lo=0, hi=1, hi_open=True,
                                    fix="use 0.1 (plans use at most 90% of device memory)")),
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
