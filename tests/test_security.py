@@ -419,3 +419,35 @@ def test_a_saved_tokenizer_names_only_a_file_beside_it(tmp_path):
         with pytest.raises(HetjaxError, match=f"names the file '{re.escape(file)}', which is "
                                               "not inside"):
             load_tokenizer(str(saved))
+
+
+def test_links_planted_in_a_workdir_are_never_written_through(tmp_path):
+    """A workdir where someone left links at the names a run writes (plan.json, config.json,
+    topology.json; metrics.jsonl, which a run appends to and cuts): the run files replace
+    their links; the metrics file, kept in place, is refused as a link, naming it."""
+    from types import SimpleNamespace
+
+    from hetjax.metrics import MetricsWriter, truncate_metrics
+    from hetjax.planner import plan_from_config
+    from hetjax.train import Trainer
+
+    victims, workdir = tmp_path / "elsewhere", tmp_path / "run"
+    victims.mkdir()
+    workdir.mkdir()
+    names = ["plan.json", "topology.json", "config.json", "metrics.jsonl"]
+    for name in names:
+        (victims / name).write_text('{"step": 1}\n')
+        (workdir / name).symlink_to(victims / name)
+    c = hconfig.base_config()
+    topology = hconfig.build_topology(c)
+    Trainer._write_run_files(SimpleNamespace(workdir=str(workdir), config=c, topology=topology,
+                                             plan=plan_from_config(c, topology)))
+    assert json.loads((workdir / "plan.json").read_text())
+    for opened in (lambda: MetricsWriter(str(workdir), tensorboard=False),
+                   lambda: truncate_metrics(str(workdir / "metrics.jsonl"), 0)):
+        with pytest.raises(OSError) as e:
+            opened()
+        assert e.value.filename == str(workdir / "metrics.jsonl")
+        assert e.value.strerror == "is a symbolic link, which hetjax does not write through"
+    assert all((victims / n).read_text() == '{"step": 1}\n' for n in names)
+    assert [n for n in names if (workdir / n).is_symlink()] == ["metrics.jsonl"]
