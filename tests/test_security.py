@@ -105,8 +105,9 @@ def _injections(pwned) -> list[str]:
             'x && touch "$PWNED_D"', '\'; touch "$PWNED_E"; \'', 'x\ntouch "$PWNED_F"']
 
 
-@pytest.mark.parametrize("line", ["-oProxyCommand=touch {pwned}/host", "localhost touch {pwned}/host;",
-                                  "$(touch {pwned}/host)", "-- localhost", "host;touch {pwned}/host"])
+@pytest.mark.parametrize("line", ["-oProxyCommand=touch {pwned}/host",
+                                  "localhost touch {pwned}/host;", "$(touch {pwned}/host)",
+                                  "-- localhost", "host;touch {pwned}/host"])
 def test_a_hostfile_line_that_is_not_a_host_name_is_refused_before_anything_runs(
         tmp_path, fakes, line):
     python, record, pwned = fakes
@@ -207,7 +208,8 @@ BAD_HEADERS = {
     "an unknown dtype": ({**GOOD, "b": {**GOOD["b"], "dtype": "F99"}}, None, "dtype 'F99'"),
     "a shape larger than its bytes": (
         {**GOOD, "a": {**GOOD["a"], "shape": [1 << 20, 1 << 20]}}, None, "has 4398046511104 bytes"),
-    "a negative dimension": ({**GOOD, "a": {**GOOD["a"], "shape": [-2, -3]}}, None, "shape [-2, -3]"),
+    "a negative dimension": ({**GOOD, "a": {**GOOD["a"], "shape": [-2, -3]}}, None,
+                             "shape [-2, -3]"),
     "offsets past the file's end": (
         {**GOOD, "b": {"dtype": "F32", "shape": [4], "data_offsets": [1 << 40, (1 << 40) + 16]}},
         None, "not [begin, end] inside the 40 data bytes"),
@@ -230,7 +232,8 @@ def test_a_damaged_or_hostile_safetensors_header_is_one_error(tmp_path, case):
     _rewrite(d / "model.safetensors", header, length=length)
     with pytest.raises(HetjaxError, match=re.escape(message)) as e:
         SafetensorsDir(str(d)).read("a")
-    assert str(d / "model.safetensors") in str(e.value) and "not a valid safetensors file" in str(e.value)
+    assert str(d / "model.safetensors") in str(e.value)
+    assert "not a valid safetensors file" in str(e.value)
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "link.safetensors"])
@@ -302,7 +305,7 @@ def test_tensors_the_model_does_not_use_are_named(tmp_path):
         "were not loaded: model.layers.0.self_attn.rotary_emb.inv_freq, model.vision_tower.weight")
 
 
-# --- config.json: bounded before anything is allocated ----------------------------------------------
+# --- config.json: bounded before anything is allocated ------------------------------------------
 def _llama(**change) -> dict:
     from hetjax.interop.hf_config import PRESETS
 
