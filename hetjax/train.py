@@ -803,7 +803,7 @@ class Trainer:
         p = self.plan
         since = f" since step {resumed}" if resumed is not None else ""
         return (f"{self.model_cfg.num_params / 1e6:.2f}M parameters on {self.topology.name}: "
-                f"pp={p.pp} dp={p.dp} tp={p.tp}{since}")
+                f"pp={p.pp} {p.degrees()}{since}")
 
     def _complete(self, total: int, resumed: int | None) -> RunSummary:
         """The summary of a run that is already at step `total`: from its metrics file."""

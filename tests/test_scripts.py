@@ -35,6 +35,7 @@ EXERCISED_BY = {
         "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
     "scripts/bench/pipeline.py": "test_bench_pipeline_smoke",
     "scripts/bench/planner.py": "test_bench_planner_smoke",
+    "scripts/bench/predict.py": "test_bench_predict_smoke",
     "scripts/bench/quota.py": "test_bench_quota_smoke",
     "scripts/bench/reliability.py": "test_bench_reliability_smoke",
     "scripts/bench/zero.py": "test_bench_zero_smoke",
@@ -181,6 +182,33 @@ def test_bench_planner_smoke(capsys):
     assert "All-reduce over 1,024" in out and "Holmes" in out, out[-2000:]
 
 
+def test_bench_predict_smoke(capsys, tmp_path):
+    """Every source but the compiled steps' memory (a compile: the slow tier's smoke below)."""
+    import json
+
+    from scripts.bench import predict as bench_predict
+
+    out_json = tmp_path / "rows.json"
+    bench_predict.main(["--smoke", "--sources",
+                        "emulated,profile,megatron,megatron_flat,amsp,holmes,h200",
+                        "--json", str(out_json)])
+    out = capsys.readouterr().out
+    for source in ("emulated cluster", "Megatron-LM Table 1", "AMSP, 1,024 A800",
+                   "Holmes Table 1", "one H200 (recorded)"):
+        assert f"| {source} |" in out, out[-2000:]
+    rows = json.loads(out_json.read_text())
+    assert all(r["predicted"] > 0 and r["measured"] > 0 for r in rows)
+    assert any(r["fitted"] for r in rows) and any(not r["fitted"] for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_predict_smoke_compiles_a_step_for_its_memory(capsys):
+    from scripts.bench import predict as bench_predict
+
+    bench_predict.main(["--smoke", "--sources", "memory"])
+    assert "| XLA memory_analysis() |" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     """scripts/tools/gpu_check.sh, the one command a GPU session runs, on CPU with a tiny shape:
@@ -190,9 +218,16 @@ def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     r = subprocess.run(["bash", os.path.join(REPO, "scripts", "tools", "gpu_check.sh"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for name in ("calibration.json", "plan_flat.json", "plan_kinds.json", "bench_gpu.json"):
+    for name in ("calibration.json", "profile.json", "plan_flat.json", "plan_kinds.json",
+                 "plan_profile.json", "bench_gpu.json"):
         assert (tmp_path / name).is_file(), (name, r.stdout[-3000:])
-    assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
+    assert r.stdout.count("exit 0") == 5, r.stdout[-3000:]
+    # the profile has the layer at one sequence and at the job's micro-batch (2 sequences)
+    from hetjax.planner.compute_profile import load_profile
+
+    prof = load_profile(str(tmp_path / "profile.json"))
+    assert {r.tokens for r in prof.rows if r.piece == "layer"} == {64, 128}
+    assert "(compute: profile)" in (tmp_path / "plan_profile.log").read_text()
 
 
 @pytest.mark.parametrize("name", ["hetaccel", "hetnet", "check_worlds", "repredict", "diloco",
