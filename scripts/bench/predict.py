@@ -40,10 +40,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import numpy as np  # noqa: E402
 
 if __package__:  # python -m scripts.bench.predict
-    from .experiments.harness import table
+    from .experiments.harness import check_outputs, table
     from .experiments.repredict import Run, repredict
 else:  # python scripts/bench/predict.py: Python puts scripts/bench/ first on sys.path
-    from experiments.harness import table
+    from experiments.harness import check_outputs, table
     from experiments.repredict import Run, repredict
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -252,6 +252,7 @@ def main(argv=None) -> int:
                     help=f"comma-separated, of {', '.join(SOURCES)} (default: all)")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)
+    check_outputs("bench_predict", results={"json": args.json})
     names = [n for n in args.sources.split(",") if n]
     unknown = sorted(set(names) - set(SOURCES))
     if unknown:
