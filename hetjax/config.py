@@ -37,7 +37,7 @@ from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, l
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, QK_NORMS, REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
@@ -305,6 +305,15 @@ FIELDS: tuple[Field, ...] = (
     Field("model.rope_original_max_len", 8192, "llama3 RoPE scaling: "
           "original_max_position_embeddings"),
     Field("model.qkv_bias", False, "biases on the query/key/value projections (Qwen2)"),
+    Field("model.sliding_window", 0, "a query attends to at most this many latest positions, "
+          "itself included (HF sliding_window: Mistral, Qwen2/3 use_sliding_window); 0: full "
+          "causal attention", count_or_off(example=4096)),
+    Field("model.full_attention_layers", (), "layers that attend fully although "
+          "model.sliding_window is set (HF layer_types 'full_attention'); empty: every layer "
+          "uses the window"),
+    Field("model.qk_norm", "none", "RMSNorm of queries and keys before RoPE: {choices}",
+          Choices(QK_NORMS, "QK-norm", {"head": "each head (Qwen3)",
+                                        "all_heads": "the whole projection (OLMoE)"})),
     Field("model.preset", "", _model_presets, _known_model_preset),
     Field("model.init_from", "", "a HuggingFace model directory (config.json + *.safetensors): "
           "its architecture, and its weights as the starting parameters",
@@ -870,6 +879,17 @@ def _validate_model(c) -> None:
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "
              f"{[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+    layers = tuple(m.full_attention_layers)
+    _require(all(isinstance(i, int) and 0 <= i < m.n_layers for i in layers),
+             "model.full_attention_layers", f"{list(layers)} names layers outside 0 .. "
+             f"{m.n_layers - 1}", f"name layers below model.n_layers = {m.n_layers}")
+    if m.sliding_window and 0 < len(set(layers)) < m.n_layers:
+        # each layer's window is data of the scanned layer stack, which a pipeline cuts apart
+        _require(c.parallel.pp == 1, "model.full_attention_layers",
+                 f"{list(layers)} attend fully and the other layers through "
+                 f"model.sliding_window = {m.sliding_window}; such mixed layers run only with "
+                 f"the whole layer stack in one program, but parallel.pp = {c.parallel.pp}",
+                 "set --config.parallel.pp=1")
     _require(c.train.seq_len <= m.max_seq_len, "train.seq_len",
              f"{c.train.seq_len} is longer than the model takes (model.max_seq_len = "
              f"{m.max_seq_len})", f"lower train.seq_len or raise model.max_seq_len to >= "

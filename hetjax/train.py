@@ -269,7 +269,8 @@ class Trainer:
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
         # must be requested before JAX starts, and this looks at the devices).
         self.attention = choose_local(self.model_cfg.attention, self.model_cfg.dtype,
-                                      self.model_cfg.head_dim, self.plan.seq_len)
+                                      self.model_cfg.head_dim, self.plan.seq_len,
+                                      self.model_cfg.sliding_window)
         self.predicted = self._check_memory()
         # MFU is a fraction of the topology's peak: say so when JAX runs on other devices
         # (a multi-world job's process sees only its own world's devices)

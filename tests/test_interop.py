@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_config
 from hetjax.config import apply_model_source, load_config, validate
-from hetjax.errors import ConfigError
+from hetjax.errors import ConfigError, HetjaxError
 from hetjax.interop import hf_checkpoint, hf_config
 from hetjax.interop.safetensors_files import SafetensorsDir
 from hetjax.layers import ModelConfig, Transformer
@@ -100,17 +100,57 @@ def test_an_unknown_preset_is_one_error_listing_them():
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64},
-     "sliding_window")])
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "layer_types": ["chunked_attention"] * 32}, "layer_types")])
 def test_configs_hetjax_cannot_represent_are_refused_naming_the_key(change, key):
     hf = {**hf_config.PRESETS["llama3_8b"], **change}
     with pytest.raises(ConfigError, match=f"config.json {key}:"):
         hf_config.model_fields(hf, "model.init_from")
 
 
-def test_a_mistral_window_longer_than_the_context_is_full_attention():
-    hf = {**hf_config.PRESETS["mistral_7b"], "sliding_window": 4096}
-    assert hf_config.model_fields(hf, "model.init_from")["max_seq_len"] == 4096
+def _window(**change):
+    f = hf_config.model_fields({**hf_config.PRESETS["llama3_8b"], **change}, "x")
+    return f["sliding_window"], f["full_attention_layers"], f["max_seq_len"]
+
+
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    """Mistral: every layer, its config's 4096 when the key is absent, none when null; Qwen2 and
+    Qwen3 only with use_sliding_window, on the layers layer_types names (older files: from
+    max_window_layers on); the context stays max_position_embeddings."""
+    assert _window(model_type="mistral", sliding_window=4096) == (4096, (), 8192)
+    hf = {k: v for k, v in hf_config.PRESETS["llama3_8b"].items()}
+    assert hf_config.model_fields({**hf, "model_type": "mistral"}, "x")["sliding_window"] == 4096
+    assert _window(model_type="mistral", sliding_window=None)[:2] == (0, ())
+    assert _window(model_type="llama", sliding_window=64)[:2] == (0, ())
+    qwen = dict(model_type="qwen2", sliding_window=64, max_window_layers=30)
+    assert _window(**qwen)[:2] == (0, ())  # use_sliding_window false
+    assert _window(**qwen, use_sliding_window=True)[:2] == (64, tuple(range(30)))
+    types = ["full_attention", "sliding_attention"] * 16
+    assert _window(**qwen, use_sliding_window=True, layer_types=types)[:2] == \
+        (64, tuple(range(0, 32, 2)))
+    assert _window(**{**qwen, "model_type": "qwen3", "max_window_layers": 32},
+                   use_sliding_window=True)[:2] == (0, ())  # every layer full
+
+
+def test_the_qwen3_window_fixture_reads_the_same_without_layer_types():
+    hf = hf_config.read_config_json(fixture("qwen3_window"))
+    fields = hf_config.model_fields(hf, "x")
+    assert (fields["sliding_window"], fields["full_attention_layers"], fields["qk_norm"]) == \
+        (8, (0,), "head")
+    del hf["layer_types"]
+    assert hf_config.model_fields(hf, "x") == fields
+
+
+def test_mixed_windows_need_the_whole_layer_stack():
+    with pytest.raises(ConfigError, match=r"(?s)model.full_attention_layers: \[0\] attend "
+                       "fully.*parallel.pp = 2.*--config.parallel.pp=1"):
+        validate(load_config(None, [f"--config.model.init_from={fixture('qwen3_window')}",
+                                    "--config.parallel.pp=2", "--config.train.seq_len=16"]))
+    with pytest.raises(ConfigError, match=r"model.full_attention_layers: \[5\] names layers "
+                       "outside 0 .. 3"):
+        validate(load_config(None, ["--config.model.sliding_window=8",
+                                    "--config.model.full_attention_layers=(5,)"]))
 
 
 def test_hf_config_round_trips_through_model_fields():
@@ -118,13 +158,25 @@ def test_hf_config_round_trips_through_model_fields():
         fields = hf_config.preset_fields(name)
         m = ModelConfig(**fields)
         assert hf_config.model_fields(hf_config.hf_config(m), "x") == fields
+    for name in ("mistral_window", "qwen3_window", "qwen2_bias"):
+        fields = hf_config.model_fields(hf_config.read_config_json(fixture(name)), "x")
+        hf = hf_config.hf_config(ModelConfig(**fields))
+        assert hf["model_type"] == json.load(open(os.path.join(fixture(name), "config.json")))[
+            "model_type"]
+        assert hf_config.model_fields(hf, "x") == fields
+    m = ModelConfig(**{**fields, "qk_norm": "all_heads"})
+    with pytest.raises(HetjaxError, match="model.qk_norm = 'all_heads': no transformers model"):
+        hf_config.hf_config(m)
 
 
 # --- loading the fixtures -----------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama_gqa", "llama3_rope", "qwen2_bias"])
+@pytest.mark.parametrize("name", ["llama_gqa", "llama3_rope", "qwen2_bias", "mistral_window",
+                                  "qwen3_window"])
 def test_an_hf_checkpoint_gives_transformers_logits(name):
     """GQA + untied head; llama3 RoPE scaling + explicit head_dim + MQA + tied head; Qwen2 q/k/v
-    biases + linear RoPE scaling: each read shard by shard, against transformers' logits."""
+    biases + linear RoPE scaling; Mistral's 160-token window at 256 positions; Qwen3's per-head
+    QK-norm with a window on one of two layers: each read shard by shard, against
+    transformers' logits."""
     m, params = load_single(fixture(name), sharded=True)
     tokens, ref = reference(name)
     np.testing.assert_allclose(logits(m, params, tokens), ref, atol=1e-4, rtol=0)
@@ -153,6 +205,40 @@ def test_rope_scaling_is_not_a_no_op():
     assert np.abs(plain - ref).max() > 1e-3
 
 
+def test_sliding_windows_are_not_a_no_op():
+    """Past the window, the references differ from the same weights attending fully (so the
+    test above checks the window): by a relative 0.4 at Mistral's positions 160 .. 255."""
+    import dataclasses
+
+    for name, past in (("mistral_window", 160), ("qwen3_window", 8)):
+        m, params = load_single(fixture(name))
+        tokens, ref = reference(name)
+        full = logits(dataclasses.replace(m, sliding_window=0, full_attention_layers=()), params,
+                      tokens)
+        np.testing.assert_allclose(full[:, :past], ref[:, :past], atol=1e-4, rtol=0)
+        assert np.abs(full[:, past:] - ref[:, past:]).max() > 0.1 * np.abs(ref).max()
+
+
+def saved(name, key):
+    with np.load(os.path.join(fixture(name), "reference.npz")) as z:
+        return z[key]
+
+
+@pytest.mark.parametrize("name", [pytest.param("mistral_window", marks=pytest.mark.slow),
+                                  "qwen3_window"])
+def test_greedy_decoding_equals_transformers_generate(name):
+    """hetjax's KV-cache decoding continues the prompt with transformers' greedy tokens, past
+    the window: Mistral from 150 to 256 positions (window 160), Qwen3 from 6 to 20 (window 8 on
+    layer 1). Every step's best logit led the second by >= 1e-3 in transformers."""
+    from hetjax.layers.generate import generate
+
+    m, params = load_single(fixture(name))
+    prompt, want = saved(name, "prompt"), saved(name, "generated")
+    assert saved(name, "min_margin") >= 1e-3
+    got = generate(Transformer(m), jax.device_get(params), prompt.tolist(), want.shape[1])
+    assert got == want.tolist()
+
+
 @pytest.mark.slow
 def test_a_pipeline_plan_loads_the_same_parameters_and_loss(tmp_path):
     """pp = 2 x dp = 2 x tp = 2: the natural parameters equal the pp = 1 load bit for bit, and
@@ -170,19 +256,57 @@ def test_a_pipeline_plan_loads_the_same_parameters_and_loss(tmp_path):
     assert abs(float(got) - want) < 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_a_pipeline_trains_at_256_positions_through_the_window(tmp_path, executor):
+    """Mistral's 160-token window under pp = 2 x dp = 2 x tp = 2 at 255 positions (each stage
+    runs its layer alone, the window a constant of the model): the pipeline's loss is the loss
+    of transformers' logits."""
+    from hetjax.layers import cross_entropy
+
+    plan = {**PP2, "pipeline.stage_layers": (1, 1), "pipeline.executor": executor}
+    piped = trainer_from(fixture("mistral_window"), plan, tmp_path,
+                         **{"train.seq_len": 255, "train.batch_size": 4})
+    assert (piped.model_cfg.sliding_window, piped.model_cfg.max_seq_len) == (160, 512)
+    tokens, ref = reference("mistral_window")
+    rows = np.concatenate([tokens] * 4)
+    want = float(cross_entropy(np.concatenate([ref] * 4)[:, :-1], rows[:, 1:]))
+    got = piped.evaluate({"inputs": rows[:, :-1], "targets": rows[:, 1:]})
+    assert abs(float(got) - want) < 1e-4
+
+
 # --- export -------------------------------------------------------------------------------------
-def test_export_then_import_is_bit_exact(tmp_path):
-    m, params = load_single(fixture("llama_gqa"))
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_window"])
+def test_export_then_import_is_bit_exact(tmp_path, name):
+    """Every tensor of the fixture, under its own name (Qwen3's q_norm / k_norm included)."""
+    m, params = load_single(fixture(name))
     out = tmp_path / "export"
     files = hf_checkpoint.write_hf(str(out), jax.device_get(params), m,
-                                   max_shard_bytes=300_000)
+                                   max_shard_bytes=200_000)
     assert "model.safetensors.index.json" in files and len(files) > 3
-    a, b = SafetensorsDir(fixture("llama_gqa")), SafetensorsDir(str(out))
+    a, b = SafetensorsDir(fixture(name)), SafetensorsDir(str(out))
     assert a.names() == b.names()
     for n in a.names():
         np.testing.assert_array_equal(a.read(n), b.read(n))
     jax.tree.map(np.testing.assert_array_equal, load_single(str(out))[1],
                  jax.device_get(params))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral_window", "qwen3_window"])
+def test_transformers_reads_an_exported_window_model_as_saved(tmp_path, name):
+    """hetjax's export of the window fixtures (Mistral's sliding_window; Qwen3's layer_types
+    and q_norm / k_norm) gives transformers' saved logits in transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    m, params = load_single(fixture(name))
+    hf_checkpoint.write_hf(str(tmp_path), jax.device_get(params), m)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                              dtype=torch.float32)
+    tokens, ref = reference(name)
+    with torch.no_grad():
+        got = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")

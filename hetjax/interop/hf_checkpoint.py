@@ -69,6 +69,13 @@ def _leaves(m, has_head: bool) -> dict[tuple, _Leaf]:
         for name, heads in (("query", H), ("key", K), ("value", K)):
             out[blk + ("attn", f"{name}_bias")] = _Leaf(
                 a + f"{name[0]}_proj.bias", (heads, hd), (0, 1), ((0, 1),))
+    for name, heads in (("query", H), ("key", K)):
+        if m.qk_norm == "head":  # Qwen3: one scale per head_dim entry, shared by the heads
+            out[blk + ("attn", f"{name}_norm", "scale")] = _Leaf(
+                a + f"{name[0]}_norm.weight", (hd,), (0,), ((0,),))
+        elif m.qk_norm == "all_heads":  # OLMoE: the projection's whole width
+            out[blk + ("attn", f"{name}_norm", "scale")] = _Leaf(
+                a + f"{name[0]}_norm.weight", (heads, hd), (0, 1), ((0, 1),))
     if has_head:
         out[("lm_head", "kernel")] = _Leaf("lm_head.weight", (m.vocab_size, D), (1, 0),
                                            ((0,), (1,)))

@@ -2,11 +2,12 @@
 
 One mapping serves three callers: `model.preset` (a preset *is* the architecture part of a
 published config.json, so it goes through the same code), `model.init_from` (the config.json
-beside the weights) and `hetjax export --format=hf` (the reverse direction). Llama, Mistral and
-Qwen2 configs map onto `ModelConfig`; anything hetjax's model cannot compute exactly (another
-activation, MLP or output-projection biases, a sliding window shorter than the context, a RoPE
-type other than default / linear / llama3, partial rotary, mixtures of experts) is refused with
-one `ConfigError` naming the config.json key. JAX-free: `hetjax.config` imports it.
+beside the weights) and `hetjax export --format=hf` (the reverse direction). Llama, Mistral,
+Qwen2 and Qwen3 configs map onto `ModelConfig`, sliding windows (every layer's, or per layer as
+`layer_types` says) and QK-norm included; anything hetjax's model cannot compute exactly
+(another activation, MLP or output-projection biases, a RoPE type other than default / linear /
+llama3, partial rotary, mixtures of experts) is refused with one `ConfigError` naming the
+config.json key. JAX-free: `hetjax.config` imports it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from hetjax.errors import ConfigError
+from hetjax.errors import ConfigError, HetjaxError
 
 # The architecture keys of the published config.json files (huggingface.co/<repo>/config.json),
 # copied as published; the rest of each file (token ids, torch_dtype, ...) plays no part here.
@@ -72,12 +73,17 @@ PRESETS: dict[str, dict] = {
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "head_dim",
                "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "rope_original_max_len", "qkv_bias")
+               "rope_original_max_len", "qkv_bias", "sliding_window", "full_attention_layers",
+               "qk_norm")
 # The ARCH_FIELDS that decide the weights' shapes: a run from a checkpoint must keep them.
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
-                "tie_embeddings", "qkv_bias")
+                "tie_embeddings", "qkv_bias", "qk_norm")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# transformers' config defaults where config.json may leave a key out: Mistral's
+# sliding_window, the Qwen families' max_window_layers.
+_MISTRAL_WINDOW = 4096
+_MAX_WINDOW_LAYERS = 28
 ROPE_TYPES = ("default", "linear", "llama3")
 # Keys of architectures hetjax's model does not have (mixtures of experts, ...).
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
@@ -101,8 +107,8 @@ def model_fields(hf: dict, source: str) -> dict:
     """hetjax `model.*` values (ARCH_FIELDS) for an HF config dict; `source` names where it came
     from in messages. Raises ConfigError naming the config.json key hetjax cannot represent."""
 
-    def refuse(key: str, problem: str, fix: str = "use a Llama, Mistral or Qwen2 checkpoint "
-               "without it"):
+    def refuse(key: str, problem: str, fix: str = "use a Llama, Mistral, Qwen2 or Qwen3 "
+               "checkpoint without it"):
         raise ConfigError(source, f"config.json {key}: {problem}", fix)
 
     mtype = hf.get("model_type")
@@ -113,21 +119,15 @@ def model_fields(hf: dict, source: str) -> dict:
         refuse("hidden_act", f"{hf['hidden_act']!r}; hetjax's MLP is SwiGLU (silu)")
     if hf.get("mlp_bias"):
         refuse("mlp_bias", "true; hetjax's MLP has no biases")
-    if mtype == "llama" and hf.get("attention_bias"):
+    if mtype in ("llama", "qwen3") and hf.get("attention_bias"):
         refuse("attention_bias", "true puts a bias on the output projection too; hetjax has "
                "q/k/v biases only (as Qwen2)")
     for key in _MOE_KEYS:
         if hf.get(key):
             refuse(key, f"{hf[key]}: a mixture of experts; hetjax's MLP is dense")
     max_len = int(hf.get("max_position_embeddings", 2048))
-    window = hf.get("sliding_window")
-    uses_window = window is not None and (mtype != "qwen2" or hf.get("use_sliding_window"))
-    if uses_window and window < max_len:
-        if mtype == "mistral":  # full causal attention equals the window up to its length
-            max_len = int(window)
-        else:
-            refuse("sliding_window", f"{window} with use_sliding_window = true; hetjax "
-                   "attends to the full context")
+    n_layers = int(hf["num_hidden_layers"])
+    window, full_layers = _windows(hf, mtype, n_layers, refuse)
     # transformers >= 5 writes rope_parameters (theta inside); older files rope_scaling +
     # rope_theta.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -139,7 +139,7 @@ def model_fields(hf: dict, source: str) -> dict:
         refuse("partial_rotary_factor", "hetjax rotates the whole head")
     d, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     out = dict(
-        vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]),
+        vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         d_ff=int(hf["intermediate_size"]), max_seq_len=max_len,
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
@@ -147,7 +147,8 @@ def model_fields(hf: dict, source: str) -> dict:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         head_dim=int(hf.get("head_dim") or d // n_heads), rope_type=rope_type,
         rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-        rope_original_max_len=8192, qkv_bias=mtype == "qwen2")
+        rope_original_max_len=8192, qkv_bias=mtype == "qwen2", sliding_window=window,
+        full_attention_layers=full_layers, qk_norm="head" if mtype == "qwen3" else "none")
     if rope_type in ("linear", "llama3"):
         out["rope_factor"] = float(rope["factor"])
     if rope_type == "llama3":
@@ -155,6 +156,34 @@ def model_fields(hf: dict, source: str) -> dict:
                    rope_high_freq_factor=float(rope["high_freq_factor"]),
                    rope_original_max_len=int(rope["original_max_position_embeddings"]))
     return out
+
+
+def _windows(hf: dict, mtype: str, n_layers: int, refuse) -> tuple[int, tuple]:
+    """(model.sliding_window, model.full_attention_layers) as transformers reads config.json:
+    Mistral windows every layer (its config's default window 4096 when the key is absent);
+    Qwen2 / Qwen3 only with use_sliding_window, on the layers `layer_types` calls
+    'sliding_attention' (transformers >= 4.53 writes it; older files: the layers from
+    max_window_layers on); Llama never."""
+    window = hf.get("sliding_window", _MISTRAL_WINDOW if mtype == "mistral" else None)
+    if mtype == "mistral":
+        return (int(window), ()) if window else (0, ())
+    if mtype not in ("qwen2", "qwen3") or not hf.get("use_sliding_window"):
+        return 0, ()
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers", _MAX_WINDOW_LAYERS))
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(n_layers)]
+    odd = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if odd or len(types) != n_layers:
+        refuse("layer_types", f"{odd or len(types)}: hetjax reads one 'sliding_attention' or "
+               f"'full_attention' per layer ({n_layers})")
+    if not window and "sliding_attention" in types:
+        refuse("sliding_window", f"{window!r} with sliding layers", "give the window's length")
+    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    if len(full) == n_layers:
+        return 0, ()
+    return int(window), full
 
 
 def preset_fields(name: str) -> dict:
@@ -166,9 +195,28 @@ def preset_fields(name: str) -> dict:
 
 
 def hf_config(m, *, torch_dtype: str = "float32") -> dict:
-    """An HF config.json dict for a `ModelConfig` (Qwen2 when it has q/k/v biases, else Llama),
-    which transformers loads as it is."""
-    mtype = "qwen2" if m.qkv_bias else "llama"
+    """An HF config.json dict for a `ModelConfig`, which transformers loads as it is: Qwen3 with
+    per-head QK-norm, Qwen2 with q/k/v biases or with windows on some layers, Mistral with one
+    window on every layer, else Llama. A model no transformers class computes is a HetjaxError
+    naming the field."""
+    if m.qk_norm == "all_heads" or (m.qk_norm == "head" and m.qkv_bias):
+        what = ("QK-norm over all heads" if m.qk_norm == "all_heads" else
+                "per-head QK-norm with q/k/v biases")
+        raise HetjaxError(f"model.qk_norm = {m.qk_norm!r}: no transformers model has {what} "
+                          "in a dense model; fix: export a model without it")
+    if m.qk_norm == "head":
+        mtype = "qwen3"
+    elif m.qkv_bias:
+        mtype = "qwen2"
+    elif m.mixed_windows:
+        raise HetjaxError(f"model.full_attention_layers = {list(m.full_attention_layers)}: "
+                          "transformers has windows on some layers only in Qwen2 and Qwen3, "
+                          "which this model (no q/k/v biases, no QK-norm) is not; fix: export "
+                          "a model whose layers all use model.sliding_window")
+    elif m.sliding_window:
+        mtype = "mistral"
+    else:
+        mtype = "llama"
     out = {
         "architectures": [MODEL_TYPES[mtype]], "model_type": mtype, "hidden_act": "silu",
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
@@ -178,10 +226,17 @@ def hf_config(m, *, torch_dtype: str = "float32") -> dict:
         "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings,
         "torch_dtype": torch_dtype, "use_cache": True,
     }
+    if mtype in ("llama", "qwen3"):
+        out.update(attention_bias=False)
     if mtype == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    else:
-        out.update(use_sliding_window=False, sliding_window=None)
+        out.update(mlp_bias=False)
+    elif mtype == "mistral":
+        out.update(sliding_window=m.sliding_window)
+    else:  # Qwen2 / Qwen3: the window's layers named one by one
+        flags = m.window_flags()
+        out.update(use_sliding_window=any(flags), sliding_window=m.sliding_window or None,
+                   max_window_layers=m.n_layers,
+                   layer_types=["sliding_attention" if f else "full_attention" for f in flags])
     if m.rope_type == "default":
         out["rope_scaling"] = None
     else:
