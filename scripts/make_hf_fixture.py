@@ -8,9 +8,11 @@ and transformers' float32 `logits` for them; for a mixture of experts also every
 `load_balancing_loss_func` over them); with a `generate` entry a `prompt` and the tokens
 transformers' greedy `generate` continues it with (`generated`), and `min_margin`, the smallest
 gap between the best and the second-best logit along the way (a prompt is drawn again until it
-is at least MARGIN, so float32 rounding cannot flip a choice). Every weight is random, norm
-scales and biases included (transformers initialises those to 1 and 0, which would hide a
-mapping error).
+is at least MARGIN, so float32 rounding cannot flip a choice). Mixtures of experts are held to
+the same rule at their routers: tokens and prompts are drawn again until every token's k-th
+routing probability leads the (k+1)-th by ROUTER_MARGIN (`min_router_margin`), so every
+implementation picks the same experts. Every weight is random, norm scales and biases included
+(transformers initialises those to 1 and 0, which would hide a mapping error).
 
     python scripts/make_hf_fixture.py [--out tests/fixtures/hf] [names...]
 """
@@ -26,6 +28,7 @@ import torch
 import transformers
 
 MARGIN = 1e-3
+ROUTER_MARGIN = 1e-4
 
 # name -> (model class, config class, config kwargs[, options]); options: `tokens` (rows,
 # length) of the logits reference (default (2, 16)), `generate` (prompt length, new tokens).
@@ -64,7 +67,55 @@ FIXTURES = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
         use_sliding_window=True, sliding_window=8, max_window_layers=1),
         dict(generate=(6, 14))),
+    # Mixtral: 4 experts, top-2, renormalised top-k weights, untied head.
+    "mixtral_moe": ("MixtralForCausalLM", "MixtralConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2,
+        router_aux_loss_coef=0.02, tie_word_embeddings=False),
+        dict(generate=(6, 14))),
+    # Qwen2-MoE: q/k/v biases, 4 experts top-2 without renormalisation, and the shared expert
+    # (its own width) behind a sigmoid gate.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        tie_word_embeddings=False),
+        dict(generate=(6, 14))),
+    # Qwen3-MoE: per-head QK-norm, explicit head_dim, 8 experts top-2 renormalised.
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+        dict(generate=(6, 14))),
+    # OLMoE: QK-norm over all heads, 8 experts top-2 without renormalisation.
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, clip_qkv=None, pad_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False),
+        dict(generate=(6, 14))),
 }
+
+
+def _experts(config) -> int:
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+
+
+def _router_margin(model, seq) -> float:
+    """The smallest lead of a token's k-th routing probability over its (k+1)-th, over every
+    MoE layer and token of `seq` (inf for a dense model)."""
+    if not _experts(model.config):
+        return float("inf")
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        res = model(torch.tensor(seq), output_router_logits=True)
+    probs = torch.softmax(torch.stack(res.router_logits).float(), dim=-1)
+    top = probs.topk(k + 1, dim=-1).values
+    return float((top[..., k - 1] - top[..., k]).min())
 
 
 def _randomise(model) -> None:
@@ -90,7 +141,8 @@ def _greedy(model, vocab: int, prompt_len: int, new: int) -> dict:
                                  output_logits=True, return_dict_in_generate=True)
         top2 = torch.stack(out.logits).float().topk(2, dim=-1).values
         margin = float((top2[..., 0] - top2[..., 1]).min())
-        if margin >= MARGIN:
+        # the routers along the way (prefill and each decoded token) pick clear winners too
+        if margin >= MARGIN and _router_margin(model, out.sequences.numpy()) >= ROUTER_MARGIN:
             return dict(prompt=prompt.astype(np.int32),
                         generated=out.sequences[:, prompt_len:].numpy().astype(np.int32),
                         min_margin=np.float32(margin))
@@ -110,10 +162,15 @@ def build(name: str, out: str) -> None:
     path = os.path.join(out, name)
     # Shards of ~200 kB: the fixture has several files and an index, as real checkpoints do.
     model.save_pretrained(path, max_shard_size="200KB", safe_serialization=True)
-    tokens = np.random.default_rng(0).integers(0, kwargs["vocab_size"],
-                                               size=opts.get("tokens", (2, 16)))
+    experts = _experts(config)
+    for seed in range(100):
+        tokens = np.random.default_rng(seed).integers(0, kwargs["vocab_size"],
+                                                      size=opts.get("tokens", (2, 16)))
+        if _router_margin(model, tokens) >= ROUTER_MARGIN:
+            break
+    else:
+        raise SystemExit(f"no tokens of 100 route with every margin >= {ROUTER_MARGIN}")
     ref = {}
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     with torch.no_grad():
         res = model(torch.tensor(tokens), output_router_logits=bool(experts))
     ref.update(tokens=tokens.astype(np.int32), logits=res.logits.float().numpy())
@@ -122,6 +179,7 @@ def build(name: str, out: str) -> None:
         ref["router_logits"] = torch.stack(res.router_logits).float().numpy()
         ref["aux_loss"] = np.float32(module.load_balancing_loss_func(
             res.router_logits, experts, config.num_experts_per_tok).item())
+        ref["min_router_margin"] = np.float32(_router_margin(model, tokens))
     if "generate" in opts:
         ref.update(_greedy(model, kwargs["vocab_size"], *opts["generate"]))
     np.savez(os.path.join(path, "reference.npz"), **ref)
