@@ -17,7 +17,6 @@ counts, placement, ZeRO factors on nodes) run where the Plan is built
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -26,18 +25,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from hetjax.errors import ConfigError, HetjaxError
+from hetjax.errors import ConfigError, HetjaxError, TopologyValueError
 from hetjax.core import topology as topo
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.config_plan import resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
 from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
-                         name_problems, raise_first)
+                         name_problems, raise_first, tp_problems)
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, QK_NORMS, REMAT_POLICIES
+from hetjax.core.model_config import (ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, QK_NORMS,
+                                      REMAT_POLICIES)
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
@@ -250,7 +250,8 @@ FIELDS: tuple[Field, ...] = (
     Field("topology.preset", "cpu_hybrid", "a name from hetjax.core.topology.PRESETS",
           Choices(lambda: sorted(topo.PRESETS), "preset",
                   fix="choose one of: " + ", ".join(sorted(topo.PRESETS)))),
-    Field("topology.file", "", "a JSON topology (Topology.to_json()); overrides preset",
+    Field("topology.file", "", "a JSON topology file (docs/topology.md; 'hetjax topology --json "
+          "FILE' writes one); overrides preset",
           path=True),
     Field("topology.nodes", 0, "> 0 overrides the preset's nodes per cluster", _TOPOLOGY_COUNT),
     Field("topology.devices_per_node", 0, "> 0 overrides the preset's devices per node",
@@ -314,6 +315,34 @@ FIELDS: tuple[Field, ...] = (
     Field("model.qk_norm", "none", "RMSNorm of queries and keys before RoPE: {choices}",
           Choices(QK_NORMS, "QK-norm", {"head": "each head (Qwen3)",
                                         "all_heads": "the whole projection (OLMoE)"})),
+    Field("model.n_experts", 0, "Mixture-of-Experts: routed experts per MoE layer; 0: a dense "
+          "model", count_or_off("set --config.{field}=8 (0: a dense model)", 8)),
+    Field("model.experts_per_token", 2, "MoE: experts each token is routed to (top-k)",
+          positive_int()),
+    Field("model.moe_d_ff", 0, "MoE: hidden width of one expert; 0: model.d_ff",
+          count_or_off("set --config.{field}=0 (model.d_ff) or a positive width", 256)),
+    Field("model.shared_expert_d_ff", 0, "MoE: hidden width of a shared expert every token "
+          "passes (Qwen2-MoE); 0: none", count_or_off("set --config.{field}=0 (none)", 256)),
+    Field("model.moe_shared_expert_gate", True, "MoE: scale the shared expert's output by a "
+          "learned sigmoid gate (Qwen2-MoE)"),
+    Field("model.decoder_sparse_step", 1, "MoE: layer i is an MoE layer when (i + 1) is a "
+          "multiple of this (and i >= first_dense_layers)", positive_int()),
+    Field("model.first_dense_layers", 0, "MoE: the first layers keep a dense feed-forward",
+          count_or_off("set --config.{field}=0", 1)),
+    Field("model.moe_norm_topk_prob", True, "MoE: renormalise the k routing weights to sum to "
+          "1 (Mixtral, Qwen3-MoE); false keeps the softmax values (OLMoE, Qwen2-MoE)"),
+    Field("model.moe_aux_loss_coef", 0.01, "MoE: load-balance loss coefficient (Switch / "
+          "Megatron convention: a uniform router's loss is this coefficient)",
+          Bound(lo=0, fix="use 0.01, or 0 to disable")),
+    Field("model.moe_z_loss_coef", 0.0, "MoE: router z-loss coefficient",
+          Bound(lo=0, fix="use 0.001, or 0 to disable")),
+    Field("model.moe_dispatch", "auto", "MoE: how tokens reach their experts: {choices}",
+          Choices(MOE_DISPATCH, "dispatch", {
+              "auto": "dropless", "dense": "every expert on every token; the reference",
+              "dropless": "sorted grouped matmuls, no token dropped",
+              "capacity": "model.moe_capacity_factor slots per expert, overflow dropped"})),
+    Field("model.moe_capacity_factor", 1.25, "MoE capacity dispatch: slots per expert = factor "
+          "* tokens * k / n_experts", Bound(lo=0, lo_open=True, fix="use 1.25")),
     Field("model.preset", "", _model_presets, _known_model_preset),
     Field("model.init_from", "", "a HuggingFace model directory (config.json + *.safetensors): "
           "its architecture, and its weights as the starting parameters",
@@ -757,18 +786,14 @@ def build_topology(c) -> topo.Topology:
                  f"is {t.preset!r} but topology.file = {t.file!r} is set too; the file would "
                  "silently win", "set only one of topology.file and topology.preset")
         try:
-            with open(t.file) as f:
-                return topo.Topology.from_json(f.read())
-        except (FileNotFoundError, IsADirectoryError):
-            raise ConfigError("topology.file", f"{t.file!r} does not exist",
-                              "give the path of a JSON topology (Topology.to_json())") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError("topology.file", f"{t.file!r} is not valid JSON (line {e.lineno}, "
-                              f"column {e.colno}: {e.msg})",
-                              "fix the JSON; Topology.to_json() shows the format") from None
-        except HetjaxError as e:
-            raise ConfigError("topology.file", f"{t.file!r}: {e}",
-                              "correct that entry of the file") from None
+            return topo.read_topology(t.file)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            what = "is a directory" if isinstance(e, IsADirectoryError) else "does not exist"
+            raise ConfigError("topology.file", f"{t.file!r} {what}",
+                              "give the path of a JSON topology (docs/topology.md)") from None
+        except TopologyValueError as e:  # names the value (its JSON path) and the fix
+            raise ConfigError("topology.file", f"{t.file!r}" + (
+                f": {e.where}: " if e.where else " ") + e.problem, e.fix) from None
     _check(c, "topology.preset")
     kwargs = {}
     import inspect
@@ -875,6 +900,16 @@ def _validate_model(c) -> None:
                      f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
                      f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
                      "in Python call hetjax.config.apply_model_source(config))")
+    if m.n_experts:
+        _require(m.experts_per_token <= m.n_experts, "model.experts_per_token",
+                 f"{m.experts_per_token} is more than model.n_experts = {m.n_experts}",
+                 f"choose experts_per_token <= {m.n_experts}, e.g. 2")
+        _require(m.first_dense_layers == 0 and m.decoder_sparse_step == 1,
+                 "model.first_dense_layers",
+                 f"first_dense_layers = {m.first_dense_layers} and decoder_sparse_step = "
+                 f"{m.decoder_sparse_step} make some layers dense, but the layer stack holds "
+                 "one kind of block", "set first_dense_layers=0 and decoder_sparse_step=1 "
+                 "(every layer MoE)")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "
@@ -911,12 +946,7 @@ def _validate_layout(c) -> None:
         placement=c.pipeline.placement,
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
-        for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                     ("model.d_ff", m.d_ff)):
-            _require(v % p.tp == 0, "parallel.tp",
-                     f"tp = {p.tp} does not divide {f} = {v}; tensor parallelism splits it",
-                     f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
-                     f"{_common_divisors(m.n_heads, m.n_kv_heads, m.d_ff)}")
+        raise_first(tp_problems(p.tp, m), ConfigError)
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:
@@ -992,8 +1022,3 @@ def _validate_diloco(c) -> None:
              f"mixes a fragment that trained on while its exchange travelled; with "
              f"overlap_steps = 0 there is none (mix = {d.mix})",
              "set --config.diloco.overlap_steps too, or leave diloco.mix=0")
-
-
-def _common_divisors(*xs: int) -> list[int]:
-    g = math.gcd(*xs)
-    return [d for d in range(1, g + 1) if g % d == 0]

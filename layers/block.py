@@ -1,4 +1,5 @@
-"""One pre-norm decoder block: x + attention(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm decoder block: x + attention(norm(x)), then x + mlp(norm(x)) -- the feed-forward
+a Mixture-of-Experts layer (layers/moe.py) in an MoE model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 from hetjax.layers.attention import Attention
 from hetjax.core.model_config import ModelConfig
 from hetjax.layers.mlp import MLP
+from hetjax.layers.moe import MoE
 from hetjax.layers.norms import RMSNorm
 
 
@@ -27,6 +29,6 @@ class DecoderBlock(nn.Module):
             a, cache = Attention(cfg, name="attn")(h, cache=cache)
             x = x + a
         h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="mlp_norm")(x)
-        x = x + MLP(cfg, name="mlp")(h)
+        x = x + (MoE(cfg, name="moe") if cfg.is_moe else MLP(cfg, name="mlp"))(h)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         return x if cache is None else (x, cache)

@@ -11,6 +11,7 @@ from hetjax.core.model_config import ModelConfig
 
 class MLP(nn.Module):
     cfg: ModelConfig
+    d_ff: int = 0  # hidden width; 0: cfg.d_ff (an MoE's shared expert has its own)
 
     @nn.compact
     def __call__(self, x):
@@ -21,8 +22,9 @@ class MLP(nn.Module):
             return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=pdtype, name=name,
                             kernel_init=nn.with_logical_partitioning(init, axes))
 
-        gate = dense("gate", cfg.d_ff, ("embed", "mlp"))(x)
-        up = dense("up", cfg.d_ff, ("embed", "mlp"))(x)
+        d_ff = self.d_ff or cfg.d_ff
+        gate = dense("gate", d_ff, ("embed", "mlp"))(x)
+        up = dense("up", d_ff, ("embed", "mlp"))(x)
         h = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "mlp"))
         y = dense("down", cfg.d_model, ("mlp", "embed"), dense_init(1.0 / (2 * cfg.n_layers)))(h)
         return nn.with_logical_constraint(y, ("batch", "length", "embed"))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from hetjax.layers.block import DecoderBlock
 from hetjax.core.model_config import ModelConfig
 from hetjax.layers.embeddings import Embed
+from hetjax.layers.moe import STATS
 from hetjax.layers.norms import RMSNorm
 
 # JAX's policy for each recomputing name of hetjax.core.model_config.REMAT_POLICIES ('none' and 'auto'
@@ -49,8 +50,11 @@ class Transformer(nn.Module):
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embedder = Embed(cfg.vocab_size, cfg.d_model, dtype, pdtype)
+        # An MoE layer's records (layers/moe.py: STATS, and router logits when asked) are
+        # stacked over layers like the parameters.
+        axes = {"params": 0, **({STATS: 0, "router_logits": 0} if cfg.is_moe else {})}
         self.layers = nn.scan(
-            _ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
+            _ScanStep, variable_axes=axes, split_rngs={"params": True},
             # every layer sees the same segment ids; its own cache and sliding-window flag
             in_axes=(nn.broadcast, 0, 0),
             length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)

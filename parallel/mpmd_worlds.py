@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, PlanError
 from hetjax.core import program as pg
 from hetjax.parallel.bridge import Bridge, message_key
 from hetjax.parallel.mesh import AXES, DP_AXES, mesh_shape
@@ -99,6 +99,11 @@ class WorldsExecutor(MpmdExecutor):
                  worlds: Sequence, world: int, owner: dict[int, int], bridge: Bridge,
                  devices: Sequence | None = None):
         Executor.__init__(self, plan, topology, model_cfg, tx, lr_schedule)
+        if not plan.uniform:  # the bridge pulls each mesh position's shard from its peer's
+            raise PlanError(f"stages with different (dp, tp) shapes {list(plan.stage_shapes)} "
+                            "run in one JAX world, not across worlds. Fix: give every stage "
+                            "the same parallel.stage_dp and parallel.stage_tp, or run one "
+                            "world (hetjax train, or hetjax launch without --worlds)")
         self._lower(grad_clip)
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge

@@ -56,7 +56,7 @@ def bench(args, workdir: str, extra: dict) -> int:
     import numpy as np
 
     from hetjax.config import load_config
-    from hetjax.launch import free_port
+    from hetjax.distributed import free_port
     from hetjax.planner.worlds import plan_worlds
     from hetjax.train import Trainer
     from hetjax.parallel.bridge import Bridge

@@ -447,7 +447,7 @@ def one_process(args):
     """Without --testbed: the runs one after another in this process, the table printed."""
     codecs = args.codec or ["none", "int8"]
 
-    from hetjax.planner.cost import ring_time
+    from hetjax.planner.network import ring_time
     from hetjax.planner.diloco_pricing import site_clusters, slowest_site_link
 
     topology = three_sites(args.mbps, args.ms, args.devices_per_site)

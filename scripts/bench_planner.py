@@ -27,8 +27,8 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.planner import assign, partition, plan, simulate
-from hetjax.planner.calibrate import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
-                                      holmes_table1, predicted_samples_per_s)
+from hetjax.planner.reference_runs import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
+                                           holmes_table1, predicted_samples_per_s)
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions
 from hetjax.core.topology import DTFM_SCENARIOS, preset
 
@@ -63,7 +63,7 @@ def calibrate(_args) -> None:
                 [[m.name, f"{m.topology.clusters[0].nic.bandwidth_gbps:g}",
                   f"{fit_nic_bandwidth(m, options):.1f}"] for m in (roce, eth)]))
     fit = fit_fabrics(nominal)
-    print(f"\nOne efficiency per fabric (calibrate.fit_fabrics): compute efficiency "
+    print(f"\nOne efficiency per fabric (reference_runs.fit_fabrics): compute efficiency "
           f"{fit.compute_efficiency:.3f} (the smallest at which no fabric beats its nominal "
           f"rate: {fit.anchor} at 1.0); the catalogue (hetjax.core.topology.LINKS) rounds these, "
           f"and the last column predicts each row with the catalogue and the default compute "
@@ -84,7 +84,7 @@ def allreduce(_args) -> None:
     """1 GB and 1 MB all-reduces over 1,024 data-parallel A100s (128 nodes x 8, InfiniBand):
     the flat ring against NCCL's algorithm choice (hetjax/planner/collectives.py)."""
     from hetjax.planner.cost import CostModel
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     t = preset("holmes_infiniband", nodes=128)
     group = np.arange(1024)[None, :]

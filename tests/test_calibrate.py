@@ -144,7 +144,7 @@ def test_staged_block_prices_pipelined_layers_and_only_those():
 
 
 def cm_layout(plan_):
-    from hetjax.planner.cost import Layout
+    from hetjax.planner.layout import Layout
 
     return Layout.of(plan_)
 
@@ -308,7 +308,7 @@ def test_per_kind_rows_fit_the_kernel_rates_by_hand():
 def test_plausibility_guard_states_the_fit_and_warns_only_far_outside_it(capsys):
     from hetjax.cli import main
     from hetjax.planner import reference_runs as rr
-    from hetjax.planner.calibrate import plausibility_lines
+    from hetjax.planner.fit_range import plausibility_lines
 
     fit = rr.megatron_range()
     inside = rr.row("145.6B")  # held back, inside the fitted sizes, devices and fabric

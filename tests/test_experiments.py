@@ -17,9 +17,9 @@ from hetjax import testbed as tbm
 from hetjax.errors import HetjaxError, PlanError, TopologyError
 from hetjax.linkcheck import LinkMeasurement
 from hetjax.core.plan import Plan
-from hetjax.planner.calibrate import kendall_tau, prediction_errors, spearman
+from hetjax.planner.scoring import kendall_tau, prediction_errors, spearman
 from scripts.experiments import harness, hetaccel, hetnet
-from hetjax.core.topology import Link, Topology, preset
+from hetjax.core.topology import Link, Topology, preset, topology_from_json, topology_to_json
 
 
 # --- topologies -----------------------------------------------------------------------------------
@@ -29,7 +29,8 @@ def test_testbed_presets_are_two_clusters_of_two_single_device_hosts():
                  "testbed_hetaccel"):
         t = preset(name)
         assert [(c.nodes, c.devices_per_node) for c in t.clusters] == [(2, 1), (2, 1)]
-        assert Topology.from_json(t.to_json()) == t
+        assert topology_from_json(t.to_json()) == t
+        assert topology_from_json(topology_to_json(t)) == t
         kinds[name] = ([c.nic.kind for c in t.clusters], t.inter_cluster.kind)
     assert kinds == {
         "testbed_all_fast": (["infiniband", "infiniband"], "infiniband"),

@@ -175,7 +175,7 @@ def test_folded_embedding_gradient_never_crosses_the_pipeline_axis(folded_run):
 # --- the cost model and the planner ------------------------------------------------------------
 def _holmes_plans(schedule="gpipe"):
     from hetjax.planner import CostModel, CostOptions
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
     from hetjax.core.topology import preset
 
     cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions())
@@ -185,7 +185,7 @@ def _holmes_plans(schedule="gpipe"):
 
 
 def test_cost_model_puts_embedding_and_head_on_device_0_when_folded():
-    from hetjax.planner.cost import Layout
+    from hetjax.planner.layout import Layout
 
     cm, looped, folded = _holmes_plans()
     pl_, pf = cm.predict(looped), cm.predict(folded)
@@ -201,7 +201,7 @@ def test_cost_model_puts_embedding_and_head_on_device_0_when_folded():
 
 def test_planner_considers_the_placement_and_says_what_bound_it():
     from hetjax.planner import CostOptions, plan
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
     from hetjax.core.topology import preset
 
     best = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,

@@ -19,7 +19,7 @@ its own layer and the layers below it, and no import circle exists anywhere:
                 kernels, bridge, NIC environment), profile,
                 measure, interop.hf_checkpoint
     training    hetjax/train.py, hooks, sampling, stopping
-    entry       cli, launch, testbed                              nothing imports them from below
+    entry       cli, launch (worker, supervise), testbed          nothing imports them from below
 
 Every import counts, also those inside functions (a lazy import hides a circle, it does not
 remove it); only `if TYPE_CHECKING:` blocks are skipped. Importing a module of a package from
@@ -53,7 +53,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
                   "hetjax.interop.hf_checkpoint"),
     "training": ("hetjax.train", "hetjax.hooks", "hetjax.sampling",
                  "hetjax.stopping"),
-    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
+    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.worker", "hetjax.supervise",
+              "hetjax.testbed"),
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}
 

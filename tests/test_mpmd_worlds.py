@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from hetjax.launch import free_port
+from hetjax.distributed import free_port
 from hetjax.planner.worlds import plan_worlds
 from hetjax.train import Trainer
 from hetjax.parallel.bridge import Bridge

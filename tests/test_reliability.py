@@ -86,16 +86,16 @@ BAD_INPUTS = [
     ("topology file with invalid JSON", "topology --config.topology.file={tmp}/topo_bad.json",
      "config.topology.file: '{tmp}/topo_bad.json' is not valid JSON (line 1, column 2: "
      "Expecting property name enclosed in double quotes)\n  fix: fix the JSON; "
-     "Topology.to_json() shows the format"),
+     "docs/topology.md shows the format"),
     ("topology file with a string where a number belongs",
      "topology --config.topology.file={tmp}/topo_string_number.json",
-     "config.topology.file: '{tmp}/topo_string_number.json': ethernet link bandwidth_gbps must "
-     "be a number, got 'ten'; write it without quotes\n  fix: correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_string_number.json': clusters[0].nic.bandwidth_gbps: "
+     "must be a number, got 'ten'\n  fix: write a number without quotes: the link's nominal "
+     "rate per direction in Gbit/s, e.g. 25"),
     ("accelerator with peak_tflops 0",
      "plan --config.topology.file={tmp}/topo_zero_tflops.json",
-     "config.topology.file: '{tmp}/topo_zero_tflops.json': accelerator 'cpu' peak_tflops must "
-     "be > 0, got 0; give the device's peak dense bf16 TFLOP/s and memory in GiB\n  fix: "
-     "correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_zero_tflops.json': clusters[0].accelerator.peak_tflops: "
+     "must be > 0, got 0\n  fix: give the device's peak dense bf16 TFLOP/s, e.g. 312"),
     ("topology.file and topology.preset both set",
      "topology --config.topology.file={tmp}/topo_bad.json "
      "--config.topology.preset=holmes_hybrid",
@@ -154,12 +154,12 @@ BAD_INPUTS = [
      "default, e.g. --config.diloco.outer_lr=0.7"),
     ("a NaN latency in a topology file",
      "topology --config.topology.file={tmp}/topo_nan_latency.json",
-     "config.topology.file: '{tmp}/topo_nan_latency.json': ethernet link latency_us must be a "
-     "finite number, got nan\n  fix: correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_nan_latency.json': clusters[0].nic.latency_us: must "
+     "be a finite number, got nan\n  fix: give one message's latency in µs, e.g. 5"),
     ("a fractional node count in a topology file",
      "topology --config.topology.file={tmp}/topo_fractional_nodes.json",
-     "config.topology.file: '{tmp}/topo_fractional_nodes.json': cluster 'a' nodes must be a "
-     "whole number, got 2.5\n  fix: correct that entry of the file"),
+     "config.topology.file: '{tmp}/topo_fractional_nodes.json': clusters[0].nodes: must be a "
+     "whole number, got 2.5\n  fix: give the number of nodes, e.g. 2"),
     ("a calibration file of valid JSON but the wrong shape",
      "plan --config.planner.calibration={tmp}/calibration_list.json",
      "planner.calibration: '{tmp}/calibration_list.json': not a hetjax calibration file "
@@ -968,7 +968,7 @@ def test_sigkill_then_rerun_takes_over_the_stale_lock_and_loses_nothing(tmp_path
 def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
     import io
 
-    from hetjax import launch
+    from hetjax import supervise
 
     marker = tmp_path / "attempts"
     # p1 dies by SIGKILL on the first two attempts (like a lost worker), then succeeds.
@@ -978,20 +978,20 @@ def test_launch_restarts_a_failed_job_up_to_max_restarts(tmp_path):
     children = lambda _: [("p0", (sys.executable, "-c", "pass"), None),  # noqa: E731
                         ("p1", (sys.executable, "-c", code), None)]
     out = io.StringIO()
-    assert launch.run_with_restarts(children, grace=1, max_restarts=2, out=out) == 0
+    assert supervise.run_with_restarts(children, grace=1, max_restarts=2, out=out) == 0
     assert marker.read_text() == "xxx"
     restarts = [line for line in out.getvalue().splitlines() if "restarting" in line]
     assert restarts == [
         f"hetjax launch: restarting the job ({k} of --max-restarts 2) after exit code 137; it "
         "resumes from its latest checkpoint" for k in (1, 2)]
     marker.unlink()
-    assert launch.run_with_restarts(children, grace=1, max_restarts=1, out=io.StringIO()) == 137
+    assert supervise.run_with_restarts(children, grace=1, max_restarts=1, out=io.StringIO()) == 137
     # A user error (exit 2) or a preemption (75) is not retried.
     for rc in (2, 75):
         out = io.StringIO()
         once = lambda _, rc=rc: [  # noqa: E731
             ("p0", (sys.executable, "-c", f"raise SystemExit({rc})"), None)]
-        assert launch.run_with_restarts(once, grace=1, max_restarts=3, out=out) == rc
+        assert supervise.run_with_restarts(once, grace=1, max_restarts=3, out=out) == rc
         assert "restarting" not in out.getvalue()
 
 
@@ -1023,7 +1023,7 @@ def test_an_elastic_restart_drops_the_failed_host_and_re_plans(tmp_path, capsys)
 # --- a hung worker is named, not the healthy peer that noticed -------------------------------
 def _beating_children(tmp_path):
     """Two children that beat like workers (`start_heartbeat`) and wait; each writes its pid."""
-    code = ("import os, sys, time; from hetjax.launch import start_heartbeat; start_heartbeat(); "
+    code = ("import os, sys, time; from hetjax.worker import start_heartbeat; start_heartbeat(); "
             f"open(os.path.join({str(tmp_path)!r}, sys.argv[1] + '.pid'), 'w')"
             ".write(str(os.getpid())); time.sleep(120)")
     env = {**os.environ, "PYTHONPATH": REPO, "HETJAX_HEARTBEAT": "1"}
@@ -1034,10 +1034,10 @@ def _launch_in_thread(tmp_path, **kw):
     import io
     import threading
 
-    from hetjax import launch
+    from hetjax import supervise
 
     out, failed, result = io.StringIO(), [], []
-    thread = threading.Thread(target=lambda: result.append(launch.run(
+    thread = threading.Thread(target=lambda: result.append(supervise.run(
         _beating_children(tmp_path), grace=1, out=out, failed=failed, **kw)))
     thread.start()
     deadline = time.monotonic() + 120
@@ -1088,7 +1088,7 @@ def test_heartbeats_of_srun_tasks_are_read_from_their_labels():
     and joins again a line a heartbeat cut before its newline."""
     import io
 
-    from hetjax import launch
+    from hetjax import supervise
 
     code = ("import sys, time\n"
             "w = sys.stderr.write\n"
@@ -1097,7 +1097,7 @@ def test_heartbeats_of_srun_tasks_are_read_from_their_labels():
             "    w('0: <hetjax heartbeat>\\n' + ('1: <hetjax heartbeat>\\n' if i < 2 else ''))\n"
             "    sys.stderr.flush(); time.sleep(0.5)\n")
     out, failed = io.StringIO(), []
-    rc = launch.run([("srun", (sys.executable, "-c", code), None)], grace=1, out=out,
+    rc = supervise.run([("srun", (sys.executable, "-c", code), None)], grace=1, out=out,
                     failed=failed, hang_timeout=3, labelled=True)
     log = out.getvalue()
     assert rc == 1 and failed == ["p1"], log
@@ -1185,7 +1185,7 @@ def test_a_process_that_never_answers_ends_the_wait_with_no_agreement(monkeypatc
                                            (signal.SIGTERM, "preempted", 75)],
                          ids=["SIGINT", "SIGTERM"])
 def test_the_launcher_passes_ctrl_c_and_sigterm_on_as_a_stop_line(tmp_path, sig, word, rc):
-    """`launch.run` in its own process, two children that answer the stop line as workers do
+    """`supervise.run` in its own process, two children that answer the stop line as workers do
     (save, exit 130 for Ctrl-C, 75 for SIGTERM): the launcher tells both, waits for them and
     exits with their code; nothing is counted as a failure."""
     import threading
@@ -1193,7 +1193,7 @@ def test_the_launcher_passes_ctrl_c_and_sigterm_on_as_a_stop_line(tmp_path, sig,
     child = ("import sys; print('ready', flush=True); line = sys.stdin.readline(); "
              "print('got', line.strip(), flush=True); "
              "raise SystemExit(75 if 'SIGTERM' in line else 130)")
-    code = ("import sys; from hetjax import launch; sys.exit(launch.run([(n, (sys.executable, "
+    code = ("import sys; from hetjax import supervise; sys.exit(supervise.run([(n, (sys.executable, "
             f"'-c', {child!r}), None) for n in ('p0', 'p1')], grace=5))")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                                 env={**os.environ, "PYTHONPATH": REPO}, text=True)

@@ -8,6 +8,12 @@ sliding-window attention on every layer or on some (`sliding_window`, `full_atte
 QK-norm (`qk_norm`: per head as Qwen3, or over all heads as OLMoE) and a tied or untied output
 head.
 
+Mixture-of-Experts models (`n_experts` > 0; the layer is `layers/moe.py`) replace every block's
+feed-forward with `n_experts` SwiGLU experts of width `moe_d_ff` of which a router picks
+`experts_per_token` per token, optionally beside a shared expert (Qwen2-MoE). Their parameter
+counts distinguish all parameters (`num_params`, what memory holds) from the active ones per
+token (`active_params`, what the FLOPs follow).
+
 `ModelConfig.flops_per_token` is the one FLOPs formula hetjax uses: for MFU in the trainer and
 for compute time in the cost model.
 """
@@ -25,6 +31,10 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 # RMSNorm of the queries and keys before RoPE: 'head' normalises each head's vector (scale
 # [head_dim], Qwen3), 'all_heads' the projection's whole output (scale [heads * head_dim], OLMoE).
 QK_NORMS = ("none", "head", "all_heads")
+# How an MoE layer sends tokens to experts (layers/moe.py): dense (every expert on every token,
+# the reference), dropless (sorted, grouped matmuls), capacity (fixed slots per expert, overflow
+# dropped and counted); auto: dropless.
+MOE_DISPATCH = ("auto", "dense", "dropless", "capacity")
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,21 @@ class ModelConfig:
     sliding_window: int = 0
     full_attention_layers: tuple = ()
     qk_norm: str = "none"  # QK_NORMS
+    # Mixture-of-Experts (layers/moe.py); n_experts = 0: a dense model (none of the rest is read).
+    n_experts: int = 0
+    experts_per_token: int = 2  # k: experts each token is routed to
+    moe_d_ff: int = 0  # hidden width of one expert; 0: d_ff
+    shared_expert_d_ff: int = 0  # a shared expert every token passes (Qwen2-MoE); 0: none
+    moe_shared_expert_gate: bool = True  # the shared expert's output scaled by sigmoid(x @ g)
+    # Which layers are MoE, as HF's Qwen2-MoE / DeepSeek configs say: layer i (from 0) when
+    # i >= first_dense_layers and (i + 1) % decoder_sparse_step == 0.
+    decoder_sparse_step: int = 1
+    first_dense_layers: int = 0
+    moe_norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
+    moe_aux_loss_coef: float = 0.01  # load-balance loss coefficient (1.0 * coef if uniform)
+    moe_z_loss_coef: float = 0.0  # router z-loss coefficient
+    moe_dispatch: str = "auto"  # one of MOE_DISPATCH
+    moe_capacity_factor: float = 1.25  # capacity dispatch: slots = factor * tokens * k / E
 
     def __post_init__(self):
         if not self.head_dim:
@@ -101,7 +126,46 @@ class ModelConfig:
             rope_high_freq_factor=m.rope_high_freq_factor,
             rope_original_max_len=m.rope_original_max_len, qkv_bias=m.qkv_bias,
             sliding_window=m.sliding_window,
-            full_attention_layers=tuple(m.full_attention_layers), qk_norm=m.qk_norm)
+            full_attention_layers=tuple(m.full_attention_layers), qk_norm=m.qk_norm,
+            **{f: m[f] for f in MOE_FIELDS})
+
+    # --- Mixture-of-Experts ----------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i (from 0) is an MoE layer."""
+        return (self.is_moe and i >= self.first_dense_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def mixed_layers(self) -> bool:
+        """An MoE model some of whose layers are dense."""
+        return self.is_moe and self.n_moe_layers != self.n_layers
+
+    def _ffn_params(self, active: bool) -> int:
+        d = self.d_model
+        if not self.is_moe:
+            return 3 * d * self.d_ff
+        experts = self.experts_per_token if active else self.n_experts
+        shared = 3 * d * self.shared_expert_d_ff
+        if self.shared_expert_d_ff and self.moe_shared_expert_gate:
+            shared += d
+        return d * self.n_experts + experts * 3 * d * self.expert_d_ff + shared
+
+    @property
+    def expert_params(self) -> int:
+        """Routed experts' parameters of one MoE layer (what expert parallelism splits)."""
+        return self.n_experts * 3 * self.d_model * self.expert_d_ff if self.is_moe else 0
 
     @property
     def layer_params(self) -> int:
@@ -112,8 +176,12 @@ class ModelConfig:
             attn += (self.n_heads + 2 * self.n_kv_heads) * h
         attn += {"none": 0, "head": 2 * h, "all_heads": (self.n_heads + self.n_kv_heads) * h}[
             self.qk_norm]
-        mlp = 3 * d * self.d_ff
-        return attn + mlp + 2 * d
+        return attn + self._ffn_params(active=False) + 2 * d
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters one token passes through in one block (the k routed experts only)."""
+        return self.layer_params - self._ffn_params(False) + self._ffn_params(True)
 
     @property
     def embed_params(self) -> int:
@@ -128,11 +196,16 @@ class ModelConfig:
     def num_params(self) -> int:
         return self.embed_params + self.n_layers * self.layer_params + self.head_params
 
+    @property
+    def active_params(self) -> int:
+        """Parameters per token: num_params with only k experts of each MoE layer."""
+        return self.embed_params + self.n_layers * self.active_layer_params + self.head_params
+
     def layer_flops(self, seq_len: int) -> float:
         """Forward FLOPs of one block per token: matmuls (2 per MAC) plus causal attention."""
         d, h = self.d_model, self.head_dim
         proj = 2 * (d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2)
-        mlp = 2 * 3 * d * self.d_ff
+        mlp = 2 * self._ffn_params(active=True)
         # QK^T and AV over the full (uncausal-masked) square, as MFU conventions count it.
         attn = 2 * 2 * seq_len * self.n_heads * h
         return proj + mlp + attn
@@ -144,3 +217,10 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward), without recompute."""
         return 3 * (self.n_layers * self.layer_flops(seq_len) + self.head_flops())
+
+
+# The ModelConfig fields of an MoE model, as the config's `model.*` fields of the same names.
+MOE_FIELDS = ("n_experts", "experts_per_token", "moe_d_ff", "shared_expert_d_ff",
+              "moe_shared_expert_gate", "decoder_sparse_step", "first_dense_layers",
+              "moe_norm_topk_prob", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_dispatch",
+              "moe_capacity_factor")

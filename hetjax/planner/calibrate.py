@@ -1,239 +1,32 @@
-"""Calibrating the cost model: on measured throughputs (Holmes' Table 1), on the testbed, and
-from `hetjax calibrate`'s measurements of a job's devices (the calibration file).
+"""The calibration file: what `hetjax calibrate` (hetjax/measure.py) measured on a job's devices.
 
-The cost model's one free compute parameter is the efficiency factor (fraction of peak a
-layer reaches). `fit_efficiency` finds the value at which the model's predicted throughput of
-a measured run equals the measurement (the prediction falls monotonically as efficiency
-drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
-A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
-(`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
-with the compute efficiency (the catalogue's defaults in hetjax.core.topology.LINKS).
-
-`Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
-block, head and optimizer update per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
-a `LinkFit` per link class and operation (`options()`), compares measured with modelled
-times (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names.
-The testbed's benches (scripts/bench_het*.py) calibrate with it like a user would, and
-`prediction_errors` (with `spearman`, `kendall_tau`) scores predicted against measured steps.
+`Calibration` holds the measurements -- the model's block, head and optimizer update per
+accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and a `LinkFit`
+per link class and operation (`options()`), compares measured with modelled times
+(`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names. The
+testbed's benches (scripts/bench_het*.py) calibrate with it like a user would. The fits on
+published runs are hetjax/planner/reference_runs.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.core.plan import Plan
 from hetjax.planner import compute as ck
-from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
-                                 LinkFit)
-from hetjax.planner.zero_factors import named
-from hetjax.core.topology import Topology, preset
+from hetjax.planner.cost import DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions
+from hetjax.planner.fit_range import FitRange, link_kinds
+from hetjax.planner.network import LinkFit
+from hetjax.core.topology import Topology, topology_from_dict
 
 if TYPE_CHECKING:
     from hetjax.core.model_config import ModelConfig
 
 
-@dataclass(frozen=True)
-class Measurement:
-    """A measured run: the layout, where it ran, the system that ran it (a cost-model
-    executor) and its throughput in sequences per second."""
-
-    name: str
-    topology: Topology
-    model: "ModelConfig"
-    plan: Plan
-    samples_per_s: float
-    executor: str = "hetjax"
-
-
-def predicted_samples_per_s(m: Measurement, options: CostOptions) -> float:
-    options = dataclasses.replace(options, executor=m.executor)
-    pred = CostModel(m.topology, m.model, options).predict(m.plan)
-    return m.plan.global_batch / pred.step_time
-
-
-def _solve(rate, target: float, lo: float, hi: float, what: str, tolerance: float) -> float:
-    """Bisection for x in [lo, hi] with rate(x) = target, rate increasing in x."""
-    if not rate(lo) <= target <= rate(hi):
-        raise PlanError(f"no {what} in [{lo:g}, {hi:g}] makes the cost model predict "
-                        f"{target:.4g} samples/s (it predicts {rate(lo):.4g} .. {rate(hi):.4g})")
-    while hi - lo > tolerance * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
-def fit_efficiency(m: Measurement, options: CostOptions | None = None,
-                   tolerance: float = 1e-6) -> float:
-    """The efficiency at which the cost model predicts the measured throughput."""
-    options = options or CostOptions()
-    return _solve(lambda eff: predicted_samples_per_s(
-        m, dataclasses.replace(options, efficiency=eff)), m.samples_per_s, 1e-3, 1.0,
-        "efficiency", tolerance)
-
-
-def with_nic_bandwidth(topology: Topology, gbps: float) -> Topology:
-    """The topology with every cluster's inter-node NIC achieving `gbps`."""
-    return dataclasses.replace(topology, clusters=tuple(
-        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps,
-                                                       efficiency=1.0))
-        for c in topology.clusters))
-
-
-def with_nic_efficiency(topology: Topology, efficiency: float) -> Topology:
-    """The topology with every cluster's inter-node NIC at `efficiency` of its nominal rate."""
-    return dataclasses.replace(topology, clusters=tuple(
-        dataclasses.replace(c, nic=dataclasses.replace(c.nic, efficiency=efficiency))
-        for c in topology.clusters))
-
-
-def nominal_links(topology: Topology) -> Topology:
-    """The topology with every link at its nominal bandwidth (efficiency 1)."""
-    def nominal(lk):
-        return None if lk is None else dataclasses.replace(lk, efficiency=1.0)
-
-    return dataclasses.replace(
-        topology,
-        clusters=tuple(dataclasses.replace(c, nic=nominal(c.nic), intra_node=nominal(
-            c.intra_node)) for c in topology.clusters),
-        inter_cluster=nominal(topology.inter_cluster),
-        cluster_links=tuple(dataclasses.replace(cl, link=nominal(cl.link))
-                            for cl in topology.cluster_links))
-
-
-def fit_nic_efficiency(m: Measurement, options: CostOptions | None = None,
-                       tolerance: float = 1e-6) -> float:
-    """The NIC efficiency (achieved / nominal bandwidth) at which the cost model predicts
-    the measured throughput, given the compute efficiency of `options`."""
-    options = options or CostOptions()
-    return _solve(lambda eff: predicted_samples_per_s(
-        dataclasses.replace(m, topology=with_nic_efficiency(m.topology, eff)), options),
-        m.samples_per_s, 1e-3, 1.0, "NIC efficiency", tolerance)
-
-
-@dataclass(frozen=True)
-class FabricFit:
-    """Holmes Table 1 fitted: one compute efficiency and one NIC efficiency per fabric."""
-
-    compute_efficiency: float
-    fabric_efficiency: dict[str, float]
-    anchor: str  # the fabric taken at its nominal rate
-
-
-def fit_fabrics(rows: Sequence[Measurement] | None = None) -> FabricFit:
-    """Fit Table 1's three rows with four unknowns (compute efficiency and three fabric
-    efficiencies): the rows fix the fabric efficiencies only relative to the compute
-    efficiency, so take the smallest compute efficiency at which no fabric beats its nominal
-    rate -- the one that puts the best fabric (here Ethernet, whose row implies a rate just
-    above its nominal 25 Gb/s at the InfiniBand-fitted compute efficiency) at efficiency 1 --
-    then fit each fabric's NIC efficiency at that compute efficiency."""
-    rows = list(rows or holmes_table1(nominal=True))
-    fits = {m.name: fit_efficiency(m) for m in rows}
-    anchor = max(fits, key=fits.get)  # its nominal rate asks the most of compute
-    options = CostOptions(efficiency=fits[anchor])
-    effs = {m.name: 1.0 if m.name == anchor else fit_nic_efficiency(m, options) for m in rows}
-    return FabricFit(fits[anchor], effs, anchor)
-
-
-def fit_nic_bandwidth(m: Measurement, options: CostOptions | None = None,
-                      tolerance: float = 1e-6) -> float:
-    """The NIC bandwidth (Gb/s) at which the cost model predicts the measured throughput:
-    the link's effective speed for this workload, given the compute efficiency."""
-    options = options or CostOptions()
-    return _solve(lambda gbps: predicted_samples_per_s(
-        dataclasses.replace(m, topology=with_nic_bandwidth(m.topology, gbps)), options),
-        m.samples_per_s, 0.01, 1e4, "NIC bandwidth", tolerance)
-
-
-def holmes_model() -> "ModelConfig":
-    """Holmes' GPT 3.6B (hidden 3072, 30 layers, 32 heads, GPT-2 vocabulary) with a SwiGLU MLP
-    of the same size (d_ff = 8/3 h) and full activation recompute, in bf16."""
-    from hetjax.core.model_config import ModelConfig
-
-    return ModelConfig(vocab_size=50257, d_model=3072, n_layers=30, n_heads=32, n_kv_heads=32,
-                       d_ff=8192, max_seq_len=2048, remat="full", dtype="bfloat16",
-                       param_dtype="bfloat16")
-
-
-# Holmes Table 1: samples per second of GPT 3.6B on 4 nodes x 8 A100 (PP 2, TP 1, DP 16,
-# global batch 768, sequence 2048).
-HOLMES_TABLE1 = {"infiniband": 99.23, "roce": 80.54, "ethernet": 61.32}
-
-
-def holmes_table1(microbatch_per_replica: int = 1, nominal: bool = False) -> list[Measurement]:
-    """The three rows as Measurements. Holmes runs Megatron-LM (1F1B, a ZeRO-1 style
-    distributed optimizer); the micro-batch size is not reported (1 sequence per replica is
-    assumed, so M = 768 / 16 = 48). The links are the catalogue's (with its fabric
-    efficiencies), or at their nominal rates with `nominal`."""
-    model = holmes_model()
-    dp = 16
-    plan = Plan(pp=2, dp=dp, tp=1, stage_layers=(15, 15),
-                microbatches=768 // (dp * microbatch_per_replica), global_batch=768,
-                seq_len=2048, schedule="1f1b", zero=named("zero1", dp, 8))
-    def topology(nic):
-        t = preset(f"holmes_{nic}")
-        return nominal_links(t) if nominal else t
-
-    return [Measurement(nic, topology(nic), model, plan, rate, executor="megatron")
-            for nic, rate in HOLMES_TABLE1.items()]
-
-
-# --- scoring predictions ------------------------------------------------------------------------
-def _ranks(x: Sequence[float]) -> np.ndarray:
-    """Ranks from 1, ties sharing their mean rank."""
-    x = np.asarray(x, float)
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(1, len(x) + 1)
-    for v in np.unique(x):
-        ranks[x == v] = ranks[x == v].mean()
-    return ranks
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged)."""
-    ra, rb = _ranks(a), _ranks(b)
-    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall's tau-b: (concordant - discordant) pairs over the pairs not tied, with ties
-    in either sequence corrected for."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    i, j = np.triu_indices(len(a), k=1)
-    da, db = np.sign(a[i] - a[j]), np.sign(b[i] - b[j])
-    n_a, n_b = np.count_nonzero(da), np.count_nonzero(db)
-    if n_a == 0 or n_b == 0:
-        return float("nan")
-    return float(np.sum(da * db) / np.sqrt(n_a * n_b))
-
-
-@dataclass(frozen=True)
-class PredictionErrors:
-    """How well predicted step times match measured ones."""
-
-    n: int
-    mae_s: float  # mean absolute error, seconds
-    mean_relative: float  # mean |predicted - measured| / measured
-    spearman: float
-    kendall: float
-
-
-def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> PredictionErrors:
-    p, m = np.asarray(predicted, float), np.asarray(measured, float)
-    if len(p) != len(m) or not len(p):
-        raise PlanError(f"need as many predictions as measurements, got {len(p)} and {len(m)}")
-    return PredictionErrors(len(p), float(np.mean(np.abs(p - m))),
-                            float(np.mean(np.abs(p - m) / m)), spearman(p, m), kendall_tau(p, m))
-
-
-# --- a calibration file: what `hetjax calibrate` measured on a job's devices --------------------
 OPS_MEASURED = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
 KIND_PARTS = ("matmul", "memory")  # and "attention:<impl>"
 STAGED = "staged:"  # prefix of the compute parts measured as the pipelines run a block
@@ -553,7 +346,7 @@ class Calibration:
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
             return Calibration(
-                Topology.from_dict(d["topology"]), ModelConfig(**d["model"]),
+                topology_from_dict(d["topology"]), ModelConfig(**d["model"]),
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
@@ -563,94 +356,11 @@ class Calibration:
                             "one with 'hetjax calibrate'") from None
 
 
-# --- the plausibility guard: how far a prediction lies from what its rates were fitted on --------
-# A prediction this many times beyond the fitted model sizes or device counts is flagged.
-EXTRAPOLATION_FACTOR = 10.0
-
-
-@dataclass(frozen=True)
-class FitRange:
-    """What a set of compute / link rates was fitted on: model sizes (parameters), device
-    counts, fabrics (link kinds), accelerator kinds, and the MFU the fitted runs reached
-    (None when measured by `hetjax calibrate`, which runs no whole step)."""
-
-    source: str
-    params: tuple[float, float]
-    devices: tuple[int, int]
-    fabrics: tuple[str, ...]
-    accelerators: tuple[str, ...]
-    mfu: tuple[float, float] | None = None
-
-
-def link_kinds(topology: Topology) -> tuple[str, ...]:
-    kinds = {k for c in topology.clusters for k in (c.nic.kind, c.intra_node.kind)
-             if not (k == c.nic.kind and c.nodes == 1)}
-    if len(topology.clusters) > 1:
-        kinds |= {cl.link.kind for cl in topology.cluster_links}
-        if topology.inter_cluster is not None:
-            kinds.add(topology.inter_cluster.kind)
-    return tuple(sorted(kinds))
-
-
-def holmes_range() -> FitRange:
-    """The flat model's default efficiency and the catalogue's fabric efficiencies were fitted
-    on Holmes Table 1 (GPT 3.6B on 32 A100; InfiniBand, RoCE, Ethernet)."""
-    # hetjax's MFU (no recompute FLOPs): samples/s x model FLOPs per sample over 32 peaks
-    model = holmes_model()
-    mfu = [v * model.flops_per_token(2048) * 2048 / (32 * 312e12)
-           for v in HOLMES_TABLE1.values()]
-    return FitRange("Holmes Table 1 (the flat model's efficiency 0.72)",
-                    (holmes_model().num_params,) * 2, (32, 32),
-                    ("ethernet", "infiniband", "nvlink", "roce"), ("a100",),
-                    (min(mfu), max(mfu)))
-
-
 def calibration_range(cal: Calibration, path: str = "") -> FitRange:
     return FitRange(f"hetjax calibrate{' ' + path if path else ''}",
                     (cal.model.num_params,) * 2, (cal.topology.num_devices,) * 2,
                     link_kinds(cal.topology),
                     tuple(sorted({c.accelerator.name for c in cal.topology.clusters})))
-
-
-def _span(lo: float, hi: float, fmt) -> str:
-    return fmt(lo) if lo == hi else f"{fmt(lo)}-{fmt(hi)}"
-
-
-def _params(n: float) -> str:
-    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
-
-
-def plausibility_lines(mfu: float, model: "ModelConfig", topology: Topology,
-                       fit: FitRange) -> list[str]:
-    """The predicted MFU beside the range its rates were fitted on, and one warning naming
-    every way the plan extrapolates far outside it (model size or device count beyond
-    EXTRAPOLATION_FACTOR, a fabric or accelerator never fitted, an MFU far from the fitted)."""
-    fitted = [f"{_span(*fit.params, _params)} parameters",
-              f"{_span(*fit.devices, lambda n: f'{n:,}')} devices",
-              "/".join(fit.fabrics), "/".join(fit.accelerators)]
-    if fit.mfu is not None:
-        fitted.insert(0, f"{_span(fit.mfu[0] * 100, fit.mfu[1] * 100, lambda x: f'{x:.0f}')}% MFU")
-    lines = [f"predicted MFU {mfu:.1%}; the compute and link rates were fitted on "
-             f"{fit.source}: {', '.join(fitted)}"]
-    far, f = [], EXTRAPOLATION_FACTOR
-    n, d = model.num_params, topology.num_devices
-    if not fit.params[0] / f <= n <= fit.params[1] * f:
-        far.append(f"a model of {_params(n)} parameters")
-    if not fit.devices[0] / f <= d <= fit.devices[1] * f:
-        far.append(f"{d:,} devices")
-    fabrics = sorted(set(link_kinds(topology)) - set(fit.fabrics))
-    if fabrics:
-        far.append(f"fabric {'/'.join(fabrics)} never fitted")
-    accs = sorted({c.accelerator.name for c in topology.clusters} - set(fit.accelerators))
-    if accs:
-        far.append(f"accelerator {'/'.join(accs)} never fitted")
-    if fit.mfu is not None and not fit.mfu[0] / 2 <= mfu <= min(1.0, fit.mfu[1] * 1.5):
-        far.append(f"an MFU of {mfu:.1%}")
-    if far:
-        lines.append(f"warning: this prediction extrapolates far outside that fit: "
-                     f"{'; '.join(far)} -- measure these devices with 'hetjax calibrate' "
-                     "and plan with --config.planner.calibration=FILE")
-    return lines
 
 
 def _alpha_beta(rows: np.ndarray) -> LinkFit:
@@ -756,11 +466,5 @@ def plot_calibration(cal: Calibration, path: str) -> str:
     return path
 
 
-__all__ = ["FitRange", "holmes_range", "calibration_range", "plausibility_lines", "link_kinds",
-           "EXTRAPOLATION_FACTOR", "Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
-           "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
-           "nominal_links", "spearman", "kendall_tau",
-           "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",
-           "fit_nic_bandwidth", "with_nic_bandwidth",
-           "predicted_samples_per_s", "holmes_model",
-           "holmes_table1", "HOLMES_TABLE1"]
+__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "calibration_range",
+           "topology_mismatch", "load_calibration", "save_calibration", "plot_calibration"]

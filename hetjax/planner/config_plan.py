@@ -11,15 +11,31 @@ refuse the same layouts with the same messages.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from hetjax.errors import ConfigError
 from hetjax.core.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
 from hetjax.planner import zero_factors as zr
-from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
-                                 runs_schedule)
+from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
 from hetjax.planner.placement import placement_problems, refuse_straddle
 from hetjax.planner.search import PlanResult, plan
 from hetjax.core.topology import Topology
+
+if TYPE_CHECKING:
+    from hetjax.core.model_config import ModelConfig
+
+
+def model_from_config(c, vocab_size: int | None = None,
+                      topology: Topology | None = None) -> "ModelConfig":
+    """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded); model.dtype
+    'auto' resolved on `topology` (Topology.default_compute_dtype; without one, float32)."""
+    from hetjax.tokenizer import ByteTokenizer, padded_vocab
+    from hetjax.core.model_config import ModelConfig
+
+    model = ModelConfig.from_config(c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
+    if c.model.dtype == "auto" and topology is not None:
+        model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
+    return model
 
 
 def resolve_microbatches(c) -> int:
@@ -71,22 +87,21 @@ def options_from_config(c, topology: Topology | None = None) -> CostOptions:
 def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     """The plan's predicted MFU beside the range its rates were fitted on (the calibration
     file's, Megatron-LM's table for compute by kind, else Holmes Table 1), with a warning when
-    it extrapolates far outside it (hetjax/planner/calibrate.py)."""
-    from hetjax.planner import calibrate as cal_
+    it extrapolates far outside it (hetjax/planner/fit_range.py)."""
+    from hetjax.planner.calibrate import calibration_range, load_calibration
+    from hetjax.planner.fit_range import plausibility_lines as lines
+    from hetjax.planner.reference_runs import holmes_range, megatron_range
 
     mfu = plan_.predicted.get("mfu")
     if mfu is None:
         return []
     if c.planner.calibration:
-        fit = cal_.calibration_range(cal_.load_calibration(c.planner.calibration),
-                                     c.planner.calibration)
+        fit = calibration_range(load_calibration(c.planner.calibration), c.planner.calibration)
     elif c.planner.get("compute", "flat") == "kinds":
-        from hetjax.planner.reference_runs import megatron_range
-
         fit = megatron_range()
     else:
-        fit = cal_.holmes_range()
-    return cal_.plausibility_lines(mfu, model_from_config(c), topology, fit)
+        fit = holmes_range()
+    return lines(mfu, model_from_config(c), topology, fit)
 
 
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):

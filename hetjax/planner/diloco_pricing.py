@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hetjax.errors import ConfigError
 from hetjax.core.hardware import Link, Topology
 from hetjax.core.plan import DilocoPlan, Plan
-from hetjax.planner.cost import ring_time
+from hetjax.planner.network import ring_time
 from hetjax.core.hlo import ring_bytes
 from hetjax.core.wire import BITS, DILOCO_CODECS as CODECS
 

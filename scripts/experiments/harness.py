@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 from hetjax import linkcheck
 from hetjax.errors import HetjaxError
 from hetjax.core.plan import Plan
-from hetjax.planner.calibrate import prediction_errors
+from hetjax.planner.scoring import prediction_errors
 from hetjax.testbed import DEFAULT_SCALE, Testbed
 from hetjax.core.topology import Topology
 

@@ -25,7 +25,7 @@ from hetjax.errors import HetjaxError
 from .harness import (Case, Workload, fmt, kept_calibration_path,
                                         predict_case, table)
 from hetjax.core.plan import Plan
-from hetjax.planner.calibrate import prediction_errors
+from hetjax.planner.scoring import prediction_errors
 
 
 def experiment_cases(record: dict) -> dict[str, Case]:

@@ -120,7 +120,8 @@ def launch_worlds(overrides, steps: int, processes: int = 4, die: str = "",
     seconds)."""
     from types import SimpleNamespace
 
-    from hetjax.launch import plan_workers, run
+    from hetjax.launch import plan_workers
+    from hetjax.supervise import run
     from hetjax.parallel import nic
 
     cfg, topology, plan, *_ = build(overrides)
