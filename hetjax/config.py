@@ -895,7 +895,7 @@ def _validate_model(c) -> None:
         # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
         # scaling or max_seq_len, a run may change on purpose).
         hf = hf_config.model_fields(hf_config.read_config_json(m.init_from), "model.init_from")
-        for k in hf_config.SHAPE_FIELDS:
+        for k in (k for k in hf_config.SHAPE_FIELDS if k in hf):
             _require(m[k] == hf[k], f"model.{k}",
                      f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
                      f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "

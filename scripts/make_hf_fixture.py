@@ -5,7 +5,7 @@ Each fixture is a directory as `save_pretrained` writes it (config.json, sharded
 model-*.safetensors + model.safetensors.index.json) plus `reference.npz` holding fixed `tokens`
 and transformers' float32 `logits` for them; for a mixture of experts also every MoE layer's
 `router_logits` [layers, tokens, experts] and `aux_loss` (transformers'
-`load_balancing_loss_func` over them); with a `generate` entry a `prompt` and the tokens
+`load_balancing_loss_func` over them; `aux_loss_per_layer`: over each layer's alone); with a `generate` entry a `prompt` and the tokens
 transformers' greedy `generate` continues it with (`generated`), and `min_margin`, the smallest
 gap between the best and the second-best logit along the way (a prompt is drawn again until it
 is at least MARGIN, so float32 rounding cannot flip a choice). Mixtures of experts are held to
@@ -177,8 +177,12 @@ def build(name: str, out: str) -> None:
     if experts:
         module = importlib.import_module(type(model).__module__)
         ref["router_logits"] = torch.stack(res.router_logits).float().numpy()
-        ref["aux_loss"] = np.float32(module.load_balancing_loss_func(
-            res.router_logits, experts, config.num_experts_per_tok).item())
+        balance = module.load_balancing_loss_func
+        ref["aux_loss"] = np.float32(balance(res.router_logits, experts,
+                                             config.num_experts_per_tok).item())
+        # ... and of each layer alone (over several layers it pools their counts first)
+        ref["aux_loss_per_layer"] = np.array([balance((r,), experts, config.num_experts_per_tok)
+                                              .item() for r in res.router_logits], np.float32)
         ref["min_router_margin"] = np.float32(_router_margin(model, tokens))
     if "generate" in opts:
         ref.update(_greedy(model, kwargs["vocab_size"], *opts["generate"]))

@@ -165,18 +165,21 @@ def test_hf_config_round_trips_through_model_fields():
             "model_type"]
         assert hf_config.model_fields(hf, "x") == fields
     m = ModelConfig(**{**fields, "qk_norm": "all_heads"})
-    with pytest.raises(HetjaxError, match="model.qk_norm = 'all_heads': no transformers model"):
+    with pytest.raises(HetjaxError, match="model.qk_norm: 'all_heads' in a dense model, which no transformers model"):
         hf_config.hf_config(m)
 
 
 # --- loading the fixtures -----------------------------------------------------------------------
+MOE = ["mixtral_moe", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "llama3_rope", "qwen2_bias", "mistral_window",
                                   "qwen3_window"])
 def test_an_hf_checkpoint_gives_transformers_logits(name):
     """GQA + untied head; llama3 RoPE scaling + explicit head_dim + MQA + tied head; Qwen2 q/k/v
     biases + linear RoPE scaling; Mistral's 160-token window at 256 positions; Qwen3's per-head
     QK-norm with a window on one of two layers: each read shard by shard, against
-    transformers' logits."""
+    transformers' logits. (The mixtures of experts: the router test below.)"""
     m, params = load_single(fixture(name), sharded=True)
     tokens, ref = reference(name)
     np.testing.assert_allclose(logits(m, params, tokens), ref, atol=1e-4, rtol=0)
@@ -224,12 +227,14 @@ def saved(name, key):
         return z[key]
 
 
-@pytest.mark.parametrize("name", [pytest.param("mistral_window", marks=pytest.mark.slow),
-                                  "qwen3_window"])
+@pytest.mark.parametrize("name", ["qwen2_moe"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in ("mistral_window", "qwen3_window",
+                                                      "mixtral_moe", "qwen3_moe", "olmoe")])
 def test_greedy_decoding_equals_transformers_generate(name):
     """hetjax's KV-cache decoding continues the prompt with transformers' greedy tokens, past
     the window: Mistral from 150 to 256 positions (window 160), Qwen3 from 6 to 20 (window 8 on
-    layer 1). Every step's best logit led the second by >= 1e-3 in transformers."""
+    layer 1); the mixtures of experts from 6 to 20. Every step's best logit led the second by
+    >= 1e-3 in transformers, and every router's k-th choice the next by >= 1e-4."""
     from hetjax.layers.generate import generate
 
     m, params = load_single(fixture(name))
@@ -275,10 +280,82 @@ def test_a_pipeline_trains_at_256_positions_through_the_window(tmp_path, executo
     assert abs(float(got) - want) < 1e-4
 
 
+def _routed(name):
+    """hetjax's forward of the fixture's tokens (loaded shard by shard) with its MoE records:
+    logits, router logits [layers, tokens, E], and the per-layer stats (balance, load)."""
+    m, params = load_single(fixture(name), sharded=True)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params),
+                 jax.device_get(load_single(fixture(name))[1]))
+    tokens, _ = reference(name)
+    out, rec = Transformer(m).apply({"params": jax.device_get(params)}, tokens,
+                                    mutable=["router_logits", "moe"])
+    stats = rec["moe"]["layers"]["block"]["moe"]
+    router = np.asarray(jax.tree.leaves(rec["router_logits"])[0])
+    return m, np.asarray(out), router.reshape(m.n_layers, -1, m.n_experts), {
+        k: np.asarray(v)[0] for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_router_logits_and_balance_loss_match_transformers(name):
+    """Mixtral; Qwen2-MoE's shared expert and biases; Qwen3-MoE's per-head and OLMoE's
+    all-heads QK-norm: read shard by shard (the stacked experts split too, each expert's
+    tensors read apart), the logits (dropless dispatch, the default) are transformers' within
+    1e-4 of the largest, and every layer's router logits within 1e-6; transformers'
+    `load_balancing_loss_func` on one layer is k times hetjax's balance loss of that layer
+    (hetjax.layers.moe's convention: 1 for a uniform router), within 1e-6; over all layers it
+    pools the layers' expert loads and mean probabilities first, which hetjax's recorded loads
+    and router probabilities reproduce."""
+    import scipy.special
+
+    m, out, router, stats = _routed(name)
+    _, ref = reference(name)
+    np.testing.assert_allclose(out, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    want = saved(name, "router_logits")
+    np.testing.assert_allclose(router, want, atol=1e-6 * np.abs(want).max(), rtol=0)
+    k = m.experts_per_token
+    np.testing.assert_allclose(k * stats["balance"], saved(name, "aux_loss_per_layer"),
+                               rtol=1e-6)
+    probs = scipy.special.softmax(router.astype(np.float64), axis=-1).mean(axis=1)  # [L, E]
+    pooled = m.n_experts * k * np.sum(stats["load"].mean(0) * probs.mean(0))
+    np.testing.assert_allclose(pooled, saved(name, "aux_loss"), rtol=1e-6)
+    assert saved(name, "min_router_margin") >= 1e-4
+
+
+def test_moe_configs_map_as_transformers_reads_them():
+    """Each family's fields: expert count (Qwen3-MoE files of transformers 5 name it
+    num_local_experts), width, top-k, renormalisation (Mixtral always), the shared expert,
+    QK-norm, biases; the load-balance coefficient times k (hetjax's loss is 1/k of
+    transformers'); leading mlp_only_layers as first_dense_layers, others refused."""
+    read = {n: hf_config.model_fields(hf_config.read_config_json(fixture(n)), "x") for n in MOE}
+    pick = ("n_experts", "experts_per_token", "moe_d_ff", "shared_expert_d_ff",
+            "moe_norm_topk_prob", "qk_norm", "qkv_bias", "moe_aux_loss_coef")
+    assert {n: tuple(f[k] for k in pick) for n, f in read.items()} == {
+        "mixtral_moe": (4, 2, 48, 0, True, "none", False, 0.04),
+        "qwen2_moe": (4, 2, 32, 80, False, "none", True, 0.002),
+        "qwen3_moe": (8, 2, 32, 0, True, "head", False, 0.002),
+        "olmoe": (8, 2, 32, 0, False, "all_heads", False, 0.02)}
+    hf = hf_config.read_config_json(fixture("qwen3_moe"))
+    hf["num_experts"] = hf.pop("num_local_experts")  # as the published files write it
+    assert hf_config.model_fields(hf, "x") == read["qwen3_moe"]
+    for n in MOE:  # export writes the family it came from, which reads back the same
+        cfg = hf_config.hf_config(ModelConfig(**read[n]))
+        assert cfg["model_type"] == hf_config.read_config_json(fixture(n))["model_type"]
+        assert hf_config.model_fields(cfg, "x") == read[n]
+    assert hf_config.model_fields({**hf, "mlp_only_layers": [0, 1]}, "x")[
+        "first_dense_layers"] == 2
+    with pytest.raises(ConfigError, match=r"config.json mlp_only_layers: \[1\]"):
+        hf_config.model_fields({**hf, "mlp_only_layers": [1]}, "x")
+    with pytest.raises(ConfigError, match="config.json clip_qkv: 8.0"):
+        hf_config.model_fields({**hf_config.read_config_json(fixture("olmoe")),
+                                "clip_qkv": 8.0}, "x")
+
+
 # --- export -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_window"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_window", "mixtral_moe", "qwen2_moe"])
 def test_export_then_import_is_bit_exact(tmp_path, name):
-    """Every tensor of the fixture, under its own name (Qwen3's q_norm / k_norm included)."""
+    """Every tensor of the fixture, under its own name (Qwen3's q_norm / k_norm; each expert's
+    w1 / w2 / w3 or gate_proj / up_proj / down_proj apart, the router, the shared expert and
+    its gate)."""
     m, params = load_single(fixture(name))
     out = tmp_path / "export"
     files = hf_checkpoint.write_hf(str(out), jax.device_get(params), m,
@@ -293,10 +370,11 @@ def test_export_then_import_is_bit_exact(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral_window", "qwen3_window"])
-def test_transformers_reads_an_exported_window_model_as_saved(tmp_path, name):
-    """hetjax's export of the window fixtures (Mistral's sliding_window; Qwen3's layer_types
-    and q_norm / k_norm) gives transformers' saved logits in transformers."""
+@pytest.mark.parametrize("name", ["mistral_window", "qwen3_window", *MOE])
+def test_transformers_reads_an_exported_model_as_saved(tmp_path, name):
+    """hetjax's export of the window and MoE fixtures (Mistral's sliding_window; Qwen3's
+    layer_types and q_norm / k_norm; each family's per-expert tensors and config) gives
+    transformers' saved logits in transformers."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     m, params = load_single(fixture(name))

@@ -74,12 +74,24 @@ ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_
                "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "head_dim",
                "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_len", "qkv_bias", "sliding_window", "full_attention_layers",
-               "qk_norm")
-# The ARCH_FIELDS that decide the weights' shapes: a run from a checkpoint must keep them.
+               "qk_norm", "n_experts", "experts_per_token", "moe_d_ff", "shared_expert_d_ff",
+               "moe_shared_expert_gate", "decoder_sparse_step", "first_dense_layers",
+               "moe_norm_topk_prob", "moe_aux_loss_coef")
+# The ARCH_FIELDS that decide the weights' shapes: a run from a checkpoint must keep them
+# (those of a mixture of experts only where the checkpoint is one).
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
-                "tie_embeddings", "qkv_bias", "qk_norm")
+                "tie_embeddings", "qkv_bias", "qk_norm", "n_experts", "moe_d_ff",
+                "shared_expert_d_ff", "moe_shared_expert_gate", "decoder_sparse_step",
+                "first_dense_layers")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# The mixtures of experts among them, and what their configs say beyond the dense fields:
+# where the experts' count and width are, and which have QK-norm, q/k/v biases and a shared
+# expert (transformers' modeling files).
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all_heads"}
 # transformers' config defaults where config.json may leave a key out: Mistral's
 # sliding_window, the Qwen families' max_window_layers.
 _MISTRAL_WINDOW = 4096
@@ -119,12 +131,16 @@ def model_fields(hf: dict, source: str) -> dict:
         refuse("hidden_act", f"{hf['hidden_act']!r}; hetjax's MLP is SwiGLU (silu)")
     if hf.get("mlp_bias"):
         refuse("mlp_bias", "true; hetjax's MLP has no biases")
-    if mtype in ("llama", "qwen3") and hf.get("attention_bias"):
+    if mtype in ("llama", "qwen3", "qwen3_moe", "olmoe") and hf.get("attention_bias"):
         refuse("attention_bias", "true puts a bias on the output projection too; hetjax has "
                "q/k/v biases only (as Qwen2)")
-    for key in _MOE_KEYS:
-        if hf.get(key):
-            refuse(key, f"{hf[key]}: a mixture of experts; hetjax's MLP is dense")
+    if mtype not in MOE_TYPES:
+        for key in _MOE_KEYS:
+            if hf.get(key):
+                refuse(key, f"{hf[key]}: a mixture of experts in a {mtype!r} config",
+                       f"give model_type {' / '.join(MOE_TYPES)} for a mixture of experts")
+    if hf.get("clip_qkv") is not None:
+        refuse("clip_qkv", f"{hf['clip_qkv']}: hetjax does not clamp q/k/v")
     max_len = int(hf.get("max_position_embeddings", 2048))
     n_layers = int(hf["num_hidden_layers"])
     window, full_layers = _windows(hf, mtype, n_layers, refuse)
@@ -147,8 +163,11 @@ def model_fields(hf: dict, source: str) -> dict:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         head_dim=int(hf.get("head_dim") or d // n_heads), rope_type=rope_type,
         rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-        rope_original_max_len=8192, qkv_bias=mtype == "qwen2", sliding_window=window,
-        full_attention_layers=full_layers, qk_norm="head" if mtype == "qwen3" else "none")
+        rope_original_max_len=8192, sliding_window=window, full_attention_layers=full_layers,
+        qkv_bias=mtype == "qwen2" or (mtype == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+        qk_norm=_QK_NORM.get(mtype, "none"), n_experts=0)
+    if mtype in MOE_TYPES:
+        out.update(_experts(hf, mtype, n_layers, refuse))
     if rope_type in ("linear", "llama3"):
         out["rope_factor"] = float(rope["factor"])
     if rope_type == "llama3":
@@ -158,22 +177,59 @@ def model_fields(hf: dict, source: str) -> dict:
     return out
 
 
+def _experts(hf: dict, mtype: str, n_layers: int, refuse) -> dict:
+    """The `model.*` MoE fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.
+
+    transformers' load-balance loss (`load_balancing_loss_func`) is k times hetjax's on a layer
+    (hetjax.layers.moe), so `router_aux_loss_coef` becomes moe_aux_loss_coef = coef * k: the
+    same term for one MoE layer (transformers pools the layers' counts and probabilities before
+    multiplying them, hetjax averages the layers' losses)."""
+    # Mixtral and OLMoE name the count either way; Qwen3-MoE files of transformers >= 5 write
+    # num_local_experts, the published ones num_experts.
+    n = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    k = int(hf.get("num_experts_per_tok", 2))
+    if n < 1 or not 1 <= k <= n:
+        refuse("num_experts_per_tok", f"{k} of {n} experts", "give 1 <= k <= the experts")
+    width = int(hf["moe_intermediate_size"] if mtype in ("qwen2_moe", "qwen3_moe")
+                else hf["intermediate_size"])
+    out = dict(n_experts=n, experts_per_token=k, moe_d_ff=width, shared_expert_d_ff=0,
+               moe_shared_expert_gate=True, decoder_sparse_step=1, first_dense_layers=0,
+               # Mixtral always renormalises its top-k weights; the others as configured
+               # (transformers' default: no).
+               moe_norm_topk_prob=mtype == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+               moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * k)
+    if mtype == "qwen2_moe":
+        out["shared_expert_d_ff"] = int(hf.get("shared_expert_intermediate_size", 5632))
+    if mtype in ("qwen2_moe", "qwen3_moe"):
+        # layer i is MoE unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0;
+        # hetjax's rule is the same with mlp_only_layers a leading run (first_dense_layers)
+        dense = sorted(int(i) for i in hf.get("mlp_only_layers") or ())
+        if dense != list(range(len(dense))):
+            refuse("mlp_only_layers", f"{dense}: hetjax keeps only the first layers dense "
+                   "(model.first_dense_layers)", "use a checkpoint whose dense layers lead")
+        out.update(decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                   first_dense_layers=len(dense))
+    return out
+
+
 def _windows(hf: dict, mtype: str, n_layers: int, refuse) -> tuple[int, tuple]:
     """(model.sliding_window, model.full_attention_layers) as transformers reads config.json:
-    Mistral windows every layer (its config's default window 4096 when the key is absent);
-    Qwen2 / Qwen3 only with use_sliding_window, on the layers `layer_types` calls
-    'sliding_attention' (transformers >= 4.53 writes it; older files: the layers from
-    max_window_layers on); Llama never."""
+    Mistral and Mixtral window every layer (Mistral's config defaults to 4096 when the key is
+    absent); the Qwen families only with use_sliding_window: Qwen3-MoE every layer, Qwen2,
+    Qwen3 and Qwen2-MoE the layers `layer_types` calls 'sliding_attention' (transformers >= 4.53
+    writes it; older files: Qwen2 and Qwen3 from max_window_layers on, Qwen2-MoE the even layers
+    below it); Llama and OLMoE never."""
     window = hf.get("sliding_window", _MISTRAL_WINDOW if mtype == "mistral" else None)
-    if mtype == "mistral":
+    if mtype in ("mistral", "mixtral") or (mtype == "qwen3_moe" and hf.get("use_sliding_window")):
         return (int(window), ()) if window else (0, ())
-    if mtype not in ("qwen2", "qwen3") or not hf.get("use_sliding_window"):
+    if mtype not in ("qwen2", "qwen3", "qwen2_moe") or not hf.get("use_sliding_window"):
         return 0, ()
     types = hf.get("layer_types")
     if types is None:
         first = int(hf.get("max_window_layers", _MAX_WINDOW_LAYERS))
-        types = ["sliding_attention" if i >= first else "full_attention"
-                 for i in range(n_layers)]
+        sliding = ([(i + 1) % 2 == 1 and i < first for i in range(n_layers)]
+                   if mtype == "qwen2_moe" else [i >= first for i in range(n_layers)])
+        types = ["sliding_attention" if w else "full_attention" for w in sliding]
     odd = sorted(set(types) - {"sliding_attention", "full_attention"})
     if odd or len(types) != n_layers:
         refuse("layer_types", f"{odd or len(types)}: hetjax reads one 'sliding_attention' or "
@@ -194,29 +250,63 @@ def preset_fields(name: str) -> dict:
     return model_fields(PRESETS[name], "model.preset")
 
 
-def hf_config(m, *, torch_dtype: str = "float32") -> dict:
-    """An HF config.json dict for a `ModelConfig`, which transformers loads as it is: Qwen3 with
-    per-head QK-norm, Qwen2 with q/k/v biases or with windows on some layers, Mistral with one
-    window on every layer, else Llama. A model no transformers class computes is a HetjaxError
-    naming the field."""
-    if m.qk_norm == "all_heads" or (m.qk_norm == "head" and m.qkv_bias):
-        what = ("QK-norm over all heads" if m.qk_norm == "all_heads" else
-                "per-head QK-norm with q/k/v biases")
-        raise HetjaxError(f"model.qk_norm = {m.qk_norm!r}: no transformers model has {what} "
-                          "in a dense model; fix: export a model without it")
-    if m.qk_norm == "head":
-        mtype = "qwen3"
-    elif m.qkv_bias:
-        mtype = "qwen2"
-    elif m.mixed_windows:
-        raise HetjaxError(f"model.full_attention_layers = {list(m.full_attention_layers)}: "
-                          "transformers has windows on some layers only in Qwen2 and Qwen3, "
-                          "which this model (no q/k/v biases, no QK-norm) is not; fix: export "
-                          "a model whose layers all use model.sliding_window")
-    elif m.sliding_window:
-        mtype = "mistral"
+def export_type(m) -> str:
+    """The transformers model_type that computes a `ModelConfig` exactly: for a dense model
+    Qwen3 (per-head QK-norm), Qwen2 (q/k/v biases, or windows on some layers only), Mistral
+    (one window on every layer) or Llama; for a mixture of experts OLMoE (QK-norm over all
+    heads), Qwen3-MoE (per-head QK-norm), Qwen2-MoE (a gated shared expert, or q/k/v biases) or
+    Mixtral. A model none of them computes is a HetjaxError naming the field."""
+
+    def refuse(field, problem):
+        raise HetjaxError(f"model.{field}: {problem}, which no transformers model the export "
+                          "writes has; fix: export a model without it")
+
+    if not m.n_experts:
+        if m.qk_norm == "all_heads":
+            refuse("qk_norm", "'all_heads' in a dense model")
+        if m.qk_norm == "head":
+            if m.qkv_bias:
+                refuse("qk_norm", "'head' with q/k/v biases")
+            return "qwen3"
+        if m.qkv_bias:
+            return "qwen2"
+        if m.mixed_windows:
+            refuse("full_attention_layers", f"{list(m.full_attention_layers)} (windows on some "
+                   "layers only) without q/k/v biases or QK-norm")
+        return "mistral" if m.sliding_window else "llama"
+    if m.qk_norm == "all_heads":
+        mtype = "olmoe"
+    elif m.qk_norm == "head":
+        mtype = "qwen3_moe"
+    elif m.shared_expert_d_ff or m.qkv_bias:
+        mtype = "qwen2_moe"
     else:
-        mtype = "llama"
+        mtype = "mixtral"
+    if m.qkv_bias and mtype != "qwen2_moe":
+        refuse("qkv_bias", f"true with model.qk_norm = {m.qk_norm!r} in a mixture of experts")
+    if m.shared_expert_d_ff and (mtype != "qwen2_moe" or not m.moe_shared_expert_gate):
+        refuse("shared_expert_d_ff", "a shared expert " + (
+            "without its gate" if mtype == "qwen2_moe" else f"with model.qk_norm = "
+                                                            f"{m.qk_norm!r}"))
+    if mtype == "qwen2_moe" and not m.shared_expert_d_ff:
+        refuse("qkv_bias", "true in a mixture of experts without a shared expert")
+    if mtype == "mixtral" and not m.moe_norm_topk_prob:
+        refuse("moe_norm_topk_prob", "false without QK-norm or a shared expert (Mixtral "
+               "always renormalises)")
+    if m.mixed_layers and mtype in ("mixtral", "olmoe"):
+        refuse("first_dense_layers", "dense layers in a mixture without a shared expert or "
+               "per-head QK-norm")
+    if m.sliding_window and mtype == "olmoe":
+        refuse("sliding_window", "a window with QK-norm over all heads")
+    if m.mixed_windows and mtype != "qwen2_moe":
+        refuse("full_attention_layers", "windows on some layers only, outside Qwen2-MoE")
+    return mtype
+
+
+def hf_config(m, *, torch_dtype: str = "float32") -> dict:
+    """An HF config.json dict for a `ModelConfig` (of the model_type `export_type` names), which
+    transformers loads as it is."""
+    mtype = export_type(m)
     out = {
         "architectures": [MODEL_TYPES[mtype]], "model_type": mtype, "hidden_act": "silu",
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
@@ -226,17 +316,37 @@ def hf_config(m, *, torch_dtype: str = "float32") -> dict:
         "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings,
         "torch_dtype": torch_dtype, "use_cache": True,
     }
-    if mtype in ("llama", "qwen3"):
+    if mtype in ("llama", "qwen3", "qwen3_moe", "olmoe"):
         out.update(attention_bias=False)
     if mtype == "llama":
         out.update(mlp_bias=False)
-    elif mtype == "mistral":
-        out.update(sliding_window=m.sliding_window)
-    else:  # Qwen2 / Qwen3: the window's layers named one by one
+    elif mtype in ("mistral", "mixtral"):
+        out.update(sliding_window=m.sliding_window or None)
+    elif mtype == "qwen3_moe":  # its window, when used, is every layer's
+        out.update(use_sliding_window=bool(m.sliding_window),
+                   sliding_window=m.sliding_window or None)
+    elif mtype != "olmoe":  # Qwen2 / Qwen3 / Qwen2-MoE: the window's layers named one by one
         flags = m.window_flags()
         out.update(use_sliding_window=any(flags), sliding_window=m.sliding_window or None,
                    max_window_layers=m.n_layers,
                    layer_types=["sliding_attention" if f else "full_attention" for f in flags])
+    if m.n_experts:
+        k = m.experts_per_token
+        out.update(num_experts_per_tok=k, router_aux_loss_coef=m.moe_aux_loss_coef / k,
+                   output_router_logits=False)
+        if mtype == "mixtral":
+            out.update(num_local_experts=m.n_experts, intermediate_size=m.expert_d_ff)
+        else:
+            out.update(num_experts=m.n_experts, norm_topk_prob=m.moe_norm_topk_prob)
+        if mtype == "olmoe":
+            out.update(intermediate_size=m.expert_d_ff, clip_qkv=None)
+        if mtype in ("qwen2_moe", "qwen3_moe"):
+            out.update(moe_intermediate_size=m.expert_d_ff,
+                       decoder_sparse_step=m.decoder_sparse_step,
+                       mlp_only_layers=list(range(min(m.first_dense_layers, m.n_layers))))
+        if mtype == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=m.shared_expert_d_ff,
+                       qkv_bias=m.qkv_bias)
     if m.rope_type == "default":
         out["rope_scaling"] = None
     else:
