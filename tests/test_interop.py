@@ -83,6 +83,23 @@ def test_presets_have_the_published_parameter_counts(preset, params):
     assert ModelConfig.from_config(c.model).num_params == params
 
 
+@pytest.mark.parametrize("preset,total,active,published", [
+    ("mixtral_8x7b", 46_702_792_704, 12_879_925_248, (46.7, 12.9)),
+    ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704, (30.5, 3.3)),
+    ("olmoe_1b_7b", 6_919_161_856, 1_282_017_280, (6.9, 1.3)),
+    ("qwen2_moe_a2_7b", 14_315_784_192, 2_689_173_504, (14.3, 2.7))])
+def test_moe_presets_have_the_published_parameter_counts(preset, total, active, published):
+    """All parameters and those one token passes through (k of the experts, the shared one, the
+    routers, attention, embedding and head); the model cards give billions to one decimal
+    (Mixtral's safetensors hold exactly `total`; Qwen3's card writes 3.35B active as 3.3B)."""
+    c = load_config(None, [f"--config.model.preset={preset}"])
+    validate(c)
+    m = ModelConfig.from_config(c.model)
+    assert (m.num_params, m.active_params) == (total, active)
+    for n, pub in zip((total, active), published):
+        assert pub in (round(n / 1e9, 1), int(n / 1e8) / 10)
+
+
 def test_a_preset_yields_to_explicit_overrides():
     c = load_config(None, ["--config.model.preset=llama3_1_8b", "--config.model.n_layers=2"])
     assert (c.model.n_layers, c.model.d_model, c.model.rope_type, c.model.rope_factor) == \
@@ -427,6 +444,46 @@ def test_transformers_loads_an_export_as_it_is(request):
     with torch.no_grad():
         got = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(got, logits(trainer.model_cfg, trainer.params, tokens), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained_moe_export(tmp_path_factory):
+    """Two training steps from the Qwen2-MoE fixture under dp = 4 x tp = 2, checkpointed,
+    exported with the CLI."""
+    from hetjax.cli import main
+
+    root = tmp_path_factory.mktemp("trained_moe")
+    trainer = trainer_from(fixture("qwen2_moe"), PP1, root / "run",
+                           **{"train.steps": 2, "checkpoint.every": 2,
+                              "model.moe_dispatch": "dense"})
+    trainer.train()
+    trainer.checkpointer.wait()
+    out = root / "export"
+    assert main(["hetjax", "export", "--format=hf", f"--checkpoint={root / 'run'}",
+                 f"--out={out}"]) in (0, None)
+    return trainer, out
+
+
+@pytest.mark.slow
+def test_a_trained_moe_checkpoint_exports_per_expert_tensors(trained_moe_export):
+    """`hetjax export` writes every tensor under the name transformers saved it with (each
+    expert's gate_proj / up_proj / down_proj, the router, the shared expert and its gate), the
+    trained values, loading back bit for bit; transformers (where installed) computes hetjax's
+    logits from it."""
+    trainer, out = trained_moe_export
+    assert SafetensorsDir(str(out)).names() == SafetensorsDir(fixture("qwen2_moe")).names()
+    assert json.load(open(out / "config.json"))["architectures"] == ["Qwen2MoeForCausalLM"]
+    m, params = load_single(str(out))
+    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(trainer.params))
+    tokens, ref = reference("qwen2_moe")
+    mine = logits(trainer.model_cfg, trainer.params, tokens)
+    assert np.abs(mine - ref).max() > 0.1  # trained: not the fixture's logits any more
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        got = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, mine, atol=1e-4, rtol=0)
 
 
 # --- two processes --------------------------------------------------------------------------------

@@ -67,6 +67,41 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=131072, rms_norm_eps=1e-06, rope_theta=1000000.0,
         sliding_window=131072, use_sliding_window=False, max_window_layers=24,
         tie_word_embeddings=True),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts, top-2 (46.7B parameters, 12.9B active)
+    "mixtral_8x7b": dict(
+        model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-05, rope_theta=1000000.0,
+        sliding_window=None, num_local_experts=8, num_experts_per_tok=2,
+        router_aux_loss_coef=0.02, tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: 128 experts, top-8, per-head QK-norm (30.5B parameters, 3.3B active)
+    "qwen3_30b_a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rms_norm_eps=1e-06, rope_theta=1000000.0, rope_scaling=None, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        router_aux_loss_coef=0.001, use_sliding_window=False, sliding_window=None,
+        max_window_layers=48, attention_bias=False, tie_word_embeddings=False),
+    # allenai/OLMoE-1B-7B-0924: 64 experts, top-8, QK-norm over all heads (6.9B parameters,
+    # 1.3B active)
+    "olmoe_1b_7b": dict(
+        model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=50304,
+        max_position_embeddings=4096, rms_norm_eps=1e-05, rope_theta=10000.0,
+        rope_scaling=None, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        router_aux_loss_coef=0.01, clip_qkv=None, attention_bias=False,
+        tie_word_embeddings=False),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 experts, top-4, and a shared expert (14.3B parameters, 2.7B
+    # active)
+    "qwen2_moe_a2_7b": dict(
+        model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        vocab_size=151936, max_position_embeddings=8192, rms_norm_eps=1e-06,
+        rope_theta=1000000.0, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+        decoder_sparse_step=1, router_aux_loss_coef=0.001, use_sliding_window=False,
+        sliding_window=32768, max_window_layers=21, tie_word_embeddings=False),
 }
 
 # model.* fields a preset or an HF config sets; the others (dtype, remat, ...) stay the run's.
