@@ -379,7 +379,8 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax import config as hconfig
     from hetjax.core.plan import comparison_table
     from hetjax.planner import model_from_config, plan_from_config
-    from hetjax.planner.config_plan import plan_for_config, predict_for_config, validate_layout
+    from hetjax.planner.config_plan import (plan_for_config, predict_for_config,
+                                            searches_layout, validate_layout)
 
     opts, rest = take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
@@ -387,18 +388,21 @@ def cmd_plan(argv: list[str]) -> int:
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]", search_without_config=True)
     topology = hconfig.build_topology(cfg)
     runners_up = ()
-    if not cfg.parallel.pp or not cfg.parallel.tp or cfg.zero.preset == "auto":
+    if searches_layout(cfg):
         validate_layout(cfg, topology)  # what plan_from_config checks first
         result = plan_for_config(cfg, topology)  # the same search, keeping the runners-up
         plan, runners_up = result.plan, result.runners_up
     else:
         plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg, topology=topology)
-    if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
+    if "step_time_s" not in plan.predicted and plan.uniform:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict_for_config(
             cfg, plan, topology).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    if "step_time_s" not in plan.predicted:
+        print("  predicted: not priced (the cost model prices stages that share one (dp, tp) "
+              "shape)")
     from hetjax.planner.config_plan import plausibility_lines
 
     for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range
@@ -656,7 +660,8 @@ def cmd_eval(argv: list[str]) -> int:
     r = evaluate(trainer)
     c = trainer.config
     print(f"checkpoint {step}: eval loss {r['loss']:.6f}, perplexity {r['perplexity']:.4f} "
-          f"({c.eval.batches} batches of {c.train.batch_size} x {c.train.seq_len} tokens, "
+          f"({trainer.eval_batches} batches of {c.train.batch_size} x {c.train.seq_len} "
+          "tokens, "
           f"data.source={c.data.source})", flush=True)
     return 0
 

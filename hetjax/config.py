@@ -32,15 +32,19 @@ from hetjax.planner.config_plan import resolve_microbatches
 from hetjax.planner.cost import COMPUTE_MODELS
 from hetjax.interop.hf_config import ROPE_TYPES
 from hetjax.core.plan import (INNER_OPTIMIZERS, OUTER_OPTIMIZERS, ZeroFactors, layout_problems,
-                         name_problems, raise_first, tp_problems)
+                         name_problems, raise_first, stage_shape_problem, tp_problems)
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
 from hetjax.core.model_config import (ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, QK_NORMS,
                                       REMAT_POLICIES)
+from hetjax.core.model_config import LIMITS as MODEL_LIMITS
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
+# What each data.source reads, as the run's start and its errors say it.
+SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
+               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
@@ -108,8 +112,13 @@ class Bound:
         return f"{kind}{'<' if self.hi_open else '<='} {self.hi}"
 
 
-def positive_int(fix: str = "set --config.{field}={default}") -> Bound:
-    return Bound(lo=1, integer=True, fix=fix)
+def positive_int(fix: str = "set --config.{field}={default}", hi: int | None = None) -> Bound:
+    return Bound(lo=1, hi=hi, integer=True, fix=fix)
+
+
+def _model_size(name: str) -> Bound:
+    """A model shape field: an integer from 1 to hetjax's limit (`MODEL_LIMITS`)."""
+    return positive_int(hi=MODEL_LIMITS[name])
 
 
 def count_or_off(fix: str = "set --config.{field}={example} (0 turns it off)",
@@ -169,6 +178,17 @@ def _known_model_preset(field, v):
         from hetjax.interop.hf_config import preset_fields
 
         preset_fields(v)  # an unknown name is one error listing the presets
+    return None
+
+
+def _int_tuple(field, v, lo: int, example: str, distinct: bool = False):
+    """A list of whole numbers >= `lo` (and no repeats when `distinct`)."""
+    v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo for x in v):
+        return (f"must be whole numbers >= {lo}, got {list(v)}",
+                f"give e.g. --config.{field}={example.split(' ')[0]}, or leave it empty")
+    if distinct and len(set(v)) != len(v):
+        return f"names a rank twice: {list(v)}", f"give each rank once, e.g. {example}"
     return None
 
 
@@ -262,15 +282,16 @@ FIELDS: tuple[Field, ...] = (
           "default: what the runtime reports, else the catalogue)", _TOPOLOGY_FIGURE),
 
     Field("model.vocab_size", 0, "0: the tokenizer's vocabulary rounded up to a multiple of 128",
-          Bound(lo=0, fix="set 0 to size it from the tokenizer")),
-    Field("model.d_model", 128, "width of the residual stream", positive_int()),
-    Field("model.n_layers", 4, "decoder blocks", positive_int()),
-    Field("model.n_heads", 4, "attention (query) heads", positive_int()),
+          Bound(lo=0, hi=MODEL_LIMITS["vocab_size"], integer=True,
+                fix="set 0 to size it from the tokenizer")),
+    Field("model.d_model", 128, "width of the residual stream", _model_size("d_model")),
+    Field("model.n_layers", 4, "decoder blocks", _model_size("n_layers")),
+    Field("model.n_heads", 4, "attention (query) heads", _model_size("n_heads")),
     Field("model.n_kv_heads", 2, "key/value heads: grouped-query attention; = n_heads for plain "
-          "multi-head", positive_int()),
-    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", positive_int()),
+          "multi-head", _model_size("n_kv_heads")),
+    Field("model.d_ff", 384, "hidden width of the SwiGLU feed-forward", _model_size("d_ff")),
     Field("model.max_seq_len", 512, "longest sequence the model takes (HF "
-          "max_position_embeddings)", positive_int()),
+          "max_position_embeddings)", _model_size("max_seq_len")),
     Field("model.rope_theta", 10000.0, "rotary embedding base",
           Bound(lo=0, lo_open=True, fix="use 10000.0")),
     Field("model.norm_eps", 1e-5, "RMSNorm epsilon", Bound(lo=0, lo_open=True, fix="use 1e-5")),
@@ -296,8 +317,9 @@ FIELDS: tuple[Field, ...] = (
           "[tokens, vocab] are never whole; 0: in one piece (the single-program step, pp = 1)",
           Bound(lo=0, integer=True, fix="use 0 (one piece) or e.g. 4096")),
     Field("model.head_dim", 0, "width of one attention head; 0: d_model / n_heads",
-          lambda f, v: Bound(lo=0, fix="set 0 for d_model / n_heads, or the checkpoint's "
-                             "head_dim")(f, v) or _even_or_zero(f, v)),
+          lambda f, v: Bound(lo=0, hi=MODEL_LIMITS["head_dim"], fix="set 0 for d_model / "
+                             "n_heads, or the checkpoint's head_dim")(f, v)
+          or _even_or_zero(f, v)),
     Field("model.rope_type", "default", "RoPE frequency scaling as transformers",
           Choices(ROPE_TYPES, "type")),
     Field("model.rope_factor", 1.0, "RoPE scaling factor (linear, llama3)"),
@@ -356,6 +378,15 @@ FIELDS: tuple[Field, ...] = (
           _DEGREE),
     Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
           "clusters"),
+    Field("parallel.stage_dp", (), "data-parallel replicas of each stage, e.g. [2,1] (each "
+          "stage its own sub-mesh: pipeline.executor=mpmd); empty: parallel.dp for every stage",
+          lambda f, v: _int_tuple(f, v, 1, "[2,1] (one number >= 1 per stage)")),
+    Field("parallel.stage_tp", (), "tensor-parallel shards of each stage, e.g. [2,1] (each "
+          "stage its own sub-mesh: pipeline.executor=mpmd); empty: parallel.tp for every stage",
+          lambda f, v: _int_tuple(f, v, 1, "[2,1] (one number >= 1 per stage)")),
+    Field("parallel.exclude", (), "topology ranks the layout leaves out (idle), e.g. "
+          "[12,13,14,15]; the stages take the others in rank order",
+          lambda f, v: _int_tuple(f, v, 0, "[12,13,14,15] (distinct ranks >= 0)", True)),
 
     Field("pipeline.stage_layers", (), "layers per stage, e.g. (3, 1); empty: even split"),
     Field("pipeline.schedule", "1f1b", _schedule_help, _layout_name("schedule")),
@@ -383,6 +414,11 @@ FIELDS: tuple[Field, ...] = (
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "
                             "leave it empty"), path=True),
+    Field("planner.profile", "", "a compute profile JSON file: measured seconds and bytes of "
+          "the model's layer, embedding and head per accelerator kind, TP degree and "
+          "micro-batch tokens (docs/planner.md; 'hetjax calibrate' writes one)",
+          _is_file_or_empty("write one with 'hetjax calibrate --profile=profile.json' or by "
+                            "hand, or leave it empty"), path=True),
     Field("planner.compute", "flat", "{choices}: compute priced at one efficiency per FLOP "
           "(flat), or by operation kind (kinds: matmuls by size, attention per implementation, "
           "memory-bound work by bandwidth; a calibration file's measured rates when it has "
@@ -550,11 +586,17 @@ class _Descriptions(Mapping):
 DESCRIPTIONS: Mapping[str, str] = _Descriptions()
 
 
-def field_problems(c) -> list[tuple[str, str, str]]:
-    """(field, problem, fix) for every field whose own check refuses its value."""
+# Directories only a run that writes needs writable: reading a checkpoint (`hetjax eval`,
+# `hetjax sample`) works on a read-only copy.
+WRITTEN_FIELDS = ("workdir", "checkpoint.dir")
+
+
+def field_problems(c, reading: bool = False) -> list[tuple[str, str, str]]:
+    """(field, problem, fix) for every field whose own check refuses its value (`reading`:
+    except the writability of WRITTEN_FIELDS)."""
     out = []
     for f in FIELDS:
-        if f.check is not None:
+        if f.check is not None and not (reading and f.name in WRITTEN_FIELDS):
             verdict = f.check(f.name, _get(c, f.name))
             if verdict:
                 out.append((f.name, *verdict))
@@ -842,15 +884,16 @@ def expand_paths(c) -> None:
                 node[name] = expanded
 
 
-def validate(c) -> None:
+def validate(c, reading: bool = False) -> None:
     """Check every field that can be checked without JAX (after expanding `~` and `$VAR` in
     the path fields, `expand_paths`): each field's own check (FIELDS), then the rules between
     fields, then the layout rules of the Plan (`hetjax.core.plan.layout_problems`). Raises
-    ConfigError."""
+    ConfigError. `reading`: for a run that only reads a checkpoint (WRITTEN_FIELDS may be
+    read-only)."""
     check_fields(c)
     expand_paths(c)
     _validate_finite(c)
-    for field, problem, fix in field_problems(c)[:1]:
+    for field, problem, fix in field_problems(c, reading)[:1]:
         raise ConfigError(field, problem, fix)
     _validate_model(c)
     tr = c.train
@@ -860,6 +903,10 @@ def validate(c) -> None:
     _require(c.data.source != "files" or bool(c.data.path), "data.path",
              "data.source = 'files' needs a directory or glob of text files",
              "set --config.data.path=/path/to/texts (or a glob like '/data/*.txt')")
+    _require(c.data.source == "files" or not c.data.path, "data.path",
+             f"is {c.data.path!r}, but data.source = {c.data.source!r} reads "
+             f"{SOURCE_TEXT[c.data.source]}, not data.path",
+             "add --config.data.source=files to train on data.path (or drop data.path)")
     if c.data.source == "files":  # found now, not after the model is compiled
         _validate_sources(c.data)
     _validate_data_and_checkpoints(c)
@@ -947,6 +994,36 @@ def _validate_layout(c) -> None:
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
         raise_first(tp_problems(p.tp, m), ConfigError)
+    _validate_stage_degrees(c)
+
+
+def _validate_stage_degrees(c) -> None:
+    """parallel.stage_dp / stage_tp: one number per stage, each tp splitting the model, and an
+    executor that gives each stage its own sub-mesh when the stages' shapes differ."""
+    m, p = c.model, c.parallel
+    sd, st = tuple(p.stage_dp), tuple(p.stage_tp)
+    for field in ("parallel.stage_dp", "parallel.stage_tp", "parallel.exclude"):
+        _require(not c.diloco.inner_steps or not _get(c, field), field,
+                 "fixes the synchronous layout, but DiLoCo (diloco.inner_steps > 0) plans "
+                 "each site's own", f"leave {field} empty, or set diloco.inner_steps=0")
+    if not (sd or st):
+        return
+    _require(not (sd and st) or len(sd) == len(st), "parallel.stage_tp",
+             f"gives {len(st)} stages but parallel.stage_dp gives {len(sd)}",
+             "give one number per stage in both")
+    n = len(sd or st)
+    _require(p.pp in (0, n), "parallel.pp", f"is {p.pp}, but parallel.stage_dp / stage_tp "
+             f"give {n} stages", f"set --config.parallel.pp={n}")
+    for field in ("zero.preset", "pipeline.placement"):
+        _require(_get(c, field) != "auto", field,
+                 "is 'auto' (the planner's search), but parallel.stage_dp / stage_tp fix the "
+                 "layout", f"choose {field} yourself, or leave the per-stage degrees empty")
+    for t in sorted(set(st)):
+        raise_first(tp_problems(t, m, "parallel.stage_tp"), ConfigError)
+    if len(set(sd)) > 1 or len(set(st)) > 1:
+        problem = stage_shape_problem(c.pipeline.executor, 0, n)
+        if problem is not None:
+            raise ConfigError(problem.field, problem.problem, problem.fix)
 
 
 def _validate_finite(c, ref=None, prefix: str = "") -> None:

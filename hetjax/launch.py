@@ -36,11 +36,12 @@ from hetjax.corpus_size import check_corpus_size
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, ProcessSlot, free_port,
-                                free_port_block, process_slots)
+                                check_host, free_port_block, process_slots)
 from hetjax.errors import HetjaxError
 from hetjax.parallel import nic
 from hetjax.planner import plan_from_config
-from hetjax.planner.worlds import plan_worlds, world_lines
+from hetjax.planner.worlds import (bridged, idle_problem, idle_processes, plan_worlds,
+                                   world_lines)
 from hetjax.supervise import run_with_restarts
 from hetjax.worker import ENV_HEARTBEAT, ENV_NIC_POLICY, world_coordinators, world_worker_env
 
@@ -68,17 +69,23 @@ class Worker:
 
 
 def read_hostfile(path: str) -> list[str]:
-    """Hosts in process order, one per line (# comments and blank lines ignored)."""
+    """Hosts in process order, one per line (# comments and blank lines ignored); a line that
+    is not one host name is refused (`check_host`)."""
     try:
         with open(path) as f:
-            hosts = [line.split("#", 1)[0].strip() for line in f]
+            lines = [line.split("#", 1)[0].strip() for line in f]
     except OSError as e:
         raise HetjaxError(f"cannot read the hostfile {path!r}: {e.strerror}") from None
-    hosts = [h for h in hosts if h]
+    hosts = [check_host(h, f"hostfile {path!r} line {n}") for n, h in enumerate(lines, 1) if h]
     if not hosts:
         raise HetjaxError(f"the hostfile {path!r} lists no hosts; write one host per line, in "
                           "the topology's node order (process i runs node i)")
     return hosts
+
+
+def read_hosts(args) -> list[str]:
+    """The hosts of a --local (this machine, N times) or --hostfile launch, in process order."""
+    return ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
 
 
 def worker_command(python: str, config_args, command: str = "train",
@@ -91,13 +98,15 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
     """The processes of a --local or --hostfile launch: one jax.distributed job, or, for an
     MPMD plan whose stages sit on several fabrics or accelerator kinds, one job per world
     (`hetjax.planner.worlds`), each with its own coordinator, plus the bridge's addresses."""
-    if args.local is not None:
-        hosts = ["127.0.0.1"] * args.local
-    else:
-        hosts = read_hostfile(args.hostfile)
+    hosts = read_hosts(args)
     slots = process_slots(topology, len(hosts))
     worlds = plan_worlds(plan, topology, slots)
-    if len(worlds) == 1:
+    idle = idle_processes(plan, slots)  # not started: the plan uses none of their devices
+    problem = idle_problem(plan, idle)
+    if problem:
+        raise HetjaxError(problem)
+    joined = bridged(plan, worlds, slots)
+    if not joined:
         coordinators = [f"127.0.0.1:{args.port or free_port()}" if args.local is not None else
                         args.coordinator or f"{hosts[0]}:{args.port or DEFAULT_PORT}"]
     elif args.local is not None:
@@ -109,8 +118,11 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
         len(hosts))
     workers = []
     for slot, host in zip(slots, hosts):
+        if slot in idle:
+            continue
         env = world_worker_env(topology, plan, worlds, slot, coordinators, hosts, bridge_port,
-                               args.init_timeout, args.heartbeat_timeout, args.nic_policy)
+                               args.init_timeout, args.heartbeat_timeout, args.nic_policy,
+                               joined)
         cmd = worker_command(args.python, config_args, getattr(args, "command", "train"),
                              getattr(args, "worker_options", ()))
         local = args.local is not None
@@ -120,9 +132,16 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
             paths = [PACKAGE_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
             env["PYTHONPATH"] = os.pathsep.join(p for p in dict.fromkeys(paths) if p)
         shell = f"cd {shlex.quote(args.chdir)} && env {_env_prefix(env)} {shlex.join(cmd)}"
-        argv = cmd if local else shlex.split(args.rsh.format(host=host)) + [shell]
+        argv = cmd if local else rsh_argv(args.rsh, host) + [shell]
         workers.append(Worker(slot, host, env, shell, tuple(argv), local))
     return workers
+
+
+def rsh_argv(template: str, host: str) -> list[str]:
+    """The remote-shell command for `host`: the --rsh template split into words first, then
+    {host} put into its word, so a host is only ever one word (and `check_host` one that is
+    not an option)."""
+    return [word.replace("{host}", host) for word in shlex.split(template)]
 
 
 def slurm_launch(topology: Topology, args, config_args) -> tuple[list[str], dict[str, str],
@@ -247,6 +266,8 @@ def main(argv: list[str]) -> int:
     if args.elastic and (args.slurm or not args.max_restarts):
         raise HetjaxError("--elastic re-plans at a restart: use it with --max-restarts N >= 1 "
                           "and --local or --hostfile (under SLURM, resubmit with fewer nodes)")
+    if args.coordinator:
+        check_host(args.coordinator.rpartition(":")[0] or args.coordinator, "--coordinator")
     if args.local is not None and args.local < 1:
         raise HetjaxError(f"--local {args.local}: give the number of processes (>= 1)")
     for name in ("init_timeout", "heartbeat_timeout"):
@@ -281,6 +302,11 @@ def main(argv: list[str]) -> int:
     workers = plan_workers(cfg, topology, plan, args, config_args)
     print(describe(topology, plan, [w.slot for w in workers], [w.host for w in workers],
                    args.nic_policy), flush=True)
+    started = {w.index for w in workers}
+    for slot in process_slots(topology, len(read_hosts(args))):
+        if slot.index not in started:
+            print(f"process {slot.index} (topology nodes {list(slot.nodes)}) is not started: "
+                  "the plan uses none of its devices", flush=True)
     if plan.executor == "mpmd" and plan.pp > 1:
         for line in world_lines(plan, topology, lambda w, slot: nic.world_environment(
                 topology, plan, w, slot, args.nic_policy), tuple(w.slot for w in workers)):
@@ -312,7 +338,7 @@ def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
     the launches so far, each numbered in its own launch) are dropped, the topology loses
     their nodes, and the planner chooses the layout for what is left. The reduced topology
     and hostfile are written into the workdir for the workers to read."""
-    hosts = ["127.0.0.1"] * args.local if args.local is not None else read_hostfile(args.hostfile)
+    hosts = read_hosts(args)
     topology = hconfig.build_topology(cfg)
     for name in failed:  # replay the drops in order: process numbers shift after each
         slot = process_slots(topology, len(hosts))[int(name[1:])]
@@ -329,7 +355,8 @@ def elastic_workers(cfg, args, config_args, failed: list[str]) -> list[Worker]:
              f"--config.topology.preset={default.topology.preset}",
              "--config.topology.nodes=0", "--config.topology.devices_per_node=0",
              "--config.parallel.pp=0", "--config.parallel.dp=0", "--config.parallel.tp=0",
-             "--config.pipeline.stage_layers=()"]
+             "--config.pipeline.stage_layers=()", "--config.parallel.stage_dp=()",
+             "--config.parallel.stage_tp=()", "--config.parallel.exclude=()"]
     config_args = [*config_args, *extra]
     new_cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
                                         if a.startswith("--config=")), None),

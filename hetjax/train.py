@@ -52,7 +52,7 @@ from hetjax.hooks import Hook, StepInfo, Timing
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.lock import WorkdirLock
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
-from hetjax.core.plan import Plan
+from hetjax.core.plan import Plan, vocab_shards
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.planner.config_plan import predict_for_config
@@ -65,7 +65,7 @@ from hetjax.core.topology import Topology
 from hetjax.layers import ModelConfig
 from hetjax.layers.attention_kernels import choose_local
 from hetjax.parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
-from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS
+from hetjax.parallel.nic import ENV_WORLD
 from hetjax.core.registry import EXECUTORS
 
 
@@ -96,18 +96,20 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
 
 def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Runtime:
     """What this process's environment says about its job (`hetjax.parallel.train_state.Runtime`),
-    read once: the launcher's init timeout, and for one world of a multi-world job (`hetjax
-    launch` set HETJAX_WORLDS > 1) the plan's worlds (`hetjax.planner.worlds`), which process
-    runs which rank, this world's index and its bridge to the others."""
+    read once: the launcher's init timeout, and for one world of a job whose worlds the bridge
+    joins (`hetjax launch` set the HETJAX_BRIDGE_* variables: several worlds, or processes the
+    plan leaves out) the plan's worlds (`hetjax.planner.worlds`), which process runs which
+    rank, this world's index and its bridge to the others."""
     from hetjax.distributed import ENV_INIT_TIMEOUT
 
     env = os.environ if env is None else env
     timeout = float(env[ENV_INIT_TIMEOUT]) if env.get(ENV_INIT_TIMEOUT) else None
-    if int(env.get(ENV_WORLDS, "1")) <= 1:
+    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ, bridged
+
+    if not bridged(env):
         return Runtime(init_timeout_s=timeout)
     from hetjax.distributed import process_slots
     from hetjax.planner.worlds import plan_worlds
-    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
 
     slots = process_slots(topology, len(env[ENV_BRIDGE_HOSTS].split(",")))
     worlds = plan_worlds(plan, topology, slots)
@@ -126,8 +128,8 @@ class Trainer:
     """
 
     def __init__(self, config, *, topology: Topology | None = None, plan: Plan | None = None,
-                 workdir: str | None = None, quiet: bool = False):
-        hconfig.validate(config)
+                 workdir: str | None = None, quiet: bool = False, reading: bool = False):
+        hconfig.validate(config, reading)  # reading: only restores (eval, sample)
         check_corpus_size(config)  # from the files alone, before anything is built
         self.config = config
         self.quiet = quiet
@@ -137,8 +139,11 @@ class Trainer:
                                      sites=bool(config.diloco.inner_steps))
         self.workdir = workdir or config.workdir
         self.tokenizer = tokenizer_from_config(config.data)
+        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
+        run_plan = plan_to_run(config, self.topology, self.plan)
         self.model_cfg = dataclasses.replace(
-            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size)),
+            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size),
+                                    vocab_shards(run_plan)),
             dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
@@ -152,9 +157,8 @@ class Trainer:
         self.tx, self.schedule = make_optimizer(config.train)
         optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
         self.runtime = runtime_from_environ(config, self.plan, self.topology)
-        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
-        self.executor = make_executor(plan_to_run(config, self.topology, self.plan),
-                                      self.topology, self.model_cfg, optimizer, self.runtime)
+        self.executor = make_executor(run_plan, self.topology, self.model_cfg, optimizer,
+                                      self.runtime)
         # The attention kernel this process's devices run (a named one they cannot run is a
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
@@ -183,7 +187,9 @@ class Trainer:
         """The plan's predicted memory; refuses a plan predicted not to fit, in the words
         `hetjax plan` prints for it."""
         predicted = self.plan.predicted
-        if "stage_memory_gib" not in predicted and self.executor.runs_whole_plan:
+        # (per-stage (dp, tp) shapes: the cost model prices one shape, so no prediction)
+        if ("stage_memory_gib" not in predicted and self.executor.runs_whole_plan
+                and self.plan.uniform):
             predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
         problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
                               self.plan.zero.name)
@@ -222,11 +228,13 @@ class Trainer:
                 raise self._out_of_memory(e) from None
             raise
         if self.config.model.init_from:
-            from hetjax.interop.hf_checkpoint import init_from_hf
+            from hetjax.interop.hf_checkpoint import init_from_hf, unused_message
 
             state, reader = init_from_hf(self.executor, state, self.config.model.init_from,
                                          self.model_cfg)
             self.init_from_bytes = reader.bytes_read
+            if unused_message(reader) and jax.process_index() == 0:
+                print(unused_message(reader), flush=True)
             if not self.quiet:
                 print(f"hetjax: model.init_from: process {jax.process_index()} read "
                       f"{reader.bytes_read} bytes of {self.config.model.init_from}", flush=True)
@@ -310,6 +318,8 @@ class Trainer:
         """Loss of the current parameters on a global batch (no update)."""
         return self.executor.eval_loss(self.state, batch)
 
+    _eval_cut_said = False
+
     def _open_eval_data(self):
         if self._eval_data is None:
             self._eval_data, _ = make_loader(self.config, self.tokenizer, split="eval")
@@ -319,8 +329,21 @@ class Trainer:
         """Mean loss on `eval.batches` fixed global batches of held-out data (every process
         reads them whole: evaluation is rare and rows are slices of a memory map)."""
         data = self._open_eval_data()
-        return float(np.mean([self.evaluate(data.batch(k))
-                              for k in range(self.config.eval.batches)]))
+        return float(np.mean([self.evaluate(data.batch(k)) for k in range(self.eval_batches)]))
+
+    @property
+    def eval_batches(self) -> int:
+        """The evaluation's batches: eval.batches, or fewer when the held-out split has not
+        that many distinct batches (the stream would repeat rows; said once)."""
+        data, asked = self._open_eval_data(), self.config.eval.batches
+        distinct = data.sequences // data.batch_size
+        if distinct < asked and not self._eval_cut_said:
+            self._eval_cut_said = True
+            print(f"hetjax: eval.batches = {asked}, but the held-out split packs into "
+                  f"{data.sequences} sequences, {distinct} distinct batch"
+                  f"{'es' * (distinct != 1)} of {data.batch_size}: evaluating {distinct}, "
+                  "none twice (raise data.eval_fraction for more)", file=sys.stderr, flush=True)
+        return min(asked, distinct)
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, *,
@@ -459,10 +482,23 @@ class Trainer:
         m = self.model_cfg
         lines.append(f"model: {m.num_params / 1e6:.2f}M parameters, {m.n_layers} layers, "
                      f"d_model {m.d_model}, heads {m.n_heads} (kv {m.n_kv_heads}), d_ff {m.d_ff},"
-                     f" vocab {m.vocab_size}, {m.dtype} compute")
+                     f" vocab {m.vocab_size}"
+                     + (f" (padded to {m.vocab_rows} rows for tp)" if m.vocab_rows > m.vocab_size
+                        else "") + f", {m.dtype} compute")
         lines.append(f"attention: {self.attention}"
                      + (", document masks" if self.config.data.document_mask else ""))
+        lines.append(self.data_line())
         return "\n".join(lines)
+
+    def data_line(self) -> str:
+        """What the run reads: the source, the tokenizer and the held-out share."""
+        d = self.config.data
+        what = (f"data.path {d.path!r}" + (f" weighted {d.weights}" if d.weights else "")
+                if d.source == "files" else
+                f"{hconfig.SOURCE_TEXT[d.source]} (data.source = {d.source})")
+        held = (f", {d.eval_fraction:g} of the documents held out for evaluation"
+                if d.source != "synthetic" else "")
+        return f"data: {what}, tokenizer {d.tokenizer}{held}"
 
     def _repr_html_(self) -> str:
         """Notebooks: the topology and plan tables, the device map and simulated timeline as

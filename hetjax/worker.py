@@ -28,11 +28,12 @@ from hetjax.core.topology import Topology
 from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
                                 DEFAULT_INIT_TIMEOUT, DEFAULT_PORT, ENV_CLUSTER,
                                 ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT, DistributedError,
-                                ProcessSlot, WorkerSpec, initialize, process_slots)
+                                ProcessSlot, WorkerSpec, check_host, initialize,
+                                process_slots)
 from hetjax.errors import HetjaxError
 from hetjax.parallel import bridge, nic
 from hetjax.planner import plan_from_config
-from hetjax.planner.worlds import plan_worlds
+from hetjax.planner.worlds import bridged, idle_processes, plan_worlds
 
 
 ENV_NIC_POLICY = "HETJAX_NIC_POLICY"
@@ -85,7 +86,7 @@ def prepare_worker(cfg, topology: Topology, spec: WorkerSpec) -> ProcessSlot:
         stopping.listen()  # and its Ctrl-C reaches us as a line on stdin
     plan = plan_from_config(cfg, topology)
     policy = os.environ.get(ENV_NIC_POLICY, "cluster")
-    if int(os.environ.get(nic.ENV_WORLDS, "1")) > 1:  # one world of several: global slots
+    if bridge.bridged():  # one world of a bridged job: global slots
         slots = process_slots(topology, len(os.environ[bridge.ENV_BRIDGE_HOSTS].split(",")))
         slot = slots[int(os.environ[bridge.ENV_BRIDGE_RANK])]
         worlds = plan_worlds(plan, topology, slots)
@@ -114,15 +115,17 @@ def world_coordinators(worlds, hosts: list[str], port: int | None) -> list[str]:
 
 def world_worker_env(topology: Topology, plan: Plan, worlds, slot: ProcessSlot,
                      coordinators: list[str], hosts: list[str], bridge_port: int,
-                     init_timeout: int, heartbeat_timeout: int, policy: str) -> dict[str, str]:
+                     init_timeout: int, heartbeat_timeout: int, policy: str,
+                     joined: bool | None = None) -> dict[str, str]:
     """What hetjax sets for the process of `slot`: its world's coordinator and process id,
-    its world's NCCL environment, and (several worlds) the bridge's addresses."""
+    its world's NCCL environment, and (worlds joined by the bridge, `joined`; default: several
+    worlds) the bridge's addresses."""
     w = next(w for w in worlds if slot.index in w.processes)
     spec = WorkerSpec(coordinators[w.index], len(w.processes), w.process_id(slot.index),
                       init_timeout, heartbeat_timeout)
     env = {**nic.world_environment(topology, plan, w, slot, policy, len(worlds)),
            **spec.environ(), ENV_NIC_POLICY: policy, ENV_HEARTBEAT: "1"}
-    if len(worlds) > 1:
+    if len(worlds) > 1 if joined is None else joined:
         env.update(bridge.bridge_environ(slot.index, hosts, bridge_port))
         # a world that never comes up is named by its bridge peers after the init timeout
         env[bridge.ENV_BRIDGE_TIMEOUT] = str(init_timeout)
@@ -135,7 +138,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     for ch in nodelist + ",":
         if ch == "," and depth == 0:
             if item:
-                hosts += _expand_host(item, nodelist)
+                hosts += [check_host(h, f"SLURM node list {nodelist!r}")
+                          for h in _expand_host(item, nodelist)]
             item = ""
             continue
         depth += {"[": 1, "]": -1}.get(ch, 0)
@@ -187,20 +191,32 @@ def slurm_worlds_environ(cfg, topology: Topology, env=None) -> dict[str, str]:
                           "multi-world job runs one task per node (srun --ntasks-per-node=1)")
     slots = process_slots(topology, ntasks)
     worlds = plan_worlds(plan, topology, slots)
-    if len(worlds) == 1:
+    if not bridged(plan, worlds, slots):
         return {}
+    if slots[procid] in idle_processes(plan, slots):
+        return {ENV_IDLE: "1"}
     port = int(env.get("JAX_COORDINATOR_PORT") or DEFAULT_PORT)
     return world_worker_env(
         topology, plan, worlds, slots[procid], world_coordinators(worlds, hosts, port), hosts,
         port + BRIDGE_PORT_OFFSET, int(env.get(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)),
         int(env.get(ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)),
-        env.get(ENV_NIC_POLICY, "cluster"))
+        env.get(ENV_NIC_POLICY, "cluster"), True)
+
+
+# A SLURM task whose devices the plan leaves out, all of them (srun starts every task; the
+# other launches do not start such a process): it says so and exits 0 without joining.
+ENV_IDLE = "HETJAX_IDLE"
 
 
 def join_slurm_worlds(cfg, topology: Topology) -> None:
     """A SLURM task of a multi-world job takes its world's place (`slurm_worlds_environ`):
-    the variables are set here, and JAX's whole-job SLURM detection is turned off."""
+    the variables are set here, and JAX's whole-job SLURM detection is turned off. A task
+    whose devices the plan leaves out, all of them, exits here."""
     env = slurm_worlds_environ(cfg, topology)
+    if env.get(ENV_IDLE):
+        print(f"hetjax: task {os.environ.get('SLURM_PROCID')}: the plan uses none of its "
+              "devices; nothing to run", flush=True)
+        raise SystemExit(0)
     if env:
         os.environ.update(env)
         os.environ.pop(ENV_CLUSTER)

@@ -462,6 +462,13 @@ class Bridge:
                 pool.shutdown(wait=False, cancel_futures=True)
 
 
+def bridged(env=None) -> bool:
+    """Whether this process is one world of a job whose worlds the bridge joins (the
+    launcher set its HETJAX_BRIDGE_* variables): then its jax.distributed job holds only its
+    world's processes, not every rank of the topology."""
+    return ENV_BRIDGE_RANK in (os.environ if env is None else env)
+
+
 def bridge_from_environ(env=None, **kwargs) -> Bridge | None:
     """This worker's bridge from HETJAX_BRIDGE_* variables, or None when they are unset (a
     single-world job)."""
@@ -505,5 +512,6 @@ def bridge_environ(rank: int, hosts: Sequence[str], port: int,
             ENV_BRIDGE_PORT: str(port), ENV_BRIDGE_TRANSPORT: transport}
 
 
-__all__ = ["Bridge", "BridgeError", "message_key", "bridge_from_environ", "bridge_environ",
+__all__ = ["Bridge", "BridgeError", "message_key", "bridged", "bridge_from_environ",
+           "bridge_environ",
            "bridge_addresses", "KINDS", "TRANSPORTS", "CODECS"]

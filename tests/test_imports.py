@@ -41,7 +41,7 @@ ROOT = "hetjax"  # layers/ and parallel/ are inside it (hetjax/layers, hetjax/pa
 # Lowest first. A module's layer is the one of its most specific matching pattern (the longest);
 # a new module whose name matches no pattern fails `test_every_module_has_a_layer`.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("hetjax.errors", "hetjax.units"),
+    "base": ("hetjax.errors", "hetjax.units", "hetjax.files"),
     "core": ("hetjax.core", "hetjax.core.*"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",

@@ -512,3 +512,57 @@ def test_slurm_tasks_of_a_two_world_job_derive_what_a_hostfile_launch_gives(tmp_
                                                     "SLURM_STEP_NODELIST": "n[1-8]"})
     assert worker.expand_nodelist("gpu[007-008,012],login1") == [
         "gpu007", "gpu008", "gpu012", "login1"]
+
+
+# --- a plan that leaves a node's devices out ------------------------------------------------------
+def slow_node_job(tmp_path, **extra) -> dict:
+    """TINY on a fast node of four devices and a node of two behind a 1 Gb/s link (ranks
+    4-5), which the plan leaves out: two stages on the fast node, stage 0 two replicas,
+    stage 1 a TP pair."""
+    from hetjax.core.catalogue import LINKS, make_cluster
+    from hetjax.core.hardware import Link, Topology
+
+    path = tmp_path / "topology.json"
+    path.write_text(Topology(
+        name="fast_and_slow", clusters=(make_cluster("fast", 1, 4, "cpu", "infiniband"),
+                                        make_cluster("slow", 1, 2, "cpu", "ethernet")),
+        inter_cluster=Link("ethernet", 1.0, LINKS["ethernet"].latency_us)).to_json())
+    return {**TINY, "topology.file": str(path), "parallel.pp": 2, "parallel.dp": 0,
+            "pipeline.executor": "mpmd", "train.microbatches": 2,
+            "parallel.stage_dp": "[2,1]", "parallel.stage_tp": "[1,2]",
+            "parallel.exclude": "[4,5]", **extra}
+
+
+def test_a_process_whose_devices_the_plan_leaves_out_is_not_started(tmp_path, capsys):
+    """--local 2, one process per node: process 1 holds only left-out devices and is not
+    started; process 0 runs as one bridged world (a jax.distributed job holding some of the
+    topology's ranks, whose devices the worlds executor places by rank)."""
+    assert launch.main(["--local", "2", "--dry-run",
+                        *config_args(slow_node_job(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "process 1 (topology nodes [1]) is not started: the plan uses none of its " \
+        "devices" in out
+    assert re.findall(r"^# process (\d)", out, re.M) == ["0"]
+    (cmd,) = [line for line in out.splitlines() if "HETJAX_PROCESS_ID" in line]
+    assert "HETJAX_PROCESS_ID=0 " in cmd and "HETJAX_NUM_PROCESSES=1 " in cmd
+    assert "HETJAX_BRIDGE_RANK=0 " in cmd and "HETJAX_WORLDS=1 " in cmd
+    assert "HETJAX_BRIDGE_HOSTS=127.0.0.1,127.0.0.1 " in cmd
+    # only the MPMD executor's worlds run without some of the topology's processes
+    with pytest.raises(HetjaxError,
+                       match=r"process\(es\) \[1\] .*--config.pipeline.executor=mpmd"):
+        launch.main(["--local", "2", "--dry-run", *config_args(slow_node_job(tmp_path, **{
+            "pipeline.executor": "spmd", "parallel.stage_dp": "[]",
+            "parallel.stage_tp": "[]", "parallel.dp": 2}))])
+
+
+@pytest.mark.slow  # a launched process compiles a two-stage pipeline
+def test_a_launch_that_leaves_a_node_out_trains_like_one_process(tmp_path):
+    from hetjax.train import Trainer
+
+    job = slow_node_job(tmp_path)
+    multi, out = launched_losses(tmp_path, ["--local", "2"], job)
+    assert "started p0 (pid" in out and "started p1" not in out
+    cfg = tiny_config(**{**job, "parallel.stage_dp": (2, 1), "parallel.stage_tp": (1, 2),
+                         "parallel.exclude": (4, 5), "workdir": str(tmp_path / "one")})
+    one = losses(Trainer(cfg, quiet=True).train()["metrics"])
+    np.testing.assert_allclose(multi, one, rtol=1e-5)

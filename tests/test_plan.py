@@ -64,7 +64,7 @@ def test_config_validation_and_the_executors_say_the_same_thing():
         make_executor(plan, preset("cpu_hybrid"), None, Optimizer(None, None))
     assert str(e2.value) == problem.message()
     # a plan placed on devices the topology lacks never reaches an executor (one that leaves
-    # some of them out may: tests/test_stage_shapes.py)
+    # some of them out may: tests/test_mpmd.py)
     with pytest.raises(PlanError, match="has 8 devices"):
         make_executor(good_plan(dp=2, device_order=(0, 1, 2, 8)), preset("cpu_hybrid"), None,
                       Optimizer(None, None))

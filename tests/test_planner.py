@@ -247,8 +247,10 @@ def test_a_fixed_layout_that_does_not_fit_is_flagged():
 def _holmes_pp2(fraction):
     from hetjax.planner.reference_runs import holmes_model
 
+    # no runtime reserve: the margin alone decides what is usable
     return plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, pp=2, tp=1,
-                schedule="gpipe", options=CostOptions(memory_fraction=fraction))
+                schedule="gpipe", options=CostOptions(memory_fraction=fraction,
+                                                      reserve_bytes={"a100": 0.0}))
 
 
 def test_zero_point_is_the_fastest_predicted_step_not_the_least_traffic():

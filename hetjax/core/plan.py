@@ -302,7 +302,10 @@ class Plan:
                     f"{','.join(names[:2])},.. ({len(names)})"
             if "stage_time_s" in pr:
                 row["time/micro-batch"] = _fmt_seconds(pr["stage_time_s"][s])
-                row["memory / capacity"] = (f"{gib(pr['stage_memory_gib'][s] * 2**30)} / "
+                need = pr["stage_memory_gib"][s]
+                band = (f" ± {gib(need * pr['memory_band'] * 2**30)}"
+                        if pr.get("memory_band") else "")
+                row["memory / capacity"] = (f"{gib(need * 2**30)}{band} / "
                                             f"{gib(pr['stage_capacity_gib'][s] * 2**30)}")
                 row["idle/step"] = _fmt_seconds(pr["stage_idle_s"][s])
             rows.append(row)
@@ -342,9 +345,17 @@ class Plan:
             return ""
         fits = "" if pr.get("fits", True) else " -- DOES NOT FIT in device memory"
         layout = f" ({pr['layout']})" if "layout" in pr else ""
-        return (f"predicted{layout}: step {_fmt_seconds(pr['step_time_s'])}, "
+        band = f" ± {_fmt_seconds(pr['step_band_s'])}" if pr.get("step_band_s") else ""
+        source = f" (compute: {pr['compute_source']})" if "compute_source" in pr else ""
+        line = (f"predicted{layout}: step {_fmt_seconds(pr['step_time_s'])}{band}{source}, "
                 f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {percent(pr['mfu'])}, "
                 f"bubble {percent(pr['bubble'], 3)}{fits}")
+        if pr.get("stage_reserve_gib") and max(pr["stage_reserve_gib"]) > 0:
+            line += (f"\n  memory kept aside per device: runtime reserve "
+                     f"{gib(max(pr['stage_reserve_gib']) * 2**30)} (context, collective "
+                     f"buffers, workspace, fragmentation), then a margin of "
+                     f"{percent(pr.get('memory_margin', 0.0))}")
+        return line
 
     def header(self) -> str:
         z = self.zero
@@ -782,3 +793,12 @@ class DilocoPlan:
     inner_lr_scale: float
     log_every: int
     steps: int
+
+
+def vocab_shards(plan) -> int:
+    """How many ways the embedding and head are split: the plan's tp, or for a DilocoPlan the
+    least common multiple of its sites' (`hetjax.core.model_config.vocab_rows` pads for it)."""
+    import math
+
+    plans = getattr(plan, "site_plans", None) or (plan,)
+    return math.lcm(*(p.tp for p in plans))

@@ -13,8 +13,10 @@ config.json key. JAX-free: `hetjax.config` imports it.
 from __future__ import annotations
 
 import json
+import math
 import os
 
+from hetjax.core.model_config import LIMITS
 from hetjax.errors import ConfigError, HetjaxError
 
 # The architecture keys of the published config.json files (huggingface.co/<repo>/config.json),
@@ -158,6 +160,24 @@ def model_fields(hf: dict, source: str) -> dict:
                "checkpoint without it"):
         raise ConfigError(source, f"config.json {key}: {problem}", fix)
 
+    def number(key: str, field: str | None = None, default=None, table=None, real=False):
+        """`table[key]` (default: the config; else the RoPE block) as an int (a float if
+        `real`), within hetjax's limit for `field` (LIMITS) when it has one; one ConfigError
+        naming the key otherwise."""
+        value = (hf if table is None else table).get(key)
+        key = key if table is None else f"{rope_key}.{key}"
+        value = default if value is None else value
+        if value is None:
+            refuse(key, "is missing", "give the config.json written with these weights")
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and (real or float(value).is_integer()) and math.isfinite(value))
+        hi = LIMITS.get(field or "")
+        if not ok or (not real and value < 1) or (real and value <= 0) or (hi and value > hi):
+            refuse(key, f"{value!r} is not {'a number > 0' if real else 'an integer >= 1'}"
+                   + (f" up to {hi:,}" if hi else ""),
+                   "give the config.json written with these weights")
+        return float(value) if real else int(value)
+
     mtype = hf.get("model_type")
     if mtype not in MODEL_TYPES:
         refuse("model_type", f"{mtype!r} is not one hetjax can load",
@@ -176,43 +196,56 @@ def model_fields(hf: dict, source: str) -> dict:
                        f"give model_type {' / '.join(MOE_TYPES)} for a mixture of experts")
     if hf.get("clip_qkv") is not None:
         refuse("clip_qkv", f"{hf['clip_qkv']}: hetjax does not clamp q/k/v")
-    max_len = int(hf.get("max_position_embeddings", 2048))
-    n_layers = int(hf["num_hidden_layers"])
-    window, full_layers = _windows(hf, mtype, n_layers, refuse)
+    max_len = number("max_position_embeddings", "max_seq_len", 2048)
+    n_layers = number("num_hidden_layers", "n_layers")
+    window, full_layers = _windows(hf, mtype, n_layers, refuse, number)
     # transformers >= 5 writes rope_parameters (theta inside); older files rope_scaling +
     # rope_theta.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    if not isinstance(rope, dict):
+        refuse(rope_key, f"{rope!r} is not an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         refuse("rope_scaling.rope_type", f"{rope_type!r} is not one hetjax implements",
                f"use a checkpoint with rope_type in {', '.join(ROPE_TYPES)}")
     if float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
         refuse("partial_rotary_factor", "hetjax rotates the whole head")
-    d, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    d, n_heads = number("hidden_size", "d_model"), number("num_attention_heads", "n_heads")
     out = dict(
-        vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        d_ff=int(hf["intermediate_size"]), max_seq_len=max_len,
-        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        vocab_size=number("vocab_size", "vocab_size"), d_model=d, n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=number("num_key_value_heads", "n_kv_heads", n_heads),
+        d_ff=number("intermediate_size", "d_ff"), max_seq_len=max_len,
+        rope_theta=number("rope_theta", default=rope.get("rope_theta", 10000.0), real=True),
+        norm_eps=number("rms_norm_eps", default=1e-6, real=True),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        head_dim=int(hf.get("head_dim") or d // n_heads), rope_type=rope_type,
-        rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-        rope_original_max_len=8192, sliding_window=window, full_attention_layers=full_layers,
+        head_dim=number("head_dim", "head_dim", max(1, d // n_heads)),
+        rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192, sliding_window=window,
+        full_attention_layers=full_layers,
         qkv_bias=mtype == "qwen2" or (mtype == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         qk_norm=_QK_NORM.get(mtype, "none"), n_experts=0)
     if mtype in MOE_TYPES:
-        out.update(_experts(hf, mtype, n_layers, refuse))
+        out.update(_experts(hf, mtype, refuse, number))
+    # transformers requires these keys of each scaling type (its rope validation names them)
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")}
+    for key in needs.get(rope_type, ()):
+        if key not in rope:
+            refuse(f"{rope_key}.{key}", f"is missing; {rope_type} RoPE scaling needs "
+                   f"{', '.join(needs[rope_type])}", "give the config.json written with these "
+                   "weights (transformers refuses it too)")
     if rope_type in ("linear", "llama3"):
-        out["rope_factor"] = float(rope["factor"])
+        out["rope_factor"] = number("factor", table=rope, real=True)
     if rope_type == "llama3":
-        out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_len=int(rope["original_max_position_embeddings"]))
+        out.update(rope_low_freq_factor=number("low_freq_factor", table=rope, real=True),
+                   rope_high_freq_factor=number("high_freq_factor", table=rope, real=True),
+                   rope_original_max_len=number("original_max_position_embeddings",
+                                                "max_seq_len", table=rope))
     return out
 
 
-def _experts(hf: dict, mtype: str, n_layers: int, refuse) -> dict:
+def _experts(hf: dict, mtype: str, refuse, number) -> dict:
     """The `model.*` MoE fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.
 
     transformers' load-balance loss (`load_balancing_loss_func`) is k times hetjax's on a layer
@@ -221,20 +254,21 @@ def _experts(hf: dict, mtype: str, n_layers: int, refuse) -> dict:
     multiplying them, hetjax averages the layers' losses)."""
     # Mixtral and OLMoE name the count either way; Qwen3-MoE files of transformers >= 5 write
     # num_local_experts, the published ones num_experts.
-    n = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
-    k = int(hf.get("num_experts_per_tok", 2))
-    if n < 1 or not 1 <= k <= n:
-        refuse("num_experts_per_tok", f"{k} of {n} experts", "give 1 <= k <= the experts")
-    width = int(hf["moe_intermediate_size"] if mtype in ("qwen2_moe", "qwen3_moe")
-                else hf["intermediate_size"])
+    count = "num_local_experts" if hf.get("num_local_experts") else "num_experts"
+    n, k = number(count, "n_experts"), number("num_experts_per_tok", default=2)
+    if k > n:
+        refuse("num_experts_per_tok", f"{k} is more than the {n} experts",
+               "give the config.json written with these weights")
+    width = number("moe_intermediate_size" if mtype in ("qwen2_moe", "qwen3_moe")
+                   else "intermediate_size", "d_ff")
     out = dict(n_experts=n, experts_per_token=k, moe_d_ff=width, shared_expert_d_ff=0,
                moe_shared_expert_gate=True, decoder_sparse_step=1, first_dense_layers=0,
                # Mixtral always renormalises its top-k weights; the others as configured
                # (transformers' default: no).
                moe_norm_topk_prob=mtype == "mixtral" or bool(hf.get("norm_topk_prob", False)),
-               moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * k)
+               moe_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0) * k)
     if mtype == "qwen2_moe":
-        out["shared_expert_d_ff"] = int(hf.get("shared_expert_intermediate_size", 5632))
+        out["shared_expert_d_ff"] = number("shared_expert_intermediate_size", "d_ff", 5632)
     if mtype in ("qwen2_moe", "qwen3_moe"):
         # layer i is MoE unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0;
         # hetjax's rule is the same with mlp_only_layers a leading run (first_dense_layers)
@@ -242,12 +276,12 @@ def _experts(hf: dict, mtype: str, n_layers: int, refuse) -> dict:
         if dense != list(range(len(dense))):
             refuse("mlp_only_layers", f"{dense}: hetjax keeps only the first layers dense "
                    "(model.first_dense_layers)", "use a checkpoint whose dense layers lead")
-        out.update(decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        out.update(decoder_sparse_step=number("decoder_sparse_step", "n_layers", 1),
                    first_dense_layers=len(dense))
     return out
 
 
-def _windows(hf: dict, mtype: str, n_layers: int, refuse) -> tuple[int, tuple]:
+def _windows(hf: dict, mtype: str, n_layers: int, refuse, number) -> tuple[int, tuple]:
     """(model.sliding_window, model.full_attention_layers) as transformers reads config.json:
     Mistral and Mixtral window every layer (Mistral's config defaults to 4096 when the key is
     absent); the Qwen families only with use_sliding_window: Qwen3-MoE every layer, Qwen2,
@@ -255,8 +289,10 @@ def _windows(hf: dict, mtype: str, n_layers: int, refuse) -> tuple[int, tuple]:
     writes it; older files: Qwen2 and Qwen3 from max_window_layers on, Qwen2-MoE the even layers
     below it); Llama and OLMoE never."""
     window = hf.get("sliding_window", _MISTRAL_WINDOW if mtype == "mistral" else None)
+    if window:  # transformers writes null or 0 for none
+        window = number("sliding_window", "max_seq_len")
     if mtype in ("mistral", "mixtral") or (mtype == "qwen3_moe" and hf.get("use_sliding_window")):
-        return (int(window), ()) if window else (0, ())
+        return (window, ()) if window else (0, ())
     if mtype not in ("qwen2", "qwen3", "qwen2_moe") or not hf.get("use_sliding_window"):
         return 0, ()
     types = hf.get("layer_types")
@@ -274,7 +310,7 @@ def _windows(hf: dict, mtype: str, n_layers: int, refuse) -> tuple[int, tuple]:
     full = tuple(i for i, t in enumerate(types) if t == "full_attention")
     if len(full) == n_layers:
         return 0, ()
-    return int(window), full
+    return window, full
 
 
 def preset_fields(name: str) -> dict:

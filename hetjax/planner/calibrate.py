@@ -18,6 +18,7 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.planner import compute as ck
+from hetjax.planner.compute_profile import ComputeProfile, ProfileRow
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions
 from hetjax.planner.fit_range import FitRange, link_kinds
 from hetjax.planner.network import LinkFit
@@ -45,7 +46,7 @@ class ComputeRow:
     one n x n x n matmul (batch = seq_len = n) of `params` FLOPs in `fwd_s`;
     "attention:<impl>", causal attention of the model's heads, forward and pure backward,
     `params` its forward FLOPs over the full square; "memory", a stream moving `params`
-    bytes in `fwd_s`."""
+    bytes in `fwd_s`. `spread`: the repeated samples' (max - min) / mean (0: not kept)."""
 
     kind: str
     batch: int
@@ -55,6 +56,7 @@ class ComputeRow:
     peak_tflops: float = 0.0
     part: str = "block"
     params: int = 0
+    spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class Calibration:
     # "gloo" / "mpi": CPU processes joined by that library, whose sends do not wait for the
     # receiver; else the platform ("cpu" in one process, "gpu": NCCL)
     collectives: str = ""
+    # compute profile rows measured beyond the block rows: the layer at TP degrees > 1, with
+    # peak and kept bytes (hetjax/planner/compute_profile.py)
+    profile_rows: tuple[ProfileRow, ...] = ()
 
     # --- fits --------------------------------------------------------------------------------
     def rows(self, part: str) -> list[ComputeRow]:
@@ -148,6 +153,26 @@ class Calibration:
             out[kind] = dataclasses.replace(rates, flash=flash)
         return out
 
+    def profile(self) -> ComputeProfile | None:
+        """The measurements as a compute profile: each "block" row a layer at tp 1 (no
+        recompute), each "staged:<policy>" row the layer as the pipelines run it under that
+        policy, each "head" row the head (with the embedding: measured together), and the
+        profile rows measured at other TP degrees. None without compute rows."""
+        rows = list(self.profile_rows)
+        for r in self.compute:
+            staged = r.part.startswith(STAGED)
+            if r.part not in ("block", "head") and not staged:
+                continue
+            rows.append(ProfileRow(
+                accelerator=r.kind, piece="head" if r.part == "head" else "layer", tp=1,
+                tokens=r.batch * r.seq_len, seq_len=r.seq_len, fwd_s=r.fwd_s, bwd_s=r.bwd_s,
+                recompute=r.part[len(STAGED):] if staged else "none", spread=r.spread,
+                pipelined=staged))
+        if not rows:
+            return None
+        return ComputeProfile(tuple(rows), ComputeProfile.of_model(self.model),
+                              f"hetjax calibrate on {self.topology.name}")
+
     def update_rates(self) -> dict[str, float]:
         """Per accelerator kind, seconds of the optimizer update per parameter."""
         return {r.kind: r.fwd_s / r.params for r in self.rows("update") if r.params}
@@ -204,7 +229,7 @@ class Calibration:
                                    head_curves=self.curves("head"),
                                    staged_curves=self.staged_curves(),
                                    update_s_per_param=self.update_rates(),
-                                   link_fits=self.link_fits(), **extra)
+                                   link_fits=self.link_fits(), profile=self.profile(), **extra)
 
     # --- measured against modelled ------------------------------------------------------------
     def compute_table(self) -> list[dict]:
@@ -330,6 +355,7 @@ class Calibration:
                 "compute": [dataclasses.asdict(r) for r in self.compute],
                 "links": [dataclasses.asdict(r) for r in self.links],
                 "processes": self.processes, "collectives": self.collectives,
+                "profile_rows": [dataclasses.asdict(r) for r in self.profile_rows],
                 "fitted": {"curves": {k: dataclasses.asdict(c) for k, c in self.curves().items()},
                            "link_fits": {k: {op: dataclasses.asdict(f) for op, f in v.items()}
                                          for k, v in self.link_fits().items()},
@@ -350,7 +376,8 @@ class Calibration:
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
-                int(d.get("processes", 1)), str(d.get("collectives", "")))
+                int(d.get("processes", 1)), str(d.get("collectives", "")),
+                tuple(ProfileRow(**r) for r in d.get("profile_rows", ())))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None

@@ -27,7 +27,8 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.core.plan import Plan, ZeroFactors, effective_remat, schedule_problem
-from hetjax.planner import compute as ck, memory as mem, zero_factors as zr
+from hetjax.planner import band, compute as ck, memory as mem, zero_factors as zr
+from hetjax.planner.compute_profile import ComputeProfile, Estimate
 from hetjax.planner.layout import Layout
 from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
@@ -186,6 +187,13 @@ class CostOptions:
     compute: str = "flat"
     kernel_rates: dict[str, ck.KernelRates] = field(default_factory=dict)
     attention: str = "auto"
+    # A measured compute profile (hetjax/planner/compute_profile.py: per accelerator kind,
+    # piece, TP degree, tokens and recompute policy): used before everything above for the
+    # accelerator kinds it has rows of; its layer times include their TP collectives.
+    profile: ComputeProfile | None = None
+    # Bytes per device the runtime spends outside the step, by accelerator name, instead of
+    # the vendor's reserve (hetjax/planner/memory.py RESERVES).
+    reserve_bytes: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.compute not in COMPUTE_MODELS:
@@ -225,6 +233,11 @@ class StageCost:
     padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
     update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
     update_fixed: float = 0.0
+    reserve: float = 0.0  # the runtime's bytes per device (outside `memory`, off capacity)
+    mem_measured: bool = False  # activations from a profile's measured bytes
+    source: str = "flat"  # what priced its compute (see _Slot)
+    spread: float = 0.0
+    distance: float = 1.0
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -270,10 +283,19 @@ class _Slot:
     logits: float
     shared_everywhere: bool  # embedding and head on every stage (hetjax executor)
     capacity: float
+    reserve: float  # the runtime's bytes, taken off the device's memory before capacity
     label: str
     update_layer: float = 0.0  # optimizer update of one layer slot's parameter shard
     update_embed: float = 0.0
     update_head: float = 0.0
+    embed_fwd: float = 0.0  # measured embedding (a profile's "embedding" rows), first stage
+    embed_bwd: float = 0.0
+    # where the compute prices came from, the measurements' spread and how far they were
+    # extrapolated (Estimate.distance; 1: inside the measured range)
+    source: str = "flat"
+    spread: float = 0.0
+    distance: float = 1.0
+    mem_measured: bool = False
 
 
 @dataclass(frozen=True)
@@ -292,6 +314,14 @@ class Prediction:
     padding_bytes: float  # memory of padded layer slots on the most padded stage
     dp_links: tuple[str, ...]  # slowest link of each stage's DP groups
     pp_links: tuple[str, ...]  # slowest link of each stage boundary
+    # the band (hetjax/planner/band.py): step time +- step_band seconds, memory +- memory_band
+    # of itself; what priced the compute, and the farthest extrapolation of a profile
+    step_band: float = 0.0
+    memory_band: float = 0.0
+    compute_source: str = "flat"
+    extrapolation: float = 1.0
+    stage_reserve: tuple[float, ...] = ()  # the runtime's bytes per device, off capacity
+    memory_margin: float = 0.0  # share of what remains after the reserve left free
 
     @property
     def fits(self) -> bool:
@@ -308,7 +338,10 @@ class Prediction:
             "stage_capacity_gib": [c / gib for c in self.stage_capacity],
             "sync_exposed_s": list(self.sync_exposed), "padding_gib": self.padding_bytes / gib,
             "dp_links": list(self.dp_links), "pp_links": list(self.pp_links),
-            "fits": self.fits,
+            "fits": self.fits, "step_band_s": self.step_band, "memory_band": self.memory_band,
+            "compute_source": self.compute_source, "extrapolation": self.extrapolation,
+            "stage_reserve_gib": [r / gib for r in self.stage_reserve],
+            "memory_margin": self.memory_margin,
         }
 
 
@@ -321,6 +354,10 @@ class CostModel:
         self.model = model
         self.options = options or CostOptions()
         o = self.options
+        # a profile of another model shape prices nothing of this one (a calibration file
+        # measured on another model still lends its curves and links)
+        self._profile = (o.profile if o.profile is not None and o.profile.mismatch(model) is None
+                         else None)
         self.network = net = Network(topology, o.share_nics, o.collectives, o.link_fits)
         # the network's pricing, as the cost model's (the search and the calibration ask it)
         self.collective, self.collective_choice = net.collective, net.collective_choice
@@ -491,6 +528,13 @@ class CostModel:
             self.model, seq_len, tp, remat or effective_remat(self.model.remat),
             self.attention, 4.0 if cpu else self.act_bytes, cpu=cpu)
 
+    def reserve_bytes(self, acc: Accelerator, memory_bytes: float) -> float:
+        """What the runtime spends on a device of `acc` outside the step (CostOptions.
+        reserve_bytes, else the vendor's `memory.RuntimeReserve`)."""
+        if acc.name in self.options.reserve_bytes:
+            return float(self.options.reserve_bytes[acc.name])
+        return mem.runtime_reserve(acc.vendor).bytes(memory_bytes)
+
     def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
         """Transient bytes per device beyond states and kept activations: the buffers of the
         layer running its backward (its recompute under 'dots' / 'full'), one micro-batch.
@@ -536,10 +580,14 @@ class CostModel:
         tok, tp, M, N = (layout.tokens_per_device(), layout.tp, layout.microbatches,
                          self.model.n_layers)
         remat, staged = self.remat_of(layout), self.runs_staged(layout)
-        per_layer = min(tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat,
-                                                               tok / tp, staged=staged, tp=tp))
-                        / tp
-                        for a in set(self._cluster_accel))
+        def alone(a: Accelerator) -> float:
+            est = self.profile_estimate(a, layout, "layer", remat, staged)
+            if est is not None:
+                return est.fwd_s + est.bwd_s
+            return tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
+                                                          staged=staged, tp=tp)) / tp
+
+        per_layer = min(alone(a) for a in set(self._cluster_accel))
         return per_layer * max(M * N / layout.pp, N + M - 1)
 
     def pipelined_by_hetjax(self, layout: Layout) -> bool:
@@ -573,6 +621,43 @@ class CostModel:
         """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
         return self.pipelined_by_hetjax(layout) and self.options.lockstep
 
+    def profile_estimate(self, acc: Accelerator, layout: Layout, piece: str,
+                         remat: str = "none", staged: bool = False) -> Estimate | None:
+        """The compute profile read for `piece` on `acc` at this layout's TP degree, tokens
+        per device and sequence length (None: no profile, or no rows of this kind)."""
+        prof = self._profile
+        if prof is None:
+            return None
+        return prof.lookup(acc.name, piece, layout.tp, layout.tokens_per_device(),
+                           layout.seq_len, remat, staged)
+
+    def layer_times(self, acc: Accelerator, layout: Layout, remat: str, staged: bool
+                    ) -> tuple[float, float, Estimate | None]:
+        """(forward, backward) seconds of one layer on one device of `acc` for one
+        micro-batch, and the profile's estimate when a profile priced it (its times include
+        the TP collectives; the flat model's do not)."""
+        est = self.profile_estimate(acc, layout, "layer", remat, staged)
+        if est is not None:
+            return est.fwd_s, est.bwd_s, est
+        tok, tp = layout.tokens_per_device(), layout.tp
+        lf, lb = self.layer_seconds_per_token(acc, layout.seq_len, remat, tok / tp,
+                                              staged=staged, tp=tp)
+        return tok * lf / tp, tok * lb / tp, None
+
+    def piece_times(self, acc: Accelerator, layout: Layout, piece: str
+                    ) -> tuple[float, float, Estimate | None]:
+        """(forward, backward) seconds of the head ("head": final norm, output projection and
+        loss; without a profile the embedding's time is counted in it) or the embedding on
+        one device of `acc` for one micro-batch."""
+        est = self.profile_estimate(acc, layout, piece)
+        if est is not None:
+            return est.fwd_s, est.bwd_s, est
+        if piece == "embedding":
+            return 0.0, 0.0, None
+        tok, tp = layout.tokens_per_device(), layout.tp
+        hf, hb = self.head_seconds_per_token(acc, tok / tp, tp)
+        return tok * hf / tp, tok * hb / tp, None
+
     def _price_slots(self, layout: Layout) -> list["_Slot"]:
         m, o, sb, f = self.model, self.options, self.state_bytes, layout.zero
         zr.check(f, layout.dp)
@@ -596,25 +681,41 @@ class CostModel:
                 slots.append(self._stage_slot_cache[base, stage_key])
                 continue
             ranks = mesh[s].ravel()
-            accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
-            # A stage is as slow as its slowest device.
-            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
-                                                          staged=staged, tp=tp)
-                             for a in accs], axis=0)
-            hf, hb = np.max([self.head_seconds_per_token(a, tok / tp, tp) for a in accs], axis=0)
+            accs = sorted({self._cluster_accel[c] for c in np.unique(self._cluster[ranks])},
+                          key=lambda a: a.name)
             # each device updates its shard of the optimizer state (1 / s_os of its parameters)
             upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
-            cf, cb = tok * lf / tp, tok * lb / tp
-            # Megatron TP: two all-reduces of the activations in each of forward and backward.
+            # Megatron TP: two all-reduces of the activations in each of forward and backward
+            # (a profile's layer times include them: the layer as it ran).
             tp_ar = 2 * self.collective("all_reduce", tok * m.d_model * self.act_bytes, mesh[s])
+            # A stage is as slow as its slowest device.
+            priced = [self.layer_times(a, layout, remat, staged) for a in accs]
+            est = [e for _, _, e in priced if e is not None]
+            cf = max(c for c, _, _ in priced)
+            cb = max(c for _, c, _ in priced)
+            lf = max(c + (0.0 if e is not None else tp_ar) for c, _, e in priced)
+            lb = max(c + (0.0 if e is not None else tp_ar) for _, c, e in priced)
+            heads = [self.piece_times(a, layout, "head") for a in accs]
+            embeds = [self.piece_times(a, layout, "embedding") for a in accs]
+            est += [e for _, _, e in heads + embeds if e is not None]
             dp_groups = mesh[s].T  # [tp, dp]
             z, ze, zh = (self.zero_times(f, x, dp_groups) for x in (layer_p, embed_p, head_p))
             cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
             kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
+            transient = self.temporary_bytes(layout, remat, cpu)
+            smallest = float(self._memory[ranks].min())
+            reserve = max(self.reserve_bytes(a, smallest) for a in accs)
+            measured = [e for _, _, e in priced if e is not None and e.peak_bytes > 0]
+            if measured and len(measured) == len(priced):  # every device's layer measured
+                kept = max(e.kept_bytes for e in measured) or kept
+                transient = max(max(e.peak_bytes - e.kept_bytes, 0.0) for e in measured)
+            kinds = sorted(a.name for a, (_, _, e) in zip(accs, priced) if e is None)
+            source = ("profile" if not kinds else
+                      "profile + flat " + "/".join(kinds) if est else "flat")
             slots.append(_Slot(
-                fwd_layer=cf + tp_ar + exposed(z.gather, cf, o.overlap),
-                bwd_layer=cb + tp_ar + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
-                                               cb, o.overlap),
+                fwd_layer=lf + exposed(z.gather, cf, o.overlap),
+                bwd_layer=lb + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
+                                       cb, o.overlap),
                 sync_layer=z.sync + z.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
                 # hetjax stashes each layer's residuals (its input under remat 'full') in
@@ -626,8 +727,12 @@ class CostModel:
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
                 # (in mem_slot). Temporaries: the buffers of the layer in its backward.
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
-                          else 0.0) + self.temporary_bytes(layout, remat, cpu),
-                head_fwd=tok * hf / tp, head_bwd=tok * hb / tp,
+                          else 0.0) + transient,
+                head_fwd=max(h for h, _, _ in heads), head_bwd=max(h for _, h, _ in heads),
+                embed_fwd=max(h for h, _, _ in embeds), embed_bwd=max(h for _, h, _ in embeds),
+                source=source, spread=max((e.spread for e in est), default=0.0),
+                mem_measured=bool(measured) and len(measured) == len(priced),
+                distance=max((e.distance for e in est), default=1.0),
                 embed_sync=ze.sync + ze.refresh,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
                 head_sync=zh.sync + zh.refresh,
@@ -636,7 +741,8 @@ class CostModel:
                 logits=tok * mem.head_bytes_per_token(m, tp, remat),
                 # folded: embedding and head only on device 0 (it runs both end chunks)
                 shared_everywhere=hetjax and not layout.folded,
-                capacity=float(self._memory[ranks].min()) * o.memory_fraction,
+                reserve=reserve,
+                capacity=(float(self._memory[ranks].min()) - reserve) * o.memory_fraction,
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
             self._stage_slot_cache[base, stage_key] = slots[-1]
@@ -672,7 +778,8 @@ class CostModel:
         head = last or slot.shared_everywhere
         return StageCost(
             fwd_layer=slot.fwd_layer, bwd_layer=slot.bwd_layer,
-            fwd_fixed=slot.head_fwd if last else 0.0, bwd_fixed=slot.head_bwd if last else 0.0,
+            fwd_fixed=(slot.head_fwd if last else 0.0) + (slot.embed_fwd if first else 0.0),
+            bwd_fixed=(slot.head_bwd if last else 0.0) + (slot.embed_bwd if first else 0.0),
             sync_layer=slot.sync_layer,
             sync_fixed=(slot.embed_sync if embed else 0.0) + (slot.head_sync if head else 0.0)
             + (shared if slot.shared_everywhere or first or last else 0.0),
@@ -683,7 +790,9 @@ class CostModel:
             padded=self.options.executor != "mpmd",
             update_slot=slot.update_layer,
             update_fixed=(slot.update_embed if embed else 0.0)
-            + (slot.update_head if head else 0.0))
+            + (slot.update_head if head else 0.0),
+            reserve=slot.reserve, mem_measured=slot.mem_measured, source=slot.source,
+            spread=slot.spread, distance=slot.distance)
 
     @staticmethod
     def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
@@ -771,8 +880,21 @@ class CostModel:
             sync_exposed=_floats(sim.sync_exposed),
             padding_bytes=float(max(c.memory(n, lmax) - c.memory(n, n)
                                     for c, n in zip(stages, layers))),
-            dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links))
+            dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links),
+            stage_reserve=_floats(c.reserve for c in stages),
+            memory_margin=1.0 - self.options.memory_fraction, **self._band(stages, step))
         return (pred, sim) if with_events else pred
+
+    @staticmethod
+    def _band(stages: Sequence[StageCost], step: float) -> dict[str, Any]:
+        sources = sorted({c.source for c in stages})
+        source = sources[0] if len(sources) == 1 else " / ".join(sources)
+        distance = max(c.distance for c in stages)
+        spread = max(c.spread for c in stages)
+        measured = all(c.mem_measured for c in stages)
+        return dict(step_band=step * band.step_band(source, spread, distance),
+                    memory_band=band.memory_band(measured, spread), compute_source=source,
+                    extrapolation=distance)
 
 
 class StageTable:

@@ -235,6 +235,9 @@ def site_config(c, n_sites: int):
     sc.parallel.pp = 1
     sc.pipeline.stage_layers = ()
     sc.parallel.dp = 0
+    # a site's own layout: one stage, on its sub-topology's devices (validation refuses
+    # per-stage degrees and devices left out under DiLoCo)
+    sc.parallel.stage_dp = sc.parallel.stage_tp = sc.parallel.exclude = ()
     return sc
 
 
