@@ -290,7 +290,7 @@ def _windows(hf: dict, mtype: str, n_layers: int, refuse, number) -> tuple[int, 
     below it); Llama and OLMoE never."""
     window = hf.get("sliding_window", _MISTRAL_WINDOW if mtype == "mistral" else None)
     if window:  # transformers writes null or 0 for none
-        window = number("sliding_window", "max_seq_len")
+        window = number("sliding_window", "max_seq_len", window)
     if mtype in ("mistral", "mixtral") or (mtype == "qwen3_moe" and hf.get("use_sliding_window")):
         return (window, ()) if window else (0, ())
     if mtype not in ("qwen2", "qwen3", "qwen2_moe") or not hf.get("use_sliding_window"):
