@@ -5,7 +5,8 @@ Each fixture is a directory as `save_pretrained` writes it (config.json, sharded
 model-*.safetensors + model.safetensors.index.json) plus `reference.npz` holding fixed `tokens`
 and transformers' float32 `logits` for them; for a mixture of experts also every MoE layer's
 `router_logits` [layers, tokens, experts] and `aux_loss` (transformers'
-`load_balancing_loss_func` over them; `aux_loss_per_layer`: over each layer's alone); with a `generate` entry a `prompt` and the tokens
+`load_balancing_loss_func` over them; `aux_loss_per_layer`: over each layer's
+alone); with a `generate` entry a `prompt` and the tokens
 transformers' greedy `generate` continues it with (`generated`), and `min_margin`, the smallest
 gap between the best and the second-best logit along the way (a prompt is drawn again until it
 is at least MARGIN, so float32 rounding cannot flip a choice). Mixtures of experts are held to

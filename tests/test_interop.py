@@ -182,7 +182,8 @@ def test_hf_config_round_trips_through_model_fields():
             "model_type"]
         assert hf_config.model_fields(hf, "x") == fields
     m = ModelConfig(**{**fields, "qk_norm": "all_heads"})
-    with pytest.raises(HetjaxError, match="model.qk_norm: 'all_heads' in a dense model, which no transformers model"):
+    with pytest.raises(HetjaxError, match="model.qk_norm: 'all_heads' in a dense model, which "
+                       "no transformers model"):
         hf_config.hf_config(m)
 
 
