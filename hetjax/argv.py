@@ -10,7 +10,8 @@ import os
 from hetjax.errors import HetjaxError
 
 # hetjax calibrate's own flags (hetjax launch --command=calibrate passes them to its workers)
-CALIBRATE_OPTIONS = ("out", "plot", "batches", "seq_lens", "sizes", "repeats", "min_sample")
+CALIBRATE_OPTIONS = ("out", "plot", "profile", "batches", "seq_lens", "sizes", "repeats",
+                     "min_sample")
 CALIBRATE_FLAGS = ("--quick",)  # and its switches
 
 

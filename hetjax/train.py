@@ -44,7 +44,7 @@ import optax
 
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
-from hetjax.corpus_size import check_corpus_size
+from hetjax.corpus_size import check_corpus_size, source_line
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
@@ -361,7 +361,9 @@ class Trainer:
         from hetjax.layers.model import Transformer
 
         single = isinstance(prompts, str)
-        ids = [self.tokenizer.encode(p).tolist() for p in ([prompts] if single else prompts)]
+        prompts = [prompts] if single else list(prompts)
+        # as training documents begin: BOS first when the tokenizer adds it
+        ids = [self.tokenizer.encode_document(p).tolist() for p in prompts]
         for name, v, ok in (("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
                             ("temperature", temperature, temperature >= 0),
                             ("top_k", top_k, top_k >= 0), ("top_p", top_p, 0 < top_p <= 1)):
@@ -369,7 +371,7 @@ class Trainer:
                 raise HetjaxError(f"{name} = {v} is out of range; use max_new_tokens >= 1, "
                                   "temperature >= 0 (0: greedy), top_k >= 0 (0: all), "
                                   "0 < top_p <= 1 (1: all)")
-        if not all(ids):
+        if not all(prompts):
             raise HetjaxError("an empty prompt has nothing to continue; give at least one "
                               "character")
         longest = max(map(len, ids)) + max_new_tokens
@@ -487,18 +489,8 @@ class Trainer:
                         else "") + f", {m.dtype} compute")
         lines.append(f"attention: {self.attention}"
                      + (", document masks" if self.config.data.document_mask else ""))
-        lines.append(self.data_line())
+        lines.append(source_line(self.config.data))
         return "\n".join(lines)
-
-    def data_line(self) -> str:
-        """What the run reads: the source, the tokenizer and the held-out share."""
-        d = self.config.data
-        what = (f"data.path {d.path!r}" + (f" weighted {d.weights}" if d.weights else "")
-                if d.source == "files" else
-                f"{hconfig.SOURCE_TEXT[d.source]} (data.source = {d.source})")
-        held = (f", {d.eval_fraction:g} of the documents held out for evaluation"
-                if d.source != "synthetic" else "")
-        return f"data: {what}, tokenizer {d.tokenizer}{held}"
 
     def _repr_html_(self) -> str:
         """Notebooks: the topology and plan tables, the device map and simulated timeline as
@@ -811,7 +803,7 @@ class Trainer:
         p = self.plan
         since = f" since step {resumed}" if resumed is not None else ""
         return (f"{self.model_cfg.num_params / 1e6:.2f}M parameters on {self.topology.name}: "
-                f"pp={p.pp} dp={p.dp} tp={p.tp}{since}")
+                f"pp={p.pp} {p.degrees()}{since}")
 
     def _complete(self, total: int, resumed: int | None) -> RunSummary:
         """The summary of a run that is already at step `total`: from its metrics file."""

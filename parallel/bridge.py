@@ -108,7 +108,7 @@ def _kind_of(key: int) -> str:
 def name_os_thread(name: str) -> None:
     """Give the calling thread an OS name (Linux prctl PR_SET_NAME, 15 characters kept):
     Python 3.11 names only its own Thread objects, and per-thread CPU accounting (top -H,
-    /proc/<tid>/comm; scripts/bench_diloco.py --testbed) needs the bridge's threads told
+    /proc/<tid>/comm; scripts/bench/diloco.py --testbed) needs the bridge's threads told
     apart from XLA's and the main thread. A no-op where prctl is unavailable."""
     try:
         import ctypes

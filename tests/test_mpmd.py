@@ -142,6 +142,11 @@ def staged_config(stage_dp, stage_tp, microbatches=2, **extra):
 STAGED = [
     pytest.param((1, 2), (2, 1), {"parallel.exclude": (2, 3, 6, 7)}, id="tp2dp1-tp1dp2-subset"),
     pytest.param((2, 4), (2, 1), {}, id="tp2dp2-tp1dp4", marks=pytest.mark.slow),
+    # optimizer states sharded over 2 of each stage's replicas (a factor of both stages' dp)
+    pytest.param((2, 2), (1, 2), {"topology.preset": "cpu_single", "parallel.exclude": (6, 7),
+                                  "topology.devices_per_node": 8, "zero.preset": "custom",
+                                  "zero.s_os": 2}, id="tp1dp2-tp2dp2-zero-os2",
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -154,7 +159,8 @@ def test_stages_with_their_own_shapes_give_the_plain_models_loss_and_gradients(
     plan = trainer.plan
     assert plan.shapes() == tuple(zip(stage_dp, stage_tp))
     for st, (dp, tp) in zip(trainer.executor.stages, plan.shapes()):
-        assert (st.mesh.shape["dp"], st.mesh.shape["tp"]) == (dp, tp)
+        replicas = st.mesh.shape["dp"] * st.mesh.shape["dp_os"] * st.mesh.shape["dp_p"]
+        assert (replicas, st.mesh.shape["tp"]) == (dp, tp)
         assert sorted(d.id for d in st.mesh.devices.flat) == st.ex.plan.stage_ranks(st.index)
     if "parallel.exclude" in extra:
         assert plan.unused_ranks(trainer.topology) == list(extra["parallel.exclude"])

@@ -221,6 +221,9 @@ BAD_FILES = [
     ("text for a rate", "clusters[1].nic.bandwidth_gbps", "25",
      "clusters[1].nic.bandwidth_gbps: must be a number, got '25'; fix: write a number without "
      "quotes: the link's nominal rate per direction in Gbit/s, e.g. 25"),
+    ("a rate too large for a float", "clusters[1].nic.bandwidth_gbps", 10**400,
+     "clusters[1].nic.bandwidth_gbps: must be a finite number, got a number of 401 digits; fix: "
+     "give the link's nominal rate per direction in Gbit/s, e.g. 25"),
     ("negative rate", "clusters[1].nic.bandwidth_gbps", -25,
      "clusters[1].nic.bandwidth_gbps: must be > 0 Gbit/s, got -25; fix: give the link's nominal "
      "rate per direction in Gbit/s, e.g. 25"),
@@ -382,6 +385,18 @@ def test_writing_keeps_catalogue_names_and_spells_out_the_rest():
                                                  intra=topo.LINKS["nvlink3_bridge"]),), None)
     assert isinstance(json.loads(topo.topology_to_json(wide))["clusters"][0]["intra_node"], dict)
     assert topo.topology_from_json(topo.topology_to_json(wide)) == wide
+
+
+def test_writing_a_topology_leaves_only_the_named_file(tmp_path):
+    import os
+
+    path = tmp_path / "out" / "t.json"
+    path.parent.mkdir()
+    t = topo.preset("holmes_hybrid")
+    assert topo.write_topology(t, str(path)) == str(path)
+    assert topo.write_topology(t, str(path)) == str(path)  # over an older one
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(path.parent) == ["t.json"]
+    assert topo.read_topology(str(path)) == t
 
 
 @pytest.mark.parametrize("name", sorted(topo.PRESETS))

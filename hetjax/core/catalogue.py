@@ -16,7 +16,7 @@ from hetjax.core.hardware import Accelerator, Cluster, Link, NicSettings
 # bidirectionally (A100: 600 GB/s = 300 GB/s each way = 2,400 Gbit/s).
 # Efficiency = achieved / nominal bandwidth under NCCL collectives: InfiniBand, RoCE and
 # Ethernet fitted on Holmes Table 1 at 200 / 200 / 25 Gb/s (`hetjax.planner.calibrate.
-# fit_fabrics`, `python scripts/bench_planner.py calibrate`) and assumed the same at a fabric's
+# fit_fabrics`, `python scripts/bench/planner.py calibrate`) and assumed the same at a fabric's
 # other rates; NVLink from NCCL's own tuning model, which caps an A100's NVLink bus bandwidth at
 # 235 of its 300 GB/s, assumed for every NVLink generation and bridge; PCIe unmeasured (1.0).
 # Latencies are nominal per fabric. Without peer-to-peer (p2p=False) a PCIe link's traffic is

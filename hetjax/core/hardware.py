@@ -47,7 +47,11 @@ def _number(value, owner: str, field: str, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _refuse(owner, field, f"must be a number, got {value!r}",
                 f"write a number without quotes: {what}")
-    if not math.isfinite(value):
+    try:  # an integer too large for a float (JSON allows any number of digits) is refused too
+        finite = math.isfinite(value)
+    except OverflowError:
+        finite, value = False, f"a number of {len(str(value))} digits"
+    if not finite:
         _refuse(owner, field, f"must be a finite number, got {value}", f"give {what}")
 
 

@@ -357,14 +357,19 @@ class Plan:
                      f"{percent(pr.get('memory_margin', 0.0))}")
         return line
 
+    def degrees(self) -> str:
+        """The data- and tensor-parallel degrees in words: "dp=2 tp=1", or with per-stage
+        shapes "dp,tp per stage: 1x2 2x1"."""
+        if self.uniform:
+            return f"dp={self.dp} tp={self.tp}"
+        return "dp,tp per stage: " + " ".join(f"{d}x{t}" for d, t in self.stage_shapes)
+
     def header(self) -> str:
         z = self.zero
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
         executor += f"  placement={self.placement}" if self.placement != "looped" else ""
         executor += f"  remat={self.remat}" if self.remat else ""
-        degrees = (f"dp={self.dp} tp={self.tp}" if self.uniform else
-                   "dp,tp per stage: " + " ".join(f"{d}x{t}" for d, t in self.stage_shapes))
-        return (f"plan ({self.source}): pp={self.pp} {degrees}  "
+        return (f"plan ({self.source}): pp={self.pp} {self.degrees()}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")

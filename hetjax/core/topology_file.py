@@ -355,9 +355,13 @@ def write_topology(t: Topology, path: str) -> str:
     """Write `t` as a topology file at `path` (the caller checked the path); returns it."""
     text = topology_to_json(t)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)  # a reader never sees half a file
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # a reader never sees half a file
+    finally:
+        if os.path.exists(tmp):  # a failed write (a full disk) leaves nothing behind
+            os.remove(tmp)
     return path
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from hetjax.errors import HetjaxError
 from hetjax.files import copy_file, replace_file
 from hetjax.interop import hf_config
+from hetjax.noise import quiet_absl
 from hetjax.interop.safetensors_files import SafetensorsDir, write_file
 
 # Tokenizer files an HF directory may carry; copied into exports as they are.
@@ -371,13 +372,15 @@ def export_checkpoint(checkpoint: str, out: str, *, max_shard_bytes: int = 2 << 
     # Every array onto this process's first device: the export writes from one host.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     ckptr = ocp.StandardCheckpointer()
-    tree = ckptr.metadata(os.path.join(step_dir, "state"))
+    with quiet_absl():  # orbax: "Metadata file does not exist" (the step's, one level up)
+        tree = ckptr.metadata(os.path.join(step_dir, "state"))
     # orbax >= 0.11 wraps the tree in StepMetadata.item_metadata(.tree); older returns it bare.
     tree = getattr(tree, "item_metadata", tree)
     tree = getattr(tree, "tree", tree)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           tree)
-    params = ckptr.restore(os.path.join(step_dir, "state"), target)["params"]
+    with quiet_absl():
+        params = ckptr.restore(os.path.join(step_dir, "state"), target)["params"]
     rows = params["embedder"]["embedding"].shape[0]
     m = dataclasses.replace(ModelConfig.from_config(ml_collections.ConfigDict(model), rows),
                             vocab_rows=rows)

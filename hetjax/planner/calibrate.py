@@ -4,19 +4,20 @@
 accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and a `LinkFit`
 per link class and operation (`options()`), compares measured with modelled times
 (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names. The
-testbed's benches (scripts/bench_het*.py) calibrate with it like a user would. The fits on
+testbed's benches (scripts/bench/het*.py) calibrate with it like a user would. The fits on
 published runs are hetjax/planner/reference_runs.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetjax.errors import PlanError
+from hetjax.errors import PlanError, TopologyValueError
 from hetjax.planner import compute as ck
 from hetjax.planner.compute_profile import ComputeProfile, ProfileRow
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions
@@ -364,6 +365,8 @@ class Calibration:
 
     @staticmethod
     def from_dict(d: dict) -> "Calibration":
+        """A calibration from its file's JSON; every value is checked (`_checked`) before
+        anything is built from it, a bad one named by its JSON path."""
         from hetjax.core.model_config import ModelConfig
 
         try:
@@ -371,16 +374,138 @@ class Calibration:
                 raise TypeError(f"the file holds a JSON {type(d).__name__}, not an object")
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
+            try:
+                topology = topology_from_dict(d["topology"])
+            except TopologyValueError as e:
+                raise _Malformed(f"topology.{e.where}: {e.problem}") from None
+            d = _checked(d, topology.num_devices)
             return Calibration(
-                topology_from_dict(d["topology"]), ModelConfig(**d["model"]),
+                topology, ModelConfig(**d["model"]),
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
                 int(d.get("processes", 1)), str(d.get("collectives", "")),
                 tuple(ProfileRow(**r) for r in d.get("profile_rows", ())))
+        except _Malformed as e:
+            raise PlanError(f"not a hetjax calibration file ({e}); write one with "
+                            "'hetjax calibrate'") from None
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None
+
+
+# --- checking a calibration file before anything is built from it ------------------------------
+# A file larger than this is refused unread (hetjax calibrate writes tens of kB).
+MAX_CALIBRATION_BYTES = 64 * 2**20
+MAX_COUNT = 2**53  # token counts, parameters and bytes: exact as floats
+MODEL_SIZES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+               "max_seq_len")
+# What each compute part divides by (ComputeRow's docstring): those values must be > 0.
+_TIMED = ("block", "head")  # and the staged parts
+_SIZED = ("matmul", "memory")  # and the attention parts
+
+
+class _Malformed(ValueError):
+    """A value of a calibration file at a JSON path is unusable (the message names it)."""
+
+
+def _number(v, where: str, positive: bool) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Malformed(f"{where}: must be a finite number, got {v!r}")
+    try:  # an integer too large for a float (JSON allows any number of digits) is refused too
+        finite = math.isfinite(v)
+    except OverflowError:
+        finite, v = False, f"a number of {len(str(v))} digits"
+    if not finite:
+        raise _Malformed(f"{where}: must be a finite number, got {v}")
+    if v < 0 or (positive and v == 0):
+        raise _Malformed(f"{where}: must be {'> 0' if positive else '>= 0'}, got {v}")
+    return float(v)
+
+
+def _whole(v, where: str, positive: bool) -> int:
+    _number(v, where, positive)
+    if v != int(v) or v > MAX_COUNT:
+        raise _Malformed(f"{where}: must be a whole number up to 2**53, got {v}")
+    return int(v)
+
+
+def _list(d: dict, key: str, where: str = "") -> list:
+    v = d[key]
+    if not isinstance(v, list):
+        raise _Malformed(f"{where}{key}: must be a list, got {type(v).__name__}")
+    return v
+
+
+def _fields(r, where: str, cls) -> dict:
+    if not isinstance(r, dict):
+        raise _Malformed(f"{where}: must be an object, got {type(r).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(map(str, r)) - names)
+    if extra:
+        raise _Malformed(f"{where}.{extra[0]}: is not a field of a {cls.__name__}")
+    return r
+
+
+def _checked(d: dict, n_devices: int) -> dict:
+    """`d` (a calibration file's JSON) when every value can be used: the model's sizes whole
+    and > 0, each compute row's times > 0 where the fits divide by them, each collective's
+    groups equal-sized lists of ranks of the topology; else `_Malformed` naming the value."""
+    from hetjax.core.model_config import ModelConfig
+
+    model = _fields(d["model"], "model", ModelConfig)
+    for key in MODEL_SIZES:
+        if key in model:
+            _whole(model[key], f"model.{key}", positive=True)
+    for i, r in enumerate(_list(d, "compute")):
+        where = f"compute[{i}]"
+        r = _fields(r, where, ComputeRow)
+        part = r.get("part", "block")
+        if not isinstance(part, str) or not (part in _TIMED + _SIZED + ("update",) or
+                                              part.startswith((STAGED, "attention:"))):
+            raise _Malformed(f"{where}.part: {part!r} is not a part hetjax calibrate measures")
+        if not isinstance(r.get("kind"), str):
+            raise _Malformed(f"{where}.kind: must be an accelerator name, got {r.get('kind')!r}")
+        timed = part in _TIMED or part.startswith(STAGED)
+        sized = part in _SIZED or part.startswith("attention:")
+        _number(r.get("fwd_s"), f"{where}.fwd_s", positive=True)
+        _number(r.get("bwd_s"), f"{where}.bwd_s", positive=timed)
+        shaped = timed or sized and part != "memory"  # its batch, length and peak are used
+        _number(r.get("peak_tflops", 0.0), f"{where}.peak_tflops", positive=shaped)
+        for key in ("batch", "seq_len"):
+            _whole(r.get(key), f"{where}.{key}", positive=shaped)
+        _whole(r.get("params", 0), f"{where}.params", positive=sized)
+    for i, r in enumerate(_list(d, "links")):
+        where = f"links[{i}]"
+        r = _fields(r, where, LinkRow)
+        if r.get("op") not in OPS_MEASURED:
+            raise _Malformed(f"{where}.op: {r.get('op')!r} is not one of "
+                             f"{', '.join(OPS_MEASURED)}")
+        _whole(r.get("nbytes"), f"{where}.nbytes", positive=True)
+        _number(r.get("seconds"), f"{where}.seconds", positive=True)
+        groups = _list(r, "groups", f"{where}.")
+        sizes = {len(g) if isinstance(g, list) else -1 for g in groups}
+        if not groups or len(sizes) != 1 or min(sizes) < 1:
+            raise _Malformed(f"{where}.groups: must be a non-empty list of equal-sized lists "
+                             "of ranks")
+        for j, g in enumerate(groups):
+            for k, rank in enumerate(g):
+                _whole(rank, f"{where}.groups[{j}][{k}]", positive=False)
+                if rank >= n_devices:
+                    raise _Malformed(f"{where}.groups[{j}][{k}]: rank {rank} is not one of "
+                                     f"the topology's {n_devices} devices")
+    profile = d.get("profile_rows", [])
+    if not isinstance(profile, list):
+        raise _Malformed(f"profile_rows: must be a list, got {type(profile).__name__}")
+    for i, r in enumerate(profile):  # types here; ProfileRow checks its own bounds
+        where = f"profile_rows[{i}]"
+        r = _fields(r, where, ProfileRow)
+        for key in ("tp", "tokens", "seq_len"):
+            _whole(r.get(key), f"{where}.{key}", positive=False)
+        for key in ("fwd_s", "bwd_s", "peak_bytes", "kept_bytes", "spread"):
+            _number(r.get(key, 0.0), f"{where}.{key}", positive=False)
+    _whole(d.get("processes", 1), "processes", positive=True)
+    return d
 
 
 def calibration_range(cal: Calibration, path: str = "") -> FitRange:
@@ -425,8 +550,16 @@ def load_calibration(path: str) -> Calibration:
     import json
 
     try:
-        with open(path) as f:
-            d = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_CALIBRATION_BYTES + 1)
+        if len(data) > MAX_CALIBRATION_BYTES:
+            raise ValueError(f"larger than {MAX_CALIBRATION_BYTES // 2**20} MiB, which no "
+                             "calibration is")
+        d = json.loads(data)
+    except RecursionError:
+        raise PlanError(f"cannot read the calibration file {path!r} (lists or objects nested "
+                        "deeper than a calibration ever is); write one with 'hetjax "
+                        "calibrate'") from None
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read the calibration file {path!r} ({e}); write one with "
                         "'hetjax calibrate'") from None

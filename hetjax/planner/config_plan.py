@@ -92,6 +92,10 @@ def validate_layout(c, topology: Topology) -> None:
     (less parallel.exclude) (the Plan's rules, `hetjax.core.plan.layout_problems`)."""
     p = c.parallel
     devices = len(usable_ranks(c, topology))
+    if devices < topology.num_devices and searches_layout(c):
+        raise ConfigError("parallel.exclude", "leaves devices out of a layout the planner "
+                          "searches", "fix the layout too (parallel.pp and parallel.tp, or "
+                          "parallel.stage_dp / stage_tp), or leave parallel.exclude empty")
     shapes = stage_shapes_of(c, devices)
     raise_first(layout_problems(pp=p.pp, dp=p.dp if not shapes else 0,
                                 tp=p.tp if not shapes else 0, devices=devices,
@@ -289,11 +293,6 @@ def plan_from_config(c, topology: Topology) -> Plan:
     ranks = usable_ranks(c, topology)
     shapes = stage_shapes_of(c, len(ranks))
     if searches_layout(c):
-        if len(ranks) < topology.num_devices:
-            raise ConfigError("parallel.exclude", "leaves devices out of a layout the planner "
-                              "searches", "fix the layout too (parallel.pp and parallel.tp, "
-                              "or parallel.stage_dp / stage_tp), or leave parallel.exclude "
-                              "empty")
         return plan_for_config(c, topology).plan
     n = len(ranks)
     p = c.parallel

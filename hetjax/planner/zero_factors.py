@@ -8,7 +8,7 @@ of its dp data-parallel devices. hetjax's mesh factors the dp axis into (dp / s_
 s_p) with P innermost, so a valid point has s_p | s_os | dp and s_g in {s_p, s_os}; AMSP's
 "fill a node before spanning nodes" rule, checked on the real placement: every block of a
 factor's consecutive DP members lies inside one node or consists of whole nodes. Config
-validation (hetjax/config.py), `plan_from_config` and the search all call these rules; parallel/
+validation (hetjax.config), `plan_from_config` and the search all call these rules; parallel/
 only executes the point a Plan carries. Collective times come from the cost model
 (`hetjax.planner.cost`), passed in as a function, so this module holds only the algebra, for
 two ways of running the step:
