@@ -379,6 +379,18 @@ def test_moe_configs_map_as_transformers_reads_them():
         "first_dense_layers"] == 2
     with pytest.raises(ConfigError, match=r"config.json mlp_only_layers: \[1\]"):
         hf_config.model_fields({**hf, "mlp_only_layers": [1]}, "x")
+    # windows: Mixtral's on every layer; Qwen2-MoE's (older files without layer_types) on the
+    # even layers below max_window_layers; Qwen3-MoE's on every layer; OLMoE none
+    windows = {}
+    for n, extra in (("mixtral_moe", {"sliding_window": 8}),
+                     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8,
+                                    "max_window_layers": 1, "layer_types": None}),
+                     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),
+                     ("olmoe", {"sliding_window": 8})):
+        f = hf_config.model_fields({**hf_config.read_config_json(fixture(n)), **extra}, "x")
+        windows[n] = (f["sliding_window"], f["full_attention_layers"])
+    assert windows == {"mixtral_moe": (8, ()), "qwen2_moe": (8, (1,)), "qwen3_moe": (8, ()),
+                       "olmoe": (0, ())}
     with pytest.raises(ConfigError, match="config.json clip_qkv: 8.0"):
         hf_config.model_fields({**hf_config.read_config_json(fixture("olmoe")),
                                 "clip_qkv": 8.0}, "x")
