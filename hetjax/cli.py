@@ -233,7 +233,7 @@ def cmd_train(argv: list[str]) -> int:
     topology, spec = _start_devices(cfg)
     from hetjax.train import Trainer
 
-    trainer = Trainer(cfg, topology=topology)
+    trainer = Trainer.from_config(cfg, topology=topology)
     if spec is None or spec.process_id == 0:
         print(trainer.describe(), flush=True)
     trainer.train()
@@ -573,9 +573,12 @@ def cmd_export(argv: list[str]) -> int:
     mb = opts.get("max_shard_mb", "2048")
     if not mb.isdigit() or int(mb) < 1:
         raise HetjaxError(f"--max_shard_mb={mb} is not a whole number >= 1; use e.g. 2048")
+    from hetjax import config as hconfig
     from hetjax.interop.hf_checkpoint import export_checkpoint
 
-    files = export_checkpoint(opts["checkpoint"], opts["out"], max_shard_bytes=int(mb) << 20)
+    files = export_checkpoint(opts["checkpoint"], opts["out"],
+                              hconfig.base_config().model.to_dict(),
+                              max_shard_bytes=int(mb) << 20)
     print(f"wrote {opts['out']}: {', '.join(files)}\nload it: "
           f"transformers.AutoModelForCausalLM.from_pretrained({opts['out']!r})")
     return 0

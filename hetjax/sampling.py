@@ -92,7 +92,8 @@ def open_checkpoint(path: str, overrides=(), step: int | None = None, config=Non
     from hetjax.train import Trainer
 
     cfg, step = config if config is not None else saved_config(path, overrides, step)
-    trainer = Trainer(cfg, workdir=os.path.expanduser(path), quiet=True, reading=True)
+    trainer = Trainer.from_config(cfg, workdir=os.path.expanduser(path), quiet=True,
+                                  reading=True)
     layout = trainer.layout()
     # A reader: it never removes the files of a run that may still be saving. orbax warns
     # (through absl) that a reader's directory is read-only, which is the point here.

@@ -64,11 +64,13 @@ def test_a_damaged_only_checkpoint_says_there_is_none_before_it(saved, tmp_path,
 def test_hetjax_export_prints_no_orbax_bookkeeping_warning(saved, tmp_path, caplog):
     """(before: 'WARNING:absl:Metadata file does not exist: .../state/_CHECKPOINT_METADATA' on
     every export)"""
+    from hetjax.config import base_config
     from hetjax.interop.hf_checkpoint import export_checkpoint
 
     run, _ = saved
     caplog.set_level("WARNING")
-    assert "model.safetensors" in export_checkpoint(str(run), str(tmp_path / "hf"))
+    assert "model.safetensors" in export_checkpoint(str(run), str(tmp_path / "hf"),
+                                                    base_config().model.to_dict())
     assert not [r for r in caplog.records if r.name == "absl"], caplog.text
 
 

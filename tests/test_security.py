@@ -304,7 +304,7 @@ def test_tensors_the_model_does_not_use_are_named(tmp_path):
 
 # --- config.json: bounded before anything is allocated ----------------------------------------------
 def _llama(**change) -> dict:
-    from hetjax.interop.hf_config import PRESETS
+    from hetjax.core.hf_config import PRESETS
 
     hf = dict(PRESETS["llama3_1_8b"], rope_scaling=dict(PRESETS["llama3_1_8b"]["rope_scaling"]))
     for k, v in change.items():
@@ -335,7 +335,7 @@ def _llama(**change) -> dict:
 ])
 def test_config_json_values_are_bounded_before_anything_is_allocated(change, message):
     from hetjax.errors import ConfigError
-    from hetjax.interop.hf_config import model_fields
+    from hetjax.core.hf_config import model_fields
 
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         model_fields(_llama(**change), "model.init_from")

@@ -51,7 +51,7 @@ from hetjax.cli import ensure_cpu_devices
 
 if __package__:  # python -m scripts.bench.diloco, or imported by the suite
     from .experiments import harness
-else:  # python scripts/bench/diloco.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/diloco.py: Python puts scripts/bench/ first on sys.path
     from experiments import harness
 
 if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices (unless the

@@ -31,9 +31,9 @@ import sys
 import tempfile
 import time
 
-if __package__:  # python -m scripts.bench_gpu, or imported by the suite
+if __package__:  # python -m scripts.bench.gpu, or imported by the suite
     from .experiments import harness
-else:  # python scripts/bench_gpu.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/gpu.py: Python puts scripts/bench/ first on sys.path
     from experiments import harness
 
 ROWS = ("trainer", "jit-xla", "jit-fused", "hf-eager", "hf-compile")

@@ -10,7 +10,7 @@
     python scripts/bench/planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench/planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench/planner.py all
-    python scripts/bench/planner.py smoke          # seconds: calibrate and allreduce
+    python scripts/bench/planner.py --smoke        # seconds: calibrate and allreduce
 
 Times are wall-clock on this machine, single-threaded (speed and assign-speed: CPU seconds of
 the process, steadier on a shared machine); nothing here asserts on them.
@@ -308,8 +308,10 @@ def executors(_args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["calibrate", "allreduce", "amsp", "dtfm", "speed",
-                                         "assign-speed", "executors", "all", "smoke"])
+    parser.add_argument("what", nargs="?", choices=["calibrate", "allreduce", "amsp", "dtfm",
+                                                    "speed", "assign-speed", "executors", "all"])
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the two pure tables (calibrate and allreduce)")
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time limit of one assignment search")
     parser.add_argument("--ga-seconds", type=float, default=120.0,
@@ -321,10 +323,12 @@ def main(argv: list[str] | None = None) -> None:
                         default=["hetjax"], help="speed: how the plans are priced (see "
                         "cost.EXECUTORS); several: one row each, in one table")
     args = parser.parse_args(argv)
+    if args.smoke == bool(args.what):
+        parser.error("give one benchmark (see above) or --smoke")
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
              "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed, executors],
-             "smoke": [calibrate, allreduce]}[args.what]  # seconds: the two pure tables
+             "smoke": [calibrate, allreduce]}["smoke" if args.smoke else args.what]
     for i, step in enumerate(steps):
         if i:
             print()

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 if __package__:  # python -m scripts.bench.predict
     from .experiments.harness import table
     from .experiments.repredict import Run, repredict
-else:  # python scripts/bench/predict.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/predict.py: Python puts scripts/bench/ first on sys.path
     from experiments.harness import table
     from experiments.repredict import Run, repredict
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # hetjax's GPU check in one command (about 4 minutes on one H100/H200):
-#     bash scripts/tools/gpu_check.sh [OUTDIR]          (default: $OUT, else runs/gpu_check)
+#     bash scripts/tools/gpu_check.sh [--smoke] [OUTDIR]   (default: $OUT, else runs/gpu_check)
 # 1. `hetjax calibrate --quick` on the device, for a TinyLlama-1.1B-shaped job (bf16 compute,
 #    fp32 parameters, batch 8 x 2048, no recompute) on `topology.preset=local`;
 #    it also writes the measurements as a compute profile (the layer and head at one sequence
@@ -10,8 +10,14 @@
 # 3. scripts/bench/gpu.py: hetjax's Trainer, a hand-written jax.jit step with the fused kernel,
 #    and HuggingFace's Llama eager and torch.compile of the same shape, with the prediction.
 # Wheels the image lacks (ml_collections, grain, tfds, ...) are installed from .whl/ when present
-# (scripts/tools/gpu_wheels.sh downloads them). GPU_CHECK_SMOKE=1 runs a tiny shape (on CPU too).
+# (scripts/tools/gpu_wheels.sh downloads them). --smoke (or GPU_CHECK_SMOKE=1) runs a tiny shape
+# (on CPU too).
 set -u
+case "${1:-}" in
+  -h|--help) echo "usage: bash scripts/tools/gpu_check.sh [--smoke] [OUTDIR]"
+             sed -n '2,/^set -u/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+  --smoke) GPU_CHECK_SMOKE=1; shift ;;
+esac
 cd "$(dirname "$0")/../.."
 out=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$out"

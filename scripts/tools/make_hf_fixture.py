@@ -25,8 +25,6 @@ import importlib
 import os
 
 import numpy as np
-import torch
-import transformers
 
 MARGIN = 1e-3
 ROUTER_MARGIN = 1e-4
@@ -109,6 +107,8 @@ def _experts(config) -> int:
 def _router_margin(model, seq) -> float:
     """The smallest lead of a token's k-th routing probability over its (k+1)-th, over every
     MoE layer and token of `seq` (inf for a dense model)."""
+    import torch
+
     if not _experts(model.config):
         return float("inf")
     k = model.config.num_experts_per_tok
@@ -120,6 +120,8 @@ def _router_margin(model, seq) -> float:
 
 
 def _randomise(model) -> None:
+    import torch
+
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight") or pname.endswith("layernorm.weight"):
@@ -131,6 +133,8 @@ def _randomise(model) -> None:
 def _greedy(model, vocab: int, prompt_len: int, new: int) -> dict:
     """A prompt and transformers' greedy continuation of it, drawn until every step's best
     logit leads the second by MARGIN."""
+    import torch
+
     model.generation_config.eos_token_id = None  # run all `new` steps
     model.generation_config.pad_token_id = 0
     for seed in range(100):
@@ -151,6 +155,9 @@ def _greedy(model, vocab: int, prompt_len: int, new: int) -> dict:
 
 
 def build(name: str, out: str) -> None:
+    import torch  # here, so that --help works without torch
+    import transformers
+
     model_cls, config_cls, kwargs, *rest = FIXTURES[name]
     opts = rest[0] if rest else {}
     torch.manual_seed(0)
@@ -192,12 +199,12 @@ def build(name: str, out: str) -> None:
           f"{ {k: v.shape for k, v in ref.items()} }, files {sorted(os.listdir(path))}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests",
                                                   "fixtures", "hf"))
     ap.add_argument("names", nargs="*", default=list(FIXTURES))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for name in args.names:
         build(name, args.out)
 
