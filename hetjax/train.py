@@ -184,7 +184,7 @@ class TrainerParts:
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
         # must be requested before JAX starts, and this looks at the devices).
         attention = choose_local(model_cfg.attention, model_cfg.dtype, model_cfg.head_dim,
-                                 plan.seq_len)
+                                 plan.seq_len, model_cfg.sliding_window)
         predicted = check_memory(config, plan, topology, executor, model_cfg)
         return cls(config, topology, plan, tuple(notes), tokenizer, model_cfg, tx, schedule,
                    runtime, executor, attention, predicted)

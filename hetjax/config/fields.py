@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_collections
 
 from hetjax.core import topology as topo
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
+from hetjax.core.model_config import (ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, QK_NORMS,
+                                      REMAT_POLICIES)
 from hetjax.core.model_config import LIMITS as MODEL_LIMITS
 from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
@@ -322,6 +323,15 @@ FIELDS: tuple[Field, ...] = (
     Field("model.rope_original_max_len", 8192, "llama3 RoPE scaling: "
           "original_max_position_embeddings"),
     Field("model.qkv_bias", False, "biases on the query/key/value projections (Qwen2)"),
+    Field("model.sliding_window", 0, "a query attends to at most this many latest positions, "
+          "itself included (HF sliding_window: Mistral, Qwen2/3 use_sliding_window); 0: full "
+          "causal attention", count_or_off(example=4096)),
+    Field("model.full_attention_layers", (), "layers that attend fully although "
+          "model.sliding_window is set (HF layer_types 'full_attention'); empty: every layer "
+          "uses the window"),
+    Field("model.qk_norm", "none", "RMSNorm of queries and keys before RoPE: {choices}",
+          Choices(QK_NORMS, "QK-norm", {"head": "each head (Qwen3)",
+                                        "all_heads": "the whole projection (OLMoE)"})),
     Field("model.n_experts", 0, "Mixture-of-Experts: routed experts per MoE layer; 0: a dense "
           "model", count_or_off("set --config.{field}=8 (0: a dense model)", 8)),
     Field("model.experts_per_token", 2, "MoE: experts each token is routed to (top-k)",
