@@ -396,8 +396,8 @@ def cmd_plan(argv: list[str]) -> int:
         plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg, topology=topology)
     if "step_time_s" not in plan.predicted and plan.uniform:  # a fixed layout: price it too
-        plan = dataclasses.replace(plan, predicted=predict_for_config(
-            cfg, plan, topology).as_dict())
+        plan = dataclasses.replace(plan, predicted={**plan.predicted, **predict_for_config(
+            cfg, plan, topology).as_dict()})
     print(topology.describe())
     print(plan.describe(topology))
     if "step_time_s" not in plan.predicted:

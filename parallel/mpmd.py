@@ -507,8 +507,11 @@ class MpmdExecutor(Executor):
     def describe(self) -> str:
         kept = {"none": "all residuals kept", "dots": "matmul outputs kept",
                 "full": "layers recomputed"}[effective_remat(self.model_cfg.remat)]
+        shapes = "" if self.plan.uniform else " (its own mesh, dp x tp " + ", ".join(
+            f"{d}x{t}" for d, t in self.plan.stage_shapes) + ")"
         return (f"pipeline: mpmd, {self.schedule.name}, {self.plan.microbatches} micro-batches, "
-                f"one program per stage, layers per stage {list(self.plan.stage_layers)} "
+                f"one program per stage{shapes}, layers per stage "
+                f"{list(self.plan.stage_layers)} "
                 f"(no padding), at most {max(self.schedule.max_in_flight(s) for s in range(self.plan.pp))} "
                 f"micro-batches stashed per stage ({kept}; model.remat={self.model_cfg.remat})")
 

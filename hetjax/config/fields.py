@@ -356,8 +356,8 @@ FIELDS: tuple[Field, ...] = (
           _is_dir_or_empty("give a HuggingFace model directory (config.json + "
                            "*.safetensors)")),
 
-    Field("parallel.pp", 1, "pipeline stages; pp * dp * tp = topology devices; 0: the planner "
-          "chooses", _DEGREE),
+    Field("parallel.pp", 1, "pipeline stages; pp * dp * tp = topology devices (less "
+          "parallel.exclude); 0: the planner chooses", _DEGREE),
     Field("parallel.dp", 0, "data-parallel replicas; 0: all remaining devices", _DEGREE),
     Field("parallel.tp", 1, "tensor-parallel shards (inside a node); 0: the planner chooses",
           _DEGREE),

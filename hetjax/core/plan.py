@@ -5,9 +5,9 @@ A Plan says how many pipeline stages, data-parallel replicas and tensor-parallel
 which topology ranks sit at each (stage, replica, shard) position (`device_order`, possibly a
 subset of the topology's ranks: the others stay idle), how many layers each stage runs, how the
 batch is cut into micro-batches, which schedule runs them and how the model states are
-ZeRO-sharded. It may carry the planner's predictions (and why it left devices out). Everything downstream
-(mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan and a Topology; a Plan
-is saved as JSON next to checkpoints.
+ZeRO-sharded. It may carry the planner's predictions (and why it left devices out).
+Everything downstream (mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan
+and a Topology; a Plan is saved as JSON next to checkpoints.
 
 `resolve_schedule` is the one place a plan becomes a schedule object (of the registry in
 `hetjax.core.schedules`). This module is a leaf: it imports only the topology, the errors, the

@@ -14,8 +14,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from hetjax.errors import ConfigError
-from hetjax.core.plan import (Plan, ZeroFactors, even_split, layout_problems, raise_first,
-                              stage_shape_problem)
+from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, even_split, layout_problems,
+                              raise_first, stage_shape_problem)
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
 from hetjax.planner.placement import placement_problems, refuse_straddle
@@ -313,4 +313,8 @@ def plan_from_config(c, topology: Topology) -> Plan:
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
     plan_ = dataclasses.replace(plan_, zero=zr.factors_from_config(c.zero, plan_, topology))
-    return _choose_executor(c, plan_, topology, None)
+    plan_ = _choose_executor(c, plan_, topology, None)
+    if len(ranks) < topology.num_devices:  # why each device is idle (describe() shows it)
+        plan_.predicted[UNUSED_KEY] = {str(r): "left out by parallel.exclude"
+                                       for r in plan_.unused_ranks(topology)}
+    return plan_
