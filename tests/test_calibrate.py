@@ -136,7 +136,7 @@ def test_staged_block_prices_pipelined_layers_and_only_those():
     # per micro-batch is layers x 4 ms (dp = 4: 2 sequences of 64 per device).
     p = Plan(pp=2, dp=4, tp=1, stage_layers=(2, 2), microbatches=2, global_batch=16,
              seq_len=64)
-    for executor in ("hetjax", "mpmd"):
+    for executor in ("spmd", "mpmd"):
         cm = CostModel(t, model, dataclasses.replace(cal.options(), executor=executor))
         assert cm.stage_costs(cm_layout(p))[0].fwd_layer == pytest.approx(4e-3)
     megatron = CostModel(t, model, dataclasses.replace(cal.options(), executor="megatron"))

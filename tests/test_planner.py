@@ -341,12 +341,12 @@ def test_remat_auto_keeps_every_residual_when_memory_is_ample():
 def test_remat_auto_offers_the_spmd_pipeline_full_recompute_alone():
     # Where MPMD keeps every residual (above), the SPMD pipeline, whose stash copies under
     # none / dots the model does not price, recomputes every layer, and says why.
-    p = _remat_choice(256, 16, 0.9, executor="hetjax")
+    p = _remat_choice(256, 16, 0.9, executor="spmd")
     assert p.remat == "full"
     assert p.predicted["bound"]["remat"].startswith("executor: the SPMD pipeline")
     from hetjax.planner.reference_runs import holmes_model
 
-    cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions(executor="hetjax"))
+    cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions(executor="spmd"))
     assert cm.remat_choices(2) == ("full",)
     assert cm.remat_choices(1) == ("none", "dots", "full")  # no pipeline: nothing stashed
 
@@ -382,7 +382,7 @@ def _signature(result):
             for p in (result.plan, *result.runners_up)]
 
 
-@pytest.mark.parametrize("executor", ["hetjax", "mpmd"])
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
 def test_pruned_search_finds_the_exhaustive_plan_and_runners_up(executor):
     t = preset("holmes_hybrid", nodes=4, devices_per_node=8)
     model = gpt(remat="auto")

@@ -42,6 +42,8 @@ EXERCISED_BY = {
     "scripts/bench/check_worlds.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/tools/doc_blocks.py": "test_docs.py::test_a_failing_python_block_fails",
+    "scripts/tools/structure.py":
+        "test_structure.py::test_the_module_table_in_docs_structure_is_generated_from_the_docstrings",
     "scripts/tools/make_hf_fixture.py":  # needs torch; the tests read what it wrote
         "test_interop.py::test_an_hf_checkpoint_gives_transformers_logits",
     "scripts/bench/repredict.py":
@@ -247,6 +249,7 @@ NO_SMOKE = {
     "scripts/bench/hetnet.py": "runs on the testbed's emulated cluster: needs root",
     "scripts/bench/repredict.py": "reprices the results files a testbed run wrote",
     "scripts/tools/doc_blocks.py": "a tool: runs documentation blocks",
+    "scripts/tools/structure.py": "a tool: writes docs/structure.md's module table",
     "scripts/tools/make_hf_fixture.py": "a tool: writes the HF test fixture (needs torch)",
     "scripts/tools/gpu_wheels.sh": "a tool: downloads wheels",
 }

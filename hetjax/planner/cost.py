@@ -51,8 +51,10 @@ DEFAULT_EFFICIENCY = 0.72
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# How a pipeline (pp > 1) is executed, which changes its time and memory:
-# - "hetjax": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep;
+# How a pipeline (pp > 1) is executed, which changes its time and memory. The names of hetjax's
+# own executors are the executor registry's (hetjax.core.registry.EXECUTORS); "megatron" is the
+# papers' baseline, priced but not run:
+# - "spmd": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep;
 #   recompute follows model.remat ('auto': every layer recomputed) and a stage stashes each
 #   layer slot's residuals (its input under 'full'), max_layers + 1 activations per micro-batch
 #   in flight under 'full'; embedding, final norm
@@ -66,13 +68,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # - "megatron": Megatron-LM as the papers ran it. Stages run asynchronously, recompute follows
 #   model.remat, the embedding lives on the first stage and the head on the last (a tied
 #   embedding's gradient is all-reduced between the two), the sync may overlap the backward.
-EXECUTORS = ("hetjax", "mpmd", "megatron")
+PRICED_EXECUTORS = ("spmd", "mpmd", "megatron")
 
 
 class _PricedAs(Mapping):
     """Each pipeline executor a Plan can name (`hetjax.core.registry.EXECUTORS`) -> the cost
-    model's executor that prices it (`ExecutorKind.priced_as`: the SPMD executor is priced as
-    "hetjax"), read from the registry at each use, so a registered executor is priced too."""
+    model's executor that prices it (`ExecutorKind.priced_as`: each of hetjax's executors under
+    its own name), read from the registry at each use, so a registered executor is priced too."""
 
     def __getitem__(self, name: str) -> str:
         return REGISTERED[name].priced_as
@@ -90,8 +92,7 @@ PLAN_EXECUTORS: Mapping[str, str] = _PricedAs()
 def runs_schedule(executor: str, schedule: str) -> bool:
     """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
     schedule: the Plan's rule (`hetjax.core.plan.schedule_problem`) for the executor, or for a cost
-    model name for every registered executor it prices (the SPMD executor is priced as
-    "hetjax")."""
+    model name for every registered executor it prices."""
     names = [executor] if executor in REGISTERED else [
         k.name for k in REGISTERED.values() if k.priced_as == executor]
     return all(schedule_problem(n, schedule) is None for n in names)
@@ -155,7 +156,7 @@ class CostOptions:
     across gloo processes); memory_fraction: share of device memory the plan may use (after
     the runtime's reserve); share_nics:
     concurrent groups leaving a node split its NIC bandwidth; executor: how the pipeline runs
-    (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
+    (see PRICED_EXECUTORS); lockstep: whether the SPMD executor plays its tick grid in lockstep. It
     does in one process, where every collective-permute is a rendezvous of all devices; across
     processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
     the asynchronous timeline -- the emulated cluster measures this (scripts/bench/hetnet.py)
@@ -176,7 +177,7 @@ class CostOptions:
     overlap: float = 1.0
     memory_fraction: float = 0.9
     share_nics: bool = True
-    executor: str = "hetjax"
+    executor: str = "spmd"
     lockstep: bool = True
     collectives: str = "nccl"
     link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
@@ -209,9 +210,9 @@ class CostOptions:
         if self.compute not in COMPUTE_MODELS:
             raise PlanError(f"cost option compute = {self.compute!r}; choose one of "
                             f"{', '.join(COMPUTE_MODELS)}")
-        if self.executor not in EXECUTORS:
+        if self.executor not in PRICED_EXECUTORS:
             raise PlanError(f"cost option executor = {self.executor!r}; choose one of "
-                            f"{', '.join(EXECUTORS)}")
+                            f"{', '.join(PRICED_EXECUTORS)}")
         if self.collectives not in COLLECTIVE_MODELS:
             raise PlanError(f"cost option collectives = {self.collectives!r}; choose one of "
                             f"{', '.join(COLLECTIVE_MODELS)}")
@@ -289,8 +290,8 @@ class _Slot:
     bwd_layer: float
     sync_layer: float
     mem_slot: float  # model-state bytes per layer slot
-    stash: float  # bytes per padded layer slot per micro-batch in flight (hetjax executor)
-    stash_out: float  # bytes of the stage output per micro-batch in flight (hetjax executor)
+    stash: float  # bytes per padded layer slot per micro-batch in flight (SPMD executor)
+    stash_out: float  # bytes of the stage output per micro-batch in flight (SPMD executor)
     act_layer: float  # activation bytes per layer per micro-batch in flight
     mem_base: float
     head_fwd: float
@@ -300,7 +301,7 @@ class _Slot:
     head_sync: float
     head_mem: float
     logits: float
-    shared_everywhere: bool  # embedding and head on every stage (hetjax executor)
+    shared_everywhere: bool  # embedding and head on every stage (SPMD executor)
     capacity: float
     reserve: mem.RuntimeReserve  # the devices' runtime reserve (see StageCost.reserve)
     label: str
@@ -622,14 +623,14 @@ class CostModel:
         per_layer = min(alone(a) for a in set(self._cluster_accel))
         return per_layer * max(M * N / layout.pp, N + M - 1)
 
-    def pipelined_by_hetjax(self, layout: Layout) -> bool:
-        """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
-        return self.options.executor == "hetjax" and layout.pp > 1
+    def pipelined_by_spmd(self, layout: Layout) -> bool:
+        """Whether the SPMD pipeline executor runs this layout (see PRICED_EXECUTORS)."""
+        return self.options.executor == "spmd" and layout.pp > 1
 
     def runs_staged(self, layout: Layout) -> bool:
         """Whether one of hetjax's pipeline executors (SPMD or MPMD) runs this layout, each
         layer's forward and backward in separate programs (`hetjax.parallel.residuals`)."""
-        return self.options.executor in ("hetjax", "mpmd") and layout.pp > 1
+        return self.options.executor in ("spmd", "mpmd") and layout.pp > 1
 
     def remat_choices(self, pp: int) -> tuple[str, ...]:
         """The recompute policies the planner weighs for `model.remat` = 'auto' at `pp` stages
@@ -640,18 +641,18 @@ class CostModel:
         are negligible; under 'none' it holds every intermediate, attention probabilities
         included (bench_hetaccel, 4 cpu_half stages: 7.23 s a step measured against 4.81 s
         priced, while the MPMD executor, which stashes in place, ran the same plan in 4.77 s)."""
-        if self.options.executor == "hetjax" and pp > 1:
+        if self.options.executor == "spmd" and pp > 1:
             return ("full",)
         return ("none", "dots", "full")
 
     def remat_of(self, layout: Layout) -> str:
         """The recompute policy a layout runs with: its own (the planner's choice), else the
         model's, 'auto' resolved per executor."""
-        return effective_remat(layout.remat or self.model.remat, self.pipelined_by_hetjax(layout))
+        return effective_remat(layout.remat or self.model.remat, self.pipelined_by_spmd(layout))
 
     def runs_in_lockstep(self, layout: Layout) -> bool:
         """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
-        return self.pipelined_by_hetjax(layout) and self.options.lockstep
+        return self.pipelined_by_spmd(layout) and self.options.lockstep
 
     def profile_estimate(self, acc: Accelerator, layout: Layout, piece: str,
                          remat: str = "none", staged: bool = False) -> Estimate | None:
@@ -715,7 +716,7 @@ class CostModel:
         zr.check(f, layout.dp)
         mesh = layout.mesh()
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
-        hetjax = self.pipelined_by_hetjax(layout)
+        spmd = self.pipelined_by_spmd(layout)
         staged = self.runs_staged(layout)
         remat = self.remat_of(layout)
         zero_as = self.zero_style
@@ -724,7 +725,7 @@ class CostModel:
         # Megatron's last stage keeps its own copy of a tied embedding; hetjax's stages all
         # hold the embedding anyway.
         head_p = (m.head_params + (m.embed_params if m.tie_embeddings and layout.pp > 1
-                                   and not hetjax else 0)) / tp
+                                   and not spmd else 0)) / tp
         slots = []
         # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
         base = (dataclasses.replace(layout, device_order=(), schedule=""),)
@@ -784,12 +785,12 @@ class CostModel:
                 sync_layer=z.sync, refresh_layer=z.refresh,
                 embed_refresh=ze.refresh, head_refresh=zh.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
-                # hetjax stashes each layer's residuals (its input under remat 'full') in
-                # every padded slot, plus the stage output, and with 'full' holds one layer's
-                # full activations while it recomputes.
-                stash=kept if hetjax else 0.0,
-                stash_out=tok * m.d_model * self.act_bytes if hetjax else 0.0,
-                act_layer=0.0 if hetjax else kept,
+                # the SPMD pipeline stashes each layer's residuals (its input under remat
+                # 'full') in every padded slot, plus the stage output, and with 'full' holds one
+                # layer's full activations while it recomputes.
+                stash=kept if spmd else 0.0,
+                stash_out=tok * m.d_model * self.act_bytes if spmd else 0.0,
+                act_layer=0.0 if spmd else kept,
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
                 # (in mem_slot). Temporaries: the buffers of the layer in its backward.
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
@@ -807,7 +808,7 @@ class CostModel:
                 # f32 logits, log-probabilities and their gradients
                 logits=tok * mem.head_bytes_per_token(m, tp, remat),
                 # folded: embedding and head only on device 0 (it runs both end chunks)
-                shared_everywhere=hetjax and not layout.folded,
+                shared_everywhere=spmd and not layout.folded,
                 reserve=reserve,
                 capacity=reserve.usable_for_step(
                     float(self._memory[ranks].min()) * o.memory_fraction),
@@ -823,7 +824,7 @@ class CostModel:
         m, tp, g = self.model, layout.tp, self.state_bytes.g
         if layout.pp == 1 or layout.folded:  # folded: both ends on device 0, nothing moves
             return 0.0
-        if self.pipelined_by_hetjax(layout):
+        if self.pipelined_by_spmd(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
                              np.roll(mesh.reshape(layout.pp, -1), -1, axis=0)], axis=-1)
             nbytes = (m.embed_params + m.head_params) / tp * g
@@ -1041,5 +1042,5 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
 
 
 
-__all__ = ["CostModel", "CostOptions", "EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
+__all__ = ["CostModel", "CostOptions", "PRICED_EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
            "Prediction", "DEFAULT_EFFICIENCY"]
