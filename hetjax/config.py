@@ -344,6 +344,8 @@ FIELDS: tuple[Field, ...] = (
     Field("parallel.dp", 0, "data-parallel replicas; 0: all remaining devices", _DEGREE),
     Field("parallel.tp", 1, "tensor-parallel shards (inside a node); 0: the planner chooses",
           _DEGREE),
+    Field("parallel.ep", 1, "expert parallelism (MoE models): the experts split over groups of "
+          "ep data-parallel devices; divides dp and model.n_experts", positive_int()),
     Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
           "clusters"),
 
@@ -928,6 +930,14 @@ def _validate_layout(c) -> None:
         schedule=c.pipeline.schedule, executor=c.pipeline.executor,
         placement=c.pipeline.placement,
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
+    if p.ep > 1:
+        _require(m.n_experts > 0, "parallel.ep", f"= {p.ep}, but the model has no experts "
+                 "(model.n_experts = 0)", "set --config.parallel.ep=1, or give the model "
+                 "experts (model.n_experts)")
+        _require(m.n_experts % p.ep == 0, "parallel.ep",
+                 f"{p.ep} does not divide model.n_experts = {m.n_experts}",
+                 f"choose ep from the divisors of {m.n_experts}: "
+                 f"{_common_divisors(m.n_experts)}")
     if p.tp:
         for f, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                      ("model.d_ff", m.d_ff)):

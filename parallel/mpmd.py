@@ -189,7 +189,7 @@ class Stage:
         self.chunks = chunks
         self.holds_embedding = any(c.first for c in chunks)
         self.holds_head = any(c.last for c in chunks)
-        self.n_dp = plan.dp
+        self.n_dp = plan.ep_replicas
         self.rules = shd.LOGICAL_RULES
         self.abstract = nn.unbox(boxed)
         self.zs = zero.zero_specs(self.abstract, shd.param_specs(boxed, self.rules),

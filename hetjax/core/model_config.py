@@ -18,6 +18,7 @@ for compute time in the cost model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # The names a ModelConfig accepts, defined here (no JAX) so the config's checks and --help read
@@ -131,6 +132,21 @@ class ModelConfig:
             shared += d
         return d * self.n_experts + experts * 3 * d * self.expert_d_ff + shared
 
+    def expert_slots(self, tokens: int) -> int:
+        """Rows per expert in the buffers of an expert-parallel exchange of `tokens` tokens
+        per device (layers/moe.py): the capacity under `capacity` dispatch, else `tokens` (a
+        token picks an expert at most once, so no queue overflows)."""
+        if self.moe_dispatch == "capacity":
+            return capacity_slots(tokens, self.experts_per_token, self.n_experts,
+                                  self.moe_capacity_factor)
+        return tokens
+
+    def all_to_all_bytes(self, tokens: int, value_bytes: int) -> int:
+        """V of one token exchange of an MoE layer under expert parallelism: the [ep, E / ep,
+        slots, d_model] buffer each device sends and receives (what the HLO's all-to-all
+        moves; forward dispatch and combine, and the two of the backward, are each one)."""
+        return self.n_experts * self.expert_slots(tokens) * self.d_model * value_bytes
+
     @property
     def expert_params(self) -> int:
         """Routed experts' parameters of one MoE layer (what expert parallelism splits)."""
@@ -184,6 +200,12 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward), without recompute."""
         return 3 * (self.n_layers * self.layer_flops(seq_len) + self.head_flops())
+
+
+def capacity_slots(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Slots per expert under capacity dispatch: ceil(factor * tokens * k / E), at least 1 and
+    at most `tokens` (a token picks an expert at most once)."""
+    return max(1, min(tokens, math.ceil(factor * tokens * k / n_experts)))
 
 
 # The ModelConfig fields of an MoE model, as the config's `model.*` fields of the same names.

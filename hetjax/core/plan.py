@@ -32,10 +32,15 @@ from hetjax.core.schedules import SCHEDULES, Schedule, folded, make_schedule, sp
 from hetjax.core.registry import EXECUTORS  # the pipeline executors a Plan can name
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
-# data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p') for ZeRO, with
-# sizes dp / s_os, s_os / s_p and s_p. Anything meaning "all data-parallel devices" uses DP_AXES.
-MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "tp")
+# data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p', 'expert'), with
+# sizes dp / (s_os ep), s_os / s_p, s_p and ep. 'expert' (expert parallelism, an MoE model's
+# experts split over it) is the innermost: an expert-parallel group is ep neighbouring
+# data-parallel devices, on the fastest links after tensor parallelism. The batch is split over
+# all four; DP_AXES names the replicas every parameter but the experts is reduced over
+# (the experts' own data-parallel group); with ep = 1 they are all data-parallel devices.
+MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "expert", "tp")
 DP_AXES = ("dp", "dp_os", "dp_p")
+EXPERT_AXIS = "expert"
 
 
 # Where a pipeline's model chunks live (parallel/pipeline.py): "looped", one chunk per stage in
@@ -100,6 +105,9 @@ class Plan:
     # data-parallel replica d, tensor shard t. Rank order unless the planner reordered devices.
     device_order: tuple[int, ...] = ()
     source: str = "config"  # "config" (fixed by the user) or "planner"
+    # Expert parallelism (MoE models): the dp data-parallel devices of a stage form dp / ep
+    # groups of ep neighbours, each group holding all experts, each device n_experts / ep.
+    ep: int = 1
     predicted: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -128,7 +136,8 @@ class Plan:
             stage_layers=self.stage_layers, n_layers=n_layers, microbatches=self.microbatches,
             global_batch=self.global_batch, executor=self.executor, placement=self.placement,
             # one stage runs as one program, whatever schedule it names (make_executor)
-            schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False)
+            schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False,
+            ep=self.ep)
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -142,6 +151,13 @@ class Plan:
     @property
     def max_stage_layers(self) -> int:
         return max(self.stage_layers)
+
+    @property
+    def ep_replicas(self) -> int:
+        """The stage's data-parallel devices as the executors split the batch for their
+        per-device loss: dp / ep groups (an expert-parallel group shares its rows' loss;
+        dp without expert parallelism)."""
+        return self.dp // self.ep
 
     @property
     def microbatch_size(self) -> int:
@@ -162,6 +178,13 @@ class Plan:
     def dp_groups(self) -> list[list[int]]:
         r = self.mesh_ranks()
         return [r[s, :, t].tolist() for s in range(self.pp) for t in range(self.tp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: ep neighbouring data-parallel devices (the innermost data
+        axis) of each stage and tensor shard."""
+        r = self.mesh_ranks()
+        return [r[s, d:d + self.ep, t].tolist() for s in range(self.pp)
+                for d in range(0, self.dp, self.ep) for t in range(self.tp)]
 
     def pp_groups(self) -> list[list[int]]:
         r = self.mesh_ranks()
@@ -223,7 +246,7 @@ class Plan:
         """The TP, DP and PP groups with the links they use."""
         lines = []
         for what, groups in (("tp", self.tp_groups()), ("dp", self.dp_groups()),
-                             ("pp", self.pp_groups())):
+                             ("ep", self.ep_groups()), ("pp", self.pp_groups())):
             if len(groups[0]) > 1:
                 kinds = sorted({topology.group_link(g).kind for g in groups})
                 lines.append(f"{what} groups: {len(groups)} of {len(groups[0])}, e.g. "
@@ -245,7 +268,8 @@ class Plan:
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
         executor += f"  placement={self.placement}" if self.placement != "looped" else ""
         executor += f"  remat={self.remat}" if self.remat else ""
-        return (f"plan ({self.source}): pp={self.pp} dp={self.dp} tp={self.tp}  "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"plan ({self.source}): pp={self.pp} dp={self.dp}{ep} tp={self.tp}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")
@@ -461,7 +485,7 @@ def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
                     topology_name: str = "", stage_layers=(), n_layers: int = 0,
                     microbatches: int = 0, global_batch: int = 0, schedule: str = "",
                     executor: str = "", placement: str = "", zero: ZeroFactors | None = None,
-                    allow_auto: bool = True) -> list[Problem]:
+                    allow_auto: bool = True, ep: int = 1) -> list[Problem]:
     """Everything wrong with a (possibly partial) layout, as data, in the order a user should
     fix it. The one definition of each layout rule: `Plan.problems` passes a whole plan, config
     validation the fields a config fixes before a topology is known, config -> Plan the degrees
@@ -486,6 +510,14 @@ def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
         if dp and dp % zero.s_os:
             add(Problem("zero.s_os", f"s_os = {zero.s_os} does not divide dp = {dp}",
                         f"choose s_os from the divisors of dp: {_divisors(dp)}"))
+    if ep > 1 and dp:
+        s_os = zero.s_os if zero is not None else 1
+        if dp % (ep * s_os):
+            add(Problem("parallel.ep", f"ep = {ep}{f' x zero s_os = {s_os}' if s_os > 1 else ''}"
+                        f" does not divide dp = {dp}; expert-parallel groups are made of "
+                        "data-parallel devices", f"choose ep from the divisors of "
+                        f"{dp // s_os if dp % s_os == 0 else dp}: "
+                        f"{_divisors(dp // s_os if dp % s_os == 0 else dp)}"))
     # micro-batches
     if global_batch and microbatches:
         split = batch_split_problem(global_batch, microbatches, dp or 1)

@@ -206,7 +206,11 @@ def plan_from_config(c, topology: Topology) -> Plan:
     validate_layout(c, topology)
     if (not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto"
             or c.pipeline.placement == "auto"):
-        return plan_for_config(c, topology).plan
+        chosen = plan_for_config(c, topology).plan
+        if c.parallel.ep > 1:
+            chosen = dataclasses.replace(chosen, ep=c.parallel.ep, predicted=chosen.predicted)
+            raise_first(chosen.problems(topology, c.model.n_layers), ConfigError)
+        return chosen
     n = topology.num_devices
     p = c.parallel
     pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
@@ -214,12 +218,13 @@ def plan_from_config(c, topology: Topology) -> Plan:
     dp = p.dp or n // (pp * tp)
     mb = resolve_microbatches(c)
     raise_first(layout_problems(pp=pp, dp=dp, tp=tp, devices=n, topology_name=topology.name,
-                                microbatches=mb, global_batch=c.train.batch_size), ConfigError)
+                                microbatches=mb, global_batch=c.train.batch_size, ep=p.ep),
+                ConfigError)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
                  schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
-                 placement=c.pipeline.placement if pp > 1 else "looped")
+                 placement=c.pipeline.placement if pp > 1 else "looped", ep=p.ep)
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).

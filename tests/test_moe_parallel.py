@@ -1,0 +1,116 @@
+"""Expert parallelism and MoE training through the executors: the `expert` mesh axis against
+one device, both pipeline executors, ZeRO and tensor parallelism, the all-to-alls the compiled
+program holds, and the step's MoE metrics."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from hetjax.train import Trainer
+
+MOE = {"model.n_experts": 8, "model.experts_per_token": 2, "model.moe_d_ff": 64,
+       "model.moe_z_loss_coef": 0.001, "model.moe_aux_loss_coef": 0.05}
+
+
+def run(devices, steps=2, **overrides):
+    config = tiny_config(**{**MOE, "topology.preset": "cpu_single",
+                            "topology.devices_per_node": devices, **overrides})
+    trainer = Trainer(config, quiet=True)
+    metrics = [{k: float(v) for k, v in trainer.step().items()} for _ in range(steps)]
+    return trainer, metrics, jax.device_get(trainer.executor.params(trainer.state))
+
+
+def assert_same_run(got, ref, rtol=2e-6, atol=3e-6):
+    (_, m1, p1), (_, m0, p0) = got, ref
+    np.testing.assert_allclose([m["loss"] for m in m1], [m["loss"] for m in m0], rtol=rtol)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return run(1, **{"parallel.dp": 1})
+
+
+@pytest.mark.parametrize("ep", [2, pytest.param(4, marks=pytest.mark.slow),
+                                pytest.param(8, marks=pytest.mark.slow)])
+def test_expert_parallel_steps_equal_one_device(single, ep):
+    """dp = ep: one expert-parallel group holding the whole batch; its loss, MoE metrics and
+    parameters after two steps are those of one device."""
+    trainer, metrics, params = got = run(ep, **{"parallel.dp": ep, "parallel.ep": ep})
+    assert dict(trainer.executor.mesh.shape)["expert"] == ep
+    assert_same_run(got, single)
+    for k in ("moe_balance", "moe_z", "moe_aux_loss", "moe_load_max/0", "moe_load_max/1"):
+        assert metrics[-1][k] == pytest.approx(single[1][-1][k], rel=1e-5)
+    # each device holds n_experts / ep experts
+    gate = trainer.state.params["layers"]["block"]["moe"]["experts"]["gate"]
+    assert gate.addressable_shards[0].data.shape[1] == 8 // ep
+
+
+@pytest.fixture(scope="module")
+def single_two_microbatches():
+    """The balance loss is per micro-batch: a pipeline's reference has its micro-batches."""
+    return run(1, **{"parallel.dp": 1, "train.microbatches": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_pipelined_moe_equals_one_device(single_two_microbatches, executor, ep):
+    """pp = 2 under either pipeline executor, each stage's layers adding their share of the
+    auxiliary losses to its own backward, with and without expert parallelism inside the
+    stages: the single device's losses and parameters."""
+    got = run(2 * ep, **{"parallel.pp": 2, "parallel.dp": ep, "parallel.ep": ep,
+                         "train.microbatches": 2, "pipeline.executor": executor})
+    assert_same_run(got, single_two_microbatches)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_beside_tensor_parallelism_equals_one_device(single):
+    got = run(4, **{"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2})
+    assert dict(got[0].executor.mesh.shape)["tp"] == 2
+    assert_same_run(got, single)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_under_zero3_equals_ep1():
+    """ZeRO-3 over the experts' data-parallel group (dp / ep = 2 replicas, s_p = s_os = 2): the
+    run of EP 1 with the same ZeRO factors. The balance loss is each expert-parallel group's
+    (each device's without EP), so the two runs group tokens differently: its coefficient is 0
+    here (the z-loss, a mean over tokens, stays)."""
+    layout = {"parallel.dp": 4, "zero.preset": "custom", "zero.s_p": 2, "zero.s_g": 2,
+              "zero.s_os": 2, "model.moe_aux_loss_coef": 0.0}
+    got = run(4, **layout, **{"parallel.ep": 2})
+    gate = got[0].state.params["layers"]["block"]["moe"]["experts"]["gate"]
+    assert gate.addressable_shards[0].data.size == gate.size // 4  # split over ep and s_p
+    assert_same_run(got, run(4, **layout))
+
+
+def test_moe_metrics_reach_the_file_tensorboard_and_progress_line(tmp_path, capsys):
+    """Per-layer expert load and drops, the balance and z losses and the auxiliary term in
+    metrics.jsonl and TensorBoard, and the balance and drop fraction on the progress line."""
+    from test_reliability import tensorboard_scalars
+
+    from hetjax.metrics import read_metrics
+
+    config = tiny_config(**{**MOE, "topology.preset": "cpu_single",
+                            "topology.devices_per_node": 1, "parallel.dp": 1,
+                            "train.steps": 2, "train.log_every": 1, "train.progress": True,
+                            "workdir": str(tmp_path), "tensorboard": True,
+                            "model.moe_dispatch": "capacity", "model.moe_capacity_factor": 1.0})
+    Trainer(config, quiet=False).train()
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    last = rows[-1]
+    for i in range(config.model.n_layers):
+        assert 1.0 <= last[f"moe_load_max/{i}"] <= 8.0
+        assert 0.0 <= last[f"moe_load_min/{i}"] <= 1.0
+        assert 0.0 <= last[f"moe_drop/{i}"] < 1.0
+    assert last["moe_drop"] == pytest.approx(
+        np.mean([last[f"moe_drop/{i}"] for i in range(2)]), rel=1e-5)
+    assert last["moe_aux_loss"] == pytest.approx(
+        0.05 * last["moe_balance"] + 0.001 * last["moe_z"], rel=1e-5)
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train/moe_balance") == [
+        (r["step"], pytest.approx(r["moe_balance"])) for r in rows]
+    out = capsys.readouterr().out
+    assert f"balance={last['moe_balance']:.3g}" in out and "dropped=" in out
