@@ -31,7 +31,8 @@ commands:
   sample     continue a prompt with a trained checkpoint: --checkpoint WORKDIR --prompt TEXT
   eval       loss and perplexity of a checkpoint on a dataset: --checkpoint WORKDIR
   launch     run training as several processes: --local N, --hostfile FILE or --slurm
-  topology   print the topology a config describes
+  topology   print the topology a config describes; --json PATH writes it as a topology
+             file (docs/topology.md) that --config.topology.file reads
   tokenizer  train a SentencePiece tokenizer on the config's corpus
   export     write a checkpoint as a HuggingFace directory: --format=hf --checkpoint=WORKDIR
              --out=DIR (config.json, safetensors, tokenizer files)
@@ -182,10 +183,23 @@ def _indent(text: str) -> str:
 
 
 def cmd_topology(argv: list[str]) -> int:
+    """Print the config's topology; --json PATH writes it as a topology file (`-`: only the
+    file, to stdout), which --config.topology.file reads back."""
     from hetjax import config as hconfig
+    from hetjax.core.topology_file import topology_to_json, write_topology
 
-    cfg = _parse("topology", argv)
-    print(hconfig.build_topology(cfg).describe())
+    opts, rest = take_options(argv, ("json",))
+    if opts.get("json", "-") != "-":
+        check_output_path("json", opts["json"], example="topology.json")
+    cfg = _parse("topology", rest, " [--json PATH]")
+    topology = hconfig.build_topology(cfg)
+    if opts.get("json") == "-":
+        print(topology_to_json(topology), end="")
+        return 0
+    print(topology.describe())
+    if "json" in opts:
+        print(f"wrote {write_topology(topology, opts['json'])}; use it: "
+              f"--config.topology.file={opts['json']}")
     return 0
 
 
@@ -193,7 +207,7 @@ def _start_devices(cfg):
     """The config's topology and this process's place in a multi-process job (None: not a
     worker), with this process's JAX devices ready for it: a worker of a
     multi-process job (`hetjax launch` sets HETJAX_* variables; a SLURM task of a multi-world
-    job first derives its world's, `launch.join_slurm_worlds`) joins the job; a lone process
+    job first derives its world's, `hetjax.worker.join_slurm_worlds`) joins the job; a lone process
     asks for the topology's number of simulated CPU devices (used where JAX finds no
     accelerator)."""
     from hetjax import config as hconfig
@@ -201,14 +215,14 @@ def _start_devices(cfg):
 
     topology = hconfig.build_topology(cfg)
     if os.environ.get(ENV_CLUSTER) == "slurm":
-        from hetjax.launch import join_slurm_worlds
+        from hetjax.worker import join_slurm_worlds
 
         join_slurm_worlds(cfg, topology)
     spec = WorkerSpec.from_environ()
     if spec is None:
         ensure_cpu_devices(topology.num_devices)
     else:
-        from hetjax.launch import prepare_worker
+        from hetjax.worker import prepare_worker
 
         prepare_worker(cfg, topology, spec)
     return topology, spec
@@ -365,7 +379,8 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax import config as hconfig
     from hetjax.core.plan import comparison_table
     from hetjax.planner import model_from_config, plan_from_config
-    from hetjax.planner.config_plan import plan_for_config, predict_for_config, validate_layout
+    from hetjax.planner.config_plan import (plan_for_config, predict_for_config,
+                                            searches_layout, validate_layout)
 
     opts, rest = take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
@@ -373,18 +388,21 @@ def cmd_plan(argv: list[str]) -> int:
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]", search_without_config=True)
     topology = hconfig.build_topology(cfg)
     runners_up = ()
-    if not cfg.parallel.pp or not cfg.parallel.tp or cfg.zero.preset == "auto":
+    if searches_layout(cfg):
         validate_layout(cfg, topology)  # what plan_from_config checks first
         result = plan_for_config(cfg, topology)  # the same search, keeping the runners-up
         plan, runners_up = result.plan, result.runners_up
     else:
         plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg, topology=topology)
-    if "step_time_s" not in plan.predicted:  # a fixed layout: price it too
+    if "step_time_s" not in plan.predicted and plan.uniform:  # a fixed layout: price it too
         plan = dataclasses.replace(plan, predicted=predict_for_config(
             cfg, plan, topology).as_dict())
     print(topology.describe())
     print(plan.describe(topology))
+    if "step_time_s" not in plan.predicted:
+        print("  predicted: not priced (the cost model prices stages that share one (dp, tp) "
+              "shape)")
     from hetjax.planner.config_plan import plausibility_lines
 
     for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range
@@ -642,7 +660,8 @@ def cmd_eval(argv: list[str]) -> int:
     r = evaluate(trainer)
     c = trainer.config
     print(f"checkpoint {step}: eval loss {r['loss']:.6f}, perplexity {r['perplexity']:.4f} "
-          f"({c.eval.batches} batches of {c.train.batch_size} x {c.train.seq_len} tokens, "
+          f"({trainer.eval_batches} batches of {c.train.batch_size} x {c.train.seq_len} "
+          "tokens, "
           f"data.source={c.data.source})", flush=True)
     return 0
 

@@ -29,6 +29,8 @@ VCS_DIRS = (".git", ".hg", ".svn", ".bzr")
 PER_DOCUMENT_TOKENS = 3  # BOS, EOS and a tokenizer's word prefix, beyond one per byte
 LOOSE_TOKENS_PER_BYTE = 3  # an undecodable byte becomes U+FFFD, 3 bytes of UTF-8
 EXACT_READ_LIMIT = 256 * 2**20  # read a source for its exact text lengths only up to this size
+# .jsonl sources up to this size are read to check the held-out split's documents one by one
+EXACT_EVAL_READ_LIMIT = 32 * 2**20
 
 
 def record_kind(path: str) -> str | None:
@@ -191,6 +193,11 @@ def _check_source(name: str, files: list[str], c, eval_needed: bool) -> None:
                 f"sequences of train.seq_len + 1 = {row} tokens, fewer than one batch of "
                 f"{t.batch_size}", f"add text, or lower train.batch_size (to at most "
                 f"{max(most, 1)}) or train.seq_len")
+    if (eval_needed and size.documents is not None and size.documents != len(size.doc_tokens)
+            and sum(os.path.getsize(p) for p in files) <= EXACT_EVAL_READ_LIMIT):
+        # .jsonl records are bounded per file, not per document: the held-out documents'
+        # sizes need the records read (cheap at this size)
+        size = source_size(files, d.field, exact=True)
     if eval_needed and size.documents == len(size.doc_tokens):
         n_eval = int(d.eval_fraction * size.documents)
         largest = sorted(size.doc_tokens, reverse=True)[:n_eval]

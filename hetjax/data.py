@@ -280,12 +280,14 @@ class Loader:
 
     def __init__(self, source: Sequence[np.ndarray], batch_size: int, seed: int,
                  rows: Sequence[int] | None = None, *, shuffle: bool = True, prefetch: int = 4,
-                 threads: int = 2, eos_id: int | None = None):
+                 threads: int = 2, eos_id: int | None = None,
+                 what: str = "the data", fix: str = "add text, lower train.seq_len or lower "
+                 "train.batch_size"):
         if len(source) < batch_size:
-            raise HetjaxError(f"the data packs into {len(source)} sequences, fewer than one "
-                              f"batch of {batch_size}; add text, lower train.seq_len or lower "
-                              "train.batch_size")
+            raise HetjaxError(f"{what} packs into {len(source)} sequences, fewer than one "
+                              f"batch of {batch_size}; {fix}")
         self.batch_size = batch_size
+        self.sequences = len(source)  # distinct rows before the stream repeats
         self.rows = np.arange(batch_size) if rows is None else np.asarray(rows)
         if self.rows.size == 0 or self.rows.min() < 0 or self.rows.max() >= batch_size:
             raise ValueError(f"rows must be indices into a batch of {batch_size}")
@@ -396,9 +398,13 @@ def make_loader(config, tokenizer, rows: Sequence[int] | None = None,
     train = split == "train"
     # Synthetic rows are one sequence each (and may hold the EOS id as an ordinary token).
     eos = tokenizer.eos_id if d.document_mask and d.source != "synthetic" else None
+    held_out = dict(what=f"the held-out split (data.eval_fraction = {d.eval_fraction} of the "
+                         f"documents, for evaluation)",
+                    fix="raise data.eval_fraction, lower train.batch_size or train.seq_len, or "
+                        "set --config.eval.every=0") if not train else {}
     loader = Loader(source, t.batch_size, t.seed, rows, shuffle=train,
                     prefetch=d.prefetch if train else 1, threads=d.threads if train else 0,
-                    eos_id=eos)
+                    eos_id=eos, **held_out)
     spec = DataSpec(d.source, corpus, tokenizer.fingerprint, t.seq_len, t.batch_size, t.seed,
                     float(d.eval_fraction))
     return loader, spec

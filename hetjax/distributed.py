@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -44,6 +45,21 @@ BRIDGE_PORT_OFFSET = 100  # a multi-world job's bridge control ports start this 
 
 class DistributedError(HetjaxError):
     """A multi-process job could not start or lost a process."""
+
+
+# A host as ssh and srun take it: [user@]name, an IPv4/IPv6 address or a DNS name. It never
+# starts with '-' (ssh would read it as an option: `-oProxyCommand=...` runs a command) and
+# holds no blank or shell character (a blank would split it into a host and a command).
+_HOST_RE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.+-]*@)?[A-Za-z0-9_\[][A-Za-z0-9_.:%\[\]-]*")
+
+
+def check_host(host: str, where: str) -> str:
+    """`host` if it is a host name (`_HOST_RE`); otherwise a HetjaxError naming `where`."""
+    if not _HOST_RE.fullmatch(host):
+        raise HetjaxError(f"{where}: {host!r} is not a host name (a host name has letters, "
+                          "digits, '.', '-', '_', ':' and an optional user@, and does not start "
+                          "with '-'); fix: write one host name per line")
+    return host
 
 
 # --- which process runs which devices ----------------------------------------------------------

@@ -30,6 +30,19 @@ class TopologyError(HetjaxError):
     """A topology is malformed or does not fit the devices that exist."""
 
 
+class TopologyValueError(TopologyError):
+    """One value of a topology is wrong. `where` names it (a topology file's JSON path, such as
+    `clusters[1].accelerator`, or a data class's field, `ethernet link bandwidth_gbps`),
+    `problem` says what is wrong and `fix` what to write instead; the message is one line.
+    An empty `where` is the file as a whole (not JSON, too large).
+    `field` is the data class field a hardware check refused, so a reader can put the file's
+    JSON path in front of it."""
+
+    def __init__(self, where: str, problem: str, fix: str, field: str = ""):
+        self.where, self.problem, self.fix, self.field = where, problem, fix, field
+        super().__init__(f"{where + ': ' if where else ''}{problem}; fix: {fix}")
+
+
 class PlanError(HetjaxError):
     """No layout satisfies the request; the message names the binding constraint."""
 

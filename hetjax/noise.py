@@ -4,7 +4,7 @@ that are already on disk, "Generating splits...", "Shuffling ..."), and the warn
 etils log through absl about their own bookkeeping ("Variant folder ... has no
 dataset_info.json" for a corpus not yet prepared). None of it says anything hetjax does not
 say itself in one line; an error is never hidden. gloo's connection lines in launched workers'
-output are the launcher's to hide (`hetjax.launch.is_noise`).
+output are the launcher's to hide (`hetjax.supervise.is_noise`).
 
 The switch is the environment variable HETJAX_VERBOSE, so a process that `hetjax launch`
 starts with `--verbose` inherits it, and a Python user can set it before training.

@@ -75,12 +75,13 @@ def saved_config(path: str, overrides=(), step: int | None = None):
     # One program over the run's devices: the run's tp, no pipeline (pp > 1 checkpoints load
     # into this layout), the rest data parallel; inference steps are not accumulated.
     base.parallel.pp, base.parallel.dp = 1, 0
+    base.parallel.stage_dp = base.parallel.stage_tp = ()  # one stage: the run's tp
     base.pipeline.stage_layers, base.pipeline.microbatches = (), 0
     base.train.microbatches = 1
     base.diloco.inner_steps = 0
     base.checkpoint.dir = directory
     cfg = hconfig.load_config(None, list(overrides), base=base)
-    hconfig.validate(cfg)
+    hconfig.validate(cfg, reading=True)  # the checkpoint may be on a read-only copy
     return cfg, step
 
 
@@ -91,7 +92,7 @@ def open_checkpoint(path: str, overrides=(), step: int | None = None, config=Non
     from hetjax.train import Trainer
 
     cfg, step = config if config is not None else saved_config(path, overrides, step)
-    trainer = Trainer(cfg, workdir=os.path.expanduser(path), quiet=True)
+    trainer = Trainer(cfg, workdir=os.path.expanduser(path), quiet=True, reading=True)
     layout = trainer.layout()
     # A reader: it never removes the files of a run that may still be saving. orbax warns
     # (through absl) that a reader's directory is read-only, which is the point here.

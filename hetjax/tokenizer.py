@@ -28,6 +28,7 @@ from typing import Iterable
 import numpy as np
 
 from hetjax.errors import ConfigError, HetjaxError
+from hetjax.files import inside
 
 SAVED = "hetjax_tokenizer.json"  # the descriptor `Tokenizer.save` writes beside the files
 ADD_BOS = ("auto", "true", "false")
@@ -367,7 +368,9 @@ def load_tokenizer(spec: str, add_bos: str = "auto") -> Tokenizer:
             saved = json.load(f)
         if add_bos == "auto":  # as the run that saved it trained
             add_bos = "true" if saved["add_bos"] else "false"
-        file = os.path.join(path, saved["file"])
+        file = saved["kind"] != "byte" and inside(
+            path, saved.get("file"), os.path.join(path, SAVED),
+            "copy the tokenizer directory whole from the run that wrote it")
         tok = (load_tokenizer("byte", add_bos) if saved["kind"] == "byte" else
                HFTokenizer(file, add_bos, (saved["bos_id"], saved["eos_id"]))
                if saved["kind"] == "hf" else load_tokenizer(file, add_bos))

@@ -9,13 +9,13 @@ the data. Nothing is compiled or loaded until it is needed: the state is created
 the loaders when training starts.
 
 The loop (`iter_steps`) yields a `StepInfo` after every step and runs the hooks that are due
-(`Hook`: a function with an interval). `train()` installs the standard hooks -- evaluation,
-checkpoints (both kept out of the step time), timing, the metrics file / TensorBoard and the
-progress bar, the loss plot -- resumes from the latest checkpoint, runs the loop and returns the
-run summary with its history (`hetjax.history.RunSummary`: a dict with `.history`). The end of
-a run writes `<workdir>/loss.png`; a run that is already complete says so and trains nothing.
-A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and its
-metrics.
+(`hetjax.hooks.Hook`: a function with an interval). `train()` installs the standard hooks --
+evaluation, checkpoints (both kept out of the step time), timing, the metrics file / TensorBoard
+and the progress bar, the loss plot -- resumes from the latest checkpoint, runs the loop and
+returns the run summary with its history (`hetjax.history.RunSummary`: a dict with `.history`). The
+end of a run writes `<workdir>/loss.png`; a run that is already complete says so and trains
+nothing. A user adds their own with `trainer.add_hook(fn, every=50)`; `fn(info)` sees the step and
+its metrics.
 
 Guards (docs/reliability.md): executors skip an update whose loss or gradient norm is not finite;
 the loop reports each such step and stops after `train.max_bad_steps` in a row. SIGTERM during
@@ -36,7 +36,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import jax
@@ -49,10 +48,11 @@ from hetjax.corpus_size import check_corpus_size
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
+from hetjax.hooks import Hook, StepInfo, Timing
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.lock import WorkdirLock
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
-from hetjax.core.plan import Plan
+from hetjax.core.plan import Plan, vocab_shards
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
 from hetjax.planner import check_placement, plan_from_config
 from hetjax.planner.config_plan import predict_for_config
@@ -65,7 +65,7 @@ from hetjax.core.topology import Topology
 from hetjax.layers import ModelConfig
 from hetjax.layers.attention_kernels import choose_local
 from hetjax.parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
-from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS
+from hetjax.parallel.nic import ENV_WORLD
 from hetjax.core.registry import EXECUTORS
 
 
@@ -94,129 +94,22 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
     return tx, schedule
 
 
-# --- hooks -------------------------------------------------------------------------------------
-class StepInfo:
-    """What a hook sees after a step: the step number (steps done), whether it is the run's
-    first or last step, the trainer, and the step's metrics.
-
-    `metrics` fetches the step's device metrics on first access (so hooks that do not read them
-    never wait for the step) and holds what earlier hooks added with `add` (eval_loss, step_s,
-    tokens_per_s, ...)."""
-
-    def __init__(self, trainer: "Trainer", step: int, first: bool, last: bool,
-                 device_metrics: dict[str, jax.Array], aside_s: float):
-        self.trainer = trainer
-        self.step = step
-        self.first = first
-        self.last = last
-        self.aside_s = aside_s  # seconds spent so far in hooks that are not training
-        self.added: dict[str, float] = {}
-        self._device = device_metrics
-        self._values: dict[str, float] | None = None
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        if self._values is None:
-            self._values = {k: float(v) for k, v in jax.device_get(self._device).items()}
-            self._values.update(self.added)
-        return self._values
-
-    def add(self, **values: float) -> None:
-        self.added.update(values)
-        if self._values is not None:
-            self._values.update(values)
-
-
-@dataclass
-class Hook:
-    """`fn(info)` after every `every`-th step (0: never by interval), also after the run's
-    first step when `first`, its last when `last`, and whenever `also(info)` says so.
-
-    `aside` hooks (evaluation, checkpoints) are not training: the loop lets the step finish
-    before running them and keeps their time out of the step time, tokens/s and MFU."""
-
-    fn: Callable[[StepInfo], Any]
-    every: int = 1
-    first: bool = False
-    last: bool = False
-    aside: bool = False
-    also: Callable[[StepInfo], bool] | None = None
-
-    def due(self, info: StepInfo) -> bool:
-        return bool((self.every and info.step % self.every == 0) or (self.first and info.first)
-                    or (self.last and info.last) or (self.also and self.also(info)))
-
-
-class Timing:
-    """The timing hook: step time, tokens/s and MFU over each interval since the last call, and
-    the totals for the summary. The first step (compilation) is timed apart; the time of aside
-    hooks (evaluation, checkpoints) is left out."""
-
-    def __init__(self, trainer: "Trainer", start: int):
-        self.trainer = trainer
-        self.start = start
-        self.t_start = time.perf_counter()
-        self.t_first = self.t_mark = None  # when the first step's metrics were read
-        self.aside_first = self.aside_mark = 0.0
-        self.mark_step = start
-        self.waited_start = self.waited_mark = trainer.data.waited_s  # seconds next() blocked
-        self.first_loss = None
-        self.last: dict[str, float] | None = None  # the metrics of the last call
-
-    def __call__(self, info: StepInfo) -> None:
-        tr = self.trainer
-        m = info.metrics  # waits for the step
-        now = time.perf_counter()
-        info.add(input_wait_s=(tr.data.waited_s - self.waited_mark) / (info.step - self.mark_step))
-        self.waited_mark = tr.data.waited_s
-        if self.t_mark is None:  # the first step includes compilation: time it apart
-            self.t_first = self.t_mark = now
-            self.aside_first = info.aside_s
-            info.add(compile_and_step_s=now - self.t_start)
-            self.first_loss = m["loss"]
-        else:
-            dt = (now - self.t_mark - (info.aside_s - self.aside_mark)) / \
-                (info.step - self.mark_step)
-            info.add(step_s=dt, tokens_per_s=tr.tokens_per_step / dt,
-                     mfu=tr.flops_per_step / dt / tr.topology.peak_flops)
-            self.t_mark = now
-        self.aside_mark = info.aside_s
-        self.mark_step = info.step
-        self.last = info.metrics
-
-    def summary(self, total: int, aside_s: float) -> dict[str, Any]:
-        tr = self.trainer
-        steady_steps = total - self.start - 1
-        steady = (time.perf_counter() - self.t_first - (aside_s - self.aside_first)) \
-            if self.t_first else 0.0
-        tps = tr.tokens_per_step * steady_steps / steady if steady_steps > 0 and steady else 0.0
-        return {
-            "steps": total, "first_loss": self.first_loss,
-            "final_loss": self.last["loss"] if self.last else None,
-            "tokens_per_s": tps,
-            "mfu": tr.flops_per_step * steady_steps / steady / tr.topology.peak_flops
-            if tps else 0.0,
-            "mfu_warning": tr.mfu_warning,
-            "wall_s": time.perf_counter() - self.t_start,
-            "compile_and_first_step_s": (self.t_first - self.t_start) if self.t_first else None,
-            "input_wait_s": (tr.data.waited_s - self.waited_start) / max(total - self.start, 1),
-        }
-
-
 def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Runtime:
     """What this process's environment says about its job (`hetjax.parallel.train_state.Runtime`),
-    read once: the launcher's init timeout, and for one world of a multi-world job (`hetjax
-    launch` set HETJAX_WORLDS > 1) the plan's worlds (`hetjax.planner.worlds`), which process
-    runs which rank, this world's index and its bridge to the others."""
+    read once: the launcher's init timeout, and for one world of a job whose worlds the bridge
+    joins (`hetjax launch` set the HETJAX_BRIDGE_* variables: several worlds, or processes the
+    plan leaves out) the plan's worlds (`hetjax.planner.worlds`), which process runs which
+    rank, this world's index and its bridge to the others."""
     from hetjax.distributed import ENV_INIT_TIMEOUT
 
     env = os.environ if env is None else env
     timeout = float(env[ENV_INIT_TIMEOUT]) if env.get(ENV_INIT_TIMEOUT) else None
-    if int(env.get(ENV_WORLDS, "1")) <= 1:
+    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ, bridged
+
+    if not bridged(env):
         return Runtime(init_timeout_s=timeout)
     from hetjax.distributed import process_slots
     from hetjax.planner.worlds import plan_worlds
-    from hetjax.parallel.bridge import ENV_BRIDGE_HOSTS, bridge_from_environ
 
     slots = process_slots(topology, len(env[ENV_BRIDGE_HOSTS].split(",")))
     worlds = plan_worlds(plan, topology, slots)
@@ -235,8 +128,8 @@ class Trainer:
     """
 
     def __init__(self, config, *, topology: Topology | None = None, plan: Plan | None = None,
-                 workdir: str | None = None, quiet: bool = False):
-        hconfig.validate(config)
+                 workdir: str | None = None, quiet: bool = False, reading: bool = False):
+        hconfig.validate(config, reading)  # reading: only restores (eval, sample)
         check_corpus_size(config)  # from the files alone, before anything is built
         self.config = config
         self.quiet = quiet
@@ -246,8 +139,11 @@ class Trainer:
                                      sites=bool(config.diloco.inner_steps))
         self.workdir = workdir or config.workdir
         self.tokenizer = tokenizer_from_config(config.data)
+        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
+        run_plan = plan_to_run(config, self.topology, self.plan)
         self.model_cfg = dataclasses.replace(
-            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size)),
+            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size),
+                                    vocab_shards(run_plan)),
             dtype=hconfig.compute_dtype(config, self.topology))
         if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
             self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
@@ -261,9 +157,8 @@ class Trainer:
         self.tx, self.schedule = make_optimizer(config.train)
         optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
         self.runtime = runtime_from_environ(config, self.plan, self.topology)
-        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
-        self.executor = make_executor(plan_to_run(config, self.topology, self.plan),
-                                      self.topology, self.model_cfg, optimizer, self.runtime)
+        self.executor = make_executor(run_plan, self.topology, self.model_cfg, optimizer,
+                                      self.runtime)
         # The attention kernel this process's devices run (a named one they cannot run is a
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
@@ -291,7 +186,9 @@ class Trainer:
         """The plan's predicted memory; refuses a plan predicted not to fit, in the words
         `hetjax plan` prints for it."""
         predicted = self.plan.predicted
-        if "stage_memory_gib" not in predicted and self.executor.runs_whole_plan:
+        # (per-stage (dp, tp) shapes: the cost model prices one shape, so no prediction)
+        if ("stage_memory_gib" not in predicted and self.executor.runs_whole_plan
+                and self.plan.uniform):
             predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
         problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
                               self.plan.zero.name)
@@ -330,11 +227,13 @@ class Trainer:
                 raise self._out_of_memory(e) from None
             raise
         if self.config.model.init_from:
-            from hetjax.interop.hf_checkpoint import init_from_hf
+            from hetjax.interop.hf_checkpoint import init_from_hf, unused_message
 
             state, reader = init_from_hf(self.executor, state, self.config.model.init_from,
                                          self.model_cfg)
             self.init_from_bytes = reader.bytes_read
+            if unused_message(reader) and jax.process_index() == 0:
+                print(unused_message(reader), flush=True)
             if not self.quiet:
                 print(f"hetjax: model.init_from: process {jax.process_index()} read "
                       f"{reader.bytes_read} bytes of {self.config.model.init_from}", flush=True)
@@ -418,6 +317,8 @@ class Trainer:
         """Loss of the current parameters on a global batch (no update)."""
         return self.executor.eval_loss(self.state, batch)
 
+    _eval_cut_said = False
+
     def _open_eval_data(self):
         if self._eval_data is None:
             self._eval_data, _ = make_loader(self.config, self.tokenizer, split="eval")
@@ -427,8 +328,21 @@ class Trainer:
         """Mean loss on `eval.batches` fixed global batches of held-out data (every process
         reads them whole: evaluation is rare and rows are slices of a memory map)."""
         data = self._open_eval_data()
-        return float(np.mean([self.evaluate(data.batch(k))
-                              for k in range(self.config.eval.batches)]))
+        return float(np.mean([self.evaluate(data.batch(k)) for k in range(self.eval_batches)]))
+
+    @property
+    def eval_batches(self) -> int:
+        """The evaluation's batches: eval.batches, or fewer when the held-out split has not
+        that many distinct batches (the stream would repeat rows; said once)."""
+        data, asked = self._open_eval_data(), self.config.eval.batches
+        distinct = data.sequences // data.batch_size
+        if distinct < asked and not self._eval_cut_said:
+            self._eval_cut_said = True
+            print(f"hetjax: eval.batches = {asked}, but the held-out split packs into "
+                  f"{data.sequences} sequences, {distinct} distinct batch"
+                  f"{'es' * (distinct != 1)} of {data.batch_size}: evaluating {distinct}, "
+                  "none twice (raise data.eval_fraction for more)", file=sys.stderr, flush=True)
+        return min(asked, distinct)
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, *,
@@ -567,10 +481,23 @@ class Trainer:
         m = self.model_cfg
         lines.append(f"model: {m.num_params / 1e6:.2f}M parameters, {m.n_layers} layers, "
                      f"d_model {m.d_model}, heads {m.n_heads} (kv {m.n_kv_heads}), d_ff {m.d_ff},"
-                     f" vocab {m.vocab_size}, {m.dtype} compute")
+                     f" vocab {m.vocab_size}"
+                     + (f" (padded to {m.vocab_rows} rows for tp)" if m.vocab_rows > m.vocab_size
+                        else "") + f", {m.dtype} compute")
         lines.append(f"attention: {self.attention}"
                      + (", document masks" if self.config.data.document_mask else ""))
+        lines.append(self.data_line())
         return "\n".join(lines)
+
+    def data_line(self) -> str:
+        """What the run reads: the source, the tokenizer and the held-out share."""
+        d = self.config.data
+        what = (f"data.path {d.path!r}" + (f" weighted {d.weights}" if d.weights else "")
+                if d.source == "files" else
+                f"{hconfig.SOURCE_TEXT[d.source]} (data.source = {d.source})")
+        held = (f", {d.eval_fraction:g} of the documents held out for evaluation"
+                if d.source != "synthetic" else "")
+        return f"data: {what}, tokenizer {d.tokenizer}{held}"
 
     def _repr_html_(self) -> str:
         """Notebooks: the topology and plan tables, the device map and simulated timeline as

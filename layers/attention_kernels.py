@@ -110,7 +110,10 @@ def platform_of_vendor(vendor: str) -> str:
 
 
 # CUDA compute capability of the catalogue's NVIDIA kinds (cuDNN flash attention: >= 8.0).
-CAPABILITY = {"v100": 7.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9, "h100": 9.0, "h200": 9.0}
+# A name matches the first entry it starts with (so "a100" before "a10", "l40s" before "l4").
+CAPABILITY = {"v100": 7.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9, "h100": 9.0, "h200": 9.0,
+              "h800": 9.0, "t4": 7.5, "rtx_2080_ti": 7.5, "titan_rtx": 7.5, "rtx_3090": 8.6,
+              "a10": 8.6, "a40": 8.6, "rtx_4090": 8.9, "l4": 8.9}
 
 
 def choose_for_accelerator(requested: str, vendor: str, kind: str, dtype: str, head_dim: int,

@@ -8,16 +8,45 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 
+def padded_init(init, rows: int, axis: int):
+    """`init` for a table whose dimension `axis` has more entries than its `rows` real ones
+    (a vocabulary padded for tensor parallelism): the real entries as `init` draws them for
+    `rows` (so a padded model starts as the unpadded one), the padding zero."""
+    def draw(key, shape, dtype=jnp.float32):
+        real = init(key, (*shape[:axis], rows, *shape[axis + 1:]), dtype)
+        pad = [(0, 0)] * len(shape)
+        pad[axis] = (0, shape[axis] - rows)
+        return jnp.pad(real, pad)
+    return draw
+
+
+def mask_padded_vocab(logits, vocab_size: int):
+    """Logits [..., rows] with the ids >= `vocab_size` (padding rows) at a value no softmax,
+    arg-max or sampler picks. Finite, so a one-hot loss (0 x it) stays exact; the masked ids
+    get no gradient."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    ids = jnp.arange(logits.shape[-1])
+    return jnp.where(ids < vocab_size, logits, jnp.asarray(PADDED_LOGIT, logits.dtype))
+
+
+# exp(PADDED_LOGIT - any real logit) is exactly 0 in float32.
+PADDED_LOGIT = -1e30
+
+
 class Embed(nn.Module):
-    vocab_size: int
+    vocab_size: int  # rows of the table (the vocabulary, padded)
     d_model: int
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    real_rows: int = 0  # rows that are tokens (0: all); the rest are padding, zero at the start
 
     def setup(self):
+        init = nn.initializers.normal(stddev=0.02)
+        if self.real_rows and self.real_rows < self.vocab_size:
+            init = padded_init(init, self.real_rows, 0)
         self.embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), ("vocab", "embed")),
+            "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")),
             (self.vocab_size, self.d_model), self.param_dtype)
 
     def __call__(self, tokens):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from hetjax.layers.block import DecoderBlock
 from hetjax.core.model_config import ModelConfig
-from hetjax.layers.embeddings import Embed
+from hetjax.layers.embeddings import Embed, mask_padded_vocab, padded_init
 from hetjax.layers.moe import STATS
 from hetjax.layers.norms import RMSNorm
 
@@ -49,7 +49,7 @@ class Transformer(nn.Module):
     def setup(self):
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        self.embedder = Embed(cfg.vocab_size, cfg.d_model, dtype, pdtype)
+        self.embedder = Embed(cfg.vocab_rows, cfg.d_model, dtype, pdtype, cfg.vocab_size)
         # An MoE layer's records (layers/moe.py: STATS, and router logits when asked) are
         # stacked over layers like the parameters.
         axes = {"params": 0, **({STATS: 0, "router_logits": 0} if cfg.is_moe else {})}
@@ -59,11 +59,12 @@ class Transformer(nn.Module):
             length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
         self.final_norm = RMSNorm(cfg.norm_eps, dtype, pdtype)
         if not cfg.tie_embeddings:
+            init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+            if cfg.vocab_rows > cfg.vocab_size:
+                init = padded_init(init, cfg.vocab_size, 1)
             self.lm_head = nn.Dense(
-                cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=pdtype,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
-                    ("embed", "vocab")))
+                cfg.vocab_rows, use_bias=False, dtype=dtype, param_dtype=pdtype,
+                kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))
 
     def embed(self, tokens):
         return self.embedder(tokens)
@@ -78,7 +79,7 @@ class Transformer(nn.Module):
             logits = self.embedder.attend(x)
         else:
             logits = nn.with_logical_constraint(self.lm_head(x), ("batch", "length", "vocab"))
-        return logits.astype(jnp.float32)
+        return mask_padded_vocab(logits.astype(jnp.float32), self.cfg.vocab_size)
 
     def __call__(self, tokens, segment_ids=None):
         """Logits [batch, length, vocab] (float32) of tokens [batch, length]; with segment_ids

@@ -108,7 +108,7 @@ def _kind_of(key: int) -> str:
 def name_os_thread(name: str) -> None:
     """Give the calling thread an OS name (Linux prctl PR_SET_NAME, 15 characters kept):
     Python 3.11 names only its own Thread objects, and per-thread CPU accounting (top -H,
-    /proc/<tid>/comm; scripts/bench_diloco.py --testbed) needs the bridge's threads told
+    /proc/<tid>/comm; scripts/bench/diloco.py --testbed) needs the bridge's threads told
     apart from XLA's and the main thread. A no-op where prctl is unavailable."""
     try:
         import ctypes
@@ -462,6 +462,13 @@ class Bridge:
                 pool.shutdown(wait=False, cancel_futures=True)
 
 
+def bridged(env=None) -> bool:
+    """Whether this process is one world of a job whose worlds the bridge joins (the
+    launcher set its HETJAX_BRIDGE_* variables): then its jax.distributed job holds only its
+    world's processes, not every rank of the topology."""
+    return ENV_BRIDGE_RANK in (os.environ if env is None else env)
+
+
 def bridge_from_environ(env=None, **kwargs) -> Bridge | None:
     """This worker's bridge from HETJAX_BRIDGE_* variables, or None when they are unset (a
     single-world job)."""
@@ -505,5 +512,6 @@ def bridge_environ(rank: int, hosts: Sequence[str], port: int,
             ENV_BRIDGE_PORT: str(port), ENV_BRIDGE_TRANSPORT: transport}
 
 
-__all__ = ["Bridge", "BridgeError", "message_key", "bridge_from_environ", "bridge_environ",
+__all__ = ["Bridge", "BridgeError", "message_key", "bridged", "bridge_from_environ",
+           "bridge_environ",
            "bridge_addresses", "KINDS", "TRANSPORTS", "CODECS"]

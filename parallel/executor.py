@@ -255,7 +255,8 @@ def make_executor(plan: Plan | DilocoPlan, topology: Topology, model_cfg: ModelC
         return _load(COMPOSITE[plan.executor]).create(plan, topology, model_cfg, optimizer,
                                                       runtime)
     # Every executor runs only a plan without problems (the Plan's rules, one definition).
-    raise_first(plan.problems(topology, model_cfg.n_layers if model_cfg is not None else 0))
+    raise_first(plan.problems(topology, model_cfg.n_layers if model_cfg is not None else 0,
+                              model_cfg))
     kind = EXECUTORS[plan.executor]
     if runtime.multi_world:
         if not kind.worlds:

@@ -37,15 +37,44 @@ def mesh_shape(plan: Plan) -> tuple[int, ...]:
     return (plan.pp, plan.dp // (z.s_os * plan.ep), z.s_os // z.s_p, z.s_p, plan.ep, plan.tp)
 
 
-def build_mesh(plan: Plan, topology: Topology, devices=None):
-    """The mesh for `plan`: devices[plan.mesh_ranks()], dp factored into its ZeRO sub-axes."""
-    from jax.sharding import AxisType, Mesh
+def stage_mesh_shape(plan: Plan, s: int) -> tuple[int, ...]:
+    """Sizes of AXES[1:] for stage s: (dp_s / (s_os ep), s_os / s_p, s_p, ep, tp_s)."""
+    dp, tp = plan.stage_shape(s)
+    z = plan.zero
+    if dp % (z.s_os * plan.ep) or z.s_os % z.s_p:
+        raise PlanError(f"ZeRO factors s_p={z.s_p}, s_os={z.s_os} and ep={plan.ep} must divide "
+                        f"stage {s}'s dp={dp} (s_p | s_os, s_os x ep | dp)")
+    return (dp // (z.s_os * plan.ep), z.s_os // z.s_p, z.s_p, plan.ep, tp)
 
+
+def _by_rank(plan: Plan, topology: Topology, devices) -> np.ndarray:
+    """The devices as an array indexed by topology rank (`devices`: the topology's, in rank
+    order; default all of them), checked to hold every rank the plan uses."""
     if devices is None:
         devices = topology.jax_devices()
-    if len(devices) != plan.num_devices:
-        raise PlanError(f"plan uses {plan.num_devices} devices but {len(devices)} were given")
-    arr = np.empty(plan.num_devices, dtype=object)
+    if max(plan.device_order) >= len(devices):
+        raise PlanError(f"plan uses ranks up to {max(plan.device_order)} but {len(devices)} "
+                        "devices were given")
+    arr = np.empty(len(devices), dtype=object)
     arr[:] = list(devices)
-    grid = arr[plan.mesh_ranks()].reshape(mesh_shape(plan))
+    return arr
+
+
+def build_mesh(plan: Plan, topology: Topology, devices=None):
+    """The mesh for `plan` (its stages sharing one shape): devices[plan.mesh_ranks()], dp
+    factored into its ZeRO sub-axes. `devices` are the topology's in rank order (default all
+    of them); the plan may leave some out."""
+    from jax.sharding import AxisType, Mesh
+
+    grid = _by_rank(plan, topology, devices)[plan.mesh_ranks()].reshape(mesh_shape(plan))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def build_stage_mesh(plan: Plan, topology: Topology, s: int, devices=None):
+    """Stage s's own mesh, axes AXES[1:] ('dp', 'dp_os', 'dp_p', 'expert', 'tp'): its (dp_s, tp_s)
+    ranks, dp factored into the ZeRO sub-axes (the MPMD executors' sub-meshes)."""
+    from jax.sharding import AxisType, Mesh
+
+    grid = _by_rank(plan, topology, devices)[plan.stage_mesh(s)].reshape(
+        stage_mesh_shape(plan, s))
+    return Mesh(grid, AXES[1:], axis_types=(AxisType.Auto,) * (len(AXES) - 1))

@@ -60,7 +60,7 @@ from hetjax.core import program as pg
 from hetjax.parallel import sharding as shd
 from hetjax.parallel import zero_sharding as zero
 from hetjax.parallel.train_state import Executor, TrainState, opt_state_specs, skip_unless_finite
-from hetjax.parallel.mesh import DP_AXES, build_mesh
+from hetjax.parallel.mesh import DP_AXES, build_mesh, build_stage_mesh
 from hetjax.parallel.pipeline import check_plan, onehot_cross_entropy
 from hetjax.parallel.residuals import Residuals, effective_remat, layer_fn, pullback, vjp_stash
 from hetjax.core.plan import even_split, resolve_schedule
@@ -189,7 +189,7 @@ class Stage:
         self.chunks = chunks
         self.holds_embedding = any(c.first for c in chunks)
         self.holds_head = any(c.last for c in chunks)
-        self.n_dp = plan.ep_replicas
+        self.n_dp = plan.ep_replicas(s)
         self.rules = shd.LOGICAL_RULES
         self.abstract = nn.unbox(boxed)
         self.zs = zero.zero_specs(self.abstract, shd.param_specs(boxed, self.rules),
@@ -200,6 +200,7 @@ class Stage:
             opt_state=opt_state_specs(ex.tx, abstract_opt, self.zs.os)))
         self.os_sharding = shd.named(mesh, self.zs.os)
         self.activation = NamedSharding(mesh, P(DP_AXES))  # [dp, b / dp, S, d]
+        self.rows = self.activation  # [b, S, d], the rows split over dp: what crosses shapes
         self.scalar = NamedSharding(mesh, P())
         self.batch = NamedSharding(mesh, shd.batch_spec())
         self.model = Transformer(cfg)
@@ -369,7 +370,10 @@ class Stage:
             return zero.new_accumulator(params, self.zs, self.mesh)
 
         def finish(acc, losses):
-            scale = 1.0 / (self.ex.plan.microbatches * n)
+            # Every gradient descends from the loss, summed over the head stage's devices of
+            # each micro-batch's mean: the mean loss divides by the head's dp, on every stage
+            # (stages with different shapes have different dp).
+            scale = 1.0 / (self.ex.plan.microbatches * self.ex.loss_dp)
             return zero.finish_grads(acc, losses, self.zs, self.mesh, scale)
 
         def squared_norm(grads):
@@ -419,6 +423,12 @@ class Stage:
         self.squared_norm = jax.jit(squared_norm)
         self.update = jax.jit(update, out_shardings=self.state_sharding, donate_argnums=0)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        # [dp, b / dp, ...] <-> [b, ...]: each device keeps its own rows (no traffic), so a
+        # boundary between stages of different dp moves whole rows from device to device
+        self.to_rows = jax.jit(lambda x: x.reshape(-1, *x.shape[2:]),
+                               out_shardings=self.rows)
+        self.from_rows = jax.jit(lambda x: zero.split_devices(x, n),
+                                 out_shardings=self.activation)
 
     def run(self, fn, *args):
         with self.context():
@@ -451,15 +461,18 @@ class MpmdExecutor(Executor):
     def __init__(self, plan, topology, model_cfg, tx, lr_schedule, grad_clip: float = 0.0):
         super().__init__(plan, topology, model_cfg, tx, lr_schedule)
         self._lower(grad_clip)
-        self.mesh = build_mesh(plan, topology)  # all stages: checkpoints pass through it
-        names = self.mesh.axis_names[1:]
+        devices = topology.jax_devices()
+        # every stage's devices: checkpoints pass through it (replicated), so it needs no
+        # shape; one (pp, ...) mesh when the stages share one
+        self.mesh = build_mesh(plan, topology, devices) if plan.uniform else Mesh(
+            np.array([devices[r] for r in plan.device_order]), ("devices",))
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.stages = []
         for s in range(plan.pp):
             chunks = self.chunks_of(s)
             self.stages.append(Stage(
-                self, s, Mesh(self.mesh.devices[s], names, axis_types=self.mesh.axis_types[1:]),
-                chunks, jax.eval_shape(lambda b, c=chunks: stage_tree(b, c, self.tied), boxed)))
+                self, s, build_stage_mesh(plan, topology, s, devices), chunks,
+                jax.eval_shape(lambda b, c=chunks: stage_tree(b, c, self.tied), boxed)))
         first = self.stages[self.chunks[0].stage]
         last = self.stages[self.chunks[-1].stage]
         self.batch_sharding = {"inputs": first.batch, "targets": last.batch}
@@ -475,6 +488,7 @@ class MpmdExecutor(Executor):
         self.schedule = resolve_schedule(self.plan)
         self.program = pg.lower(self.schedule)
         self.chunks = model_chunks(self.plan.stage_layers, self.schedule.placement())
+        self.loss_dp = self.plan.stage_shape(self.chunks[-1].stage)[0]  # the head stage's dp
 
     @classmethod
     def create(cls, plan, topology, model_cfg, optimizer, runtime):
@@ -673,8 +687,17 @@ class MpmdExecutor(Executor):
 
     def send(self, step: "StepRun", op: pg.Send) -> None:
         """Hand a buffer to another stage: an asynchronous device-to-device copy."""
-        step.transit[op.peer, op.buffer] = jax.device_put(step.buffers[op.stage, op.buffer],
-                                                          self.stages[op.peer].activation)
+        step.transit[op.peer, op.buffer] = self.move(step.buffers[op.stage, op.buffer],
+                                                     op.stage, op.peer)
+
+    def move(self, x, s: int, to: int):
+        """An activation or its gradient ([dp_s, b / dp_s, ...] on stage s) onto stage `to`:
+        one copy when the two stages split the rows alike (their tp may differ: activations
+        are replicated over tp), else each row to the device of `to` that holds it there."""
+        a, b = self.stages[s], self.stages[to]
+        if a.n_dp == b.n_dp:
+            return jax.device_put(x, b.activation)
+        return b.run(b.from_rows, jax.device_put(a.run(a.to_rows, x), b.rows))
 
     def recv(self, step: "StepRun", op: pg.Recv) -> None:
         """The buffer another stage sent (the program sends before it receives)."""
@@ -689,10 +712,11 @@ class MpmdExecutor(Executor):
         pieces = [st.run(st.gather, s.params) for st, s in zip(self.stages, state.stages)]
         total = 0.0
         for m in range(self.plan.microbatches):
-            x = None
+            x, prev = None, self.chunks[0].stage
             for chunk in self.chunks:
                 st = self.stages[chunk.stage]
-                x = None if x is None else jax.device_put(x, st.activation)
+                x = None if x is None else self.move(x, prev, chunk.stage)
+                prev = chunk.stage
                 x = st.run(st.eval_forward, chunk.position, pieces[st.index][chunk.position], x,
                            dev["inputs"], dev["targets"], st.constants[2][m])
             total += float(jnp.mean(x))

@@ -11,8 +11,9 @@ backward's input, the tied embedding's gradient (summed in the same order as in 
 the loss and each world's part of the squared gradient norm go over the bridge
 (`hetjax.parallel.bridge`) instead of `jax.device_put`.
 
-Every stage has the same mesh shape (dp, dp_os, dp_p, tp), so an array of one stage and its
-counterpart on another stage have, at every mesh *position*, the same shard: the process
+Stages on different groups of processes have the same mesh shape (dp, dp_os, dp_p, tp) (a plan
+with per-stage shapes runs as one group), so an array of one stage and its counterpart on
+another stage have, at every mesh *position*, the same shard: the process
 holding a position on the receiving side pulls that shard from the process holding the same
 position on the sending side (message part = leaf * positions + position). Receives are
 prefetched a few tasks ahead (never blocking on a prefetch: a peer may need this world's next
@@ -43,10 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from hetjax.errors import HetjaxError
+from hetjax.errors import HetjaxError, PlanError
 from hetjax.core import program as pg
 from hetjax.parallel.bridge import Bridge, message_key
-from hetjax.parallel.mesh import AXES, DP_AXES, mesh_shape
+from hetjax.parallel.mesh import AXES, DP_AXES, stage_mesh_shape
 from hetjax.parallel.mpmd import MpmdExecutor, MpmdState, Stage, StepRun, merge_states, stage_tree
 from hetjax.parallel.train_state import Executor, TrainState
 
@@ -70,11 +71,10 @@ class Group:
 def stage_groups(plan, worlds: Sequence, owner: dict[int, int]) -> list[Group]:
     """The worlds' stages grouped by the set of processes holding their devices; a stage
     whose processes overlap another's without being the same is a HetjaxError."""
-    grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
     found: dict[tuple, list[int]] = {}
     for w in worlds:
         for s in w.stages:
-            procs = tuple(sorted({owner[int(r)] for r in grid[s].flat}))
+            procs = tuple(sorted({owner[r] for r in plan.stage_ranks(s)}))
             found.setdefault((w.index, procs), []).append(s)
     keys = sorted(found, key=lambda k: found[k][0])
     for i, a in enumerate(keys):
@@ -103,20 +103,33 @@ class WorldsExecutor(MpmdExecutor):
         self.worlds, self.world = list(worlds), worlds[world]
         self.owner, self.bridge = owner, bridge
         self.groups = stage_groups(plan, self.worlds, owner)
+        if not plan.uniform and len(self.groups) > 1:
+            # the bridge pulls each mesh position's shard from the same position of its peer
+            raise PlanError(
+                f"stages with different (dp, tp) shapes {list(plan.stage_shapes)} run on "
+                f"{len(self.groups)} groups of processes, and what crosses between groups "
+                "goes over the bridge, which needs one shape on both sides. Fix: give every "
+                "stage the same parallel.stage_dp and parallel.stage_tp, or run the stages "
+                "in one process (hetjax train, or fewer launch processes)")
         self.group = next(g for g in self.groups if bridge.rank in g.processes)
         self.group_of = {s: g.index for g in self.groups for s in g.stages}
         for w in self.worlds:  # a peer that never comes up is named with its world
             for i, p in enumerate(sorted({owner[r] for r in w.ranks})):
                 bridge.peer_names[p] = f"world {w.index}, its process {i}"
-        self.grid = np.asarray(plan.mesh_ranks()).reshape(mesh_shape(plan))
+        # each stage's ranks in its mesh's shape (dp / s_os, s_os / s_p, s_p, tp)
+        self.grid = [plan.stage_mesh(s).reshape(stage_mesh_shape(plan, s))
+                     for s in range(plan.pp)]
         if devices is None:  # this world's jax.distributed job: its devices in rank order
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        if len(devices) != len(self.world.ranks):
+        # the ranks its processes hold (also those the plan leaves out, which stay idle)
+        procs = {owner[r] for r in self.world.ranks}
+        held = sorted(r for r, p in owner.items() if p in procs)
+        if len(devices) != len(held):
             raise HetjaxError(
-                f"world {self.world.index} runs topology ranks {list(self.world.ranks)[:4]}... "
-                f"({len(self.world.ranks)} devices) but its jax.distributed job has "
+                f"world {self.world.index} runs topology ranks {held[:4]}... "
+                f"({len(held)} devices) but its jax.distributed job has "
                 f"{len(devices)} devices; start each world with its own processes and devices")
-        device_of = dict(zip(self.world.ranks, devices))
+        device_of = dict(zip(held, devices))
         boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
         self.stages: list[Stage | None] = [None] * plan.pp
         self.position: dict[tuple[int, Any], int] = {}  # (stage, device) -> mesh position
@@ -135,9 +148,9 @@ class WorldsExecutor(MpmdExecutor):
         if self.chunks[-1].stage in self.local:
             self.batch_sharding["targets"] = self.stages[self.chunks[-1].stage].batch
         self.mesh = None  # no mesh spans every stage here
-        b = plan.microbatch_size // plan.ep_replicas
+        b = plan.microbatch_size // plan.ep_replicas()
         self.activation = jax.ShapeDtypeStruct(
-            (plan.ep_replicas, b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
+            (plan.ep_replicas(), b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
         self._calls = 0  # steps run: the message keys' step field
         self._evals = (0, 0)  # (step field, eval batches run at it): eval messages' keys
         self._route_cache: dict[tuple, list[list[int]]] = {}
@@ -205,7 +218,7 @@ class WorldsExecutor(MpmdExecutor):
                 st = stages[s]
                 if not chunk.first:
                     prev = chunks[chunk.index - 1]
-                    x = (jax.device_put(x, st.activation) if prev.stage in self.local else
+                    x = (self.move(x, prev.stage, s) if prev.stage in self.local else
                          self._recv(s, prev.stage, self.activation, st.activation, "eval",
                                     prev.index, mb))
                 x = st.run(st.eval_forward, chunk.position, pieces[s][chunk.position], x,

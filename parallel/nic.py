@@ -189,10 +189,11 @@ class GroupLink:
 def group_links(plan: Plan, topology: Topology, slots=None,
                 policy: str = "cluster") -> list[GroupLink]:
     """Every TP, DP and PP group of the plan with its link class (one process per node unless
-    `slots` says otherwise)."""
-    if plan.num_devices != topology.num_devices:
-        raise PlanError(f"plan uses {plan.num_devices} devices but topology {topology.name!r} "
-                        f"has {topology.num_devices}")
+    `slots` says otherwise); devices the plan leaves out are in no group. With per-stage
+    shapes a PP group is a stage boundary's two stages (`Plan.pp_groups`)."""
+    if max(plan.device_order) >= topology.num_devices:
+        raise PlanError(f"plan uses ranks up to {max(plan.device_order)} but topology "
+                        f"{topology.name!r} has {topology.num_devices} devices")
     slots = slots or process_slots(topology, topology.num_nodes)
     owner = {r: s.index for s in slots for r in s.ranks}
     nets = {s.index: nccl_env(topology, s, policy)["NCCL_NET"] for s in slots}

@@ -10,7 +10,7 @@ optimizer states; boxed or not; numpy or jax) and are exact inverses on the vali
 Embedding, final norm and output projection stay unstacked and replicated over 'pp'.
 
 Executor. `Pipeline.loss_and_grads` runs one training step's forward and backward as a loop
-over the ticks of `schedules.tick_program`, inside `jax.shard_map` with only 'pp' manual (dp and
+over the ticks of `hetjax.core.tick_program`, inside `jax.shard_map` with only 'pp' manual (dp and
 tp stay with the compiler, which places them from the parameter shardings and the layers'
 logical constraints). At every tick each stage does what its column of the program says
 (`StageStep`, the shard_map's body, has one method per tick kind):
@@ -80,6 +80,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hetjax.core.plan import Plan, raise_first, resolve_schedule, schedule_problem
 from hetjax.layers import ModelConfig, Transformer
 from hetjax.core import schedules as sch
+from hetjax.core import tick_program as tp
 from hetjax.parallel import sharding as shd
 from hetjax.parallel import zero_sharding as zero
 from hetjax.parallel.residuals import effective_remat, layer_fn, pullback, vjp_stash
@@ -255,7 +256,7 @@ def folded_sends(schedule: sch.Schedule, pp: int) -> dict[str, np.ndarray]:
     stage pp - 1 <-> pp) stays on device pp - 1 and is no send."""
     ticks = len(sch.tick_table(schedule))
     out = {k: np.zeros(ticks, bool) for k in ("down_x", "up_x", "up_dy", "down_dy")}
-    for tr in sch.transfers(schedule):
+    for tr in tp.transfers(schedule):
         if tr.kind == "activation" and tr.src != pp - 1:
             out["down_x" if tr.src < pp - 1 else "up_x"][tr.tick] = True
         elif tr.kind == "gradient" and tr.src != pp:
@@ -283,7 +284,7 @@ class Pipeline:
         # whatever executor the plan names, this engine runs the tick grid: the rule of the
         # registry's tick-grid executor (a plan built for another one may reach it in tests)
         raise_first([p for p in (schedule_problem("spmd", plan.schedule),) if p])
-        self.program = sch.tick_program(self.schedule)
+        self.program = tp.tick_program(self.schedule)
         self.remat = effective_remat(model_cfg.remat, spmd_pipeline=True)
         self._layer_fn = layer_fn(model_cfg, self.remat)
         self._residuals = None  # residuals.Residuals of a layer, set when the step is traced
@@ -580,7 +581,7 @@ class StageStep:
             branches.append(self.strands_tick)
         y, dx, kept, acc, losses = jax.lax.switch(c["action"], [functools.partial(b, t)
                                                                 for b in branches])
-        written = jnp.where(c["action"] == sch.BACKWARD, self.prog.stash_slots, c["stash_slot"])
+        written = jnp.where(c["action"] == tp.BACKWARD, self.prog.stash_slots, c["stash_slot"])
         stash = jax.tree.map(lambda buf, v: buf.at[written].set(v), stash, kept)
         return y, dx, (x_inbox, dy_inbox, stash), acc, losses
 

@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py on CPU: its smoke shape runs every row that can run here, and its FLOPs
+"""scripts/bench/gpu.py on CPU: its smoke shape runs every row that can run here, and its FLOPs
 count agrees with the model's parameter count."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 
 def _bench():
-    from scripts import bench_gpu
+    from scripts.bench import gpu as bench_gpu
 
     return bench_gpu
 

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from hetjax.launch import free_port
+from hetjax.distributed import free_port
 from hetjax.parallel.bridge import Bridge, BridgeError, bridge_environ, bridge_from_environ, message_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

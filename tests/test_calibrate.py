@@ -144,9 +144,78 @@ def test_staged_block_prices_pipelined_layers_and_only_those():
 
 
 def cm_layout(plan_):
-    from hetjax.planner.cost import Layout
+    from hetjax.planner.layout import Layout
 
     return Layout.of(plan_)
+
+
+SAVED = os.path.join(ROOT, "docs", "results", "calibration_hetaccel_0808.json")
+
+
+def _hostile(path: str, value):
+    """The saved calibration with `value` at `path` (keys and list indices split by '.')."""
+    with open(SAVED) as f:
+        d = json.load(f)
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    node = d
+    for p in parents:
+        node = node[p]
+    node[last] = value
+    return d
+
+
+# (JSON path, hostile value, what the one error says). Before these checks, the first two
+# ended in a ZeroDivisionError traceback, the rank out of range and the ragged groups in an
+# IndexError / numpy error when the planner read the file, the text number in a TypeError.
+HOSTILE_CALIBRATIONS = [
+    ("model.n_heads", 0, "model.n_heads: must be > 0, got 0"),
+    ("compute.0.fwd_s", 0, "compute[0].fwd_s: must be > 0, got 0"),
+    ("links.0.groups.0.1", 10**9, "links[0].groups[0][1]: rank 1000000000 is not one of the "
+     "topology's 4 devices"),
+    ("links.0.groups", [[0, 1], [2]], "links[0].groups: must be a non-empty list of equal-sized "
+     "lists of ranks"),
+    ("compute.0.bwd_s", "0.1", "compute[0].bwd_s: must be a finite number, got '0.1'"),
+    ("compute.0.batch", 1e300, "compute[0].batch: must be a whole number up to 2**53"),
+    ("compute.0.part", "blocks", "compute[0].part: 'blocks' is not a part hetjax calibrate "
+     "measures"),
+    ("compute.0.evil", 1, "compute[0].evil: is not a field of a ComputeRow"),
+    ("links.0.op", "broadcast", "links[0].op: 'broadcast' is not one of all_reduce, "
+     "reduce_scatter, all_gather, p2p"),
+    ("links.0.seconds", float("nan"), "links[0].seconds: must be a finite number, got nan"),
+    ("compute.0.fwd_s", 10**400, "compute[0].fwd_s: must be a finite number, got a number of "
+     "401 digits"),
+    ("topology.clusters.0.nodes", 10**9, "topology.clusters[0].nodes: must be at most 65,536, "
+     "got 1,000,000,000"),
+    ("processes", -1, "processes: must be > 0, got -1"),
+    ("profile_rows", [{"accelerator": "cpu", "piece": "block", "tp": 1, "tokens": 64,
+                       "seq_len": 64, "fwd_s": "fast", "bwd_s": 1.0}],
+     "profile_rows[0].fwd_s: must be a finite number, got 'fast'"),
+]
+
+
+@pytest.mark.parametrize("path,value,error", HOSTILE_CALIBRATIONS,
+                         ids=[c[0] for c in HOSTILE_CALIBRATIONS])
+def test_a_hostile_calibration_file_is_one_error_naming_the_value(tmp_path, path, value, error):
+    load_calibration(SAVED)  # the file is good before the change
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps(_hostile(path, value)))
+    with pytest.raises(PlanError) as e:
+        load_calibration(str(bad))
+    assert str(e.value).startswith(f"planner.calibration: {str(bad)!r}: not a hetjax "
+                                   f"calibration file ({error}")
+    assert str(e.value).endswith("; write one with 'hetjax calibrate'")
+
+
+def test_a_calibration_file_too_large_or_too_deep_is_refused_unparsed(tmp_path, monkeypatch):
+    from hetjax.planner import calibrate
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PlanError, match="nested deeper than a calibration ever is"):
+        load_calibration(str(deep))
+    monkeypatch.setattr(calibrate, "MAX_CALIBRATION_BYTES", 1000)
+    with pytest.raises(PlanError, match=r"\(larger than 0 MiB, which no calibration is\)"):
+        load_calibration(SAVED)
 
 
 def test_a_file_that_is_not_a_calibration_is_one_clear_error(tmp_path):
@@ -308,7 +377,7 @@ def test_per_kind_rows_fit_the_kernel_rates_by_hand():
 def test_plausibility_guard_states_the_fit_and_warns_only_far_outside_it(capsys):
     from hetjax.cli import main
     from hetjax.planner import reference_runs as rr
-    from hetjax.planner.calibrate import plausibility_lines
+    from hetjax.planner.fit_range import plausibility_lines
 
     fit = rr.megatron_range()
     inside = rr.row("145.6B")  # held back, inside the fitted sizes, devices and fabric

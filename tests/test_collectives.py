@@ -75,7 +75,7 @@ def test_1024_rank_all_reduce_of_1gb_against_the_flat_ring():
 
 
 def test_calibrated_link_fits_replace_the_links_per_operation():
-    from hetjax.planner.cost import LinkFit
+    from hetjax.planner.network import LinkFit
 
     t = preset("holmes_infiniband")
     fit = LinkFit(bandwidth_gbps=8.0, latency_us=100.0)  # 1 GB/s, 100 us
@@ -89,6 +89,6 @@ def test_calibrated_link_fits_replace_the_links_per_operation():
 
 
 def _model():
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     return holmes_model()

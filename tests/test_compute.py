@@ -7,7 +7,8 @@ import pytest
 from hetjax.core.catalogue import ACCELERATORS
 from hetjax.errors import PlanError
 from hetjax.planner import compute as ck
-from hetjax.planner.cost import CostModel, CostOptions, Layout
+from hetjax.planner.cost import CostModel, CostOptions
+from hetjax.planner.layout import Layout
 from hetjax.core.topology import preset
 from hetjax.core.model_config import ModelConfig
 

@@ -182,7 +182,7 @@ def test_every_field_is_one_spec_shown_in_help_with_the_owners_names():
 
     out = help_text("train", None, [])
     flat = " ".join(out.split())  # --help wraps descriptions
-    for f in hconfig.FIELDS:
+    for f in hconfig.fields.FIELDS:
         assert len(f.description()) > 5, f.name
         assert f"{f.name} = " in out, f.name
         assert " ".join(f.description().split()[:4]) in flat, f.name
@@ -192,10 +192,10 @@ def test_every_field_is_one_spec_shown_in_help_with_the_owners_names():
     assert " | ".join(CONFIG_PRESETS) in d["zero.preset"]
     assert all(name in d["pipeline.boundary_codec"] for name in BOUNDARY_CODECS)
     # the notes of a name set describe names of that set, never others
-    for f in hconfig.FIELDS:
+    for f in hconfig.fields.FIELDS:
         if isinstance(f.check, hconfig.Choices):
             assert set(f.check.notes) <= set(f.check.options()), f.name
-    assert hconfig.PATH_FIELDS == tuple(f.name for f in hconfig.FIELDS if f.path)
+    assert hconfig.PATH_FIELDS == tuple(f.name for f in hconfig.fields.FIELDS if f.path)
 
 
 def test_a_field_added_as_one_spec_gets_its_default_help_line_and_check(monkeypatch):
@@ -203,7 +203,7 @@ def test_a_field_added_as_one_spec_gets_its_default_help_line_and_check(monkeypa
 
     spec = hconfig.Field("train.patience", 5, "evaluations without improvement before the run "
                          "stops", hconfig.positive_int())
-    monkeypatch.setattr(hconfig, "FIELDS", hconfig.FIELDS + (spec,))
+    monkeypatch.setattr(hconfig.fields, "FIELDS", hconfig.fields.FIELDS + (spec,))
     assert hconfig.base_config().train.patience == 5
     assert load_config(None, ["--config.train.patience=7"]).train.patience == 7
     out = help_text("train", None, [])

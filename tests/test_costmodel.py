@@ -10,7 +10,9 @@ import pytest
 from hetjax.errors import PlanError
 from hetjax.core.plan import Plan, ZeroFactors
 from hetjax.planner import formulas, zero_factors as zr
-from hetjax.planner.cost import CostModel, CostOptions, LayerProfile, Layout, ring_time
+from hetjax.planner.cost import CostModel, CostOptions, LayerProfile
+from hetjax.planner.layout import Layout
+from hetjax.planner.network import ring_time
 from hetjax.planner.simulate import closed_form, in_flight, lower_bound, simulate
 from hetjax.core.topology import LINKS, Link, Topology, make_cluster, preset
 from hetjax.core.model_config import ModelConfig
@@ -149,7 +151,8 @@ def test_group_links_agree_with_topology_group_link():
 # --- compute and memory ----------------------------------------------------------------------------
 def _layout(pp, dp, tp=1, M=4, B=32, seq=128, schedule="1f1b", zero=ZeroFactors(), order=None):
     n = pp * dp * tp
-    return Layout(pp, dp, tp, order or tuple(range(n)), M, B, seq, schedule, zero)
+    return Layout(pp=pp, dp=dp, tp=tp, device_order=order or tuple(range(n)), microbatches=M,
+                  global_batch=B, seq_len=seq, schedule=schedule, zero=zero)
 
 
 def test_compute_time_is_flops_over_peak_times_efficiency():
@@ -438,8 +441,8 @@ def test_hetjax_zero_gathers_once_per_step_and_keeps_the_gathered_parameters():
 
 # --- calibration on Holmes Table 1 ----------------------------------------------------------------
 def test_calibrated_on_infiniband_the_model_predicts_ethernet():
-    from hetjax.planner.calibrate import (fit_efficiency, fit_nic_bandwidth, holmes_table1,
-                                          predicted_samples_per_s)
+    from hetjax.planner.reference_runs import (fit_efficiency, fit_nic_bandwidth, holmes_table1,
+                                               predicted_samples_per_s)
 
     ib, roce, eth = holmes_table1(nominal=True)  # every link at its nominal rate
     eff = fit_efficiency(ib)
@@ -457,8 +460,9 @@ def test_calibrated_on_infiniband_the_model_predicts_ethernet():
 @pytest.mark.parametrize("row", ["infiniband", "roce", "ethernet"])
 def test_catalogue_fabric_efficiencies_reproduce_each_holmes_table1_row(row):
     """The catalogue's per-fabric efficiencies and the default compute efficiency (fitted
-    together on Table 1, see calibrate.fit_fabrics) predict each row's samples/s."""
-    from hetjax.planner.calibrate import HOLMES_TABLE1, holmes_table1, predicted_samples_per_s
+    together on Table 1, see reference_runs.fit_fabrics) predict each row's samples/s."""
+    from hetjax.planner.reference_runs import (HOLMES_TABLE1, holmes_table1,
+                                               predicted_samples_per_s)
 
     m = {m.name: m for m in holmes_table1()}[row]
     assert m.topology.clusters[0].nic.efficiency == LINKS[row].efficiency
@@ -467,7 +471,7 @@ def test_catalogue_fabric_efficiencies_reproduce_each_holmes_table1_row(row):
 
 
 def test_fit_fabrics_anchors_the_best_fabric_and_matches_the_catalogue():
-    from hetjax.planner.calibrate import fit_fabrics
+    from hetjax.planner.reference_runs import fit_fabrics
     from hetjax.planner.cost import DEFAULT_EFFICIENCY
 
     fit = fit_fabrics()
@@ -524,7 +528,7 @@ def test_int8_boundaries_shrink_only_the_stage_boundaries_between_clusters():
 
 
 def test_unique_rows_is_numpys_unique_over_rows():
-    from hetjax.planner.cost import unique_rows
+    from hetjax.planner.network import unique_rows
 
     rng = np.random.default_rng(0)
     for trial in range(50):

@@ -144,7 +144,7 @@ def test_sites_run_pp_1_whatever_the_jobs_pipeline_and_no_note_says_otherwise():
 
 def test_pricing_follows_the_ring_formulas():
     from hetjax.core.hardware import Link
-    from hetjax.planner.cost import ring_time
+    from hetjax.planner.network import ring_time
     from hetjax.planner.diloco_pricing import payload_bytes, price, site_clusters
     from hetjax.core.topology import preset
 

@@ -2,9 +2,9 @@
 
 The extraction, the marks (`<!-- doc-test: skip (why) -->`, `<!-- doc-test: slow -->`) and the
 three substitution rules (a small step count, a fresh mirror of the repository root as the
-working directory, this interpreter as `hetjax`/`python`) are scripts/doc_blocks.py's; one test
+working directory, this interpreter as `hetjax`/`python`) are scripts/tools/doc_blocks.py's; one test
 per page, so pytest-xdist spreads them. Skipped blocks show in the summary with their reason
-(`-rs`) and run with `python scripts/doc_blocks.py --skipped`. A page's blocks run in order in one
+(`-rs`) and run with `python scripts/tools/doc_blocks.py --skipped`. A page's blocks run in order in one
 directory (a block may use what an earlier one made): the default tier runs its blocks not
 marked slow, the slow tier the whole page when it has slow blocks.
 """
@@ -15,7 +15,7 @@ import pytest
 
 
 
-from scripts import doc_blocks as db  # noqa: E402
+from scripts.tools import doc_blocks as db  # noqa: E402
 BLOCKS = db.all_blocks()
 
 

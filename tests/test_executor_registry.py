@@ -189,7 +189,7 @@ WORLDS = {"topology.preset": "cpu_hybrid", "model.d_model": 32, "model.d_ff": 64
 
 
 def test_the_runtime_of_a_multi_world_job_comes_from_its_environment():
-    from hetjax.launch import free_port
+    from hetjax.distributed import free_port
     from hetjax.train import runtime_from_environ
     from hetjax.parallel.bridge import bridge_environ
     from hetjax.parallel.nic import ENV_WORLD, ENV_WORLDS

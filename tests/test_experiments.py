@@ -1,4 +1,4 @@
-"""The pure parts of the testbed experiments (scripts/experiments/: harness, hetnet, hetaccel):
+"""The pure parts of the testbed experiments (scripts/bench/experiments/: harness, hetnet, hetaccel):
 the testbed topologies, predictions from a calibration file as `hetjax plan` makes them, the
 accuracy statistics, T_UB and efficiency, and the command lines the benches assemble. No JAX, no
 namespaces: the benches themselves need root and minutes (docs/experiments.md)."""
@@ -17,9 +17,9 @@ from hetjax import testbed as tbm
 from hetjax.errors import HetjaxError, PlanError, TopologyError
 from hetjax.linkcheck import LinkMeasurement
 from hetjax.core.plan import Plan
-from hetjax.planner.calibrate import kendall_tau, prediction_errors, spearman
-from scripts.experiments import harness, hetaccel, hetnet
-from hetjax.core.topology import Link, Topology, preset
+from hetjax.planner.scoring import kendall_tau, prediction_errors, spearman
+from scripts.bench.experiments import harness, hetaccel, hetnet
+from hetjax.core.topology import Link, Topology, preset, topology_from_json, topology_to_json
 
 
 # --- topologies -----------------------------------------------------------------------------------
@@ -29,7 +29,8 @@ def test_testbed_presets_are_two_clusters_of_two_single_device_hosts():
                  "testbed_hetaccel"):
         t = preset(name)
         assert [(c.nodes, c.devices_per_node) for c in t.clusters] == [(2, 1), (2, 1)]
-        assert Topology.from_json(t.to_json()) == t
+        assert topology_from_json(t.to_json()) == t
+        assert topology_from_json(topology_to_json(t)) == t
         kinds[name] = ([c.nic.kind for c in t.clusters], t.inter_cluster.kind)
     assert kinds == {
         "testbed_all_fast": (["infiniband", "infiniband"], "infiniband"),
@@ -350,10 +351,10 @@ def test_hetaccel_mpmd_rows_plan_for_the_mpmd_executor_and_gpipe_keeps_the_split
 
 
 def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
-    """scripts/repredict.py: a bench's results file keeps its calibration beside it; every
+    """scripts/bench/repredict.py: a bench's results file keeps its calibration beside it; every
     row is priced again as the bench priced it, and the same layout's measured step times
     are compared across runs (different layouts are not)."""
-    from scripts.experiments import repredict
+    from scripts.bench.experiments import repredict
 
     work = dataclasses.replace(hetaccel.WORKLOAD, n_layers=4)
     het = preset("testbed_hetaccel")
@@ -364,7 +365,7 @@ def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
     def save(name, plans, seconds):
         path = str(tmp_path / "runs" / f"{name}.json")
         harness.save_json(path, {
-            "command": "scripts/bench_hetaccel.py", "workload": dataclasses.asdict(work),
+            "command": "scripts/bench/hetaccel.py", "workload": dataclasses.asdict(work),
             "cpus": 0.4, "calibration": cal,
             "cases": [{"name": n, "plan": p.to_dict(), "mean_s": s}
                       for n, p, s in zip(names, plans, seconds)]})
@@ -392,7 +393,7 @@ def test_saved_runs_are_priced_again_and_compared_run_to_run(tmp_path, capsys):
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"command": "scripts/train.py", "workload": {}, "cpus": 1,
                                "cases": []}))
-    with pytest.raises(HetjaxError, match="not by scripts/bench_hetnet.py"):
+    with pytest.raises(HetjaxError, match="not by scripts/bench/hetnet.py"):
         repredict.experiment_cases(json.load(open(bad)))
     with pytest.raises(HetjaxError, match="is a calibration file.*--calibration"):
         repredict.Run.load(kept)

@@ -17,6 +17,8 @@ from hetjax.train import Trainer
 from hetjax.core import hlo
 from hetjax.parallel import pipeline as pl
 from hetjax.core import schedules as sch
+from hetjax.core.timeline import timeline
+from hetjax.planner.lockstep import folded_lockstep_time, lockstep_time
 from test_pipeline import assert_grads_match, pipe_config, reference_grads
 
 
@@ -113,8 +115,8 @@ def test_folded_ticks_hold_the_plain_pipelines_work():
     stage's work) in the steady state, one in warm-up and cool-down. Priced in stage units
     (a chunk is half a stage), folded GPipe costs exactly the looped GPipe's step."""
     for p, m in ((2, 4), (4, 8)):
-        looped = sch.lockstep_time(sch.make_schedule("gpipe", p, m), [1.0] * p, [2.0] * p)
-        assert sch.folded_lockstep_time(sch.make_schedule("gpipe", 2 * p, m), [1.0] * p,
+        looped = lockstep_time(sch.make_schedule("gpipe", p, m), [1.0] * p, [2.0] * p)
+        assert folded_lockstep_time(sch.make_schedule("gpipe", 2 * p, m), [1.0] * p,
                                        [2.0] * p) == pytest.approx(looped)
 
 
@@ -127,8 +129,8 @@ def test_folded_orders_come_from_the_virtual_grid_and_play_without_deadlock(name
     f = sch.folded(name, p, m)
     assert f.placement() == (0, 1, 2, 3, 3, 2, 1, 0) and f.virtual == 2
     assert not f.spmd_compatible
-    ends = [e.end for e in sch.timeline(f, [1.0] * p, [2.0] * p)]  # raises on a deadlock
-    looped = max(e.end for e in sch.timeline(sch.make_schedule(name, p, m), [1.0] * p,
+    ends = [e.end for e in timeline(f, [1.0] * p, [2.0] * p)]  # raises on a deadlock
+    looped = max(e.end for e in timeline(sch.make_schedule(name, p, m), [1.0] * p,
                                               [2.0] * p))
     assert max(ends) <= looped
     # each stage runs every micro-batch's F and B of both its chunks
@@ -175,7 +177,7 @@ def test_folded_embedding_gradient_never_crosses_the_pipeline_axis(folded_run):
 # --- the cost model and the planner ------------------------------------------------------------
 def _holmes_plans(schedule="gpipe"):
     from hetjax.planner import CostModel, CostOptions
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
     from hetjax.core.topology import preset
 
     cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions())
@@ -185,7 +187,7 @@ def _holmes_plans(schedule="gpipe"):
 
 
 def test_cost_model_puts_embedding_and_head_on_device_0_when_folded():
-    from hetjax.planner.cost import Layout
+    from hetjax.planner.layout import Layout
 
     cm, looped, folded = _holmes_plans()
     pl_, pf = cm.predict(looped), cm.predict(folded)
@@ -201,7 +203,7 @@ def test_cost_model_puts_embedding_and_head_on_device_0_when_folded():
 
 def test_planner_considers_the_placement_and_says_what_bound_it():
     from hetjax.planner import CostOptions, plan
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
     from hetjax.core.topology import preset
 
     best = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,

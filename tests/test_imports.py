@@ -19,7 +19,7 @@ its own layer and the layers below it, and no import circle exists anywhere:
                 kernels, bridge, NIC environment), profile,
                 measure, interop.hf_checkpoint
     training    hetjax/train.py, hooks, sampling, stopping
-    entry       cli, launch, testbed                              nothing imports them from below
+    entry       cli, launch (worker, supervise), testbed          nothing imports them from below
 
 Every import counts, also those inside functions (a lazy import hides a circle, it does not
 remove it); only `if TYPE_CHECKING:` blocks are skipped. Importing a module of a package from
@@ -41,19 +41,21 @@ ROOT = "hetjax"  # layers/ and parallel/ are inside it (hetjax/layers, hetjax/pa
 # Lowest first. A module's layer is the one of its most specific matching pattern (the longest);
 # a new module whose name matches no pattern fails `test_every_module_has_a_layer`.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("hetjax.errors", "hetjax.units"),
+    "base": ("hetjax.errors", "hetjax.units", "hetjax.files"),
     "core": ("hetjax.core", "hetjax.core.*"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
                  "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*",
                  "hetjax.corpus_size", "hetjax.noise"),
-    "planner": ("hetjax", "hetjax.config", "hetjax.planner", "hetjax.planner.*"),
+    "planner": ("hetjax", "hetjax.config", "hetjax.config.*", "hetjax.planner",
+                "hetjax.planner.*"),
     "model": ("hetjax.layers", "hetjax.layers.*"),
     "execution": ("hetjax.parallel", "hetjax.parallel.*", "hetjax.profile", "hetjax.measure",
                   "hetjax.interop.hf_checkpoint"),
     "training": ("hetjax.train", "hetjax.hooks", "hetjax.sampling",
                  "hetjax.stopping"),
-    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.testbed"),
+    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.worker", "hetjax.supervise",
+              "hetjax.testbed"),
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}
 

@@ -1,6 +1,6 @@
 """hetjax.interop: HF config.json mapping and presets, loading HF safetensors checkpoints under
 any plan, exporting checkpoints as HF directories. The fixtures under tests/fixtures/hf/ are
-random HF models with transformers' own logits (scripts/make_hf_fixture.py), so no torch is
+random HF models with transformers' own logits (scripts/tools/make_hf_fixture.py), so no torch is
 needed here; the one test that loads an export with transformers skips without it."""
 
 import json

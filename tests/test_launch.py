@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from hetjax import launch
+from hetjax import launch, supervise, worker
 from hetjax.distributed import DistributedError, WorkerSpec, rendezvous
 from hetjax.errors import HetjaxError
 
@@ -298,7 +298,7 @@ def _python(code: str) -> tuple[str, ...]:
 def test_supervisor_stops_everyone_and_returns_the_first_failure():
     out = io.StringIO()
     start = time.monotonic()
-    rc = launch.run([
+    rc = supervise.run([
         ("p0", _python("import time; time.sleep(120)"), None),
         # Ignores SIGTERM, like a worker stuck in a collective: needs the SIGKILL.
         ("p1", _python("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -313,9 +313,9 @@ def test_supervisor_stops_everyone_and_returns_the_first_failure():
     assert re.search(r"p2 \(pid \d+\) exited with code 3; stopping p0, p1", text)
     assert "p1 still running 2 s after SIGTERM; sending SIGKILL" in text
     assert "failed: p2 exited with code 3 first" in text
-    assert launch.run([("ok", _python("pass"), None)], grace=1, out=io.StringIO()) == 0
+    assert supervise.run([("ok", _python("pass"), None)], grace=1, out=io.StringIO()) == 0
     slow = io.StringIO()
-    assert launch.run([("p0", _python("import time; time.sleep(60)"), None)], grace=1,
+    assert supervise.run([("p0", _python("import time; time.sleep(60)"), None)], grace=1,
                       timeout=1, out=slow) == 124
     assert "ran longer than --timeout 1 s" in slow.getvalue()
 
@@ -337,8 +337,8 @@ def test_gloo_connection_lines_are_hidden_even_interleaved_and_counted_truly():
     code = ("import sys\n" + "".join(f"print({line!r}, file=sys.stderr, flush=True)\n"
                                      for line in garbled) + f"print({kept!r}, flush=True)\n")
     quiet, loud = io.StringIO(), io.StringIO()
-    assert launch.run([("p0", _python(code), None)], grace=1, out=quiet) == 0
-    assert launch.run([("p0", _python(code), None)], grace=1, out=loud, verbose=True) == 0
+    assert supervise.run([("p0", _python(code), None)], grace=1, out=quiet) == 0
+    assert supervise.run([("p0", _python(code), None)], grace=1, out=loud, verbose=True) == 0
     assert "Gloo" not in quiet.getvalue() and "peer ranks" not in quiet.getvalue()
     assert f"[p0] {kept}" in quiet.getvalue()
     assert f"hid {len(garbled)} gloo connection lines (--verbose shows them)" in quiet.getvalue()
@@ -378,7 +378,7 @@ def test_each_process_reads_only_its_rows_of_the_batch():
 def test_children_die_with_a_killed_launcher(tmp_path):
     """SIGKILL to the launcher leaves no orphan: its children get SIGKILL too."""
     pidfile = tmp_path / "child.pid"
-    code = ("import sys; from hetjax import launch; launch.run([('p0', (sys.executable, '-c', "
+    code = ("import sys; from hetjax import supervise; supervise.run([('p0', (sys.executable, '-c', "
             f"\"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
             "time.sleep(120)\"), None)], grace=1)")
     launcher = subprocess.Popen([sys.executable, "-c", code], env=worker_env(), cwd=REPO,
@@ -407,7 +407,7 @@ def test_children_die_with_a_killed_launcher(tmp_path):
 def test_children_start_without_a_preexec_fn(monkeypatch):
     """A preexec_fn forces a full fork() of the launcher, which failed with ENOMEM in CI when the
     launcher was a large JAX process (a pytest worker); without one Python uses vfork()."""
-    from hetjax import launch
+    from hetjax import supervise
 
     seen = []
     popen = subprocess.Popen
@@ -417,7 +417,7 @@ def test_children_start_without_a_preexec_fn(monkeypatch):
         return popen(*args, **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", spy)
-    assert launch.run([("p0", (sys.executable, "-c", "pass"), None)], grace=1) == 0
+    assert supervise.run([("p0", (sys.executable, "-c", "pass"), None)], grace=1) == 0
     assert seen == [None]
 
 
@@ -489,7 +489,7 @@ def test_slurm_tasks_of_a_two_world_job_derive_what_a_hostfile_launch_gives(tmp_
               "SLURM_STEP_NODELIST": "ib-node-[0-1],roce-node-[0-1]", "SLURM_LOCALID": "0"}
     for task in range(4):
         env = {**common, "SLURM_PROCID": str(task)}
-        got = launch.slurm_worlds_environ(cfg, topology, env)
+        got = worker.slurm_worlds_environ(cfg, topology, env)
         assert got == want[task], task
         assert got["HETJAX_COORDINATOR"] == ["ib-node-0:9000", "roce-node-0:9001"][task // 2]
         assert got["HETJAX_PROCESS_ID"] == str(task % 2) and got["HETJAX_WORLD"] == str(task // 2)
@@ -501,14 +501,68 @@ def test_slurm_tasks_of_a_two_world_job_derive_what_a_hostfile_launch_gives(tmp_
         monkeypatch.setenv(k, "")        # join_slurm_worlds sets cannot leak into later tests
         monkeypatch.delenv(k)
     monkeypatch.setenv(ENV_CLUSTER, "slurm")
-    launch.join_slurm_worlds(cfg, topology)
+    worker.join_slurm_worlds(cfg, topology)
     assert ENV_CLUSTER not in os.environ
     assert WorkerSpec.from_environ() == WorkerSpec("roce-node-0:9001", 2, 1, 120, 60)
     # a single-world job keeps JAX's detection; a list with more nodes than tasks is refused
     one = hconfig.load_config(None, args[:-1])
-    assert launch.slurm_worlds_environ(one, topology, {**common, "SLURM_PROCID": "0"}) == {}
+    assert worker.slurm_worlds_environ(one, topology, {**common, "SLURM_PROCID": "0"}) == {}
     with pytest.raises(HetjaxError, match="one task per node"):
-        launch.slurm_worlds_environ(cfg, topology, {**common, "SLURM_PROCID": "0",
+        worker.slurm_worlds_environ(cfg, topology, {**common, "SLURM_PROCID": "0",
                                                     "SLURM_STEP_NODELIST": "n[1-8]"})
-    assert launch.expand_nodelist("gpu[007-008,012],login1") == [
+    assert worker.expand_nodelist("gpu[007-008,012],login1") == [
         "gpu007", "gpu008", "gpu012", "login1"]
+
+
+# --- a plan that leaves a node's devices out ------------------------------------------------------
+def slow_node_job(tmp_path, **extra) -> dict:
+    """TINY on a fast node of four devices and a node of two behind a 1 Gb/s link (ranks
+    4-5), which the plan leaves out: two stages on the fast node, stage 0 two replicas,
+    stage 1 a TP pair."""
+    from hetjax.core.catalogue import LINKS, make_cluster
+    from hetjax.core.hardware import Link, Topology
+
+    path = tmp_path / "topology.json"
+    path.write_text(Topology(
+        name="fast_and_slow", clusters=(make_cluster("fast", 1, 4, "cpu", "infiniband"),
+                                        make_cluster("slow", 1, 2, "cpu", "ethernet")),
+        inter_cluster=Link("ethernet", 1.0, LINKS["ethernet"].latency_us)).to_json())
+    return {**TINY, "topology.file": str(path), "parallel.pp": 2, "parallel.dp": 0,
+            "pipeline.executor": "mpmd", "train.microbatches": 2,
+            "parallel.stage_dp": "[2,1]", "parallel.stage_tp": "[1,2]",
+            "parallel.exclude": "[4,5]", **extra}
+
+
+def test_a_process_whose_devices_the_plan_leaves_out_is_not_started(tmp_path, capsys):
+    """--local 2, one process per node: process 1 holds only left-out devices and is not
+    started; process 0 runs as one bridged world (a jax.distributed job holding some of the
+    topology's ranks, whose devices the worlds executor places by rank)."""
+    assert launch.main(["--local", "2", "--dry-run",
+                        *config_args(slow_node_job(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "process 1 (topology nodes [1]) is not started: the plan uses none of its " \
+        "devices" in out
+    assert re.findall(r"^# process (\d)", out, re.M) == ["0"]
+    (cmd,) = [line for line in out.splitlines() if "HETJAX_PROCESS_ID" in line]
+    assert "HETJAX_PROCESS_ID=0 " in cmd and "HETJAX_NUM_PROCESSES=1 " in cmd
+    assert "HETJAX_BRIDGE_RANK=0 " in cmd and "HETJAX_WORLDS=1 " in cmd
+    assert "HETJAX_BRIDGE_HOSTS=127.0.0.1,127.0.0.1 " in cmd
+    # only the MPMD executor's worlds run without some of the topology's processes
+    with pytest.raises(HetjaxError,
+                       match=r"process\(es\) \[1\] .*--config.pipeline.executor=mpmd"):
+        launch.main(["--local", "2", "--dry-run", *config_args(slow_node_job(tmp_path, **{
+            "pipeline.executor": "spmd", "parallel.stage_dp": "[]",
+            "parallel.stage_tp": "[]", "parallel.dp": 2}))])
+
+
+@pytest.mark.slow  # a launched process compiles a two-stage pipeline
+def test_a_launch_that_leaves_a_node_out_trains_like_one_process(tmp_path):
+    from hetjax.train import Trainer
+
+    job = slow_node_job(tmp_path)
+    multi, out = launched_losses(tmp_path, ["--local", "2"], job)
+    assert "started p0 (pid" in out and "started p1" not in out
+    cfg = tiny_config(**{**job, "parallel.stage_dp": (2, 1), "parallel.stage_tp": (1, 2),
+                         "parallel.exclude": (4, 5), "workdir": str(tmp_path / "one")})
+    one = losses(Trainer(cfg, quiet=True).train()["metrics"])
+    np.testing.assert_allclose(multi, one, rtol=1e-5)

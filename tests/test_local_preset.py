@@ -36,7 +36,14 @@ def test_local_preset_from_the_config_and_its_stated_peak():
     ("NVIDIA H100 PCIe", "h100_pcie"), ("NVIDIA A100-SXM4-40GB", "a100_40gb"),
     ("NVIDIA A100-SXM4-80GB", "a100_80gb"), ("NVIDIA L40S", "l40s"),
     ("AMD Instinct MI300X", "mi300x"), ("TPU v4", "tpu_v4"), ("TPU v5 lite", "tpu_v5e"),
-    ("TPU v5p", "tpu_v5p"), ("TPU v6 lite", "tpu_v6e"), ("cpu", "cpu")])
+    ("TPU v5p", "tpu_v5p"), ("TPU v6 lite", "tpu_v6e"), ("cpu", "cpu"),
+    ("Tesla V100-SXM2-16GB", "v100_16gb"), ("Tesla V100-SXM2-32GB", "v100"), ("Tesla T4", "t4"),
+    ("NVIDIA GeForce RTX 4090", "rtx_4090"), ("NVIDIA GeForce RTX 3090", "rtx_3090"),
+    ("NVIDIA GeForce RTX 2080 Ti", "rtx_2080_ti"), ("NVIDIA TITAN RTX", "titan_rtx"),
+    ("NVIDIA L4", "l4"), ("NVIDIA A10", "a10"), ("NVIDIA A40", "a40"),
+    ("NVIDIA A800-SXM4-80GB", "a800"), ("NVIDIA H800", "h800"),
+    ("AMD Instinct MI250X", "mi250x_gcd"),  # JAX's device is one of its two dies
+    ("NVIDIA A10G", None)])  # not in the catalogue: the local preset asks for its figures
 def test_device_kinds_map_to_catalogue_entries(kind, name):
     assert accelerator_for_kind(kind) == name
 

@@ -145,7 +145,7 @@ def test_asked_bytes_reads_the_sizes_xla_names():
 
 
 def test_fused_attention_keeps_statistics_not_the_score_matrix():
-    from hetjax.planner.cost import model_from_config
+    from hetjax.planner import model_from_config
 
     m = model_from_config(tiny_config())
     xla = mem.layer_bytes_per_token(m, 2048, 1, "none", "xla")

@@ -90,7 +90,7 @@ def test_expert_parallelism_under_zero3_equals_ep1():
 def test_moe_metrics_reach_the_file_tensorboard_and_progress_line(tmp_path, capsys):
     """Per-layer expert load and drops, the balance and z losses and the auxiliary term in
     metrics.jsonl and TensorBoard, and the balance and drop fraction on the progress line."""
-    from test_reliability import tensorboard_scalars
+    from test_never_lose import tensorboard_scalars
 
     from hetjax.metrics import read_metrics
 
@@ -114,3 +114,50 @@ def test_moe_metrics_reach_the_file_tensorboard_and_progress_line(tmp_path, caps
         (r["step"], pytest.approx(r["moe_balance"])) for r in rows]
     out = capsys.readouterr().out
     assert f"balance={last['moe_balance']:.3g}" in out and "dropped=" in out
+
+
+@pytest.mark.slow
+def test_strands_schedule_overlaps_moe_strands_and_equals_one_device(single_two_microbatches):
+    """DHelix's strands (one micro-batch's forward beside another's backward in one loop, so
+    one strand's all-to-alls may overlap the other's compute) under the SPMD pipeline with EP
+    inside the stages: the single device's run."""
+    got = run(4, **{"parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2,
+                    "train.microbatches": 2, "pipeline.schedule": "strands",
+                    "pipeline.executor": "spmd"})
+    assert_same_run(got, single_two_microbatches)
+
+
+@pytest.mark.slow
+def test_diloco_sites_with_expert_parallelism_synchronise_experts_and_router(tmp_path):
+    """Two DiLoCo sites, each with EP over its two devices; H = 1, inner and outer SGD at outer
+    lr 1 is synchronous SGD on the global batch: the experts and the router are exchanged and
+    averaged like every other parameter. (The auxiliary losses are off: each site's balance
+    loss is over its own rows, which a global-batch step would not group alike.)"""
+    import jax.numpy as jnp
+
+    config = tiny_config(**{**MOE, "model.moe_aux_loss_coef": 0.0, "model.moe_z_loss_coef": 0.0,
+                            "topology.nodes": 1, "topology.devices_per_node": 2,
+                            "diloco.inner_steps": 1, "diloco.inner_optimizer": "sgd",
+                            "diloco.outer_optimizer": "sgd", "diloco.outer_lr": 1.0,
+                            "parallel.ep": 2, "train.grad_clip": 0.0, "train.batch_size": 8,
+                            "train.lr": 0.5, "checkpoint.every": 0, "workdir": str(tmp_path)})
+    trainer = Trainer(config, quiet=True)
+    assert [s.plan.ep for s in trainer.executor.site_execs] == [2, 2]
+    params = jax.device_get(trainer.params)
+    ref = jax.device_put(params, jax.devices()[0])
+    rng = np.random.default_rng(1)
+
+    @jax.jit
+    def sgd(p, inputs, targets, step):
+        g = jax.grad(lambda q: trainer.executor.loss_fn(q, inputs, targets))(p)
+        return jax.tree.map(lambda a, b: a - trainer.schedule(step) * b, p, g)
+
+    for i in range(2):
+        toks = rng.integers(0, 256, (8, config.train.seq_len + 1))
+        trainer.step({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+        ref = sgd(ref, jnp.asarray(toks[:, :-1]), jnp.asarray(toks[:, 1:]), i)
+    got, ref = jax.device_get(trainer.params), jax.device_get(ref)
+    router = [p["layers"]["block"]["moe"]["router"]["kernel"] for p in (ref, params)]
+    assert float(np.abs(router[0] - router[1]).max()) > 1e-4  # the router did learn
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)

@@ -2,7 +2,7 @@
 own devices and its own end of a real bridge) train with the same losses and parameters as
 the single-world executor on the same devices -- tied embedding, uneven split, dp and tp inside
 each world. The multi-process version (two `jax.distributed` jobs of two processes each) is
-`scripts/check_worlds.py`."""
+`scripts/bench/check_worlds.py`."""
 
 import json
 import threading
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from hetjax.launch import free_port
+from hetjax.distributed import free_port
 from hetjax.planner.worlds import plan_worlds
 from hetjax.train import Trainer
 from hetjax.parallel.bridge import Bridge

@@ -245,14 +245,16 @@ def test_a_fixed_layout_that_does_not_fit_is_flagged():
 
 # --- ranking by predicted step time, the memory margin, what bound each choice ----------------
 def _holmes_pp2(fraction):
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
+    # no runtime reserve: the margin alone decides what is usable
     return plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, pp=2, tp=1,
-                schedule="gpipe", options=CostOptions(memory_fraction=fraction))
+                schedule="gpipe", options=CostOptions(memory_fraction=fraction,
+                                                      reserve_bytes={"a100": 0.0}))
 
 
 def test_zero_point_is_the_fastest_predicted_step_not_the_least_traffic():
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     best = _holmes_pp2(0.9).plan
     assert best.predicted["bound"]["zero"].startswith("time:")
@@ -282,7 +284,7 @@ def test_memory_margin_from_the_config_reaches_the_cost_options():
 
 
 def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
-    """scripts/bench_planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
+    """scripts/bench/planner.py amsp, the 13B row: ZeRO-only data parallelism over 1,024
     devices; plain DDP would be faster but cannot hold 16 bytes per parameter."""
     from hetjax.core.model_config import ModelConfig
 
@@ -300,7 +302,7 @@ def test_amsp_setting_llama13b_on_1024_a800_chooses_a_zero_point_and_says_why():
 def test_layout_bound_names_the_faster_layout_memory_refused():
     """With 19% of an A100's memory usable, a faster layout (fewer micro-batches) exists but
     does not fit: the plan says memory bound its layout; with 90%, time did."""
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     def bound(fraction):
         return plan(preset("holmes_infiniband"), holmes_model(), 768, 2048, tp=1,
@@ -314,7 +316,7 @@ def test_layout_bound_names_the_faster_layout_memory_refused():
 
 # --- the recompute policy as a choice (model.remat = 'auto') ----------------------------------
 def _remat_choice(batch, microbatches, fraction, executor="mpmd"):
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     model = dataclasses.replace(holmes_model(), remat="auto")
     return plan(preset("holmes_infiniband"), model, batch, 2048, pp=2, tp=1,
@@ -335,7 +337,7 @@ def test_remat_auto_offers_the_spmd_pipeline_full_recompute_alone():
     p = _remat_choice(256, 16, 0.9, executor="hetjax")
     assert p.remat == "full"
     assert p.predicted["bound"]["remat"].startswith("executor: the SPMD pipeline")
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     cm = CostModel(preset("holmes_infiniband"), holmes_model(), CostOptions(executor="hetjax"))
     assert cm.remat_choices(2) == ("full",)
@@ -349,7 +351,7 @@ def test_remat_auto_recomputes_every_layer_when_memory_forces_it():
     assert why.startswith("memory: remat=none would be") and "usable" in why
     assert max(p.predicted["stage_memory_gib"]) <= 0.5 * 80
     # a fixed model.remat is not a choice
-    from hetjax.planner.calibrate import holmes_model
+    from hetjax.planner.reference_runs import holmes_model
 
     fixed = plan(preset("holmes_infiniband"), holmes_model(), 256, 2048, pp=2, tp=1,
                  microbatches=16, zero="ddp", schedule="1f1b").plan
@@ -415,7 +417,7 @@ def test_the_search_gives_the_answers_recorded_before_its_speed_ups():
 
 def test_step_floor_is_below_every_candidates_lower_bound():
     from hetjax.planner import search as search_mod
-    from hetjax.planner.cost import Layout
+    from hetjax.planner.layout import Layout
 
     t = preset("holmes_hybrid", nodes=4, devices_per_node=8)
     s = search_mod._Search(t, gpt(remat="auto"), 256, 2048, CostOptions(), False, None, 1.0)
@@ -423,7 +425,9 @@ def test_step_floor_is_below_every_candidates_lower_bound():
     for p, d, tp in s.degrees(0, 0, 0, ()):
         for order, orders, tag in s.layouts(p, d, tp):
             for M in s.microbatch_counts(d, 0)[:4]:
-                lay = Layout(p, d, tp, order, M, 256, 2048, "1f1b" if p > 1 else "gpipe")
+                lay = Layout(pp=p, dp=d, tp=tp, device_order=order, microbatches=M,
+                             global_batch=256, seq_len=2048,
+                             schedule="1f1b" if p > 1 else "gpipe")
                 c = s.evaluate(lay, orders, tag, "auto", ())
                 if c is not None:
                     assert s.cm.step_floor(lay) <= c.bound * (1 + 1e-12)

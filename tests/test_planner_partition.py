@@ -7,7 +7,8 @@ import pytest
 
 from hetjax.errors import PlanError
 from hetjax.planner import partition as pt
-from hetjax.planner.cost import CostModel, Layout, StageCost
+from hetjax.planner.cost import CostModel, StageCost
+from hetjax.planner.layout import Layout
 from hetjax.core.topology import LINKS, Topology, make_cluster
 from hetjax.core.model_config import ModelConfig
 
@@ -125,7 +126,8 @@ def test_the_faster_cluster_gets_more_layers_from_the_cost_model():
     topo = Topology("mix", (make_cluster("a", 1, 8, "a100", "infiniband"),
                             make_cluster("b", 1, 8, "v100", "roce")), LINKS["ethernet"])
     cm = CostModel(topo, m)
-    layout = Layout(2, 8, 1, tuple(range(16)), 32, 256, 1024, "1f1b")
+    layout = Layout(pp=2, dp=8, tp=1, microbatches=32, global_batch=256, seq_len=1024,
+                    schedule="1f1b")
     table = cm.stage_table(layout)
     best = pt.best_split(table, 24, 32)
     stages = pt.placed(table, best.order)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from hetjax.errors import TopologyError
-from hetjax.core.topology import (DTFM_SCENARIOS, ClusterLink, Link, Topology, make_cluster, preset)
+from hetjax.core.topology import (DTFM_SCENARIOS, ClusterLink, Link, Topology, make_cluster, preset,
+                                  topology_from_json, topology_to_json)
 
 
 def _three_sites(links):
@@ -33,7 +34,8 @@ def test_connected_through_a_third_site():
 
 def test_disconnected_topology_round_trips_and_describes():
     t = _three_sites([("a", "b")])
-    assert Topology.from_json(t.to_json()) == t
+    assert topology_from_json(t.to_json()) == t
+    assert topology_from_json(topology_to_json(t)) == t
     assert "a <-> c: no link" in t.describe()
 
 
@@ -42,7 +44,8 @@ def test_dtfm_presets_have_64_connected_devices(name):
     t = preset(name)
     assert t.num_devices == 64
     assert t.disconnected_pairs() == []
-    assert Topology.from_json(t.to_json()) == t
+    assert topology_from_json(t.to_json()) == t
+    assert topology_from_json(topology_to_json(t)) == t
 
 
 def test_dtfm_worldwide_links_follow_the_paper():

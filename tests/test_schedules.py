@@ -6,6 +6,9 @@ import pytest
 
 from hetjax.planner.simulate import in_flight, simulate
 from hetjax.core import schedules as sch
+from hetjax.core import tick_program as tp
+from hetjax.core.timeline import plot_timeline, timeline
+from hetjax.planner.lockstep import lockstep_time
 
 TICK_SCHEDULES = ("gpipe", "1f1b", "strands")
 SIZES = [(1, 1), (2, 4), (4, 4), (4, 8), (3, 6), (4, 9), (3, 2)]
@@ -72,7 +75,7 @@ def test_bubbles_follow_their_formulas(name):
     (p - 1)(F + I - W) for ZB-H1 -- below 1F1B's for the last two (with M >= p)."""
     for stages, mb in [(p, m) for p, m in sizes_for(name) if m >= p]:
         s = sch.make_schedule(name, stages, mb)
-        ev = sch.timeline(s, [1.0] * stages, [2.0] * stages)
+        ev = timeline(s, [1.0] * stages, [2.0] * stages)
         end = max(e.end for e in ev)
         played = 1 - sum(e.end - e.start for e in ev) / (stages * end)
         assert played == pytest.approx(s.bubble(), abs=1e-9), (stages, mb)
@@ -88,7 +91,7 @@ def test_interleaved_refuses_a_microbatch_count_it_cannot_group():
 def test_the_tick_grid_refuses_schedules_the_spmd_executor_cannot_run():
     for name in ("interleaved", "zb-h1"):
         with pytest.raises(ValueError, match="pipeline.executor=mpmd"):
-            sch.tick_program(sch.make_schedule(name, 2, 4))
+            tp.tick_program(sch.make_schedule(name, 2, 4))
 
 
 @pytest.mark.parametrize("name", TICK_SCHEDULES)
@@ -109,7 +112,7 @@ def test_tick_grid_respects_dependencies(name):
 
 def test_timeline_with_uneven_stages_and_transfers():
     s = sch.make_schedule("1f1b", 2, 3)
-    ev = sch.timeline(s, fwd=[1.0, 2.0], bwd=[2.0, 4.0], send_fwd=[0.5], send_bwd=[0.5])
+    ev = timeline(s, fwd=[1.0, 2.0], bwd=[2.0, 4.0], send_fwd=[0.5], send_bwd=[0.5])
     # Critical path: F0 on stage 0 (1) + send (0.5) + stage 1 does 3 F and 3 B (18)
     # + the last gradient back (0.5) + B2 on stage 0 (2) = 22
     assert max(e.end for e in ev) == pytest.approx(22.0)
@@ -129,13 +132,13 @@ def test_plot_timeline_writes_png_with_the_time_unit_on_its_axis(tmp_path, monke
     closed = []
     monkeypatch.setattr(plt, "close", closed.append)  # keep the figure to read its axis
     s = sch.make_schedule("gpipe", 2, 2)
-    path = sch.plot_timeline(sch.timeline(s, [1, 1], [2, 2]), str(tmp_path / "t.png"))
+    path = plot_timeline(timeline(s, [1, 1], [2, 2]), str(tmp_path / "t.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    sch.plot_timeline(sch.timeline(s, [1, 1], [2, 2]), str(tmp_path / "u.png"), time_unit="ms")
+    plot_timeline(timeline(s, [1, 1], [2, 2]), str(tmp_path / "u.png"), time_unit="ms")
     assert [f.axes[0].get_xlabel() for f in closed] == ["time (s)", "time (ms)"]
 
 
-def run_tick_program(prog: sch.TickProgram) -> list[int]:
+def run_tick_program(prog: tp.TickProgram) -> list[int]:
     """Interpret the program with micro-batch numbers instead of arrays: every read must find
     the micro-batch its action needs (a wrong or scratch slot holds another number or None).
     Returns the most stash slots each stage held at once."""
@@ -148,14 +151,14 @@ def run_tick_program(prog: sch.TickProgram) -> list[int]:
         out_x, out_dy = [None] * S, [None] * S
         for s in range(S):
             kind, m, k = prog.action[t, s], prog.microbatch[t, s], prog.stash_slot[t, s]
-            if kind in (sch.BACKWARD, sch.BOTH):
-                mb, kb = ((prog.b_microbatch[t, s], prog.b_stash_slot[t, s]) if kind == sch.BOTH
+            if kind in (tp.BACKWARD, tp.BOTH):
+                mb, kb = ((prog.b_microbatch[t, s], prog.b_stash_slot[t, s]) if kind == tp.BOTH
                           else (m, k))
                 assert stash[s][kb] == mb, (t, s, "stash")
                 stash[s][kb] = None
                 assert s == S - 1 or dy_inbox[s][prog.dy_slot[t, s]] == mb, (t, s, "gradient")
                 out_dy[s] = mb
-            if kind in (sch.FORWARD, sch.BOTH):
+            if kind in (tp.FORWARD, tp.BOTH):
                 assert s == 0 or inbox[s][prog.x_slot[t, s]] == m, (t, s, "input")
                 assert k < prog.stash_slots and stash[s][k] is None, (t, s, "stash in use")
                 stash[s][k] = m
@@ -173,7 +176,7 @@ def run_tick_program(prog: sch.TickProgram) -> list[int]:
 @pytest.mark.parametrize("stages, mb", [(2, 1), (2, 4), (3, 2), (4, 4), (4, 9), (4, 16)])
 def test_tick_program_delivers_every_input_and_gradient(name, stages, mb):
     s = sch.make_schedule(name, stages, mb)
-    prog = sch.tick_program(s)
+    prog = tp.tick_program(s)
     peak = run_tick_program(prog)
     assert prog.ticks == 2 * (mb + stages - 1)
     # the stash holds exactly the micro-batches in flight: M for GPipe, pp - s for 1F1B
@@ -193,10 +196,10 @@ def test_strands_run_two_strands_per_tick_at_gpipe_lockstep_time_with_a_flat_sta
     for mb in (1, 2, 4, 8, 16, 32):
         s = sch.make_schedule("strands", stages, mb)
         g = sch.make_schedule("gpipe", stages, mb)
-        assert sch.lockstep_time(s, f, b) == pytest.approx(sch.lockstep_time(g, f, b))
+        assert lockstep_time(s, f, b) == pytest.approx(lockstep_time(g, f, b))
         assert simulate("strands", mb, f, b, lockstep=True).step_time == pytest.approx(
             (mb + stages - 1) * (f[0] + b[0]))
-        prog = sch.tick_program(s)
+        prog = tp.tick_program(s)
         peak = run_tick_program(prog)
         for st in range(stages):
             assert s.max_in_flight(st) <= 2 * (stages - st)
@@ -216,7 +219,7 @@ def test_strands_run_two_strands_per_tick_at_gpipe_lockstep_time_with_a_flat_sta
 
 def test_transfers_are_the_sends_of_the_tick_grid():
     s = sch.make_schedule("1f1b", 3, 2)
-    tr = sch.transfers(s)
+    tr = tp.transfers(s)
     acts = [(t.src, t.dst, t.microbatch) for t in tr if t.kind == "activation"]
     grads = [(t.src, t.dst, t.microbatch) for t in tr if t.kind == "gradient"]
     assert sorted(acts) == [(0, 1, 0), (0, 1, 1), (1, 2, 0), (1, 2, 1)]
@@ -230,12 +233,12 @@ def test_lockstep_time_of_the_executor_grid():
     # 1F1B, 2 stages, 2 micro-batches, F = 1, B = 3. Grid: [F0 .] [F1 F0] [. B0] [B0 F1]
     # [. B1] [B1 .]; ticks last 1 1 3 3 3 3 = 14, while the asynchronous timeline needs 12.
     s = sch.make_schedule("1f1b", 2, 2)
-    assert sch.lockstep_time(s, [1, 1], [3, 3]) == 14
-    assert max(e.end for e in sch.timeline(s, [1, 1], [3, 3])) == 12
+    assert lockstep_time(s, [1, 1], [3, 3]) == 14
+    assert max(e.end for e in timeline(s, [1, 1], [3, 3])) == 12
     # GPipe's ticks hold one kind of action, so lockstep costs nothing with equal stages.
     g = sch.make_schedule("gpipe", 4, 8)
-    assert sch.lockstep_time(g, [1] * 4, [3] * 4) == max(e.end for e in
-                                                         sch.timeline(g, [1] * 4, [3] * 4))
+    assert lockstep_time(g, [1] * 4, [3] * 4) == max(e.end for e in
+                                                         timeline(g, [1] * 4, [3] * 4))
 
 
 # --- a schedule added here, in a test file, runs everywhere -----------------------------------
@@ -270,7 +273,7 @@ def test_a_schedule_defined_in_a_test_runs_in_simulator_plot_and_executor(toy_sc
     assert asynchronous.step_time == lockstep.step_time == gpipe.step_time
     assert [e.action.microbatch for e in asynchronous.events if e.action.kind == "B"
             and e.stage == 0] == [3, 2, 1, 0]
-    path = sch.plot_timeline(list(asynchronous.events), str(tmp_path / "toy.png"))
+    path = plot_timeline(list(asynchronous.events), str(tmp_path / "toy.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     # the SPMD executor runs its tick grid: loss and gradients equal the plain model's
     trainer = check_against_reference(pipe_config((1, 2), toy_schedule, 2, 2, 4))

@@ -23,38 +23,37 @@ FILES = sorted(os.path.relpath(os.path.join(folder, name), REPO)
 # cheap real run, or (thin entry points) its start. Tests without a file are this file's.
 EXERCISED_BY = {
     "scripts/__init__.py": "test_bench_pipeline_smoke",  # imported by every in-process smoke
-    "scripts/bench_boundary_codec.py": "test_bench_boundary_codec_smoke",
-    "scripts/bench_data.py": "test_bench_data_smoke",
-    "scripts/bench_diloco.py": "test_bench_diloco_smoke",
-    "scripts/bench_gpu.py": "test_bench_gpu.py::test_smoke_run_prints_the_table_and_writes_json",
-    "scripts/bench_hetaccel.py":
+    "scripts/bench/__init__.py": "test_bench_pipeline_smoke",
+    "scripts/tools/__init__.py": "test_docs.py::test_a_failing_python_block_fails",
+    "scripts/bench/boundary_codec.py": "test_bench_boundary_codec_smoke",
+    "scripts/bench/data.py": "test_bench_data_smoke",
+    "scripts/bench/diloco.py": "test_bench_diloco_smoke",
+    "scripts/bench/gpu.py": "test_bench_gpu.py::test_smoke_run_prints_the_table_and_writes_json",
+    "scripts/bench/hetaccel.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
-    "scripts/bench_hetnet.py":
+    "scripts/bench/hetnet.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
-    "scripts/bench_pipeline.py": "test_bench_pipeline_smoke",
-    "scripts/bench_planner.py": "test_bench_planner_smoke",
-    "scripts/bench_quota.py": "test_bench_quota_smoke",
-    "scripts/bench_reliability.py": "test_bench_reliability_smoke",
-    "scripts/bench_zero.py": "test_bench_zero_smoke",
-    "scripts/check_worlds.py":
+    "scripts/bench/pipeline.py": "test_bench_pipeline_smoke",
+    "scripts/bench/planner.py": "test_bench_planner_smoke",
+    "scripts/bench/quota.py": "test_bench_quota_smoke",
+    "scripts/bench/reliability.py": "test_bench_reliability_smoke",
+    "scripts/bench/zero.py": "test_bench_zero_smoke",
+    "scripts/bench/check_worlds.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
-    "scripts/doc_blocks.py": "test_docs.py::test_a_failing_python_block_fails",
-    "scripts/launch.py": "test_a_thin_entry_point_starts_from_another_directory",
-    "scripts/make_hf_fixture.py":  # needs torch; the tests read what it wrote
+    "scripts/tools/doc_blocks.py": "test_docs.py::test_a_failing_python_block_fails",
+    "scripts/tools/make_hf_fixture.py":  # needs torch; the tests read what it wrote
         "test_interop.py::test_an_hf_checkpoint_gives_transformers_logits",
-    "scripts/plan.py": "test_a_thin_entry_point_starts_from_another_directory",
-    "scripts/repredict.py": "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
-    "scripts/testbed.py": "test_a_thin_entry_point_starts_from_another_directory",
-    "scripts/train.py": "test_a_thin_entry_point_starts_from_another_directory",
-    "scripts/experiments/__init__.py": "test_experiments.py::test_report_helpers",
-    "scripts/experiments/harness.py": "test_experiments.py::test_report_helpers",
-    "scripts/experiments/hetaccel.py":
+    "scripts/bench/repredict.py":
+        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+    "scripts/bench/experiments/__init__.py": "test_experiments.py::test_report_helpers",
+    "scripts/bench/experiments/harness.py": "test_experiments.py::test_report_helpers",
+    "scripts/bench/experiments/hetaccel.py":
         "test_experiments.py::test_hetaccel_speeds_and_planned_split_come_from_the_calibration",
-    "scripts/experiments/hetnet.py":
+    "scripts/bench/experiments/hetnet.py":
         "test_experiments.py::test_nic_layouts_put_each_parallelism_on_the_intended_links",
-    "scripts/experiments/repredict.py":
+    "scripts/bench/experiments/repredict.py":
         "test_experiments.py::test_saved_runs_are_priced_again_and_compared_run_to_run",
-    "scripts/experiments/worlds.py":
+    "scripts/bench/experiments/worlds.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
 }
 
@@ -65,8 +64,8 @@ def _tree(path: str) -> ast.AST:
 
 
 def test_every_script_is_found():
-    assert {"scripts/bench_pipeline.py", "scripts/bench_zero.py",
-            "scripts/experiments/harness.py"} <= set(FILES)
+    assert {"scripts/bench/pipeline.py", "scripts/bench/zero.py",
+            "scripts/bench/experiments/harness.py", "scripts/tools/doc_blocks.py"} <= set(FILES)
 
 
 def test_every_script_is_exercised_by_a_named_test():
@@ -86,7 +85,7 @@ def test_every_script_is_exercised_by_a_named_test():
 def test_a_script_leaves_sys_path_alone(path):
     edits = [n.lineno for n in ast.walk(_tree(path)) if isinstance(n, ast.Attribute)
              and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"]
-    assert not edits, f"{path}:{edits} touches sys.path; run it as python -m scripts.NAME"
+    assert not edits, f"{path}:{edits} touches sys.path; run it as python -m scripts.bench.NAME"
 
 
 @pytest.mark.parametrize("path", FILES)
@@ -99,7 +98,7 @@ def test_a_script_imports_no_private_name(path):
 
 
 def test_bench_pipeline_smoke(capsys):
-    from scripts import bench_pipeline
+    from scripts.bench import pipeline as bench_pipeline
 
     assert bench_pipeline.main(["smoke"]) == 0
     out = capsys.readouterr().out
@@ -111,7 +110,7 @@ def test_bench_pipeline_smoke(capsys):
 
 
 def test_bench_zero_smoke(capsys):
-    from scripts import bench_zero
+    from scripts.bench import zero as bench_zero
 
     assert bench_zero.main(["--smoke", "--skip-7b"]) == 0
     out = capsys.readouterr().out
@@ -121,7 +120,7 @@ def test_bench_zero_smoke(capsys):
 
 
 def test_bench_data_smoke(tmp_path, capsys):
-    from scripts import bench_data
+    from scripts.bench import data as bench_data
 
     assert bench_data.main(["--smoke", f"--workdir={tmp_path}"]) == 0
     out = capsys.readouterr().out
@@ -132,7 +131,7 @@ def test_bench_data_smoke(tmp_path, capsys):
 
 
 def test_bench_quota_smoke(capsys):
-    from scripts import bench_quota
+    from scripts.bench import quota as bench_quota
 
     assert bench_quota.main(["--smoke"]) == 0
     out = capsys.readouterr().out
@@ -143,7 +142,7 @@ def test_bench_quota_smoke(capsys):
 @pytest.mark.slow
 def test_bench_diloco_smoke(tmp_path, capsys):
     """The one-process path (about 25 s: two trainings); --testbed needs root."""
-    from scripts import bench_diloco
+    from scripts.bench import diloco as bench_diloco
 
     bench_diloco.main(["--smoke", "--workdir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -156,7 +155,7 @@ def test_bench_diloco_smoke(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_boundary_codec_smoke(tmp_path, capsys):
     """Two worlds (threads, real bridges), both codecs, 2 steps: about 25 s."""
-    from scripts import bench_boundary_codec
+    from scripts.bench import boundary_codec as bench_boundary_codec
 
     assert bench_boundary_codec.main(["--smoke", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -167,29 +166,15 @@ def test_bench_boundary_codec_smoke(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_reliability_smoke(capsys):
     """Two launched jobs of 4 processes, one killed and restarted: a minute or two."""
-    from scripts import bench_reliability
+    from scripts.bench import reliability as bench_reliability
 
     assert bench_reliability.main(["--smoke"]) == 0, capsys.readouterr().out[-3000:]
     out = capsys.readouterr().out
     assert "resumed from checkpoint 5" in out and "up to step 7: True" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("argv", [["plan.py", "--config.topology.preset=cpu_single"],
-                                  ["launch.py", "--help"], ["train.py", "--help"],
-                                  ["testbed.py", "--help"]], ids=lambda a: a[0])
-def test_a_thin_entry_point_starts_from_another_directory(argv, tmp_path):
-    """The thin entry points as files, from another directory: plan plans a preset (no JAX
-    compile), the others print their usage."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, argv[0]), *argv[1:]],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert ("usage:" if argv[1] == "--help" else "cpu_single") in res.stdout, res.stdout[-2000:]
-    assert not list(tmp_path.iterdir())  # nothing written where it ran
-
-
 def test_bench_planner_smoke(capsys):
-    from scripts import bench_planner
+    from scripts.bench import planner as bench_planner
 
     bench_planner.main(["smoke"])
     out = capsys.readouterr().out
@@ -198,11 +183,11 @@ def test_bench_planner_smoke(capsys):
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
-    """scripts/gpu_check.sh, the one command a GPU session runs, on CPU with a tiny shape:
-    calibrate, plan (flat and by kind) and bench_gpu.py all finish and leave their files."""
+    """scripts/tools/gpu_check.sh, the one command a GPU session runs, on CPU with a tiny shape:
+    calibrate, plan (flat and by kind) and bench/gpu.py all finish and leave their files."""
     env = {**os.environ, "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable}
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(tmp_path)],
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "tools", "gpu_check.sh"), str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for name in ("calibration.json", "plan_flat.json", "plan_kinds.json", "bench_gpu.json"):
@@ -210,14 +195,14 @@ def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
 
 
-@pytest.mark.parametrize("name", ["bench_hetaccel", "bench_hetnet", "check_worlds", "repredict",
-                                  "bench_diloco", "bench_quota"])
+@pytest.mark.parametrize("name", ["hetaccel", "hetnet", "check_worlds", "repredict", "diloco",
+                                  "quota"])
 @pytest.mark.parametrize("how", ["file", "module"])
 def test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module(name, how, tmp_path):
     """An installed hetjax does not include scripts/: run as a file, from another directory, the
     entry point still finds its experiment; run with -m from the repository root, too."""
-    argv = ([sys.executable, os.path.join(SCRIPTS, f"{name}.py"), "--help"] if how == "file"
-            else [sys.executable, "-m", f"scripts.{name}", "--help"])
+    argv = ([sys.executable, os.path.join(SCRIPTS, "bench", f"{name}.py"), "--help"]
+            if how == "file" else [sys.executable, "-m", f"scripts.bench.{name}", "--help"])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run(argv, cwd=tmp_path if how == "file" else REPO, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -229,7 +214,7 @@ def test_a_benchmark_that_reads_an_experiment_runs_as_a_file_from_another_direct
     """`--help` stops before a benchmark reaches its experiment's code: bench_quota's smoke
     uses it (the experiment's workload and the load line), run as a file from elsewhere."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_quota.py"), "--smoke"],
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench/quota.py"), "--smoke"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| 0 | this process | cpu |" in res.stdout

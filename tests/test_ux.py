@@ -156,6 +156,38 @@ def test_a_64_device_topology_prints_compactly():
     assert "between clusters" not in one
 
 
+def test_hetjax_topology_json_writes_a_file_a_person_can_edit_and_read_back(tmp_path, capsys):
+    """`hetjax topology --json PATH` writes the config's topology as a topology file (catalogue
+    names), checks PATH before the work, `--json -` prints only the file; a hand edit with a
+    typo is refused by the CLI in one error naming the JSON path."""
+    import json
+
+    from hetjax import cli
+
+    assert cli.main(["hetjax", "topology", "--json", "-",
+                     "--config.topology.preset=holmes_hybrid"]) == 0
+    d = json.loads(capsys.readouterr().out)  # nothing but the file
+    assert d["clusters"][0]["accelerator"] == "a100" and d["inter_cluster"] == "eth_25g"
+    assert cli.main(["hetjax", "topology", f"--json={tmp_path}"]) == 2
+    assert "is a directory; fix: give a file name, e.g. --json=" in capsys.readouterr().err
+    d["clusters"][1]["accelerator"] = "a100-80"
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(d))
+    assert cli.main(["hetjax", "topology", f"--config.topology.file={path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetjax: error: config.topology.file: '{path}': clusters[1]."
+                          "accelerator: unknown accelerator 'a100-80' (did you mean "
+                          "'a100_80gb'?)\n  fix: use a catalogue name (a10, a100, a100_40gb")
+    assert len(err.splitlines()) == 2  # the config error's line and its fix
+    d["clusters"][1]["accelerator"] = "a100_80gb"
+    path.write_text(json.dumps(d))
+    out = tmp_path / "again.json"
+    assert cli.main(["hetjax", "topology", f"--config.topology.file={path}", "--json",
+                     str(out)]) == 0
+    assert "a100_80gb 312TF 80GiB" in capsys.readouterr().out
+    assert json.loads(out.read_text())["clusters"][1]["accelerator"] == "a100_80gb"
+
+
 def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
     from hetjax.planner import model_from_config, plan_from_config
     from hetjax.planner.cost import CostModel
@@ -195,7 +227,7 @@ def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
     import io
     import sys
 
-    from hetjax import launch
+    from hetjax import supervise
 
     script = ("import sys\n"
               "print('step 1 loss 5.0', flush=True)\n"
@@ -206,7 +238,7 @@ def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
     children = [(f"p{i}", (sys.executable, "-c", script), None) for i in range(2)]
     for verbose in (False, True):
         out = io.StringIO()
-        assert launch.run(children, grace=5, out=out, verbose=verbose) == 0
+        assert supervise.run(children, grace=5, out=out, verbose=verbose) == 0
         lines = out.getvalue().splitlines()
         worker = [line for line in lines if not line.startswith("hetjax launch:")]
         assert all(line.startswith(("[p0] ", "[p1] ")) for line in worker)

@@ -1,7 +1,7 @@
 """The hardware topology's data model: clusters of nodes of devices, and the links between any
 two devices.
 
-A `Topology` is plain data (frozen dataclasses, JSON round-trip) describing what hetjax trains
+A `Topology` is plain data (frozen dataclasses) describing what hetjax trains
 on: each cluster has a number of nodes, devices per node, one accelerator kind, an intra-node
 link (NVLink/PCIe) and an inter-node NIC (InfiniBand, RoCE or Ethernet) with the settings NCCL
 needs to use it. Clusters are joined by an inter-cluster link that can be overridden per
@@ -12,10 +12,11 @@ Clusters with no link between them are expressed by leaving `inter_cluster` as N
 the pairs listed in `cluster_links` are connected, and `disconnected_pairs()` names the others
 (the planner refuses a topology whose clusters do not form one connected network).
 
-Nominal accelerators and links live in hetjax/core/catalogue.py, named topologies in
-hetjax/core/paper_presets.py and hetjax/core/testbed_presets.py; `hetjax.core.topology` gathers them. This
-module does not import jax, so the CLI can size the simulated CPU device count from a topology
-before jax starts.
+Nominal accelerators and links live in hetjax/core/catalogue.py, the JSON file a person writes
+in hetjax/core/topology_file.py, named topologies in hetjax/core/paper_presets.py and
+hetjax/core/testbed_presets.py; `hetjax.core.topology` gathers them. The data classes check their
+own values and raise `TopologyValueError` naming the field. This module does not import jax, so
+the CLI can size the simulated CPU device count from a topology before jax starts.
 """
 
 from __future__ import annotations
@@ -24,66 +25,99 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from hetjax.errors import TopologyError
+from hetjax.errors import TopologyError, TopologyValueError
 from hetjax.units import BYTES_PER_GBIT
 
 LINK_KINDS = ("loopback", "nvlink", "pcie", "infiniband", "roce", "ethernet")
 
 
-def _number(value, what: str) -> None:
-    """A topology number read from JSON must be a finite number, not a string, a bool or a
-    NaN (Python's JSON reader takes `NaN` and `Infinity`; every later check would pass it)."""
+def _refuse(owner: str, field: str, problem: str, fix: str):
+    """A hardware value's check failed: name the field (a file reader adds its JSON path)."""
+    raise TopologyValueError(f"{owner} {field}", problem, fix, field=field)
+
+
+def _number(value, owner: str, field: str, what: str) -> None:
+    """A topology number must be a finite number, not a string, a bool or a NaN (Python's
+    JSON reader takes `NaN` and `Infinity`; every later check would pass it). `what` says
+    what the number is, for the fix."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TopologyError(f"{what} must be a number, got {value!r}; write it without quotes")
-    if not math.isfinite(value):
-        raise TopologyError(f"{what} must be a finite number, got {value}")
+        _refuse(owner, field, f"must be a number, got {value!r}",
+                f"write a number without quotes: {what}")
+    try:  # an integer too large for a float (JSON allows any number of digits) is refused too
+        finite = math.isfinite(value)
+    except OverflowError:
+        finite, value = False, f"a number of {len(str(value))} digits"
+    if not finite:
+        _refuse(owner, field, f"must be a finite number, got {value}", f"give {what}")
 
 
-def _count(value, what: str) -> int:
-    """A whole count read from JSON (`"nodes": 2.5` was truncated to 2)."""
-    _number(value, what)
-    if value != int(value):
-        raise TopologyError(f"{what} must be a whole number, got {value}")
-    return int(value)
+# Without PCIe peer-to-peer (NVIDIA's driver disables it on GeForce cards; an IOMMU or two CPU
+# sockets also prevent it), NCCL stages GPU-to-GPU traffic through pinned host memory: each
+# byte crosses PCIe twice (GPU -> host, host -> GPU) and host memory in between, and each
+# message pays a second link latency for the staging copy. Nominal, like the PCIe figures
+# themselves; `hetjax calibrate` measures the real link.
+HOST_STAGED_BANDWIDTH = 0.5  # bytes_per_s of a link with p2p = False, as a share of p2p's
+HOST_STAGED_LATENCY = 2.0  # latency_s of a link with p2p = False, as a multiple of p2p's
 
 
 @dataclass(frozen=True)
 class Link:
-    """A point-to-point link class with an alpha-beta cost: latency plus bytes / bandwidth."""
+    """A point-to-point link class with an alpha-beta cost: latency plus bytes / bandwidth.
 
-    kind: str
-    bandwidth_gbps: float  # gigabits per second, as NICs are quoted (nominal)
-    latency_us: float
+    `bytes_per_s` and `latency_s` are what a transfer pays (the cost model reads only these);
+    the fields are the link's nominal figures and how it is used. docs/topology.md documents
+    each field with its unit."""
+
+    kind: str  # one of LINK_KINDS
+    bandwidth_gbps: float  # gigabits per second per direction, as NICs are quoted (nominal)
+    latency_us: float  # one message's latency in microseconds
     # Achieved / nominal bandwidth of this fabric under collective traffic (the catalogue's
     # values are fitted on Holmes Table 1, see hetjax/core/catalogue.py); 1.0 for a measured link.
     efficiency: float = 1.0
+    # PCIe only: False when the GPUs cannot read each other's memory, so traffic is staged
+    # through host memory (HOST_STAGED_BANDWIDTH, HOST_STAGED_LATENCY price it).
+    p2p: bool = True
 
     def __post_init__(self):
-        for f in ("bandwidth_gbps", "latency_us", "efficiency"):
-            _number(getattr(self, f), f"{self.kind} link {f}")
+        owner = f"{self.kind} link"
         if self.kind not in LINK_KINDS:
-            raise TopologyError(
-                f"link kind {self.kind!r} is unknown; use one of {', '.join(LINK_KINDS)}")
+            _refuse("link", "kind", f"{self.kind!r} is unknown",
+                    f"use one of {', '.join(LINK_KINDS)}")
+        what = "the link's nominal rate per direction in Gbit/s, e.g. 25"
+        _number(self.bandwidth_gbps, owner, "bandwidth_gbps", what)
         if not self.bandwidth_gbps > 0:
-            raise TopologyError(
-                f"{self.kind} link bandwidth must be > 0 Gbit/s, got {self.bandwidth_gbps}")
+            _refuse(owner, "bandwidth_gbps", f"must be > 0 Gbit/s, got {self.bandwidth_gbps}",
+                    f"give {what}")
+        what = "one message's latency in µs, e.g. 5"
+        _number(self.latency_us, owner, "latency_us", what)
         if self.latency_us < 0:
-            raise TopologyError(f"{self.kind} link latency must be >= 0 us, got {self.latency_us}")
+            _refuse(owner, "latency_us", f"must be >= 0 µs, got {self.latency_us}",
+                    f"give {what}")
+        what = "achieved / nominal bandwidth, in (0, 1] (1.0 for a measured rate)"
+        _number(self.efficiency, owner, "efficiency", what)
         if not 0 < self.efficiency <= 1:
-            raise TopologyError(f"{self.kind} link efficiency (achieved / nominal bandwidth) "
-                                f"must lie in (0, 1], got {self.efficiency}")
+            _refuse(owner, "efficiency", f"must lie in (0, 1], got {self.efficiency}",
+                    f"give {what}")
+        if not isinstance(self.p2p, bool):
+            _refuse(owner, "p2p", f"must be true or false, got {self.p2p!r}",
+                    "write true or false without quotes")
+        if not self.p2p and self.kind != "pcie":
+            _refuse(owner, "p2p", "false applies to PCIe links only (NVLink and networks "
+                    "carry GPU-to-GPU traffic themselves)", "leave p2p out of this link")
 
     @property
     def bytes_per_s(self) -> float:
-        """Achieved bandwidth: nominal times the fabric's efficiency."""
-        return self.bandwidth_gbps * BYTES_PER_GBIT * self.efficiency
+        """Achieved bandwidth: nominal times the fabric's efficiency (halved without P2P)."""
+        staged = 1.0 if self.p2p else HOST_STAGED_BANDWIDTH
+        return self.bandwidth_gbps * BYTES_PER_GBIT * self.efficiency * staged
 
     @property
     def latency_s(self) -> float:
-        return self.latency_us * 1e-6
+        return self.latency_us * 1e-6 * (1.0 if self.p2p else HOST_STAGED_LATENCY)
 
 
 @dataclass(frozen=True)
@@ -109,17 +143,19 @@ class Accelerator:
     memory_bandwidth_gbs: float = 0.0
 
     def __post_init__(self):
+        owner = f"accelerator {self.name!r}"
         # The planner divides by both: a zero or negative value would crash or mislead it.
-        for f in ("peak_tflops", "memory_gib"):
+        for f, what in (("peak_tflops", "the device's peak dense bf16 TFLOP/s, e.g. 312"),
+                        ("memory_gib", "the device's memory in GiB, e.g. 80")):
             v = getattr(self, f)
-            _number(v, f"accelerator {self.name!r} {f}")
+            _number(v, owner, f, what)
             if not v > 0:
-                raise TopologyError(f"accelerator {self.name!r} {f} must be > 0, got {v}; give "
-                                    "the device's peak dense bf16 TFLOP/s and memory in GiB")
-        _number(self.memory_bandwidth_gbs, f"accelerator {self.name!r} memory_bandwidth_gbs")
+                _refuse(owner, f, f"must be > 0, got {v}", f"give {what}")
+        what = "the memory bandwidth in GB/s, e.g. 2039 (0: unknown)"
+        _number(self.memory_bandwidth_gbs, owner, "memory_bandwidth_gbs", what)
         if self.memory_bandwidth_gbs < 0:
-            raise TopologyError(f"accelerator {self.name!r} memory_bandwidth_gbs must be >= 0 "
-                                f"(0: unknown), got {self.memory_bandwidth_gbs}")
+            _refuse(owner, "memory_bandwidth_gbs",
+                    f"must be >= 0, got {self.memory_bandwidth_gbs}", f"give {what}")
 
     @property
     def memory_bytes(self) -> float:
@@ -139,10 +175,12 @@ class Cluster:
     nic_settings: NicSettings = NicSettings()
 
     def __post_init__(self):
-        if self.nodes < 1 or self.devices_per_node < 1:
-            raise TopologyError(
-                f"cluster {self.name!r} needs nodes >= 1 and devices_per_node >= 1, got "
-                f"{self.nodes} x {self.devices_per_node}")
+        for f in ("nodes", "devices_per_node"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                _refuse(f"cluster {self.name!r}", f, f"must be a whole number >= 1, got {v!r}",
+                        f"give the number of {'nodes' if f == 'nodes' else 'devices in a node'}"
+                        ", e.g. 2")
 
     @property
     def num_devices(self) -> int:
@@ -180,16 +218,31 @@ class Topology:
 
     def __post_init__(self):
         if not self.clusters:
-            raise TopologyError(f"topology {self.name!r} has no clusters")
-        names = [c.name for c in self.clusters]
-        if len(set(names)) != len(names):
-            raise TopologyError(f"topology {self.name!r} repeats a cluster name: {names}")
-        for cl in self.cluster_links:
-            for end in (cl.a, cl.b):
-                if end not in names:
-                    raise TopologyError(
-                        f"topology {self.name!r}: a cluster link names {end!r}, which is not "
-                        f"one of its clusters {names}")
+            raise TopologyValueError("clusters", "the topology has no clusters",
+                                     "describe at least one cluster")
+        first: dict[str, int] = {}
+        for i, c in enumerate(self.clusters):
+            if c.name in first:
+                raise TopologyValueError(
+                    f"clusters[{i}].name", f"{c.name!r} is already the name of "
+                    f"clusters[{first[c.name]}]", "give each cluster its own name")
+            first[c.name] = i
+        pairs: dict[frozenset, int] = {}
+        for i, cl in enumerate(self.cluster_links):
+            for end in ("a", "b"):
+                if getattr(cl, end) not in first:
+                    raise TopologyValueError(
+                        f"cluster_links[{i}].{end}", f"no cluster is named "
+                        f"{getattr(cl, end)!r}", f"name one of {', '.join(map(repr, first))}")
+            if cl.a == cl.b:
+                raise TopologyValueError(f"cluster_links[{i}]", f"joins {cl.a!r} to itself",
+                                         "name two different clusters in a and b")
+            pair = frozenset((cl.a, cl.b))
+            if pair in pairs:
+                raise TopologyValueError(
+                    f"cluster_links[{i}]", f"{cl.a!r} and {cl.b!r} are already joined by "
+                    f"cluster_links[{pairs[pair]}]", "give each pair of clusters one link")
+            pairs[pair] = i
 
     # --- devices --------------------------------------------------------------------------
     @property
@@ -443,45 +496,12 @@ class Topology:
                 f"<p style='font-family:monospace'>{links}</p>")
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field spelled out: a valid topology file (hetjax.core.topology_file writes the
+        shorter form that names catalogue hardware, and reads both)."""
         return dataclasses.asdict(self)
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Topology":
-        try:
-            def link(x):
-                return Link(**x)
-
-            clusters = tuple(
-                Cluster(
-                    name=c["name"], nodes=_count(c["nodes"], f"cluster {c['name']!r} nodes"),
-                    devices_per_node=_count(c["devices_per_node"],
-                                            f"cluster {c['name']!r} devices_per_node"),
-                    accelerator=Accelerator(**c["accelerator"]),
-                    nic=link(c["nic"]), intra_node=link(c["intra_node"]),
-                    nic_settings=NicSettings(**{
-                        **c.get("nic_settings", {}),
-                        "hcas": tuple(c.get("nic_settings", {}).get("hcas", ())),
-                    }),
-                ) for c in d["clusters"])
-            return Topology(
-                name=d.get("name", "custom"), clusters=clusters,
-                inter_cluster=(link(d["inter_cluster"]) if d["inter_cluster"] is not None
-                               else None),
-                cluster_links=tuple(ClusterLink(x["a"], x["b"], link(x["link"]))
-                                    for x in d.get("cluster_links", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TopologyError(
-                f"topology description is malformed ({type(e).__name__}: {e}); it needs "
-                "'clusters' (each with name, nodes, devices_per_node, accelerator, nic, "
-                "intra_node) and 'inter_cluster' (a link, or null for none); write one with Topology.to_json() to see "
-                "the format") from None
-
-    @staticmethod
-    def from_json(text: str) -> "Topology":
-        return Topology.from_dict(json.loads(text))
 
     # --- mapping onto JAX devices -----------------------------------------------------------
     def jax_devices(self):
@@ -529,7 +549,8 @@ def _fmt_link(lk: Link) -> str:
     from hetjax import units
 
     eff = f" x{lk.efficiency:.2f}" if lk.efficiency != 1 else ""
-    return f"{lk.kind} {units.bits_per_s(lk.bandwidth_gbps * 1e9)}{eff} " \
+    p2p = "" if lk.p2p else " no P2P"
+    return f"{lk.kind}{p2p} {units.bits_per_s(lk.bandwidth_gbps * 1e9)}{eff} " \
         f"{units.seconds(lk.latency_us * 1e-6)}"
 
 

@@ -8,7 +8,7 @@ counts of the while loops around it, so a reduction inside the micro-batch loop 
 `count == microbatches` and `loop_depth >= 1`; one inside a branch of a conditional (the
 pipeline's B branch of its tick loop) is marked `conditional`, its count an upper bound. This
 is what the ZeRO audit compares with the cost model (parallel/zero_sharding.py `expected_collectives`),
-and what `scripts/bench_zero.py` sums.
+and what `scripts/bench/zero.py` sums.
 
 Bytes are the collective's full buffer V as cost models count it: the all-gather's result, the
 reduce-scatter's operand, the all-reduce's buffer. `traffic` converts V to bytes each device

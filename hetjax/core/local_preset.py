@@ -109,7 +109,7 @@ def device_mismatch(topology: Topology, devices: Sequence[LocalDevice]) -> str |
     seen = Counter(accelerator_for_kind(d.kind) or d.kind for d in devices)
     # catalogue aliases of one chip ('h100' and 'h100_sxm', 'a100' and 'a100_80gb') agree, and
     # so do the CPU kinds the testbed uses to emulate slower accelerators ('cpu_half')
-    alias = {"h100": "h100_sxm", "a100": "a100_80gb"}
+    alias = {"h100": "h100_sxm", "a100": "a100_80gb", "v100_32gb": "v100"}
     planned = Counter()
     for c in topology.clusters:
         acc = c.accelerator

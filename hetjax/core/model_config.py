@@ -31,6 +31,24 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 # the reference), dropless (sorted, grouped matmuls), capacity (fixed slots per expert, overflow
 # dropped and counted); auto: dropless.
 MOE_DISPATCH = ("auto", "dense", "dropless", "capacity")
+# The largest value each shape field may take: well above every published model (vocabulary
+# 262,144 in Gemma 3; width 16,384, 126 layers and 128 heads in Llama-3.1-405B; feed-forward
+# 53,248; context 10M in Llama 4 Scout), so a damaged or hostile config.json (a vocabulary of
+# 10^12, a million layers) is refused before anything is allocated.
+LIMITS = {"vocab_size": 1 << 22, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024,
+          "n_kv_heads": 1024, "d_ff": 1 << 18, "max_seq_len": 1 << 24, "head_dim": 4096}
+
+
+def vocab_rows(vocab_size: int, shards: int = 1) -> int:
+    """Rows of the embedding and head for a vocabulary split over `shards` devices (the
+    plan's tp). A vocabulary that is a multiple of 128 and of `shards` is kept; any other is
+    rounded up to a multiple of lcm(128, shards), as Megatron pads (to a multiple of 128 x tp),
+    so 333 tokens get 384 rows and Llama-2 fine-tunes' 32001 get 32128. For every tp that
+    divides 128 the rows do not depend on tp, so checkpoints stay plan-independent."""
+    step = math.lcm(128, shards)
+    if vocab_size % 128 == 0 and vocab_size % shards == 0:
+        return vocab_size
+    return -(-vocab_size // step) * step
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,10 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False
+    # Rows of the embedding and the output head: `vocab_size` (0), or more so that tensor
+    # parallelism splits them evenly (`vocab_rows`); the extra rows start at zero, their
+    # logits are masked out of the softmax, and exports leave them out.
+    vocab_rows: int = 0
     # Mixture-of-Experts (layers/moe.py); n_experts = 0: a dense model (none of the rest is read).
     n_experts: int = 0
     experts_per_token: int = 2  # k: experts each token is routed to
@@ -80,12 +102,17 @@ class ModelConfig:
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if not self.vocab_rows:
+            object.__setattr__(self, "vocab_rows", self.vocab_size)
 
     @staticmethod
-    def from_config(m, vocab_size: int | None = None) -> "ModelConfig":
-        """From the `model` section of a hetjax config (vocab 0 -> `vocab_size`)."""
+    def from_config(m, vocab_size: int | None = None, shards: int = 1) -> "ModelConfig":
+        """From the `model` section of a hetjax config (vocab 0 -> `vocab_size`), with the
+        embedding and head padded for `shards`-way tensor parallelism (`vocab_rows`)."""
+        vocab = m.vocab_size or vocab_size
         return ModelConfig(
-            vocab_size=m.vocab_size or vocab_size, d_model=m.d_model, n_layers=m.n_layers,
+            vocab_size=vocab, vocab_rows=vocab_rows(vocab, shards), d_model=m.d_model,
+            n_layers=m.n_layers,
             n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff,
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             # dtype 'auto' needs the devices: callers that know them resolve it first

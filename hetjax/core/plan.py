@@ -1,9 +1,11 @@
 """The Plan: the complete training layout, as plain data.
 
-A Plan says how many pipeline stages, data-parallel replicas and tensor-parallel shards to use,
-which topology ranks sit at each (stage, replica, shard) position of the mesh, how many layers
-each stage runs, how the batch is cut into micro-batches, which schedule runs them and how the
-model states are ZeRO-sharded. It may carry the planner's predictions. Everything downstream
+A Plan says how many pipeline stages, data-parallel replicas and tensor-parallel shards to use
+(one shape for every stage, or each stage its own under the MPMD executor: `stage_shapes`),
+which topology ranks sit at each (stage, replica, shard) position (`device_order`, possibly a
+subset of the topology's ranks: the others stay idle), how many layers each stage runs, how the
+batch is cut into micro-batches, which schedule runs them and how the model states are
+ZeRO-sharded. It may carry the planner's predictions (and why it left devices out). Everything downstream
 (mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan and a Topology; a Plan
 is saved as JSON next to checkpoints.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,6 +44,11 @@ from hetjax.core.registry import EXECUTORS  # the pipeline executors a Plan can 
 MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "expert", "tp")
 DP_AXES = ("dp", "dp_os", "dp_p")
 EXPERT_AXIS = "expert"
+
+
+# The key of `Plan.predicted` that says why the planner left devices out: {rank (a string in
+# JSON): reason}; `Plan.unused_reasons` reads it, `describe()` shows it.
+UNUSED_KEY = "unused"
 
 
 # Where a pipeline's model chunks live (parallel/pipeline.py): "looped", one chunk per stage in
@@ -101,48 +109,118 @@ class Plan:
     # Recompute policy the planner chose for model.remat = 'auto' (none | dots | full); empty:
     # the model's own model.remat.
     remat: str = ""
-    # Topology ranks in mesh order: reshape(pp, dp, tp)[s, d, t] is the rank at stage s,
-    # data-parallel replica d, tensor shard t. Rank order unless the planner reordered devices.
+    # The topology ranks the plan uses, stage after stage, each stage's dp_s x tp_s ranks in
+    # (replica, shard) order: with one shape, reshape(pp, dp, tp)[s, d, t] is the rank at stage
+    # s, data-parallel replica d, tensor shard t (`mesh_ranks`); `stage_mesh(s)` in general.
+    # Distinct ranks, possibly a subset of the topology's: the rest are left out (idle).
+    # Default: the first `num_devices` ranks in rank order.
     device_order: tuple[int, ...] = ()
     source: str = "config"  # "config" (fixed by the user) or "planner"
     # Expert parallelism (MoE models): the dp data-parallel devices of a stage form dp / ep
     # groups of ep neighbours, each group holding all experts, each device n_experts / ep.
     ep: int = 1
     predicted: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Each stage's (dp_s, tp_s) when the stages' shapes differ (only the MPMD executor runs
+    # that: `stage_shape_problems`); empty: every stage (dp, tp). Then `dp` and `tp` are stage
+    # 0's (given as 0 they are filled from it); a reader that needs every stage uses
+    # `stage_shape(s)`. Shapes that are all equal are stored as () (one shape).
+    stage_shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
-        n = self.pp * self.dp * self.tp
+        shapes = tuple((int(d), int(t)) for d, t in self.stage_shapes)
+        if shapes:
+            if len(shapes) != self.pp:
+                raise ValueError(f"stage_shapes gives {len(shapes)} stages' (dp, tp) but pp = "
+                                 f"{self.pp}")
+            if any(d < 1 or t < 1 for d, t in shapes):
+                raise ValueError(f"every stage needs dp >= 1 and tp >= 1, got {list(shapes)}")
+            for name, value, first in (("dp", self.dp, shapes[0][0]),
+                                       ("tp", self.tp, shapes[0][1])):
+                if value and value != first:
+                    raise ValueError(f"{name} = {value} but stage 0's is {first}: with "
+                                     f"stage_shapes, {name} is stage 0's (or 0)")
+            object.__setattr__(self, "dp", shapes[0][0])
+            object.__setattr__(self, "tp", shapes[0][1])
+            if len(set(shapes)) == 1:
+                shapes = ()
+        object.__setattr__(self, "stage_shapes", shapes)
+        n = self.num_devices
         if not self.device_order:
             object.__setattr__(self, "device_order", tuple(range(n)))
-        if len(self.device_order) != n or sorted(self.device_order) != list(range(n)):
-            raise ValueError(f"device_order must be a permutation of range({n})")
+        order = tuple(int(r) for r in self.device_order)
+        object.__setattr__(self, "device_order", order)
+        if len(order) != n or len(set(order)) != n or min(order) < 0:
+            raise ValueError(f"device_order must list {n} distinct topology ranks (the plan's "
+                             f"{n} devices), got {len(order)} ({len(set(order))} distinct)")
         # What a Plan must be to exist at all (its other rules are `problems()`).
         bad = name_problems(self.executor, "", self.placement) + [
             p for p in [stage_count_problem(self.pp, self.stage_layers)] if p]
         if bad:
             raise ValueError(bad[0].message())
 
-    def problems(self, topology: Topology | None = None, n_layers: int = 0) -> list["Problem"]:
+    def problems(self, topology: Topology | None = None, n_layers: int = 0,
+                 model: Any = None) -> list["Problem"]:
         """Everything wrong with this plan as data (field, problem, fix), checked by the same
         rules as config validation and the planner (`layout_problems`): names, schedule and
-        placement against the executor, ZeRO factors, micro-batch split, layers per stage
-        (against the model's `n_layers` when given), and the mesh against the `topology`'s
-        devices when given; the schedule only for a pipeline (pp > 1). Empty: the executor
-        it names can run it."""
-        return layout_problems(
-            pp=self.pp, dp=self.dp, tp=self.tp,
-            devices=topology.num_devices if topology is not None else 0,
-            topology_name=topology.name if topology is not None else "",
+        placement against the executor, per-stage shapes against the executor, ZeRO factors
+        (against every stage's dp), micro-batch split (over every stage's dp), layers per
+        stage (against the model's `n_layers` when given), every stage's tp against the
+        `model`'s heads, kv heads and d_ff (anything with those attributes, when given), and
+        its ranks against the `topology`'s devices when given (they exist; a plan may leave
+        some of them out); the schedule only for a pipeline (pp > 1). Empty: the executor it
+        names can run it."""
+        out = layout_problems(
+            pp=self.pp, dp=self.dp, tp=self.tp, stage_shapes=self.stage_shapes,
             stage_layers=self.stage_layers, n_layers=n_layers, microbatches=self.microbatches,
             global_batch=self.global_batch, executor=self.executor, placement=self.placement,
             # one stage runs as one program, whatever schedule it names (make_executor)
             schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False,
             ep=self.ep)
+        if model is not None:
+            for tp in sorted({t for _, t in self.shapes()}):
+                out += tp_problems(tp, model)
+        if topology is not None:
+            out += rank_problems(self.device_order, topology)
+        return out
 
     # --- derived --------------------------------------------------------------------------
     @property
     def num_devices(self) -> int:
-        return self.pp * self.dp * self.tp
+        """Devices the plan uses (`len(device_order)`)."""
+        return sum(d * t for d, t in self.shapes())
+
+    @property
+    def uniform(self) -> bool:
+        """Every stage has the same (dp, tp) (`stage_shapes` empty)."""
+        return not self.stage_shapes
+
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every stage's (dp_s, tp_s)."""
+        return self.stage_shapes or ((self.dp, self.tp),) * self.pp
+
+    def stage_shape(self, s: int) -> tuple[int, int]:
+        """Stage s's (dp_s, tp_s)."""
+        return self.shapes()[s]
+
+    def stage_mesh(self, s: int) -> np.ndarray:
+        """(dp_s, tp_s) array of stage s's topology ranks."""
+        dp, tp = self.stage_shape(s)
+        start = sum(d * t for d, t in self.shapes()[:s])
+        return np.asarray(self.device_order[start:start + dp * tp]).reshape(dp, tp)
+
+    def used_ranks(self) -> list[int]:
+        """The topology ranks the plan uses, in rank order."""
+        return sorted(self.device_order)
+
+    def unused_ranks(self, topology: Topology) -> list[int]:
+        """The `topology`'s ranks the plan leaves out (idle), in rank order."""
+        used = set(self.device_order)
+        return [r for r in range(topology.num_devices) if r not in used]
+
+    def unused_reasons(self) -> dict[int, str]:
+        """Why the planner left each device out, from its predictions (`predicted['unused']`:
+        rank, as a string in JSON -> reason); empty when it gave none."""
+        return {int(r): why for r, why in self.predicted.get(UNUSED_KEY, {}).items()}
 
     @property
     def n_layers(self) -> int:
@@ -152,12 +230,11 @@ class Plan:
     def max_stage_layers(self) -> int:
         return max(self.stage_layers)
 
-    @property
-    def ep_replicas(self) -> int:
-        """The stage's data-parallel devices as the executors split the batch for their
-        per-device loss: dp / ep groups (an expert-parallel group shares its rows' loss;
-        dp without expert parallelism)."""
-        return self.dp // self.ep
+    def ep_replicas(self, s: int = 0) -> int:
+        """Stage s's data-parallel devices as the executors split the batch for their
+        per-device loss: dp_s / ep groups (an expert-parallel group shares its rows' loss;
+        dp_s without expert parallelism)."""
+        return self.stage_shape(s)[0] // self.ep
 
     @property
     def microbatch_size(self) -> int:
@@ -165,30 +242,41 @@ class Plan:
         return self.global_batch // self.microbatches
 
     def mesh_ranks(self) -> np.ndarray:
-        """(pp, dp, tp) array of topology ranks."""
+        """(pp, dp, tp) array of topology ranks; only a plan whose stages share one shape has
+        one (`stage_mesh(s)` is every plan's)."""
+        if not self.uniform:
+            raise PlanError(f"this plan's stages have different (dp, tp) shapes "
+                            f"{list(self.stage_shapes)}: it has no (pp, dp, tp) mesh; read "
+                            "each stage's with stage_mesh(s)")
         return np.asarray(self.device_order).reshape(self.pp, self.dp, self.tp)
 
     def stage_ranks(self, s: int) -> list[int]:
-        return sorted(self.mesh_ranks()[s].ravel().tolist())
+        return sorted(self.stage_mesh(s).ravel().tolist())
 
     def tp_groups(self) -> list[list[int]]:
-        r = self.mesh_ranks()
-        return [r[s, d, :].tolist() for s in range(self.pp) for d in range(self.dp)]
+        return [row.tolist() for s in range(self.pp) for row in self.stage_mesh(s)]
 
     def dp_groups(self) -> list[list[int]]:
-        r = self.mesh_ranks()
-        return [r[s, :, t].tolist() for s in range(self.pp) for t in range(self.tp)]
+        return [col.tolist() for s in range(self.pp) for col in self.stage_mesh(s).T]
 
     def ep_groups(self) -> list[list[int]]:
         """Expert-parallel groups: ep neighbouring data-parallel devices (the innermost data
         axis) of each stage and tensor shard."""
-        r = self.mesh_ranks()
-        return [r[s, d:d + self.ep, t].tolist() for s in range(self.pp)
-                for d in range(0, self.dp, self.ep) for t in range(self.tp)]
+        out = []
+        for s in range(self.pp):
+            m = self.stage_mesh(s)
+            out += [m[d:d + self.ep, t].tolist() for d in range(0, m.shape[0], self.ep)
+                    for t in range(m.shape[1])]
+        return out
 
     def pp_groups(self) -> list[list[int]]:
-        r = self.mesh_ranks()
-        return [r[:, d, t].tolist() for d in range(self.dp) for t in range(self.tp)]
+        """The ranks that pass activations on: with one shape, each (replica, shard)
+        position's ranks down the stages; with per-stage shapes, each boundary's two stages'
+        ranks (stage s and s + 1 reshard between their shapes)."""
+        if self.uniform:
+            r = self.mesh_ranks()
+            return [r[:, d, t].tolist() for d in range(self.dp) for t in range(self.tp)]
+        return [self.stage_ranks(s) + self.stage_ranks(s + 1) for s in range(self.pp - 1)]
 
     def layer_range(self, s: int) -> range:
         start = sum(self.stage_layers[:s])
@@ -229,29 +317,52 @@ class Plan:
                 down = self.chunk_layers()[s][0]
                 layers = "+".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0])
                                   for r in (held[:down], held[down:]) if r) + f" ({len(held)})"
-            row = {"stage": str(s), "layers": layers, "ranks": _fmt_ranks(ranks)}
+            row = {"stage": str(s), "layers": layers}
+            if not self.uniform:  # each stage its own shape: a column for each degree
+                row["dp"], row["tp"] = map(str, self.stage_shape(s))
+            row["ranks"] = _fmt_ranks(ranks)
             if topology is not None:
                 names = sorted({topology.cluster_of(r).name for r in ranks})
                 row["clusters"] = ",".join(names) if len(names) <= 3 else \
                     f"{','.join(names[:2])},.. ({len(names)})"
             if "stage_time_s" in pr:
                 row["time/micro-batch"] = _fmt_seconds(pr["stage_time_s"][s])
-                row["memory / capacity"] = (f"{gib(pr['stage_memory_gib'][s] * 2**30)} / "
+                need = pr["stage_memory_gib"][s]
+                band = (f" ± {gib(need * pr['memory_band'] * 2**30)}"
+                        if pr.get("memory_band") else "")
+                row["memory / capacity"] = (f"{gib(need * 2**30)}{band} / "
                                             f"{gib(pr['stage_capacity_gib'][s] * 2**30)}")
                 row["idle/step"] = _fmt_seconds(pr["stage_idle_s"][s])
             rows.append(row)
         return rows
 
     def group_lines(self, topology: Topology) -> list[str]:
-        """The TP, DP and PP groups with the links they use."""
+        """The TP, DP and PP groups with the links they use (groups of one device have no
+        traffic and are left out)."""
         lines = []
         for what, groups in (("tp", self.tp_groups()), ("dp", self.dp_groups()),
                              ("ep", self.ep_groups()), ("pp", self.pp_groups())):
-            if len(groups[0]) > 1:
+            groups = [g for g in groups if len(g) > 1]
+            if groups:
+                sizes = sorted({len(g) for g in groups})
                 kinds = sorted({topology.group_link(g).kind for g in groups})
-                lines.append(f"{what} groups: {len(groups)} of {len(groups[0])}, e.g. "
-                             f"{_fmt_ranks(sorted(groups[0]))}; links: {', '.join(kinds)}")
+                lines.append(f"{what} groups: {len(groups)} of {'/'.join(map(str, sizes))}, "
+                             f"e.g. {_fmt_ranks(sorted(groups[0]))}; links: {', '.join(kinds)}")
         return lines
+
+    def unused_lines(self, topology: Topology) -> list[str]:
+        """The devices the plan leaves out, one line per run of consecutive ranks of one
+        cluster and one reason: "unused: ranks 24-27 (l40s): <why>"."""
+        reasons = self.unused_reasons()
+        runs: list[tuple[list[int], str, str]] = []
+        for r in self.unused_ranks(topology):
+            key = (topology.cluster_of(r).name, reasons.get(r, ""))
+            if runs and runs[-1][0][-1] == r - 1 and runs[-1][1:] == key:
+                runs[-1][0].append(r)
+            else:
+                runs.append(([r], *key))
+        return [f"unused: rank{'s' if len(ranks) > 1 else ''} {_fmt_ranks(ranks)} ({cluster})"
+                + (f": {why}" if why else "") for ranks, cluster, why in runs]
 
     def summary_line(self) -> str:
         pr = self.predicted
@@ -259,17 +370,27 @@ class Plan:
             return ""
         fits = "" if pr.get("fits", True) else " -- DOES NOT FIT in device memory"
         layout = f" ({pr['layout']})" if "layout" in pr else ""
-        return (f"predicted{layout}: step {_fmt_seconds(pr['step_time_s'])}, "
+        band = f" ± {_fmt_seconds(pr['step_band_s'])}" if pr.get("step_band_s") else ""
+        source = f" (compute: {pr['compute_source']})" if "compute_source" in pr else ""
+        line = (f"predicted{layout}: step {_fmt_seconds(pr['step_time_s'])}{band}{source}, "
                 f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {percent(pr['mfu'])}, "
                 f"bubble {percent(pr['bubble'], 3)}{fits}")
+        if pr.get("stage_reserve_gib") and max(pr["stage_reserve_gib"]) > 0:
+            line += (f"\n  memory kept aside per device: runtime reserve "
+                     f"{gib(max(pr['stage_reserve_gib']) * 2**30)} (context, collective "
+                     f"buffers, workspace, fragmentation), then a margin of "
+                     f"{percent(pr.get('memory_margin', 0.0))}")
+        return line
 
     def header(self) -> str:
         z = self.zero
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
         executor += f"  placement={self.placement}" if self.placement != "looped" else ""
         executor += f"  remat={self.remat}" if self.remat else ""
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"plan ({self.source}): pp={self.pp} dp={self.dp}{ep} tp={self.tp}  "
+        degrees = (f"dp={self.dp} tp={self.tp}" if self.uniform else
+                   "dp,tp per stage: " + " ".join(f"{d}x{t}" for d, t in self.stage_shapes))
+        degrees += f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"plan ({self.source}): pp={self.pp} {degrees}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")
@@ -282,6 +403,7 @@ class Plan:
         lines += ["  " + "".join(f"{r[c]:<{width[c]}}" for c in cols).rstrip() for r in rows]
         if topology is not None:
             lines += ["  " + g for g in self.group_lines(topology)]
+            lines += ["  " + u for u in self.unused_lines(topology)]
         if self.summary_line():
             lines.append("  " + self.summary_line())
         if "executor_choice" in self.predicted:
@@ -302,7 +424,12 @@ class Plan:
                 + (f"<p>{html.escape(summary)}</p>" if summary else ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.stage_shapes:  # one shape: the JSON of a plan without per-stage shapes
+            del d["stage_shapes"]
+        if self.ep == 1:  # no expert parallelism: the JSON of a plan without it
+            del d["ep"]
+        return d
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -313,6 +440,7 @@ class Plan:
         d["zero"] = ZeroFactors(**d.get("zero", {}))
         d["stage_layers"] = tuple(d["stage_layers"])
         d["device_order"] = tuple(d.get("device_order", ()))
+        d["stage_shapes"] = tuple(tuple(x) for x in d.get("stage_shapes", ()))
         return Plan(**d)
 
     @staticmethod
@@ -341,7 +469,9 @@ def comparison_rows(plans: list["Plan"]) -> list[dict[str, str]]:
     rows = []
     for i, p in enumerate(plans):
         pr = p.predicted
-        row = {"#": str(i), "pp x dp x tp": f"{p.pp} x {p.dp} x {p.tp}",
+        degrees = f"{p.pp} x {p.dp} x {p.tp}" if p.uniform else f"{p.pp} x (" + ", ".join(
+            f"{d} x {t}" for d, t in p.stage_shapes) + ")"
+        row = {"#": str(i), "pp x dp x tp": degrees,
                "schedule": p.schedule + (f" ({p.executor})" if p.pp > 1 else ""),
                "micro-batches": str(p.microbatches), "zero": p.zero.name,
                "layers/stage": ",".join(map(str, p.stage_layers))
@@ -390,21 +520,66 @@ def raise_first(problems: "list[Problem]", error: type = PlanError) -> None:
         raise error(p.field, p.problem, p.fix) if error is ConfigError else error(p.message())
 
 
-def batch_split_problem(global_batch: int, microbatches: int, dp: int
+def batch_split_problem(global_batch: int, microbatches: int, dp: int, per_stage: bool = False
                         ) -> tuple[str, str] | None:
     """(problem, fix) when `global_batch` sequences do not split into `microbatches` equal
-    micro-batches that each split evenly over `dp` replicas; None when they do. The one rule
-    that `layout_problems` (config validation, config -> Plan, the executors) and the planner's
-    search (its micro-batch counts) apply."""
+    micro-batches that each split evenly over `dp` replicas; None when they do. With
+    per-stage shapes (`per_stage`) `dp` is the least common multiple of the stages' dp (a
+    micro-batch's rows split over each stage's replicas). The one rule that `layout_problems`
+    (config validation, config -> Plan, the executors) and the planner's search (its
+    micro-batch counts) apply."""
     if microbatches < 1 or global_batch % microbatches:
         return (f"the batch of {global_batch} sequences does not split into {microbatches} "
                 "micro-batches", f"make train.batch_size a multiple of {microbatches}, or change "
                 "the count (train.batch_size must be a multiple of pipeline.microbatches)")
     if (global_batch // microbatches) % dp:
+        what = (f"every stage's dp (least common multiple {dp})" if per_stage
+                else f"dp = {dp}")
         return (f"each of the {microbatches} micro-batches has {global_batch // microbatches} "
-                f"sequences, not divisible by dp = {dp}",
+                f"sequences, not divisible by {what}",
                 f"make train.batch_size a multiple of microbatches x dp = {microbatches * dp}")
     return None
+
+
+def stage_shape_problem(executor: str, pp: int, stages: int) -> Problem | None:
+    """Per-stage (dp, tp) shapes: one per stage, and an executor that runs each stage on its
+    own sub-mesh (`ExecutorKind.stage_shapes`); the others lay every stage on one mesh."""
+    if pp and stages != pp:
+        return Problem("parallel.stage_dp", f"gives {stages} stages' degrees but parallel.pp = "
+                       f"{pp}", f"give {pp} numbers in parallel.stage_dp and parallel.stage_tp")
+    kind = EXECUTORS.get(executor)
+    if kind is None or kind.stage_shapes:
+        return None
+    runs = [k.name for k in EXECUTORS.values() if k.stage_shapes]
+    return Problem("pipeline.executor", f"stages with different (dp, tp) shapes cannot run on "
+                   f"the {executor} executor (one mesh for every stage)",
+                   f"set --config.pipeline.executor={' or '.join(runs)}, or give every stage "
+                   "the same parallel.stage_dp and parallel.stage_tp")
+
+
+def tp_problems(tp: int, model: Any, field: str = "parallel.tp") -> list[Problem]:
+    """Tensor parallelism splits the `model`'s heads, kv heads and d_ff (anything with those
+    attributes): `tp` must divide each. Config validation checks parallel.tp and every
+    parallel.stage_tp with it, `Plan.problems` every stage's tp."""
+    dims = {"model.n_heads": model.n_heads, "model.n_kv_heads": model.n_kv_heads,
+            "model.d_ff": model.d_ff}
+    common = _divisors(math.gcd(*dims.values()))
+    return [Problem(field, f"tp = {tp} does not divide {f} = {v}; tensor parallelism splits it",
+                    f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
+                    f"{common}") for f, v in dims.items() if v % tp][:1]
+
+
+def rank_problems(ranks, topology: Topology) -> list[Problem]:
+    """A plan's ranks must be the `topology`'s (it may leave some out, and uses none twice:
+    the Plan refuses that when it is built)."""
+    n = topology.num_devices
+    missing = sorted(r for r in ranks if r >= n)
+    if not missing:
+        return []
+    return [Problem("parallel", f"the plan places stages on ranks {_fmt_ranks(missing)}, but "
+                    f"topology {topology.name!r} has {n} devices (ranks 0-{n - 1})",
+                    "plan for this topology (hetjax plan), or use the topology the plan was "
+                    "made for")]
 
 
 def schedule_problem(executor: str, schedule: str) -> Problem | None:
@@ -485,13 +660,14 @@ def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
                     topology_name: str = "", stage_layers=(), n_layers: int = 0,
                     microbatches: int = 0, global_batch: int = 0, schedule: str = "",
                     executor: str = "", placement: str = "", zero: ZeroFactors | None = None,
-                    allow_auto: bool = True, ep: int = 1) -> list[Problem]:
+                    allow_auto: bool = True, stage_shapes=(), ep: int = 1) -> list[Problem]:
     """Everything wrong with a (possibly partial) layout, as data, in the order a user should
     fix it. The one definition of each layout rule: `Plan.problems` passes a whole plan, config
     validation the fields a config fixes before a topology is known, config -> Plan the degrees
-    against the topology's devices. A value left at 0 / empty is unknown and its rules are
-    skipped; with `allow_auto` (a config) `executor` and `placement` may be 'auto' (the
-    planner chooses)."""
+    against the `devices` it may use (the topology's, less any left out). A value left at 0 /
+    empty is unknown and its rules are skipped; with `allow_auto` (a config) `executor` and
+    `placement` may be 'auto' (the planner chooses). `stage_shapes`: each stage's (dp_s, tp_s)
+    when they differ (then dp and tp are read from them)."""
     out: list[Problem] = []
 
     def add(p: Problem | None) -> None:
@@ -501,30 +677,49 @@ def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
     out += name_problems(executor, schedule, placement, allow_auto)
     executor = executor if executor in EXECUTORS else ""
     schedule = schedule if schedule in SCHEDULES else ""
+    shapes = tuple(tuple(x) for x in stage_shapes)
+    if len(set(shapes)) > 1:
+        add(stage_shape_problem(executor, pp, len(shapes)))
+    dps = sorted({d for d, _ in shapes}) if shapes else ([dp] if dp else [])
     if executor and schedule:
         add(schedule_problem(executor, schedule))
     if schedule and placement in PLACEMENTS:
         add(placement_problem(placement, schedule))
     if zero is not None:
         add(zero_order_problem(zero.s_p, zero.s_g, zero.s_os))
-        if dp and dp % zero.s_os:
+        bad = [d for d in dps if d % zero.s_os]
+        if bad and len(dps) == 1:
             add(Problem("zero.s_os", f"s_os = {zero.s_os} does not divide dp = {dp}",
                         f"choose s_os from the divisors of dp: {_divisors(dp)}"))
-    if ep > 1 and dp:
+        elif bad:
+            common = [d for d in _divisors(min(dps)) if all(x % d == 0 for x in dps)]
+            add(Problem("zero.s_os", f"s_os = {zero.s_os} does not divide every stage's dp "
+                        f"{dps}", f"choose s_os from their common divisors: {common}"))
+    if ep > 1 and dps:
+        # expert-parallel groups are made of each stage's data-parallel devices, beside the
+        # ZeRO sub-groups (parallel/mesh.py: dp_s = replicas x s_os x ep)
         s_os = zero.s_os if zero is not None else 1
-        if dp % (ep * s_os):
-            add(Problem("parallel.ep", f"ep = {ep}{f' x zero s_os = {s_os}' if s_os > 1 else ''}"
-                        f" does not divide dp = {dp}; expert-parallel groups are made of "
-                        "data-parallel devices", f"choose ep from the divisors of "
-                        f"{dp // s_os if dp % s_os == 0 else dp}: "
-                        f"{_divisors(dp // s_os if dp % s_os == 0 else dp)}"))
+        if any(d % (ep * s_os) for d in dps):
+            ok = [e for e in _divisors(min(dps)) if all(d % (e * s_os) == 0 for d in dps)]
+            add(Problem("parallel.ep", f"ep = {ep}{f' x zero.s_os = {s_os}' if s_os > 1 else ''}"
+                        f" does not divide {'dp' if len(dps) == 1 else 'every stage dp'} = "
+                        f"{dps[0] if len(dps) == 1 else dps}; expert-parallel groups are made "
+                        "of a stage's data-parallel devices", f"choose ep from {ok}"))
     # micro-batches
     if global_batch and microbatches:
-        split = batch_split_problem(global_batch, microbatches, dp or 1)
+        split = batch_split_problem(global_batch, microbatches, math.lcm(*dps) if dps else 1,
+                                    per_stage=len(dps) > 1)
         if split:
             add(Problem("train.batch_size", *split))
     # degrees against the devices
-    if devices:
+    if devices and len(set(shapes)) > 1:
+        where = f"topology {topology_name!r}" if topology_name else "the topology"
+        used = sum(d * t for d, t in shapes)
+        if used != devices:
+            add(Problem("parallel", f"the stages' dp x tp sum to {used} devices, but {where} "
+                        f"has {devices} to use", f"give per-stage degrees whose dp x tp sum to "
+                        f"{devices}, or leave the others out with parallel.exclude"))
+    elif devices:
         where = f"topology {topology_name!r}" if topology_name else "the topology"
         for f, v in (("parallel.pp", pp), ("parallel.dp", dp), ("parallel.tp", tp)):
             if v and devices % v:
@@ -636,3 +831,12 @@ class DilocoPlan:
     inner_lr_scale: float
     log_every: int
     steps: int
+
+
+def vocab_shards(plan) -> int:
+    """How many ways the embedding and head are split: the plan's tp, or for a DilocoPlan the
+    least common multiple of its sites' (`hetjax.core.model_config.vocab_rows` pads for it)."""
+    import math
+
+    plans = getattr(plan, "site_plans", None) or (plan,)
+    return math.lcm(*(p.tp for p in plans))

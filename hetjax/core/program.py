@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hetjax.core import schedules as sch
+from hetjax.core.timeline import timeline
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class Program:
 def issue_order(schedule: sch.Schedule) -> list[tuple[int, sch.Task]]:
     """Every task as (stage, action) in an order that respects the schedule's dependencies and
     each stage's own order: by start time on the schedule's unit-time timeline."""
-    events = sch.timeline(schedule, [1.0] * schedule.stages, [1.0] * schedule.stages)
+    events = timeline(schedule, [1.0] * schedule.stages, [1.0] * schedule.stages)
     return [(e.stage, e.action) for e in sorted(events, key=lambda e: (e.start, e.stage))]
 
 

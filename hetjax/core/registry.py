@@ -29,7 +29,9 @@ class ExecutorKind:
     `priced_as` is the cost model's executor (`hetjax.planner.cost.EXECUTORS`) that prices it;
     `tick_grid_only`: it runs only the schedules of the SPMD tick grid
     (`hetjax.core.schedules.spmd_schedules`); `document_masks`: it passes the packer's segment
-    ids to its stages (`data.document_mask`). `help` is its line in `--help`."""
+    ids to its stages (`data.document_mask`); `stage_shapes`: it runs each stage on its own
+    sub-mesh, so stages may have different (dp, tp) shapes (`Plan.stage_shapes`). `help` is
+    its line in `--help`."""
 
     name: str
     build: str
@@ -38,6 +40,7 @@ class ExecutorKind:
     tick_grid_only: bool = False
     worlds: str = ""
     document_masks: bool = False
+    stage_shapes: bool = False
 
 
 # A plan of one stage runs as one program whatever executor it names (there is no pipeline).
@@ -68,7 +71,7 @@ register(ExecutorKind(
 register(ExecutorKind(
     "mpmd", "hetjax.parallel.mpmd:MpmdExecutor",
     "one program per stage, stages run asynchronously", priced_as="mpmd",
-    worlds="hetjax.parallel.mpmd_worlds:WorldsExecutor"))
+    worlds="hetjax.parallel.mpmd_worlds:WorldsExecutor", stage_shapes=True))
 
 
 def executor_help() -> str:

@@ -17,13 +17,15 @@ the orders; class attributes say how many chunks per stage it runs (`virtual`) a
 splits the backward. Only schedules with one chunk per stage and a whole backward run on the
 SPMD executor's tick grid (`spmd_compatible`); every schedule runs on the MPMD executor.
 
-`timeline(schedule, fwd, bwd, ...)` plays the orders with per-stage durations and per-boundary
-transfer times and returns when each task starts and ends; with unit durations and no transfer
-time it gives the tick grid (`tick_table`) the SPMD executor runs: at tick t, stage s performs
-`tick_table[t][s]` (or idles), and activations / gradients move between ticks. `transfers`
-lists those moves, and `tick_program` turns the grid into the integer tables the SPMD executor
-indexes: which action, which micro-batch, and which buffer slot each stage reads, and where each
-arriving activation or gradient is kept until it is used.
+`play(schedule, duration, hop)` plays the orders: each stage runs its tasks in order, each as
+soon as its inputs have arrived, and the `Event`s say when each task starts and ends. With unit
+durations and no transfer time it gives the tick grid (`tick_table`) the SPMD executor runs: at
+tick t, stage s performs `tick_table[t][s]` (or idles), and activations / gradients move between
+ticks; `tick_codes` is that grid as integer codes (a schedule may give its codes without
+building tasks: `Schedule.grid_codes`). Played with measured durations, the orders are the
+timeline simulator (`hetjax.core.timeline`); the grid lowered to the SPMD executor's tables is
+`hetjax.core.tick_program`, the orders lowered to the MPMD executor's per-stage ops
+`hetjax.core.program`; the grid priced in lockstep is `hetjax.planner.lockstep`.
 
 GPipe runs all forwards, then all backwards, so a stage holds the activations of all M
 micro-batches. 1F1B (PipeDream-Flush) starts backwards as soon as possible: stage s runs
@@ -36,7 +38,7 @@ weight-gradient tasks it held back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -59,7 +61,6 @@ class Task:
 
 
 Action = Task  # the name the SPMD executor's tick tables use
-
 SCHEDULES: dict[str, type["Schedule"]] = {}
 
 
@@ -430,47 +431,19 @@ def spmd_schedules() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Event:
+    """One task played: its stage, the task, and when it starts and ends."""
+
     stage: int
     action: Task
     start: float
     end: float
 
 
-def timeline(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
-             send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
-             weight_share: float = 0.5) -> list[Event]:
-    """Play the schedule: each stage runs its tasks in order, each as soon as its inputs
-    have arrived. fwd[s] / bwd[s]: time of one forward / backward of a micro-batch through all
-    of stage s (a chunk takes 1 / virtual of it; W takes `weight_share` of a backward, I the
-    rest); send_fwd[s] / send_bwd[s]: time to move an activation / gradient across boundary s
-    (stage s <-> s + 1; a move between stages further apart, such as the interleaved
-    schedule's wrap from the last stage to the first, costs the slowest boundary's time).
-    Returns every task's start and end (a stage does one task at a time)."""
-    v = schedule.virtual
-    share = {"F": None, "B": 1.0, "I": 1.0 - weight_share, "W": weight_share}
-
-    def duration(s: int, a: Task) -> float:
-        return (fwd[s] if a.kind == "F" else bwd[s] * share[a.kind]) / v
-
-    return _play(schedule, duration, _hops(schedule.stages, send_fwd, send_bwd))
-
-
-def _hops(stages: int, send_fwd: Sequence[float], send_bwd: Sequence[float]
-          ) -> Callable[[int, int], float]:
-    sends = {+1: list(send_fwd) or [0.0] * max(stages - 1, 0),
-             -1: list(send_bwd) or [0.0] * max(stages - 1, 0)}
-
-    def hop(src: int, dst: int) -> float:
-        if src == dst:
-            return 0.0
-        times = sends[1 if dst > src else -1]
-        return times[min(src, dst)] if abs(src - dst) == 1 else max(times, default=0.0)
-
-    return hop
-
-
-def _play(schedule: Schedule, duration: Callable[[int, Task], float],
+def play(schedule: Schedule, duration: Callable[[int, Task], float],
           hop: Callable[[int, int], float]) -> list[Event]:
+    """Play the schedule's orders: each stage runs its tasks in order, each as soon as its
+    inputs have arrived; `duration(stage, task)` is a task's time, `hop(src, dst)` a move's.
+    Raises ValueError when the orders wait on each other."""
     placement = schedule.placement()
     last_chunk = len(placement) - 1
     ends: dict[tuple[str, int, int], float] = {}  # (F | G | W, model chunk, micro-batch) -> end
@@ -528,7 +501,7 @@ def tick_table(schedule: Schedule) -> list[list[Task | None]]:
     whose cells may hold a pair (F, B) of two strands (`cell_tasks`)."""
     if schedule.co_executes:
         return schedule.tick_grid()
-    events = _play(schedule, lambda s, a: 1.0, lambda src, dst: 0.0)
+    events = play(schedule, lambda s, a: 1.0, lambda src, dst: 0.0)
     ticks = int(max(e.end for e in events))
     table: list[list[Task | None]] = [[None] * schedule.stages for _ in range(ticks)]
     for e in events:
@@ -553,217 +526,6 @@ def tick_codes(table: list[list[Task | None]]) -> np.ndarray:
                       else 2 for a in row] for row in table], dtype=np.int8)
 
 
-def lockstep_ticks(codes: np.ndarray, fwd: Sequence[float], bwd: Sequence[float],
-                   send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = ()) -> np.ndarray:
-    """Duration of each tick of a grid (`tick_codes`) run in lockstep, which is how one SPMD
-    program runs it (the sends after each tick couple neighbouring stages): the tick's slowest
-    action, then the slowest activation sent forward and the slowest gradient sent back.
-
-    Equals `timeline` for GPipe with equal stages (all stages do the same kind of action in a
-    tick); 1F1B's steady state pairs an F on one stage with a B on the next, so its ticks cost
-    max(F, B) each. A two-strand tick (code 3) costs F + B and sends both ways: strands
-    keep a bound like 1F1B's (2 (pp - s)) at GPipe's lockstep step time."""
-    S = codes.shape[1]
-    f, b = np.asarray(fwd, float), np.asarray(bwd, float)
-    ahead, back = np.zeros(S), np.zeros(S)
-    ahead[:S - 1] = list(send_fwd) or 0.0  # stage s sends its output across boundary s
-    back[1:] = list(send_bwd) or 0.0  # stage s sends its input gradient across boundary s - 1
-    compute = np.select([codes == 1, codes == 2, codes == 3], [f, b, f + b], 0.0).max(axis=1)
-    return (compute + np.where((codes == 1) | (codes == 3), ahead, 0.0).max(axis=1)
-            + np.where((codes == 2) | (codes == 3), back, 0.0).max(axis=1))
-
-
-def lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
-                  send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = ()) -> float:
-    """Step time of the schedule's tick grid run in lockstep (see `lockstep_ticks`)."""
-    codes = tick_codes(tick_table(schedule))
-    return float(lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd).sum())
-
-
-def folded_lockstep_ticks(codes: np.ndarray, fwd: Sequence[float], bwd: Sequence[float],
-                          send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
-                          down_share: Sequence[float] = ()) -> np.ndarray:
-    """`lockstep_ticks` for the folded placement: `codes` is the grid of a virtual pipeline of
-    2 p stages (chunks), chunk k on device k (k < p) or 2 p - 1 - k; fwd / bwd are per device
-    (its two chunks together), `down_share[d]` the part of device d's layers in its down
-    chunk (default 1/2). A device runs its two chunks' actions of a tick one after the other,
-    so a tick costs its busiest device's down plus up action; then the four moves the
-    executor makes in turn (down activations d -> d + 1, up activations d -> d - 1, up
-    gradients d -> d + 1, down gradients d -> d - 1), each as long as its slowest boundary.
-    The turn (chunk p - 1 -> p) stays on device p - 1 and costs nothing."""
-    p = codes.shape[1] // 2
-    f, b = np.asarray(fwd, float), np.asarray(bwd, float)
-    share = np.asarray(list(down_share) or [0.5] * p, float)
-    down, up = codes[:, :p], codes[:, ::-1][:, :p]  # [T, p]: device d's down / up chunk
-
-    def cost(c, scale):
-        return np.select([c == 1, c == 2, c == 3], [f * scale, b * scale, (f + b) * scale], 0.0)
-
-    compute = (cost(down, share) + cost(up, 1.0 - share)).max(axis=1)
-    fwd_link = np.zeros(p)  # boundary d (devices d, d + 1), indexed by the lower device
-    fwd_link[:p - 1] = list(send_fwd) or 0.0
-    bwd_link = np.zeros(p)
-    bwd_link[:p - 1] = list(send_bwd) or 0.0
-    sends_f, sends_b = (down == 1) | (down == 3), (down == 2) | (down == 3)
-    up_f, up_b = (up == 1) | (up == 3), (up == 2) | (up == 3)
-    below = np.roll(fwd_link, 1)  # device d's boundary to d - 1 (d >= 1)
-    below[0] = 0.0
-    below_b = np.roll(bwd_link, 1)
-    below_b[0] = 0.0
-    moves = (np.where(sends_f, fwd_link, 0.0).max(axis=1)  # down chunk: d -> d + 1
-             + np.where(up_f, below, 0.0).max(axis=1)  # up chunk: d -> d - 1
-             + np.where(up_b, bwd_link, 0.0).max(axis=1)  # up chunk's gradient: d -> d + 1
-             + np.where(sends_b, below_b, 0.0).max(axis=1))  # down chunk's gradient: d -> d - 1
-    return compute + moves
-
-
-def folded_lockstep_time(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
-                         send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
-                         down_share: Sequence[float] = ()) -> float:
-    """Step time of a folded pipeline in lockstep: `schedule` is the virtual schedule of
-    2 p stages (see `folded_lockstep_ticks`)."""
-    codes = tick_codes(tick_table(schedule))
-    return float(folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share).sum())
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One point-to-point move: sent at the end of tick `tick`, usable by `dst` from tick + 1."""
-
-    tick: int
-    kind: str  # "activation" (stage s -> s + 1, after F) or "gradient" (s -> s - 1, after B)
-    src: int
-    dst: int
-    microbatch: int
-
-
-def transfers(schedule: Schedule) -> list[Transfer]:
-    """Every send of the tick grid: each F of a model chunk but the last sends its output
-    activation to the next chunk's stage, each B or I of a chunk but the first sends its input
-    gradient to the previous chunk's stage (moves within a stage are not sends)."""
-    placement = schedule.placement()
-    out = []
-    for t, row in enumerate(tick_table(schedule)):
-        for s, a in ((s, a) for s, cell in enumerate(row) for a in cell_tasks(cell)):
-            k = schedule.model_chunk(a)
-            if a.kind == "F" and k < len(placement) - 1 and placement[k + 1] != s:
-                out.append(Transfer(t, "activation", s, placement[k + 1], a.microbatch))
-            elif a.kind in BACKWARD_KINDS and k > 0 and placement[k - 1] != s:
-                out.append(Transfer(t, "gradient", s, placement[k - 1], a.microbatch))
-    return out
-
-
-IDLE, FORWARD, BACKWARD, BOTH = 0, 1, 2, 3
-
-
-@dataclass(frozen=True, eq=False)
-class TickProgram:
-    """The tick grid as the integer tables an SPMD executor indexes, all [ticks, stages].
-
-    Every stage has three buffers of slots:
-    - an activation inbox (`x_slots`): an activation waits there from its arrival until the
-      stage's F of that micro-batch reads it;
-    - a stash (`stash_slots`): F keeps what the micro-batch's B will need, from F until B;
-      a stage never holds more than `schedule.max_in_flight(stage)` (pp - s for 1F1B);
-    - a gradient inbox (`dy_slots`): an output gradient waits there from arrival until B.
-    Slot index `x_slots` (resp. `stash_slots`, `dy_slots`) is a scratch slot: reads and writes
-    that do not matter go there (stage 0 has no activation inbox, the last stage no gradient
-    inbox, idle ticks read nothing), so the executor needs no branches around buffer accesses.
-    """
-
-    schedule: Schedule
-    action: np.ndarray  # IDLE, FORWARD, BACKWARD or BOTH (an F and a B: two strands)
-    microbatch: np.ndarray  # micro-batch of the action (of the F when BOTH; 0 when idle)
-    x_slot: np.ndarray  # inbox slot F reads its input activation from
-    stash_slot: np.ndarray  # stash slot F writes and B reads (F's when BOTH)
-    dy_slot: np.ndarray  # gradient-inbox slot B reads
-    x_recv_slot: np.ndarray  # inbox slot the activation arriving after this tick goes to
-    dy_recv_slot: np.ndarray  # gradient-inbox slot the gradient arriving after this tick goes to
-    sends_activation: np.ndarray  # [ticks] bool: some stage sends forward after this tick
-    sends_gradient: np.ndarray  # [ticks] bool: some stage sends backward after this tick
-    b_microbatch: np.ndarray  # micro-batch of the B when BOTH
-    b_stash_slot: np.ndarray  # stash slot the B reads when BOTH
-    x_slots: int
-    stash_slots: int
-    dy_slots: int
-
-    @property
-    def ticks(self) -> int:
-        return self.action.shape[0]
-
-    @property
-    def paired(self) -> bool:
-        """Whether some tick runs two strands (the executor then compiles that branch)."""
-        return bool((self.action == BOTH).any())
-
-
-class _Slots:
-    """Lowest-free-slot allocation of one stage's buffer."""
-
-    def __init__(self):
-        self.held: dict[int, int] = {}  # micro-batch -> slot
-        self.size = 0  # slots ever used
-
-    def take(self, microbatch: int) -> int:
-        slot = min(set(range(len(self.held) + 1)) - set(self.held.values()))
-        self.held[microbatch] = slot
-        self.size = max(self.size, slot + 1)
-        return slot
-
-
-def tick_program(schedule: Schedule) -> TickProgram:
-    """Allocate buffer slots for the tick grid (see `TickProgram`).
-
-    Within a tick a stage first reads its buffers, then writes; a slot whose last read is this
-    tick can take this tick's arrival, because the executor reads before it writes."""
-    if not schedule.spmd_compatible:
-        raise ValueError(f"the {schedule.name} schedule runs several chunks per stage or splits "
-                         f"the backward, which the SPMD executor's tick grid cannot; use "
-                         f"pipeline.executor=mpmd, or one of {', '.join(spmd_schedules())}")
-    grid = tick_table(schedule)
-    T, S = len(grid), schedule.stages
-    tab = {k: np.zeros((T, S), np.int32) for k in ("action", "microbatch", "b_microbatch")}
-    slot_tab = {k: np.full((T, S), -1, np.int32) for k in
-                ("x_slot", "stash_slot", "dy_slot", "x_recv_slot", "dy_recv_slot",
-                 "b_stash_slot")}
-    bufs = {b: [_Slots() for _ in range(S)] for b in ("x", "stash", "dy")}
-    sends = {"activation": np.zeros(T, bool), "gradient": np.zeros(T, bool)}
-    arrivals: dict[int, list[Transfer]] = {}
-    for tr in transfers(schedule):
-        arrivals.setdefault(tr.tick, []).append(tr)
-    for t in range(T):
-        for s, cell in enumerate(grid[t]):
-            tasks = cell_tasks(cell)
-            if not tasks:
-                continue
-            both = len(tasks) == 2
-            tab["action"][t, s] = BOTH if both else FORWARD if tasks[0].kind == "F" else BACKWARD
-            # The B first: it reads (and frees) its stash slot before the F writes one.
-            for a in sorted(tasks, key=lambda a: a.kind != "B"):
-                m = a.microbatch
-                if a.kind == "F":
-                    tab["microbatch"][t, s] = m
-                    if m in bufs["x"][s].held:  # stage 0 makes its input from the tokens
-                        slot_tab["x_slot"][t, s] = bufs["x"][s].held.pop(m)
-                    slot_tab["stash_slot"][t, s] = bufs["stash"][s].take(m)
-                    continue
-                tab["b_microbatch" if both else "microbatch"][t, s] = m
-                slot_tab["b_stash_slot" if both else "stash_slot"][t, s] = \
-                    bufs["stash"][s].held.pop(m)
-                if m in bufs["dy"][s].held:  # the last stage starts from the loss
-                    slot_tab["dy_slot"][t, s] = bufs["dy"][s].held.pop(m)
-        for tr in arrivals.get(t, []):
-            sends[tr.kind][t] = True
-            b = "x" if tr.kind == "activation" else "dy"
-            slot_tab[f"{b}_recv_slot"][t, tr.dst] = bufs[b][tr.dst].take(tr.microbatch)
-    size = {b: max(1, max(sl.size for sl in bufs[b])) for b in bufs}
-    for k, v in slot_tab.items():  # unused reads and writes go to the scratch slot
-        v[v < 0] = size["stash" if "stash" in k else k.split("_")[0]]
-    return TickProgram(schedule=schedule, **tab, **slot_tab,
-                       sends_activation=sends["activation"], sends_gradient=sends["gradient"],
-                       x_slots=size["x"], stash_slots=size["stash"], dy_slots=size["dy"])
-
-
 def format_table(schedule: Schedule) -> str:
     """The tick grid as text: one row per stage, one column per tick."""
     table = tick_table(schedule)
@@ -772,42 +534,3 @@ def format_table(schedule: Schedule) -> str:
         cells = ["+".join(map(str, cell_tasks(table[t][s]))) or "." for t in range(len(table))]
         rows.append(f"  stage {s}: " + " ".join(f"{c:>3}" for c in cells))
     return "\n".join(rows)
-
-
-def plot_timeline(events: list[Event], path: str, title: str = "",
-                  stage_labels: Sequence[str] = (), time_unit: str = "s") -> str:
-    """Draw a timeline (one row per stage, F blue / B or I orange / W green, labelled by
-    micro-batch and chunk) as PNG; `time_unit` names the events' unit on the time axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    stages = max(e.stage for e in events) + 1
-    end = max(e.end for e in events)
-    fig, ax = plt.subplots(figsize=(max(6.0, min(18.0, 0.45 * len(events) / stages + 4)),
-                                    0.6 * stages + 1.2))
-    for e in events:
-        color = {"F": "#4C72B0", "W": "#55A868"}.get(e.action.kind, "#DD8452")
-        ax.broken_barh([(e.start, e.end - e.start)], (stages - 1 - e.stage - 0.4, 0.8),
-                       facecolors=color, edgecolors="white")
-        ax.text((e.start + e.end) / 2, stages - 1 - e.stage, str(e.action), ha="center",
-                va="center", fontsize=7, color="white")
-    names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
-    kinds = [k for k in names if any(e.action.kind == k for e in events)]
-    ax.legend(handles=[Patch(color={"F": "#4C72B0", "W": "#55A868"}.get(k, "#DD8452"),
-                             label=names[k]) for k in kinds],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), frameon=False,
-              fontsize=8, borderaxespad=0.2)
-    ax.set_yticks(range(stages))
-    labels = list(stage_labels) or [f"stage {s}" for s in range(stages)]
-    ax.set_yticklabels(labels[::-1])
-    ax.set_xlim(0, end)
-    ax.set_xlabel(f"time ({time_unit})")
-    busy = sum(e.end - e.start for e in events)
-    ax.set_title(title or f"bubble {1 - busy / (stages * end):.0%}", loc="left", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

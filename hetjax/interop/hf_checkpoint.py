@@ -15,13 +15,13 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from hetjax.errors import HetjaxError
+from hetjax.files import copy_file, replace_file
 from hetjax.interop import hf_config
 from hetjax.interop.safetensors_files import SafetensorsDir, write_file
 
@@ -73,6 +73,10 @@ def _leaves(m, has_head: bool) -> dict[tuple, _Leaf]:
         out[("lm_head", "kernel")] = _Leaf("lm_head.weight", (m.vocab_size, D), (1, 0),
                                            ((0,), (1,)))
     return out
+
+
+# The leaves with a row per token (HF dim 0 is the vocabulary).
+VOCAB_LEAVES = (("embedder", "embedding"), ("lm_head", "kernel"))
 
 
 def _path(keypath) -> tuple:
@@ -127,6 +131,9 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
     if missing:
         raise HetjaxError(f"hetjax parameters {['/'.join(p) for p in missing]} have no HF "
                           "counterpart in hetjax.interop.hf_checkpoint")
+    used = {leaf.hf.format(i=i) for leaf in spec.values()
+            for i in (range(m.n_layers) if "{i}" in leaf.hf else [None])}
+    st.unused = sorted(set(st.entries) - used)  # named by the caller, never dropped silently
 
     def build(keypath, t):
         leaf, cache = spec[_path(keypath)], {}
@@ -142,7 +149,7 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
                 return out
             out = np.zeros(_shape(t.shape, index), t.dtype)
             if 0 in range(*index[0].indices(t.shape[0])):
-                out[0] = _read_leaf(st, leaf, None, index[1:])
+                out[0] = _padded(_read_leaf(st, leaf, None, index[1:]), out.shape[1:])
             return out
 
         def shard(index):
@@ -153,13 +160,31 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
                 elif block:
                     layers = range(*index[0].indices(t.shape[0]))
                     cache[key] = np.stack([_read_leaf(st, leaf, i, index[1:]) for i in layers])
-                else:
-                    cache[key] = _read_leaf(st, leaf, None, index)
+                else:  # the vocabulary's padding rows (ModelConfig.vocab_rows) read as zeros
+                    cache[key] = _padded(_read_leaf(st, leaf, None, index),
+                                         _shape(t.shape, index))
             return cache[key].astype(t.dtype)
 
         return jax.make_array_from_callback(t.shape, t.sharding, shard)
 
     return jax.tree_util.tree_map_with_path(build, target), st
+
+
+def unused_message(st: SafetensorsDir) -> str | None:
+    """One line naming the tensors of `st` that the model did not load (None if none)."""
+    if not st.unused:
+        return None
+    shown = ", ".join(st.unused[:10]) + (f" and {len(st.unused) - 10} more"
+                                          if len(st.unused) > 10 else "")
+    return (f"hetjax: warning: model.init_from: {len(st.unused)} tensor(s) of {st.directory} "
+            f"are not part of this model and were not loaded: {shown}")
+
+
+def _padded(a: np.ndarray, shape) -> np.ndarray:
+    """`a` with zeros after its end up to `shape` (a shard reaching into padding rows)."""
+    if a.shape == tuple(shape):
+        return a
+    return np.pad(a, [(0, n - m) for m, n in zip(a.shape, shape)])
 
 
 def _shape(shape, index) -> tuple:
@@ -196,6 +221,8 @@ def hf_tensors(params, m) -> dict[str, np.ndarray]:
     out = {}
     for path, leaf in _leaves(m, ("lm_head", "kernel") in flat).items():
         a = flat[path]
+        if path in VOCAB_LEAVES:  # leave out the padding rows (ModelConfig.vocab_rows)
+            a = np.take(a, np.arange(m.vocab_size), axis=leaf.perm.index(0))
         inverse = np.argsort(leaf.perm)
         shape = tuple(math.prod(leaf.split[d] for d in g) for g in leaf.groups)
         for i, x in enumerate(a if path[:2] == ("layers", "block") else [a]):
@@ -232,14 +259,15 @@ def write_hf(out: str, params, m, *, tokenizer_files: dict | None = None,
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
                  "weight_map": weight_map}
-        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
+        replace_file(os.path.join(out, "model.safetensors.index.json"),
+                     lambda f: json.dump(index, f, indent=2), "w")
         written.append("model.safetensors.index.json")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config.hf_config(m, torch_dtype=torch_dtype), f, indent=2)
+    replace_file(os.path.join(out, "config.json"),
+                 lambda f: json.dump(hf_config.hf_config(m, torch_dtype=torch_dtype), f,
+                                     indent=2), "w")
     written.append("config.json")
     for name, src in (tokenizer_files or {}).items():
-        shutil.copyfile(src, os.path.join(out, name))
+        copy_file(src, os.path.join(out, name))
         written.append(name)
     return written
 
@@ -284,8 +312,9 @@ def export_checkpoint(checkpoint: str, out: str, *, max_shard_bytes: int = 2 << 
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           tree)
     params = ckptr.restore(os.path.join(step_dir, "state"), target)["params"]
-    m = ModelConfig.from_config(ml_collections.ConfigDict(model),
-                                params["embedder"]["embedding"].shape[0])
+    rows = params["embedder"]["embedding"].shape[0]
+    m = dataclasses.replace(ModelConfig.from_config(ml_collections.ConfigDict(model), rows),
+                            vocab_rows=rows)
     tokenizer_files = {}
     if model.get("init_from"):
         for name in TOKENIZER_FILES:

@@ -12,8 +12,10 @@ one `ConfigError` naming the config.json key. JAX-free: `hetjax.config` imports 
 from __future__ import annotations
 
 import json
+import math
 import os
 
+from hetjax.core.model_config import LIMITS
 from hetjax.errors import ConfigError
 
 # The architecture keys of the published config.json files (huggingface.co/<repo>/config.json),
@@ -105,6 +107,24 @@ def model_fields(hf: dict, source: str) -> dict:
                "without it"):
         raise ConfigError(source, f"config.json {key}: {problem}", fix)
 
+    def number(key: str, field: str | None = None, default=None, table=None, real=False):
+        """`table[key]` (default: the config; else the RoPE block) as an int (a float if
+        `real`), within hetjax's limit for `field` (LIMITS) when it has one; one ConfigError
+        naming the key otherwise."""
+        value = (hf if table is None else table).get(key)
+        key = key if table is None else f"{rope_key}.{key}"
+        value = default if value is None else value
+        if value is None:
+            refuse(key, "is missing", "give the config.json written with these weights")
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and (real or float(value).is_integer()) and math.isfinite(value))
+        hi = LIMITS.get(field or "")
+        if not ok or (not real and value < 1) or (real and value <= 0) or (hi and value > hi):
+            refuse(key, f"{value!r} is not {'a number > 0' if real else 'an integer >= 1'}"
+                   + (f" up to {hi:,}" if hi else ""),
+                   "give the config.json written with these weights")
+        return float(value) if real else int(value)
+
     mtype = hf.get("model_type")
     if mtype not in MODEL_TYPES:
         refuse("model_type", f"{mtype!r} is not one hetjax can load",
@@ -119,10 +139,10 @@ def model_fields(hf: dict, source: str) -> dict:
     for key in _MOE_KEYS:
         if hf.get(key):
             refuse(key, f"{hf[key]}: a mixture of experts; hetjax's MLP is dense")
-    max_len = int(hf.get("max_position_embeddings", 2048))
+    max_len = number("max_position_embeddings", "max_seq_len", 2048)
     window = hf.get("sliding_window")
     uses_window = window is not None and (mtype != "qwen2" or hf.get("use_sliding_window"))
-    if uses_window and window < max_len:
+    if uses_window and number("sliding_window") < max_len:
         if mtype == "mistral":  # full causal attention equals the window up to its length
             max_len = int(window)
         else:
@@ -131,29 +151,42 @@ def model_fields(hf: dict, source: str) -> dict:
     # transformers >= 5 writes rope_parameters (theta inside); older files rope_scaling +
     # rope_theta.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    if not isinstance(rope, dict):
+        refuse(rope_key, f"{rope!r} is not an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         refuse("rope_scaling.rope_type", f"{rope_type!r} is not one hetjax implements",
                f"use a checkpoint with rope_type in {', '.join(ROPE_TYPES)}")
     if float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
         refuse("partial_rotary_factor", "hetjax rotates the whole head")
-    d, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    d, n_heads = number("hidden_size", "d_model"), number("num_attention_heads", "n_heads")
     out = dict(
-        vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]),
-        n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        d_ff=int(hf["intermediate_size"]), max_seq_len=max_len,
-        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        vocab_size=number("vocab_size", "vocab_size"), d_model=d,
+        n_layers=number("num_hidden_layers", "n_layers"), n_heads=n_heads,
+        n_kv_heads=number("num_key_value_heads", "n_kv_heads", n_heads),
+        d_ff=number("intermediate_size", "d_ff"), max_seq_len=max_len,
+        rope_theta=number("rope_theta", default=rope.get("rope_theta", 10000.0), real=True),
+        norm_eps=number("rms_norm_eps", default=1e-6, real=True),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        head_dim=int(hf.get("head_dim") or d // n_heads), rope_type=rope_type,
-        rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-        rope_original_max_len=8192, qkv_bias=mtype == "qwen2")
+        head_dim=number("head_dim", "head_dim", max(1, d // n_heads)),
+        rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_len=8192, qkv_bias=mtype == "qwen2")
+    # transformers requires these keys of each scaling type (its rope validation names them)
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")}
+    for key in needs.get(rope_type, ()):
+        if key not in rope:
+            refuse(f"{rope_key}.{key}", f"is missing; {rope_type} RoPE scaling needs "
+                   f"{', '.join(needs[rope_type])}", "give the config.json written with these "
+                   "weights (transformers refuses it too)")
     if rope_type in ("linear", "llama3"):
-        out["rope_factor"] = float(rope["factor"])
+        out["rope_factor"] = number("factor", table=rope, real=True)
     if rope_type == "llama3":
-        out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_len=int(rope["original_max_position_embeddings"]))
+        out.update(rope_low_freq_factor=number("low_freq_factor", table=rope, real=True),
+                   rope_high_freq_factor=number("high_freq_factor", table=rope, real=True),
+                   rope_original_max_len=number("original_max_position_embeddings",
+                                                "max_seq_len", table=rope))
     return out
 
 

@@ -5,12 +5,16 @@
     result.plan          # the best Plan, with result.plan.predicted filled in
     result.runners_up    # the next best Plans
 
-Modules: `cost` (the cost model: compute, communication, memory), `collectives` (NCCL's ring
-and tree algorithms), `simulate` (the schedule simulator), `partition` (layers per stage: Holmes, HetHub, exact), `assign` (DT-FM's
-device assignment on slow networks), `zero` (AMSP's sharding factors: presets, rules,
-collectives), `placement` (where TP groups and stages may sit), `search` (the outer search),
-`config_plan` (config -> Plan: `plan_from_config`), `calibrate` (fits to measured runs;
-`hetjax calibrate`'s file), `formulas` (the papers' metric formulas). Pure Python + numpy: importing the planner does not start JAX.
+Modules: `cost` (the cost model: compute, communication, memory, per stage), `layout` (a Plan
+before its layer split), `network` (collectives and transfers over rank groups),
+`collectives` (NCCL's ring and tree algorithms), `compute` (compute by operation kind),
+`memory` (activation and runtime memory terms), `simulate` (the schedule simulator),
+`partition` (layers per stage: Holmes, HetHub, exact), `assign` (DT-FM's device assignment on
+slow networks), `zero_factors` (AMSP's sharding factors: presets, rules, collectives),
+`placement` (where TP groups and stages may sit), `search` (the outer search), `config_plan`
+(config -> ModelConfig and Plan), `calibrate` (`hetjax calibrate`'s file), `reference_runs`
+(published runs and the fits on them), `fit_range` (the plausibility guard), `scoring`
+(predicted against measured), `formulas` (the papers' metric formulas). Pure Python + numpy: importing the planner does not start JAX.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetjax.core.plan import Plan
-from hetjax.planner.cost import (CostModel, CostOptions, LayerProfile, Prediction,
-                                 model_from_config)
-from hetjax.planner.config_plan import options_from_config, plan_for_config, plan_from_config
+from hetjax.planner.cost import CostModel, CostOptions, LayerProfile, Prediction
+from hetjax.planner.config_plan import (model_from_config, options_from_config, plan_for_config,
+                                        plan_from_config)
 from hetjax.planner.placement import check_placement, placement_problems
 from hetjax.planner.search import PlanResult, plan
 from hetjax.core.topology import Topology

@@ -1,239 +1,34 @@
-"""Calibrating the cost model: on measured throughputs (Holmes' Table 1), on the testbed, and
-from `hetjax calibrate`'s measurements of a job's devices (the calibration file).
+"""The calibration file: what `hetjax calibrate` (hetjax/measure.py) measured on a job's devices.
 
-The cost model's one free compute parameter is the efficiency factor (fraction of peak a
-layer reaches). `fit_efficiency` finds the value at which the model's predicted throughput of
-a measured run equals the measurement (the prediction falls monotonically as efficiency
-drops, so bisection). `holmes_table1` gives Holmes' three homogeneous runs (GPT 3.6B on 32
-A100, InfiniBand / RoCE / Ethernet) as Measurements, to fit on one row and predict the others
-(`scripts/bench_planner.py calibrate`); `fit_fabrics` fits one NIC efficiency per fabric
-with the compute efficiency (the catalogue's defaults in hetjax.core.topology.LINKS).
-
-`Calibration` holds what `hetjax calibrate` (hetjax/measure.py) measured -- the model's
-block, head and optimizer update per accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and
-a `LinkFit` per link class and operation (`options()`), compares measured with modelled
-times (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names.
-The testbed's benches (scripts/bench_het*.py) calibrate with it like a user would, and
-`prediction_errors` (with `spearman`, `kendall_tau`) scores predicted against measured steps.
+`Calibration` holds the measurements -- the model's block, head and optimizer update per
+accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and a `LinkFit`
+per link class and operation (`options()`), compares measured with modelled times
+(`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names. The
+testbed's benches (scripts/bench_het*.py) calibrate with it like a user would. The fits on
+published runs are hetjax/planner/reference_runs.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetjax.errors import PlanError
-from hetjax.core.plan import Plan
+from hetjax.errors import PlanError, TopologyValueError
 from hetjax.planner import compute as ck
-from hetjax.planner.cost import (DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions,
-                                 LinkFit)
-from hetjax.planner.zero_factors import named
-from hetjax.core.topology import Topology, preset
+from hetjax.planner.compute_profile import ComputeProfile, ProfileRow
+from hetjax.planner.cost import DEFAULT_EFFICIENCY, ComputeCurve, CostModel, CostOptions
+from hetjax.planner.fit_range import FitRange, link_kinds
+from hetjax.planner.network import LinkFit
+from hetjax.core.topology import Topology, topology_from_dict
 
 if TYPE_CHECKING:
     from hetjax.core.model_config import ModelConfig
 
 
-@dataclass(frozen=True)
-class Measurement:
-    """A measured run: the layout, where it ran, the system that ran it (a cost-model
-    executor) and its throughput in sequences per second."""
-
-    name: str
-    topology: Topology
-    model: "ModelConfig"
-    plan: Plan
-    samples_per_s: float
-    executor: str = "hetjax"
-
-
-def predicted_samples_per_s(m: Measurement, options: CostOptions) -> float:
-    options = dataclasses.replace(options, executor=m.executor)
-    pred = CostModel(m.topology, m.model, options).predict(m.plan)
-    return m.plan.global_batch / pred.step_time
-
-
-def _solve(rate, target: float, lo: float, hi: float, what: str, tolerance: float) -> float:
-    """Bisection for x in [lo, hi] with rate(x) = target, rate increasing in x."""
-    if not rate(lo) <= target <= rate(hi):
-        raise PlanError(f"no {what} in [{lo:g}, {hi:g}] makes the cost model predict "
-                        f"{target:.4g} samples/s (it predicts {rate(lo):.4g} .. {rate(hi):.4g})")
-    while hi - lo > tolerance * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
-def fit_efficiency(m: Measurement, options: CostOptions | None = None,
-                   tolerance: float = 1e-6) -> float:
-    """The efficiency at which the cost model predicts the measured throughput."""
-    options = options or CostOptions()
-    return _solve(lambda eff: predicted_samples_per_s(
-        m, dataclasses.replace(options, efficiency=eff)), m.samples_per_s, 1e-3, 1.0,
-        "efficiency", tolerance)
-
-
-def with_nic_bandwidth(topology: Topology, gbps: float) -> Topology:
-    """The topology with every cluster's inter-node NIC achieving `gbps`."""
-    return dataclasses.replace(topology, clusters=tuple(
-        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps,
-                                                       efficiency=1.0))
-        for c in topology.clusters))
-
-
-def with_nic_efficiency(topology: Topology, efficiency: float) -> Topology:
-    """The topology with every cluster's inter-node NIC at `efficiency` of its nominal rate."""
-    return dataclasses.replace(topology, clusters=tuple(
-        dataclasses.replace(c, nic=dataclasses.replace(c.nic, efficiency=efficiency))
-        for c in topology.clusters))
-
-
-def nominal_links(topology: Topology) -> Topology:
-    """The topology with every link at its nominal bandwidth (efficiency 1)."""
-    def nominal(lk):
-        return None if lk is None else dataclasses.replace(lk, efficiency=1.0)
-
-    return dataclasses.replace(
-        topology,
-        clusters=tuple(dataclasses.replace(c, nic=nominal(c.nic), intra_node=nominal(
-            c.intra_node)) for c in topology.clusters),
-        inter_cluster=nominal(topology.inter_cluster),
-        cluster_links=tuple(dataclasses.replace(cl, link=nominal(cl.link))
-                            for cl in topology.cluster_links))
-
-
-def fit_nic_efficiency(m: Measurement, options: CostOptions | None = None,
-                       tolerance: float = 1e-6) -> float:
-    """The NIC efficiency (achieved / nominal bandwidth) at which the cost model predicts
-    the measured throughput, given the compute efficiency of `options`."""
-    options = options or CostOptions()
-    return _solve(lambda eff: predicted_samples_per_s(
-        dataclasses.replace(m, topology=with_nic_efficiency(m.topology, eff)), options),
-        m.samples_per_s, 1e-3, 1.0, "NIC efficiency", tolerance)
-
-
-@dataclass(frozen=True)
-class FabricFit:
-    """Holmes Table 1 fitted: one compute efficiency and one NIC efficiency per fabric."""
-
-    compute_efficiency: float
-    fabric_efficiency: dict[str, float]
-    anchor: str  # the fabric taken at its nominal rate
-
-
-def fit_fabrics(rows: Sequence[Measurement] | None = None) -> FabricFit:
-    """Fit Table 1's three rows with four unknowns (compute efficiency and three fabric
-    efficiencies): the rows fix the fabric efficiencies only relative to the compute
-    efficiency, so take the smallest compute efficiency at which no fabric beats its nominal
-    rate -- the one that puts the best fabric (here Ethernet, whose row implies a rate just
-    above its nominal 25 Gb/s at the InfiniBand-fitted compute efficiency) at efficiency 1 --
-    then fit each fabric's NIC efficiency at that compute efficiency."""
-    rows = list(rows or holmes_table1(nominal=True))
-    fits = {m.name: fit_efficiency(m) for m in rows}
-    anchor = max(fits, key=fits.get)  # its nominal rate asks the most of compute
-    options = CostOptions(efficiency=fits[anchor])
-    effs = {m.name: 1.0 if m.name == anchor else fit_nic_efficiency(m, options) for m in rows}
-    return FabricFit(fits[anchor], effs, anchor)
-
-
-def fit_nic_bandwidth(m: Measurement, options: CostOptions | None = None,
-                      tolerance: float = 1e-6) -> float:
-    """The NIC bandwidth (Gb/s) at which the cost model predicts the measured throughput:
-    the link's effective speed for this workload, given the compute efficiency."""
-    options = options or CostOptions()
-    return _solve(lambda gbps: predicted_samples_per_s(
-        dataclasses.replace(m, topology=with_nic_bandwidth(m.topology, gbps)), options),
-        m.samples_per_s, 0.01, 1e4, "NIC bandwidth", tolerance)
-
-
-def holmes_model() -> "ModelConfig":
-    """Holmes' GPT 3.6B (hidden 3072, 30 layers, 32 heads, GPT-2 vocabulary) with a SwiGLU MLP
-    of the same size (d_ff = 8/3 h) and full activation recompute, in bf16."""
-    from hetjax.core.model_config import ModelConfig
-
-    return ModelConfig(vocab_size=50257, d_model=3072, n_layers=30, n_heads=32, n_kv_heads=32,
-                       d_ff=8192, max_seq_len=2048, remat="full", dtype="bfloat16",
-                       param_dtype="bfloat16")
-
-
-# Holmes Table 1: samples per second of GPT 3.6B on 4 nodes x 8 A100 (PP 2, TP 1, DP 16,
-# global batch 768, sequence 2048).
-HOLMES_TABLE1 = {"infiniband": 99.23, "roce": 80.54, "ethernet": 61.32}
-
-
-def holmes_table1(microbatch_per_replica: int = 1, nominal: bool = False) -> list[Measurement]:
-    """The three rows as Measurements. Holmes runs Megatron-LM (1F1B, a ZeRO-1 style
-    distributed optimizer); the micro-batch size is not reported (1 sequence per replica is
-    assumed, so M = 768 / 16 = 48). The links are the catalogue's (with its fabric
-    efficiencies), or at their nominal rates with `nominal`."""
-    model = holmes_model()
-    dp = 16
-    plan = Plan(pp=2, dp=dp, tp=1, stage_layers=(15, 15),
-                microbatches=768 // (dp * microbatch_per_replica), global_batch=768,
-                seq_len=2048, schedule="1f1b", zero=named("zero1", dp, 8))
-    def topology(nic):
-        t = preset(f"holmes_{nic}")
-        return nominal_links(t) if nominal else t
-
-    return [Measurement(nic, topology(nic), model, plan, rate, executor="megatron")
-            for nic, rate in HOLMES_TABLE1.items()]
-
-
-# --- scoring predictions ------------------------------------------------------------------------
-def _ranks(x: Sequence[float]) -> np.ndarray:
-    """Ranks from 1, ties sharing their mean rank."""
-    x = np.asarray(x, float)
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(1, len(x) + 1)
-    for v in np.unique(x):
-        ranks[x == v] = ranks[x == v].mean()
-    return ranks
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged)."""
-    ra, rb = _ranks(a), _ranks(b)
-    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall's tau-b: (concordant - discordant) pairs over the pairs not tied, with ties
-    in either sequence corrected for."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    i, j = np.triu_indices(len(a), k=1)
-    da, db = np.sign(a[i] - a[j]), np.sign(b[i] - b[j])
-    n_a, n_b = np.count_nonzero(da), np.count_nonzero(db)
-    if n_a == 0 or n_b == 0:
-        return float("nan")
-    return float(np.sum(da * db) / np.sqrt(n_a * n_b))
-
-
-@dataclass(frozen=True)
-class PredictionErrors:
-    """How well predicted step times match measured ones."""
-
-    n: int
-    mae_s: float  # mean absolute error, seconds
-    mean_relative: float  # mean |predicted - measured| / measured
-    spearman: float
-    kendall: float
-
-
-def prediction_errors(predicted: Sequence[float], measured: Sequence[float]) -> PredictionErrors:
-    p, m = np.asarray(predicted, float), np.asarray(measured, float)
-    if len(p) != len(m) or not len(p):
-        raise PlanError(f"need as many predictions as measurements, got {len(p)} and {len(m)}")
-    return PredictionErrors(len(p), float(np.mean(np.abs(p - m))),
-                            float(np.mean(np.abs(p - m) / m)), spearman(p, m), kendall_tau(p, m))
-
-
-# --- a calibration file: what `hetjax calibrate` measured on a job's devices --------------------
 OPS_MEASURED = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
 KIND_PARTS = ("matmul", "memory")  # and "attention:<impl>"
 STAGED = "staged:"  # prefix of the compute parts measured as the pipelines run a block
@@ -252,7 +47,7 @@ class ComputeRow:
     one n x n x n matmul (batch = seq_len = n) of `params` FLOPs in `fwd_s`;
     "attention:<impl>", causal attention of the model's heads, forward and pure backward,
     `params` its forward FLOPs over the full square; "memory", a stream moving `params`
-    bytes in `fwd_s`."""
+    bytes in `fwd_s`. `spread`: the repeated samples' (max - min) / mean (0: not kept)."""
 
     kind: str
     batch: int
@@ -262,6 +57,7 @@ class ComputeRow:
     peak_tflops: float = 0.0
     part: str = "block"
     params: int = 0
+    spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -294,6 +90,9 @@ class Calibration:
     # "gloo" / "mpi": CPU processes joined by that library, whose sends do not wait for the
     # receiver; else the platform ("cpu" in one process, "gpu": NCCL)
     collectives: str = ""
+    # compute profile rows measured beyond the block rows: the layer at TP degrees > 1, with
+    # peak and kept bytes (hetjax/planner/compute_profile.py)
+    profile_rows: tuple[ProfileRow, ...] = ()
 
     # --- fits --------------------------------------------------------------------------------
     def rows(self, part: str) -> list[ComputeRow]:
@@ -355,6 +154,26 @@ class Calibration:
             out[kind] = dataclasses.replace(rates, flash=flash)
         return out
 
+    def profile(self) -> ComputeProfile | None:
+        """The measurements as a compute profile: each "block" row a layer at tp 1 (no
+        recompute), each "staged:<policy>" row the layer as the pipelines run it under that
+        policy, each "head" row the head (with the embedding: measured together), and the
+        profile rows measured at other TP degrees. None without compute rows."""
+        rows = list(self.profile_rows)
+        for r in self.compute:
+            staged = r.part.startswith(STAGED)
+            if r.part not in ("block", "head") and not staged:
+                continue
+            rows.append(ProfileRow(
+                accelerator=r.kind, piece="head" if r.part == "head" else "layer", tp=1,
+                tokens=r.batch * r.seq_len, seq_len=r.seq_len, fwd_s=r.fwd_s, bwd_s=r.bwd_s,
+                recompute=r.part[len(STAGED):] if staged else "none", spread=r.spread,
+                pipelined=staged))
+        if not rows:
+            return None
+        return ComputeProfile(tuple(rows), ComputeProfile.of_model(self.model),
+                              f"hetjax calibrate on {self.topology.name}")
+
     def update_rates(self) -> dict[str, float]:
         """Per accelerator kind, seconds of the optimizer update per parameter."""
         return {r.kind: r.fwd_s / r.params for r in self.rows("update") if r.params}
@@ -411,7 +230,7 @@ class Calibration:
                                    head_curves=self.curves("head"),
                                    staged_curves=self.staged_curves(),
                                    update_s_per_param=self.update_rates(),
-                                   link_fits=self.link_fits(), **extra)
+                                   link_fits=self.link_fits(), profile=self.profile(), **extra)
 
     # --- measured against modelled ------------------------------------------------------------
     def compute_table(self) -> list[dict]:
@@ -537,6 +356,7 @@ class Calibration:
                 "compute": [dataclasses.asdict(r) for r in self.compute],
                 "links": [dataclasses.asdict(r) for r in self.links],
                 "processes": self.processes, "collectives": self.collectives,
+                "profile_rows": [dataclasses.asdict(r) for r in self.profile_rows],
                 "fitted": {"curves": {k: dataclasses.asdict(c) for k, c in self.curves().items()},
                            "link_fits": {k: {op: dataclasses.asdict(f) for op, f in v.items()}
                                          for k, v in self.link_fits().items()},
@@ -545,6 +365,8 @@ class Calibration:
 
     @staticmethod
     def from_dict(d: dict) -> "Calibration":
+        """A calibration from its file's JSON; every value is checked (`_checked`) before
+        anything is built from it, a bad one named by its JSON path."""
         from hetjax.core.model_config import ModelConfig
 
         try:
@@ -552,57 +374,138 @@ class Calibration:
                 raise TypeError(f"the file holds a JSON {type(d).__name__}, not an object")
             if d.get("version") != CALIBRATION_VERSION:
                 raise KeyError(f"version {d.get('version')!r}")
+            try:
+                topology = topology_from_dict(d["topology"])
+            except TopologyValueError as e:
+                raise _Malformed(f"topology.{e.where}: {e.problem}") from None
+            d = _checked(d, topology.num_devices)
             return Calibration(
-                Topology.from_dict(d["topology"]), ModelConfig(**d["model"]),
+                topology, ModelConfig(**d["model"]),
                 tuple(ComputeRow(**r) for r in d["compute"]),
                 tuple(LinkRow(r["op"], int(r["nbytes"]), tuple(map(tuple, r["groups"])),
                               float(r["seconds"])) for r in d["links"]),
-                int(d.get("processes", 1)), str(d.get("collectives", "")))
+                int(d.get("processes", 1)), str(d.get("collectives", "")),
+                tuple(ProfileRow(**r) for r in d.get("profile_rows", ())))
+        except _Malformed as e:
+            raise PlanError(f"not a hetjax calibration file ({e}); write one with "
+                            "'hetjax calibrate'") from None
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"not a hetjax calibration file ({type(e).__name__}: {e}); write "
                             "one with 'hetjax calibrate'") from None
 
 
-# --- the plausibility guard: how far a prediction lies from what its rates were fitted on --------
-# A prediction this many times beyond the fitted model sizes or device counts is flagged.
-EXTRAPOLATION_FACTOR = 10.0
+# --- checking a calibration file before anything is built from it ------------------------------
+# A file larger than this is refused unread (hetjax calibrate writes tens of kB).
+MAX_CALIBRATION_BYTES = 64 * 2**20
+MAX_COUNT = 2**53  # token counts, parameters and bytes: exact as floats
+MODEL_SIZES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+               "max_seq_len")
+# What each compute part divides by (ComputeRow's docstring): those values must be > 0.
+_TIMED = ("block", "head")  # and the staged parts
+_SIZED = ("matmul", "memory")  # and the attention parts
 
 
-@dataclass(frozen=True)
-class FitRange:
-    """What a set of compute / link rates was fitted on: model sizes (parameters), device
-    counts, fabrics (link kinds), accelerator kinds, and the MFU the fitted runs reached
-    (None when measured by `hetjax calibrate`, which runs no whole step)."""
-
-    source: str
-    params: tuple[float, float]
-    devices: tuple[int, int]
-    fabrics: tuple[str, ...]
-    accelerators: tuple[str, ...]
-    mfu: tuple[float, float] | None = None
+class _Malformed(ValueError):
+    """A value of a calibration file at a JSON path is unusable (the message names it)."""
 
 
-def link_kinds(topology: Topology) -> tuple[str, ...]:
-    kinds = {k for c in topology.clusters for k in (c.nic.kind, c.intra_node.kind)
-             if not (k == c.nic.kind and c.nodes == 1)}
-    if len(topology.clusters) > 1:
-        kinds |= {cl.link.kind for cl in topology.cluster_links}
-        if topology.inter_cluster is not None:
-            kinds.add(topology.inter_cluster.kind)
-    return tuple(sorted(kinds))
+def _number(v, where: str, positive: bool) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Malformed(f"{where}: must be a finite number, got {v!r}")
+    try:  # an integer too large for a float (JSON allows any number of digits) is refused too
+        finite = math.isfinite(v)
+    except OverflowError:
+        finite, v = False, f"a number of {len(str(v))} digits"
+    if not finite:
+        raise _Malformed(f"{where}: must be a finite number, got {v}")
+    if v < 0 or (positive and v == 0):
+        raise _Malformed(f"{where}: must be {'> 0' if positive else '>= 0'}, got {v}")
+    return float(v)
 
 
-def holmes_range() -> FitRange:
-    """The flat model's default efficiency and the catalogue's fabric efficiencies were fitted
-    on Holmes Table 1 (GPT 3.6B on 32 A100; InfiniBand, RoCE, Ethernet)."""
-    # hetjax's MFU (no recompute FLOPs): samples/s x model FLOPs per sample over 32 peaks
-    model = holmes_model()
-    mfu = [v * model.flops_per_token(2048) * 2048 / (32 * 312e12)
-           for v in HOLMES_TABLE1.values()]
-    return FitRange("Holmes Table 1 (the flat model's efficiency 0.72)",
-                    (holmes_model().num_params,) * 2, (32, 32),
-                    ("ethernet", "infiniband", "nvlink", "roce"), ("a100",),
-                    (min(mfu), max(mfu)))
+def _whole(v, where: str, positive: bool) -> int:
+    _number(v, where, positive)
+    if v != int(v) or v > MAX_COUNT:
+        raise _Malformed(f"{where}: must be a whole number up to 2**53, got {v}")
+    return int(v)
+
+
+def _list(d: dict, key: str, where: str = "") -> list:
+    v = d[key]
+    if not isinstance(v, list):
+        raise _Malformed(f"{where}{key}: must be a list, got {type(v).__name__}")
+    return v
+
+
+def _fields(r, where: str, cls) -> dict:
+    if not isinstance(r, dict):
+        raise _Malformed(f"{where}: must be an object, got {type(r).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(map(str, r)) - names)
+    if extra:
+        raise _Malformed(f"{where}.{extra[0]}: is not a field of a {cls.__name__}")
+    return r
+
+
+def _checked(d: dict, n_devices: int) -> dict:
+    """`d` (a calibration file's JSON) when every value can be used: the model's sizes whole
+    and > 0, each compute row's times > 0 where the fits divide by them, each collective's
+    groups equal-sized lists of ranks of the topology; else `_Malformed` naming the value."""
+    from hetjax.core.model_config import ModelConfig
+
+    model = _fields(d["model"], "model", ModelConfig)
+    for key in MODEL_SIZES:
+        if key in model:
+            _whole(model[key], f"model.{key}", positive=True)
+    for i, r in enumerate(_list(d, "compute")):
+        where = f"compute[{i}]"
+        r = _fields(r, where, ComputeRow)
+        part = r.get("part", "block")
+        if not isinstance(part, str) or not (part in _TIMED + _SIZED + ("update",) or
+                                              part.startswith((STAGED, "attention:"))):
+            raise _Malformed(f"{where}.part: {part!r} is not a part hetjax calibrate measures")
+        if not isinstance(r.get("kind"), str):
+            raise _Malformed(f"{where}.kind: must be an accelerator name, got {r.get('kind')!r}")
+        timed = part in _TIMED or part.startswith(STAGED)
+        sized = part in _SIZED or part.startswith("attention:")
+        _number(r.get("fwd_s"), f"{where}.fwd_s", positive=True)
+        _number(r.get("bwd_s"), f"{where}.bwd_s", positive=timed)
+        shaped = timed or sized and part != "memory"  # its batch, length and peak are used
+        _number(r.get("peak_tflops", 0.0), f"{where}.peak_tflops", positive=shaped)
+        for key in ("batch", "seq_len"):
+            _whole(r.get(key), f"{where}.{key}", positive=shaped)
+        _whole(r.get("params", 0), f"{where}.params", positive=sized)
+    for i, r in enumerate(_list(d, "links")):
+        where = f"links[{i}]"
+        r = _fields(r, where, LinkRow)
+        if r.get("op") not in OPS_MEASURED:
+            raise _Malformed(f"{where}.op: {r.get('op')!r} is not one of "
+                             f"{', '.join(OPS_MEASURED)}")
+        _whole(r.get("nbytes"), f"{where}.nbytes", positive=True)
+        _number(r.get("seconds"), f"{where}.seconds", positive=True)
+        groups = _list(r, "groups", f"{where}.")
+        sizes = {len(g) if isinstance(g, list) else -1 for g in groups}
+        if not groups or len(sizes) != 1 or min(sizes) < 1:
+            raise _Malformed(f"{where}.groups: must be a non-empty list of equal-sized lists "
+                             "of ranks")
+        for j, g in enumerate(groups):
+            for k, rank in enumerate(g):
+                _whole(rank, f"{where}.groups[{j}][{k}]", positive=False)
+                if rank >= n_devices:
+                    raise _Malformed(f"{where}.groups[{j}][{k}]: rank {rank} is not one of "
+                                     f"the topology's {n_devices} devices")
+    profile = d.get("profile_rows", [])
+    if not isinstance(profile, list):
+        raise _Malformed(f"profile_rows: must be a list, got {type(profile).__name__}")
+    for i, r in enumerate(profile):  # types here; ProfileRow checks its own bounds
+        where = f"profile_rows[{i}]"
+        r = _fields(r, where, ProfileRow)
+        for key in ("tp", "tokens", "seq_len"):
+            _whole(r.get(key), f"{where}.{key}", positive=False)
+        for key in ("fwd_s", "bwd_s", "peak_bytes", "kept_bytes", "spread"):
+            _number(r.get(key, 0.0), f"{where}.{key}", positive=False)
+    _whole(d.get("processes", 1), "processes", positive=True)
+    return d
 
 
 def calibration_range(cal: Calibration, path: str = "") -> FitRange:
@@ -610,47 +513,6 @@ def calibration_range(cal: Calibration, path: str = "") -> FitRange:
                     (cal.model.num_params,) * 2, (cal.topology.num_devices,) * 2,
                     link_kinds(cal.topology),
                     tuple(sorted({c.accelerator.name for c in cal.topology.clusters})))
-
-
-def _span(lo: float, hi: float, fmt) -> str:
-    return fmt(lo) if lo == hi else f"{fmt(lo)}-{fmt(hi)}"
-
-
-def _params(n: float) -> str:
-    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
-
-
-def plausibility_lines(mfu: float, model: "ModelConfig", topology: Topology,
-                       fit: FitRange) -> list[str]:
-    """The predicted MFU beside the range its rates were fitted on, and one warning naming
-    every way the plan extrapolates far outside it (model size or device count beyond
-    EXTRAPOLATION_FACTOR, a fabric or accelerator never fitted, an MFU far from the fitted)."""
-    fitted = [f"{_span(*fit.params, _params)} parameters",
-              f"{_span(*fit.devices, lambda n: f'{n:,}')} devices",
-              "/".join(fit.fabrics), "/".join(fit.accelerators)]
-    if fit.mfu is not None:
-        fitted.insert(0, f"{_span(fit.mfu[0] * 100, fit.mfu[1] * 100, lambda x: f'{x:.0f}')}% MFU")
-    lines = [f"predicted MFU {mfu:.1%}; the compute and link rates were fitted on "
-             f"{fit.source}: {', '.join(fitted)}"]
-    far, f = [], EXTRAPOLATION_FACTOR
-    n, d = model.num_params, topology.num_devices
-    if not fit.params[0] / f <= n <= fit.params[1] * f:
-        far.append(f"a model of {_params(n)} parameters")
-    if not fit.devices[0] / f <= d <= fit.devices[1] * f:
-        far.append(f"{d:,} devices")
-    fabrics = sorted(set(link_kinds(topology)) - set(fit.fabrics))
-    if fabrics:
-        far.append(f"fabric {'/'.join(fabrics)} never fitted")
-    accs = sorted({c.accelerator.name for c in topology.clusters} - set(fit.accelerators))
-    if accs:
-        far.append(f"accelerator {'/'.join(accs)} never fitted")
-    if fit.mfu is not None and not fit.mfu[0] / 2 <= mfu <= min(1.0, fit.mfu[1] * 1.5):
-        far.append(f"an MFU of {mfu:.1%}")
-    if far:
-        lines.append(f"warning: this prediction extrapolates far outside that fit: "
-                     f"{'; '.join(far)} -- measure these devices with 'hetjax calibrate' "
-                     "and plan with --config.planner.calibration=FILE")
-    return lines
 
 
 def _alpha_beta(rows: np.ndarray) -> LinkFit:
@@ -688,8 +550,16 @@ def load_calibration(path: str) -> Calibration:
     import json
 
     try:
-        with open(path) as f:
-            d = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_CALIBRATION_BYTES + 1)
+        if len(data) > MAX_CALIBRATION_BYTES:
+            raise ValueError(f"larger than {MAX_CALIBRATION_BYTES // 2**20} MiB, which no "
+                             "calibration is")
+        d = json.loads(data)
+    except RecursionError:
+        raise PlanError(f"cannot read the calibration file {path!r} (lists or objects nested "
+                        "deeper than a calibration ever is); write one with 'hetjax "
+                        "calibrate'") from None
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read the calibration file {path!r} ({e}); write one with "
                         "'hetjax calibrate'") from None
@@ -756,11 +626,5 @@ def plot_calibration(cal: Calibration, path: str) -> str:
     return path
 
 
-__all__ = ["FitRange", "holmes_range", "calibration_range", "plausibility_lines", "link_kinds",
-           "EXTRAPOLATION_FACTOR", "Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "load_calibration",
-           "save_calibration", "plot_calibration", "fit_fabrics", "FabricFit", "fit_nic_efficiency", "with_nic_efficiency",
-           "nominal_links", "spearman", "kendall_tau",
-           "PredictionErrors", "prediction_errors", "Measurement", "fit_efficiency",
-           "fit_nic_bandwidth", "with_nic_bandwidth",
-           "predicted_samples_per_s", "holmes_model",
-           "holmes_table1", "HOLMES_TABLE1"]
+__all__ = ["Calibration", "ComputeRow", "LinkRow", "OPS_MEASURED", "STAGED", "calibration_range",
+           "topology_mismatch", "load_calibration", "save_calibration", "plot_calibration"]

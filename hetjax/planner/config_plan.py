@@ -11,15 +11,32 @@ refuse the same layouts with the same messages.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from hetjax.errors import ConfigError
-from hetjax.core.plan import Plan, ZeroFactors, even_split, layout_problems, raise_first
+from hetjax.core.plan import (Plan, ZeroFactors, even_split, layout_problems, raise_first,
+                              stage_shape_problem)
 from hetjax.planner import zero_factors as zr
-from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, model_from_config,
-                                 runs_schedule)
+from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
 from hetjax.planner.placement import placement_problems, refuse_straddle
 from hetjax.planner.search import PlanResult, plan
 from hetjax.core.topology import Topology
+
+if TYPE_CHECKING:
+    from hetjax.core.model_config import ModelConfig
+
+
+def model_from_config(c, vocab_size: int | None = None,
+                      topology: Topology | None = None) -> "ModelConfig":
+    """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded); model.dtype
+    'auto' resolved on `topology` (Topology.default_compute_dtype; without one, float32)."""
+    from hetjax.tokenizer import ByteTokenizer, padded_vocab
+    from hetjax.core.model_config import ModelConfig
+
+    model = ModelConfig.from_config(c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
+    if c.model.dtype == "auto" and topology is not None:
+        model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
+    return model
 
 
 def resolve_microbatches(c) -> int:
@@ -32,13 +49,56 @@ def resolve_microbatches(c) -> int:
     return pm or tm
 
 
-def validate_layout(c, topology: Topology) -> None:
-    """Check the fixed degrees in the config against the topology's device count (the Plan's
-    rules, `hetjax.core.plan.layout_problems`)."""
+def usable_ranks(c, topology: Topology) -> list[int]:
+    """The topology's ranks a config lets the layout use: all but `parallel.exclude`, in rank
+    order."""
+    gone = set(c.parallel.get("exclude", ()))
+    bad = sorted(r for r in gone if r >= topology.num_devices)
+    if bad:
+        raise ConfigError("parallel.exclude", f"names ranks {bad}, but topology "
+                          f"{topology.name!r} has {topology.num_devices} devices (ranks 0-"
+                          f"{topology.num_devices - 1})", "list ranks of this topology")
+    return [r for r in range(topology.num_devices) if r not in gone]
+
+
+def searches_layout(c) -> bool:
+    """Whether the planner's search chooses the layout: parallel.pp or parallel.tp at 0,
+    zero.preset or pipeline.placement 'auto'; per-stage degrees (parallel.stage_dp /
+    stage_tp) fix it."""
     p = c.parallel
-    raise_first(layout_problems(pp=p.pp, dp=p.dp, tp=p.tp, devices=topology.num_devices,
+    if p.get("stage_dp", ()) or p.get("stage_tp", ()):
+        return False
+    return (not p.pp or not p.tp or c.zero.preset == "auto" or c.pipeline.placement == "auto"
+            or (p.get("ep", 1) == 0 and c.model.n_experts > 0))
+
+
+def stage_shapes_of(c, devices: int) -> tuple[tuple[int, int], ...]:
+    """Each stage's (dp, tp) a config fixes with parallel.stage_dp / stage_tp, on `devices`
+    usable devices: a stage without its own tp takes parallel.tp (or 1), without its own dp
+    parallel.dp or, at 0, its even share of the devices (devices / pp / tp). Empty when the
+    config gives no per-stage degrees."""
+    p = c.parallel
+    sd, st = tuple(p.get("stage_dp", ())), tuple(p.get("stage_tp", ()))
+    n = len(sd or st)
+    if not n:
+        return ()
+    tps = st or (p.tp or 1,) * n
+    share = devices // n
+    dps = sd or tuple(p.dp or max(share // t, 1) for t in tps)
+    return tuple(zip(dps, tps))
+
+
+def validate_layout(c, topology: Topology) -> None:
+    """Check the fixed degrees in the config against the devices of the topology it may use
+    (less parallel.exclude) (the Plan's rules, `hetjax.core.plan.layout_problems`)."""
+    p = c.parallel
+    devices = len(usable_ranks(c, topology))
+    shapes = stage_shapes_of(c, devices)
+    raise_first(layout_problems(pp=p.pp, dp=p.dp if not shapes else 0,
+                                tp=p.tp if not shapes else 0, devices=devices,
                                 topology_name=topology.name, n_layers=c.model.n_layers,
-                                stage_layers=tuple(c.pipeline.stage_layers)), ConfigError)
+                                stage_layers=tuple(c.pipeline.stage_layers),
+                                stage_shapes=shapes), ConfigError)
 
 
 _WARNED: set[tuple[str, str]] = set()  # (calibration file, topology) pairs warned about
@@ -65,28 +125,45 @@ def options_from_config(c, topology: Topology | None = None) -> CostOptions:
                   "those are priced with nominal constants. fix: run 'hetjax calibrate' on "
                   "this topology", file=sys.stderr, flush=True)
         options = cal.options(options)
+    if c.planner.get("profile", ""):
+        from hetjax.planner.compute_profile import load_profile
+
+        profile = load_profile(c.planner.profile)
+        problem = profile.mismatch(model_from_config(c, topology=topology))
+        if problem:
+            raise ConfigError("planner.profile", f"{c.planner.profile!r} was {problem}",
+                              "measure this model with 'hetjax calibrate --profile=FILE', or "
+                              "leave planner.profile empty")
+        if options.profile is not None:  # the calibration's rows too: they price what it lacks
+            profile = profile.merged(options.profile.rows)
+        options = dataclasses.replace(options, profile=profile)
     return options
 
 
 def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     """The plan's predicted MFU beside the range its rates were fitted on (the calibration
     file's, Megatron-LM's table for compute by kind, else Holmes Table 1), with a warning when
-    it extrapolates far outside it (hetjax/planner/calibrate.py)."""
-    from hetjax.planner import calibrate as cal_
+    it extrapolates far outside it (hetjax/planner/fit_range.py)."""
+    from hetjax.planner.calibrate import calibration_range, load_calibration
+    from hetjax.planner.fit_range import plausibility_lines as lines
+    from hetjax.planner.reference_runs import holmes_range, megatron_range
 
     mfu = plan_.predicted.get("mfu")
     if mfu is None:
         return []
     if c.planner.calibration:
-        fit = cal_.calibration_range(cal_.load_calibration(c.planner.calibration),
-                                     c.planner.calibration)
+        fit = calibration_range(load_calibration(c.planner.calibration), c.planner.calibration)
     elif c.planner.get("compute", "flat") == "kinds":
-        from hetjax.planner.reference_runs import megatron_range
-
         fit = megatron_range()
     else:
-        fit = cal_.holmes_range()
-    return cal_.plausibility_lines(mfu, model_from_config(c), topology, fit)
+        fit = holmes_range()
+    out = lines(mfu, model_from_config(c), topology, fit)
+    source = plan_.predicted.get("compute_source", "flat")
+    if "profile" in source:
+        out.insert(0, f"compute priced from a measured profile ({source}); the band "
+                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s is its spread and "
+                   f"extrapolation (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
+    return out
 
 
 def predict_for_config(c, plan_: Plan, topology: Topology, **overrides):
@@ -106,7 +183,8 @@ def boundary_codec_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     uncompressed activations (issue 19): the step priced with int8 boundaries
     (`pipeline.boundary_codec=int8`, which compresses only boundaries between clusters), when
     that is at least CODEC_PROPOSAL_GAIN faster -- slow inter-cluster links."""
-    if plan_.executor != "mpmd" or plan_.pp < 2 or c.pipeline.boundary_codec != "none":
+    if (plan_.executor != "mpmd" or plan_.pp < 2 or c.pipeline.boundary_codec != "none"
+            or "step_time_s" not in plan_.predicted):  # a plan the cost model did not price
         return []
     plain = predict_for_config(c, plan_, topology).step_time
     packed = predict_for_config(c, plan_, topology, boundary_codec="int8").step_time
@@ -143,7 +221,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                  schedule=c.pipeline.schedule, zero=zero,
                  stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                  allow_straddle=c.parallel.allow_straddle,
-                 placement=c.pipeline.placement)
+                 placement=c.pipeline.placement, ep=c.parallel.ep)
         results.append(_with_executor(r, executor))
     best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
     if len(results) > 1:
@@ -185,7 +263,12 @@ def _choose_executor(c, plan_: Plan, topology: Topology, options: CostOptions | 
         return plan_
     model = model_from_config(c, topology=topology)
     priced = []
-    for executor in _executors(c):
+    runnable = _executors(c)
+    if not plan_.uniform:  # per-stage shapes: only the executors that run them
+        runnable = [e for e in runnable if stage_shape_problem(e, plan_.pp, plan_.pp) is None]
+        if len(runnable) == 1:  # nothing to compare it with
+            return dataclasses.replace(plan_, executor=runnable[0])
+    for executor in runnable:
         name = PLAN_EXECUTORS[executor]
         cm = CostModel(topology, model, dataclasses.replace(options or CostOptions(),
                                                             executor=name))
@@ -204,27 +287,30 @@ def plan_from_config(c, topology: Topology) -> Plan:
     one only when it searches). Raises PlanError for a layout that breaks the placement
     rules unless parallel.allow_straddle."""
     validate_layout(c, topology)
-    if (not c.parallel.pp or not c.parallel.tp or c.zero.preset == "auto"
-            or c.pipeline.placement == "auto"):
-        chosen = plan_for_config(c, topology).plan
-        if c.parallel.ep > 1:
-            chosen = dataclasses.replace(chosen, ep=c.parallel.ep, predicted=chosen.predicted)
-            raise_first(chosen.problems(topology, c.model.n_layers), ConfigError)
-        return chosen
-    n = topology.num_devices
+    ranks = usable_ranks(c, topology)
+    shapes = stage_shapes_of(c, len(ranks))
+    if searches_layout(c):
+        if len(ranks) < topology.num_devices:
+            raise ConfigError("parallel.exclude", "leaves devices out of a layout the planner "
+                              "searches", "fix the layout too (parallel.pp and parallel.tp, "
+                              "or parallel.stage_dp / stage_tp), or leave parallel.exclude "
+                              "empty")
+        return plan_for_config(c, topology).plan
+    n = len(ranks)
     p = c.parallel
-    pp = p.pp or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
-    tp = p.tp or 1
-    dp = p.dp or n // (pp * tp)
+    pp = p.pp or len(shapes) or (len(c.pipeline.stage_layers) if c.pipeline.stage_layers else 1)
+    tp = shapes[0][1] if shapes else p.tp or 1
+    dp = shapes[0][0] if shapes else p.dp or n // (pp * tp)
     mb = resolve_microbatches(c)
     raise_first(layout_problems(pp=pp, dp=dp, tp=tp, devices=n, topology_name=topology.name,
-                                microbatches=mb, global_batch=c.train.batch_size, ep=p.ep),
-                ConfigError)
+                                microbatches=mb, global_batch=c.train.batch_size,
+                                stage_shapes=shapes, ep=p.ep or 1), ConfigError)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
                  schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
-                 placement=c.pipeline.placement if pp > 1 else "looped", ep=p.ep)
+                 placement=c.pipeline.placement if pp > 1 else "looped",
+                 device_order=tuple(ranks), stage_shapes=shapes, ep=p.ep or 1)
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).

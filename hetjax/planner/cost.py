@@ -5,44 +5,44 @@ One place prices everything the planner compares:
   the micro-batch's tokens, over peak x an efficiency factor, or a measured per-layer profile
   when the user supplies one (HetHub: profiles beat ratios); recompute per `model.remat`; the
   output projection on the last stage (the embedding lookup has no FLOPs, only memory);
-- communication with an alpha-beta model per link: ring all-reduce, reduce-scatter,
-  all-gather and point-to-point, each collective priced on the slowest link its group crosses,
-  with the bandwidth of a node's NIC shared by the concurrent groups that leave that node;
+- communication through its `Network` (hetjax/planner/network.py): collectives and
+  point-to-point transfers on the links the groups cross; ZeRO's collectives as this executor
+  runs them (hetjax/planner/zero_factors.py);
 - memory per device: model states under the ZeRO factors (padded to the longest stage, as the
   executor stacks stage parameters), activations for the micro-batches the schedule keeps in
   flight, embedding / head states and the last stage's logits.
 
-`CostModel.stage_costs(layout)` returns a `StageCost` per pipeline position whose times and
-memory are linear in the stage's layer count, so the partition search can place layers
-exactly; `CostModel.predict(plan)` prices a finished Plan with the event simulator.
+`CostModel.stage_costs(layout)` (a `Layout`: a Plan before its layer split) returns a
+`StageCost` per pipeline position whose times and memory are linear in the stage's layer
+count, so the partition search can place layers exactly; `CostModel.predict(plan)` prices a finished Plan with the event simulator.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from hetjax.errors import PlanError, TopologyError
+from hetjax.errors import PlanError
 from hetjax.core.plan import Plan, ZeroFactors, effective_remat, schedule_problem
-from hetjax.planner import collectives as coll, compute as ck, memory as mem, zero_factors as zr
+from hetjax.planner import band, compute as ck, memory as mem, zero_factors as zr
+from hetjax.planner.compute_profile import ComputeProfile, Estimate
+from hetjax.planner.layout import Layout
+from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network
 from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
-from hetjax.core.topology import Accelerator, Link, Topology
-from hetjax.units import BYTES_PER_GBIT
+from hetjax.core.topology import Accelerator, Topology
 from hetjax.core.registry import EXECUTORS as REGISTERED
 
 if TYPE_CHECKING:  # layers/ imports flax; the planner must not start jax
     from hetjax.core.model_config import ModelConfig
 
 # Fraction of peak FLOP/s a decoder layer reaches, fitted on Holmes Table 1 together with the
-# fabric efficiencies of hetjax.core.topology.LINKS (calibrate.fit_fabrics); docs/planner.md.
+# fabric efficiencies of hetjax.core.topology.LINKS (reference_runs.fit_fabrics); docs/planner.md.
 DEFAULT_EFFICIENCY = 0.72
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node's NIC
 
 # How a pipeline (pp > 1) is executed, which changes its time and memory:
 # - "hetjax": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep;
@@ -129,24 +129,6 @@ class ComputeCurve:
                 float(np.interp(at, x, np.asarray(self.bwd, float)[order])))
 
 
-@dataclass(frozen=True)
-class LinkFit:
-    """Achieved bus bandwidth and per-hop latency of one operation on one link class, as
-    measured by `hetjax calibrate` (hetjax/planner/calibrate.py)."""
-
-    bandwidth_gbps: float
-    latency_us: float
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * BYTES_PER_GBIT
-
-    @property
-    def latency_s(self) -> float:
-        return self.latency_us * 1e-6
-
-
-COLLECTIVE_MODELS = ("nccl", "ring")
 # How compute is priced: "flat" every FLOP at peak x one efficiency (or a measured curve per
 # layer); "kinds" matmuls by size, attention per implementation and memory-bound work by
 # bytes over memory bandwidth (hetjax/planner/compute.py).
@@ -166,7 +148,7 @@ class CostOptions:
     (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
     does in one process, where every collective-permute is a rendezvous of all devices; across
     processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
-    the asynchronous timeline -- the emulated cluster measures this (scripts/bench_hetnet.py)
+    the asynchronous timeline -- the emulated cluster measures this (scripts/bench/hetnet.py)
     -- and the gradient sync may then overlap the last backward. collectives: "nccl" prices
     each collective with NCCL's cheapest algorithm (ring, tree, hierarchical; see
     hetjax/planner/collectives.py), "ring" with the flat alpha-beta ring; link_fits: measured
@@ -205,6 +187,13 @@ class CostOptions:
     compute: str = "flat"
     kernel_rates: dict[str, ck.KernelRates] = field(default_factory=dict)
     attention: str = "auto"
+    # A measured compute profile (hetjax/planner/compute_profile.py: per accelerator kind,
+    # piece, TP degree, tokens and recompute policy): used before everything above for the
+    # accelerator kinds it has rows of; its layer times include their TP collectives.
+    profile: ComputeProfile | None = None
+    # Bytes per device the runtime spends outside the step, by accelerator name, instead of
+    # the vendor's reserve (hetjax/planner/memory.py RESERVES).
+    reserve_bytes: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.compute not in COMPUTE_MODELS:
@@ -223,73 +212,6 @@ class CostOptions:
             if not lo <= v <= 1.0:
                 raise PlanError(f"cost option {name} = {v} must lie in [{lo:g}, 1]")
 
-
-class MissingLinkError(PlanError):
-    """A layout puts traffic between two clusters that no link joins."""
-
-
-# --- communication -------------------------------------------------------------------------------
-def ring_time(op: str, nbytes: float, group: int, link: Link) -> float:
-    """Alpha-beta ring collective of `nbytes` over `group` devices on `link`: all_reduce
-    2(p-1)(a + v/(p b)), reduce_scatter / all_gather (p-1)(a + v/(p b))."""
-    return coll.flat_ring_time(op, nbytes, group, link.bytes_per_s, link.latency_s)
-
-
-# --- layouts and stage costs ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Layout:
-    """A Plan without its layer split: what the per-layer stage costs depend on."""
-
-    pp: int
-    dp: int
-    tp: int
-    device_order: tuple[int, ...]
-    microbatches: int
-    global_batch: int
-    seq_len: int
-    schedule: str = "1f1b"
-    zero: ZeroFactors = ZeroFactors()
-    placement: str = "looped"  # Plan.placement
-    remat: str = ""  # Plan.remat: the recompute policy, empty for the model's model.remat
-
-    @staticmethod
-    def of(plan: Plan) -> "Layout":
-        return Layout(plan.pp, plan.dp, plan.tp, plan.device_order, plan.microbatches,
-                      plan.global_batch, plan.seq_len, plan.schedule, plan.zero,
-                      plan.placement, plan.remat)
-
-    @property
-    def folded(self) -> bool:
-        return self.placement == "folded" and self.pp > 1
-
-    @functools.cached_property
-    def _mesh(self) -> np.ndarray:
-        return _mesh_of(self.device_order, self.pp, self.dp, self.tp)
-
-    def mesh(self) -> np.ndarray:
-        """[pp, dp, tp] ranks (read-only; built once: the search asks for it often)."""
-        return self._mesh
-
-    def tokens_per_device(self) -> float:
-        """Tokens one device processes per micro-batch."""
-        return self.global_batch / self.microbatches / self.dp * self.seq_len
-
-    def with_plan(self, stage_layers: Sequence[int], **kw) -> Plan:
-        return Plan(pp=self.pp, dp=self.dp, tp=self.tp, stage_layers=tuple(stage_layers),
-                    microbatches=self.microbatches, global_batch=self.global_batch,
-                    seq_len=self.seq_len, schedule=self.schedule, zero=self.zero,
-                    device_order=tuple(int(r) for r in self.device_order),
-                    placement=self.placement, remat=self.remat, **kw)
-
-
-@functools.lru_cache(maxsize=512)
-def _mesh_of(device_order: tuple[int, ...], pp: int, dp: int, tp: int) -> np.ndarray:
-    """[pp, dp, tp] ranks, read-only and shared: the search copies a layout for every
-    micro-batch count, schedule and ZeRO point, and converting thousands of ranks each time
-    cost more than hashing them."""
-    mesh = np.array(device_order, dtype=np.int64).reshape(pp, dp, tp)
-    mesh.flags.writeable = False  # shared by every caller
-    return mesh
 
 
 @dataclass(frozen=True)
@@ -311,6 +233,11 @@ class StageCost:
     padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
     update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
     update_fixed: float = 0.0
+    reserve: float = 0.0  # the runtime's bytes per device (outside `memory`, off capacity)
+    mem_measured: bool = False  # activations from a profile's measured bytes
+    source: str = "flat"  # what priced its compute (see _Slot)
+    spread: float = 0.0
+    distance: float = 1.0
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -334,14 +261,6 @@ class StageCost:
         return self.mem_slot * slots + self.mem_layer * layers + self.mem_fixed
 
 
-@dataclass(frozen=True)
-class _Net:
-    """Concurrent groups' links (see CostModel._net), one entry per distinct kind of group."""
-
-    ids: np.ndarray  # slowest link id of each group
-    kinds: np.ndarray  # [distinct, 5]: slowest link id, NIC flows, nodes, max per node,
-    # intra-node link id (groups alike in these are priced alike)
-
 
 @dataclass(frozen=True)
 class _Slot:
@@ -364,10 +283,19 @@ class _Slot:
     logits: float
     shared_everywhere: bool  # embedding and head on every stage (hetjax executor)
     capacity: float
+    reserve: float  # the runtime's bytes, taken off the device's memory before capacity
     label: str
     update_layer: float = 0.0  # optimizer update of one layer slot's parameter shard
     update_embed: float = 0.0
     update_head: float = 0.0
+    embed_fwd: float = 0.0  # measured embedding (a profile's "embedding" rows), first stage
+    embed_bwd: float = 0.0
+    # where the compute prices came from, the measurements' spread and how far they were
+    # extrapolated (Estimate.distance; 1: inside the measured range)
+    source: str = "flat"
+    spread: float = 0.0
+    distance: float = 1.0
+    mem_measured: bool = False
 
 
 @dataclass(frozen=True)
@@ -386,6 +314,14 @@ class Prediction:
     padding_bytes: float  # memory of padded layer slots on the most padded stage
     dp_links: tuple[str, ...]  # slowest link of each stage's DP groups
     pp_links: tuple[str, ...]  # slowest link of each stage boundary
+    # the band (hetjax/planner/band.py): step time +- step_band seconds, memory +- memory_band
+    # of itself; what priced the compute, and the farthest extrapolation of a profile
+    step_band: float = 0.0
+    memory_band: float = 0.0
+    compute_source: str = "flat"
+    extrapolation: float = 1.0
+    stage_reserve: tuple[float, ...] = ()  # the runtime's bytes per device, off capacity
+    memory_margin: float = 0.0  # share of what remains after the reserve left free
 
     @property
     def fits(self) -> bool:
@@ -402,7 +338,10 @@ class Prediction:
             "stage_capacity_gib": [c / gib for c in self.stage_capacity],
             "sync_exposed_s": list(self.sync_exposed), "padding_gib": self.padding_bytes / gib,
             "dp_links": list(self.dp_links), "pp_links": list(self.pp_links),
-            "fits": self.fits,
+            "fits": self.fits, "step_band_s": self.step_band, "memory_band": self.memory_band,
+            "compute_source": self.compute_source, "extrapolation": self.extrapolation,
+            "stage_reserve_gib": [r / gib for r in self.stage_reserve],
+            "memory_margin": self.memory_margin,
         }
 
 
@@ -414,13 +353,19 @@ class CostModel:
         self.topology = topology
         self.model = model
         self.options = options or CostOptions()
-        devs = topology.devices
-        self._cluster = np.array([d.cluster for d in devs])
-        self._node = np.array([d.global_node for d in devs])
+        o = self.options
+        # a profile of another model shape prices nothing of this one (a calibration file
+        # measured on another model still lends its curves and links)
+        self._profile = (o.profile if o.profile is not None and o.profile.mismatch(model) is None
+                         else None)
+        self.network = net = Network(topology, o.share_nics, o.collectives, o.link_fits)
+        # the network's pricing, as the cost model's (the search and the calibration ask it)
+        self.collective, self.collective_choice = net.collective, net.collective_choice
+        self.transfer, self.group_links = net.transfer, net.group_links
+        self.nic_flows, self.node_of = net.nic_flows, net.node_of
+        self._cluster, self._node = net.cluster, net.node
         self._memory = np.array([topology.clusters[c].accelerator.memory_bytes
                                  for c in self._cluster])
-        self._node_cluster = np.array([c for c, cl in enumerate(topology.clusters)
-                                       for _ in range(cl.nodes)])
         self._cluster_accel = [c.accelerator for c in topology.clusters]
         self.state_bytes = zr.state_bytes_for(model.param_dtype)
         self.act_bytes = _DTYPE_BYTES.get(model.dtype, 4)
@@ -428,11 +373,6 @@ class CostModel:
         platform = "cpu" if vendors == {"cpu"} else \
             "gpu" if vendors <= {"nvidia", "amd"} else "other"
         self.attention = mem.attention_implementation(model, platform)
-        # Links interned by id, so a group's link is an index into these arrays.
-        self._links: list[Link] = []
-        self._intra_id = np.array([self._link_id(c.intra_node) for c in topology.clusters])
-        self._nic_id = np.array([self._link_id(c.nic) for c in topology.clusters])
-        self._nets: dict[tuple, _Net] = {}
         self._zero: dict[tuple, zr.ZeroTimes] = {}
         self._group_ids: dict[tuple, int] = {}  # DP groups (shape, bytes) -> a short key
         self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
@@ -541,136 +481,6 @@ class CostModel:
                 self.model.n_layers * self._recompute_flops(seq_len))
 
     # --- communication over rank groups ----------------------------------------------------------
-    def _link_id(self, link: Link) -> int:
-        if link not in self._links:
-            self._links.append(link)
-        return self._links.index(link)
-
-    def _net(self, groups: np.ndarray) -> "_Net":
-        """The links of concurrent rank groups `groups` [instances, size]: each row's slowest
-        link, and the distinct (bandwidth, latency) the rows see once the groups that leave
-        one node share its NIC (cached: the search prices the same groups many times)."""
-        key = (groups.shape, groups.tobytes())
-        if key in self._nets:
-            return self._nets[key]
-        nodes, clusters = self._node[groups], self._cluster[groups]
-        snodes = np.sort(nodes, axis=1)
-        new_node = np.ones_like(snodes, dtype=bool)
-        new_node[:, 1:] = snodes[:, 1:] != snodes[:, :-1]
-        one_node = ~new_node[:, 1:].any(axis=1)
-        one_cluster = (clusters == clusters[:, :1]).all(axis=1) & new_node.all(axis=1)
-        ids = np.where(one_node, self._intra_id[clusters[:, 0]], self._nic_id[clusters[:, 0]])
-        mixed = np.flatnonzero(~(one_node | one_cluster))
-        if len(mixed):
-            ids[mixed] = self._mixed_link_ids(groups[mixed], snodes[mixed], new_node[mixed])
-        links = self._links
-        off = np.array([lk.kind not in _ON_NODE for lk in links])[ids] & ~one_node
-        flows = np.ones(len(groups), dtype=int)
-        if self.options.share_nics and off.any():
-            counts = np.bincount(snodes[off][new_node[off]], minlength=self._node.max() + 1)
-            flows = np.where(off, counts[snodes].max(axis=1), 1)
-        # Members per node: the longest run of one node in the sorted row.
-        pos = np.arange(groups.shape[1])
-        run_start = np.maximum.accumulate(np.where(new_node, pos, 0), axis=1)
-        per_node = (pos - run_start + 1).max(axis=1)
-        # The slower intra-node link of the first and last member's cluster.
-        ends = self._intra_id[clusters[:, [0, -1]]]
-        intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
-        intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
-        kinds = np.stack([ids, flows, new_node.sum(axis=1), per_node, intra], axis=1)
-        net = _Net(ids, unique_rows(kinds))
-        self._nets[key] = net
-        return net
-
-    def _mixed_link_ids(self, groups: np.ndarray, snodes: np.ndarray,
-                        new_node: np.ndarray) -> np.ndarray:
-        """Link ids of groups spanning clusters (or nodes, with some node holding two
-        members). Topology.group_link decides from three facts per cluster: present, spanning
-        nodes, holding two members on one node; groups alike in those share the answer."""
-        node_cluster = self._node_cluster[snodes]
-        same_cluster = node_cluster[:, 1:] == node_cluster[:, :-1]
-        shape = np.concatenate([
-            np.eye(len(self.topology.clusters), dtype=bool)[node_cluster].any(axis=1),
-            _flag(node_cluster[:, 1:], new_node[:, 1:] & same_cluster, self.topology),
-            _flag(node_cluster[:, 1:], ~new_node[:, 1:], self.topology)], axis=1)
-        first, inverse = unique_rows(shape, return_index=True, return_inverse=True)[1:]
-        try:
-            ids = [self._link_id(self.topology.group_link(self._witness(groups[i])))
-                   for i in first]
-        except TopologyError as e:
-            raise MissingLinkError(f"the layout needs a link that does not exist: {e}") from None
-        return np.asarray(ids)[inverse.ravel()]
-
-    def _witness(self, ranks: np.ndarray) -> list[int]:
-        """A few of `ranks` with the same three facts per cluster (at most two nodes of a
-        cluster, two members of a node), so group_link stays cheap on large groups."""
-        keep, nodes_of, doubled = [], {}, set()
-        for r in sorted(ranks.tolist(), key=lambda r: self._node[r]):
-            c, node = self._cluster[r], self._node[r]
-            seen = nodes_of.setdefault(c, [])
-            if node not in seen and len(seen) < 2:
-                seen.append(node)
-                keep.append(r)
-            elif node in seen and c not in doubled:
-                doubled.add(c)
-                keep.append(r)
-        return keep
-
-    def node_of(self, ranks: np.ndarray) -> np.ndarray:
-        """The (global) node of each rank."""
-        return self._node[np.asarray(ranks)]
-
-    def nic_flows(self, groups: np.ndarray) -> int:
-        """The most concurrent groups of `groups` sharing one node's NIC (1: none shared)."""
-        return int(self._net(np.asarray(groups)).kinds[:, 1].max())
-
-    def group_links(self, groups: np.ndarray) -> list[Link]:
-        """Slowest link of each row of `groups`."""
-        return [self._links[i] for i in self._net(np.asarray(groups)).ids]
-
-    def _group(self, op: str, kind: np.ndarray, p: int) -> coll.Group:
-        """The collectives model's view of one kind of group (see _Net.kinds), with the
-        calibrated bandwidth and latency of `op` on its links when a calibration has them."""
-        link_id, flows, nodes, per_node, intra_id = (int(x) for x in kind)
-        bw, lat = self._achieved(self._links[link_id], op)
-        bw_intra, lat_intra = self._achieved(self._links[intra_id], op)
-        return coll.Group(p, nodes, per_node, bw / flows, lat, bw_intra, lat_intra)
-
-    def _achieved(self, lk: Link, op: str) -> tuple[float, float]:
-        """Bandwidth [bytes/s] and latency [s] of `op` on link `lk`: the calibration's fit for
-        the link's class, else the link's achieved bandwidth (nominal x efficiency)."""
-        fit = self.options.link_fits.get(lk.kind, {}).get(op)
-        if fit is not None:
-            return fit.bytes_per_s, fit.latency_s
-        return lk.bytes_per_s, lk.latency_s
-
-    def collective(self, op: str, nbytes: float, groups: np.ndarray) -> float:
-        """Time of collective `op` run concurrently by every row of `groups`: the slowest
-        row's, each priced with NCCL's algorithm choice (hetjax/planner/collectives.py), or
-        the flat alpha-beta ring with CostOptions(collectives="ring")."""
-        return self.collective_choice(op, nbytes, groups)[0]
-
-    def collective_choice(self, op: str, nbytes: float, groups: np.ndarray
-                          ) -> tuple[float, str]:
-        """(time, algorithm) of the slowest row of `groups` (see `collective`)."""
-        groups = np.asarray(groups)
-        p = groups.shape[1]
-        if p <= 1 or nbytes <= 0:
-            return 0.0, "none"
-        return self._choice_on(self._net(groups), op, nbytes, p)
-
-    def _choice_on(self, net: "_Net", op: str, nbytes: float, p: int) -> tuple[float, str]:
-        """`collective_choice` on groups of p members whose links `net` describes."""
-        worst = (0.0, "none")
-        for kind in net.kinds:
-            g = self._group(op, kind, p)
-            if self.options.collectives == "ring":
-                t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
-            else:
-                t = coll.collective_time(op, nbytes, g)
-            worst = max(worst, t)
-        return worst
-
     @property
     def zero_style(self) -> str:
         """How ZeRO runs under this executor: 'hetjax' (parallel/zero_sharding.py, both of hetjax's
@@ -693,35 +503,19 @@ class CostModel:
                 k = (gid, f.s_os, f.s_p, axes)
                 if k not in self._axis_nets:
                     groups = zr.axis_groups(dp_groups, f, axes)
-                    self._axis_nets[k] = (groups.shape[1], self._net(groups)
+                    self._axis_nets[k] = (groups.shape[1], self.network.net(groups)
                                           if groups.shape[1] > 1 else None)
                 p, net = self._axis_nets[k]
                 if p <= 1 or nbytes <= 0:
                     return 0.0
                 # points differing in another factor run this same collective
                 if (k, op, nbytes) not in self._axis_times:
-                    self._axis_times[k, op, nbytes] = self._choice_on(net, op, nbytes, p)[0]
+                    self._axis_times[k, op, nbytes] = self.network.choice_on(net, op, nbytes, p)[0]
                 return self._axis_times[k, op, nbytes]
 
             self._zero[key] = zr.zero_times(f, params * sb.p, params * sb.g, dp_groups,
                                             self.collective, self.zero_style, over)
         return self._zero[key]
-
-    def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
-        """Concurrent point-to-point transfers between each row's two ranks: the slowest, and
-        its link."""
-        return self._transfer_on(self._net(np.asarray(pairs)), nbytes)
-
-    def _transfer_on(self, net: "_Net", nbytes: float) -> tuple[float, Link]:
-        """`transfer` over pairs whose links `net` describes."""
-        best = (-1.0, None)
-        for kind in net.kinds:
-            lk = self._links[int(kind[0])]
-            bw, lat = self._achieved(lk, "p2p")
-            t = lat + nbytes * kind[1] / bw
-            if t > best[0]:
-                best = (float(t), lk)
-        return best
 
     # --- memory ----------------------------------------------------------------------------------
     def activation_bytes_per_token(self, tp: int, seq_len: int,
@@ -733,6 +527,13 @@ class CostModel:
         return mem.layer_bytes_per_token(
             self.model, seq_len, tp, remat or effective_remat(self.model.remat),
             self.attention, 4.0 if cpu else self.act_bytes, cpu=cpu)
+
+    def reserve_bytes(self, acc: Accelerator, memory_bytes: float) -> float:
+        """What the runtime spends on a device of `acc` outside the step (CostOptions.
+        reserve_bytes, else the vendor's `memory.RuntimeReserve`)."""
+        if acc.name in self.options.reserve_bytes:
+            return float(self.options.reserve_bytes[acc.name])
+        return mem.runtime_reserve(acc.vendor).bytes(memory_bytes)
 
     def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
         """Transient bytes per device beyond states and kept activations: the buffers of the
@@ -779,10 +580,14 @@ class CostModel:
         tok, tp, M, N = (layout.tokens_per_device(), layout.tp, layout.microbatches,
                          self.model.n_layers)
         remat, staged = self.remat_of(layout), self.runs_staged(layout)
-        per_layer = min(tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat,
-                                                               tok / tp, staged=staged, tp=tp))
-                        / tp
-                        for a in set(self._cluster_accel))
+        def alone(a: Accelerator) -> float:
+            est = self.profile_estimate(a, layout, "layer", remat, staged)
+            if est is not None:
+                return est.fwd_s + est.bwd_s
+            return tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
+                                                          staged=staged, tp=tp)) / tp
+
+        per_layer = min(alone(a) for a in set(self._cluster_accel))
         return per_layer * max(M * N / layout.pp, N + M - 1)
 
     def pipelined_by_hetjax(self, layout: Layout) -> bool:
@@ -816,6 +621,43 @@ class CostModel:
         """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
         return self.pipelined_by_hetjax(layout) and self.options.lockstep
 
+    def profile_estimate(self, acc: Accelerator, layout: Layout, piece: str,
+                         remat: str = "none", staged: bool = False) -> Estimate | None:
+        """The compute profile read for `piece` on `acc` at this layout's TP degree, tokens
+        per device and sequence length (None: no profile, or no rows of this kind)."""
+        prof = self._profile
+        if prof is None:
+            return None
+        return prof.lookup(acc.name, piece, layout.tp, layout.tokens_per_device(),
+                           layout.seq_len, remat, staged)
+
+    def layer_times(self, acc: Accelerator, layout: Layout, remat: str, staged: bool
+                    ) -> tuple[float, float, Estimate | None]:
+        """(forward, backward) seconds of one layer on one device of `acc` for one
+        micro-batch, and the profile's estimate when a profile priced it (its times include
+        the TP collectives; the flat model's do not)."""
+        est = self.profile_estimate(acc, layout, "layer", remat, staged)
+        if est is not None:
+            return est.fwd_s, est.bwd_s, est
+        tok, tp = layout.tokens_per_device(), layout.tp
+        lf, lb = self.layer_seconds_per_token(acc, layout.seq_len, remat, tok / tp,
+                                              staged=staged, tp=tp)
+        return tok * lf / tp, tok * lb / tp, None
+
+    def piece_times(self, acc: Accelerator, layout: Layout, piece: str
+                    ) -> tuple[float, float, Estimate | None]:
+        """(forward, backward) seconds of the head ("head": final norm, output projection and
+        loss; without a profile the embedding's time is counted in it) or the embedding on
+        one device of `acc` for one micro-batch."""
+        est = self.profile_estimate(acc, layout, piece)
+        if est is not None:
+            return est.fwd_s, est.bwd_s, est
+        if piece == "embedding":
+            return 0.0, 0.0, None
+        tok, tp = layout.tokens_per_device(), layout.tp
+        hf, hb = self.head_seconds_per_token(acc, tok / tp, tp)
+        return tok * hf / tp, tok * hb / tp, None
+
     def _price_slots(self, layout: Layout) -> list["_Slot"]:
         m, o, sb, f = self.model, self.options, self.state_bytes, layout.zero
         zr.check(f, layout.dp)
@@ -839,25 +681,41 @@ class CostModel:
                 slots.append(self._stage_slot_cache[base, stage_key])
                 continue
             ranks = mesh[s].ravel()
-            accs = {self._cluster_accel[c] for c in np.unique(self._cluster[ranks])}
-            # A stage is as slow as its slowest device.
-            lf, lb = np.max([self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
-                                                          staged=staged, tp=tp)
-                             for a in accs], axis=0)
-            hf, hb = np.max([self.head_seconds_per_token(a, tok / tp, tp) for a in accs], axis=0)
+            accs = sorted({self._cluster_accel[c] for c in np.unique(self._cluster[ranks])},
+                          key=lambda a: a.name)
             # each device updates its shard of the optimizer state (1 / s_os of its parameters)
             upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
-            cf, cb = tok * lf / tp, tok * lb / tp
-            # Megatron TP: two all-reduces of the activations in each of forward and backward.
+            # Megatron TP: two all-reduces of the activations in each of forward and backward
+            # (a profile's layer times include them: the layer as it ran).
             tp_ar = 2 * self.collective("all_reduce", tok * m.d_model * self.act_bytes, mesh[s])
+            # A stage is as slow as its slowest device.
+            priced = [self.layer_times(a, layout, remat, staged) for a in accs]
+            est = [e for _, _, e in priced if e is not None]
+            cf = max(c for c, _, _ in priced)
+            cb = max(c for _, c, _ in priced)
+            lf = max(c + (0.0 if e is not None else tp_ar) for c, _, e in priced)
+            lb = max(c + (0.0 if e is not None else tp_ar) for _, c, e in priced)
+            heads = [self.piece_times(a, layout, "head") for a in accs]
+            embeds = [self.piece_times(a, layout, "embedding") for a in accs]
+            est += [e for _, _, e in heads + embeds if e is not None]
             dp_groups = mesh[s].T  # [tp, dp]
             z, ze, zh = (self.zero_times(f, x, dp_groups) for x in (layer_p, embed_p, head_p))
             cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
             kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
+            transient = self.temporary_bytes(layout, remat, cpu)
+            smallest = float(self._memory[ranks].min())
+            reserve = max(self.reserve_bytes(a, smallest) for a in accs)
+            measured = [e for _, _, e in priced if e is not None and e.peak_bytes > 0]
+            if measured and len(measured) == len(priced):  # every device's layer measured
+                kept = max(e.kept_bytes for e in measured) or kept
+                transient = max(max(e.peak_bytes - e.kept_bytes, 0.0) for e in measured)
+            kinds = sorted(a.name for a, (_, _, e) in zip(accs, priced) if e is None)
+            source = ("profile" if not kinds else
+                      "profile + flat " + "/".join(kinds) if est else "flat")
             slots.append(_Slot(
-                fwd_layer=cf + tp_ar + exposed(z.gather, cf, o.overlap),
-                bwd_layer=cb + tp_ar + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
-                                               cb, o.overlap),
+                fwd_layer=lf + exposed(z.gather, cf, o.overlap),
+                bwd_layer=lb + exposed(z.gather + z.scatter + z.accumulate * (M - 1) / M,
+                                       cb, o.overlap),
                 sync_layer=z.sync + z.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
                 # hetjax stashes each layer's residuals (its input under remat 'full') in
@@ -869,8 +727,12 @@ class CostModel:
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
                 # (in mem_slot). Temporaries: the buffers of the layer in its backward.
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
-                          else 0.0) + self.temporary_bytes(layout, remat, cpu),
-                head_fwd=tok * hf / tp, head_bwd=tok * hb / tp,
+                          else 0.0) + transient,
+                head_fwd=max(h for h, _, _ in heads), head_bwd=max(h for _, h, _ in heads),
+                embed_fwd=max(h for h, _, _ in embeds), embed_bwd=max(h for _, h, _ in embeds),
+                source=source, spread=max((e.spread for e in est), default=0.0),
+                mem_measured=bool(measured) and len(measured) == len(priced),
+                distance=max((e.distance for e in est), default=1.0),
                 embed_sync=ze.sync + ze.refresh,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
                 head_sync=zh.sync + zh.refresh,
@@ -879,7 +741,8 @@ class CostModel:
                 logits=tok * mem.head_bytes_per_token(m, tp, remat),
                 # folded: embedding and head only on device 0 (it runs both end chunks)
                 shared_everywhere=hetjax and not layout.folded,
-                capacity=float(self._memory[ranks].min()) * o.memory_fraction,
+                reserve=reserve,
+                capacity=(float(self._memory[ranks].min()) - reserve) * o.memory_fraction,
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
             self._stage_slot_cache[base, stage_key] = slots[-1]
@@ -915,7 +778,8 @@ class CostModel:
         head = last or slot.shared_everywhere
         return StageCost(
             fwd_layer=slot.fwd_layer, bwd_layer=slot.bwd_layer,
-            fwd_fixed=slot.head_fwd if last else 0.0, bwd_fixed=slot.head_bwd if last else 0.0,
+            fwd_fixed=(slot.head_fwd if last else 0.0) + (slot.embed_fwd if first else 0.0),
+            bwd_fixed=(slot.head_bwd if last else 0.0) + (slot.embed_bwd if first else 0.0),
             sync_layer=slot.sync_layer,
             sync_fixed=(slot.embed_sync if embed else 0.0) + (slot.head_sync if head else 0.0)
             + (shared if slot.shared_everywhere or first or last else 0.0),
@@ -926,7 +790,9 @@ class CostModel:
             padded=self.options.executor != "mpmd",
             update_slot=slot.update_layer,
             update_fixed=(slot.update_embed if embed else 0.0)
-            + (slot.update_head if head else 0.0))
+            + (slot.update_head if head else 0.0),
+            reserve=slot.reserve, mem_measured=slot.mem_measured, source=slot.source,
+            spread=slot.spread, distance=slot.distance)
 
     @staticmethod
     def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
@@ -962,11 +828,11 @@ class CostModel:
                 pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
                 crosses = (self.options.boundary_codec == "int8" and bool(
                     (self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
-                links.append((crosses, self._net(pairs)))
+                links.append((crosses, self.network.net(pairs)))
             self._boundaries[id(mesh)] = (mesh, links)
         times, kinds = [], []
         for crosses, net in self._boundaries[id(mesh)][1]:
-            t, lk = self._transfer_on(net, packed if crosses else nbytes)
+            t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
             times.append(t)
             kinds.append(lk.kind)
         return times, kinds
@@ -1014,8 +880,21 @@ class CostModel:
             sync_exposed=_floats(sim.sync_exposed),
             padding_bytes=float(max(c.memory(n, lmax) - c.memory(n, n)
                                     for c, n in zip(stages, layers))),
-            dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links))
+            dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links),
+            stage_reserve=_floats(c.reserve for c in stages),
+            memory_margin=1.0 - self.options.memory_fraction, **self._band(stages, step))
         return (pred, sim) if with_events else pred
+
+    @staticmethod
+    def _band(stages: Sequence[StageCost], step: float) -> dict[str, Any]:
+        sources = sorted({c.source for c in stages})
+        source = sources[0] if len(sources) == 1 else " / ".join(sources)
+        distance = max(c.distance for c in stages)
+        spread = max(c.spread for c in stages)
+        measured = all(c.mem_measured for c in stages)
+        return dict(step_band=step * band.step_band(source, spread, distance),
+                    memory_band=band.memory_band(measured, spread), compute_source=source,
+                    extrapolation=distance)
 
 
 class StageTable:
@@ -1055,37 +934,6 @@ class _TableRow:
         return self.table.cost(self.slot, position)
 
 
-def unique_rows(rows: np.ndarray, return_index: bool = False, return_inverse: bool = False):
-    """`np.unique(rows, axis=0, ...)` for small non-negative integer (or bool) rows, sorted
-    alike: each row is read as one mixed-radix integer (first column most significant), which
-    np.unique sorts many times faster than rows (the search calls this for every distinct
-    group of ranks it prices). Falls back to np.unique(axis=0) if the code would overflow."""
-    rows = np.asarray(rows)
-    if rows.ndim != 2 or rows.size == 0 or (rows.dtype != bool and rows.min() < 0):
-        return np.unique(rows, axis=0, return_index=return_index,
-                         return_inverse=return_inverse)
-    radix = rows.max(axis=0).astype(np.int64) + 1
-    if float(np.prod(radix.astype(float))) >= 2.0 ** 62:
-        return np.unique(rows, axis=0, return_index=return_index,
-                         return_inverse=return_inverse)
-    place = np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
-    code = rows.astype(np.int64) @ place
-    _, index, inverse = np.unique(code, return_index=True, return_inverse=True)
-    out = rows[index]
-    if not (return_index or return_inverse):
-        return out
-    return (out,) + ((index,) if return_index else ()) + \
-        ((inverse.reshape(-1),) if return_inverse else ())
-
-
-def _flag(clusters: np.ndarray, where: np.ndarray, topology: Topology) -> np.ndarray:
-    """[groups, n_clusters]: whether `where` holds at some position of that cluster."""
-    out = np.zeros((len(clusters), len(topology.clusters)), dtype=bool)
-    rows, cols = np.nonzero(where)
-    out[rows, clusters[rows, cols]] = True
-    return out
-
-
 def _floats(xs) -> tuple[float, ...]:
     return tuple(float(x) for x in xs)
 
@@ -1094,19 +942,7 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
     return sum(topology.accelerator_of(r).peak_tflops * 1e12 for r in ranks)
 
 
-def model_from_config(c, vocab_size: int | None = None,
-                      topology: Topology | None = None) -> "ModelConfig":
-    """The ModelConfig of a hetjax config (vocab 0: the byte tokenizer's, padded); model.dtype
-    'auto' resolved on `topology` (Topology.default_compute_dtype; without one, float32)."""
-    from hetjax.tokenizer import ByteTokenizer, padded_vocab
-    from hetjax.core.model_config import ModelConfig
-
-    model = ModelConfig.from_config(c.model, vocab_size or padded_vocab(ByteTokenizer.vocab_size))
-    if c.model.dtype == "auto" and topology is not None:
-        model = dataclasses.replace(model, dtype=topology.default_compute_dtype)
-    return model
 
 
-__all__ = ["CostModel", "CostOptions", "MissingLinkError", "EXECUTORS", "LayerProfile",
-           "ComputeCurve", "LinkFit", "Layout", "StageCost", "Prediction",
-           "ring_time", "DEFAULT_EFFICIENCY", "model_from_config"]
+__all__ = ["CostModel", "CostOptions", "EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
+           "Prediction", "DEFAULT_EFFICIENCY"]

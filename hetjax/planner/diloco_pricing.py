@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hetjax.errors import ConfigError
 from hetjax.core.hardware import Link, Topology
 from hetjax.core.plan import DilocoPlan, Plan
-from hetjax.planner.cost import ring_time
+from hetjax.planner.network import ring_time
 from hetjax.core.hlo import ring_bytes
 from hetjax.core.wire import BITS, DILOCO_CODECS as CODECS
 
@@ -235,6 +235,9 @@ def site_config(c, n_sites: int):
     sc.parallel.pp = 1
     sc.pipeline.stage_layers = ()
     sc.parallel.dp = 0
+    # a site's own layout: one stage, on its sub-topology's devices (validation refuses
+    # per-stage degrees and devices left out under DiLoCo)
+    sc.parallel.stage_dp = sc.parallel.stage_tp = sc.parallel.exclude = ()
     return sc
 
 

@@ -9,7 +9,10 @@ the terms that depend on how the step is compiled rather than on the layout's al
   [batch, heads, q, k] logits and probabilities; cuDNN's and the Pallas flash kernel keep only
   O(batch x heads x q) softmax statistics;
 - the logits and cross-entropy buffers of the output layer;
-- XLA's workspace: what one layer's backward holds beside the kept activations.
+- XLA's workspace: what one layer's backward holds beside the kept activations;
+- the runtime's reserve per accelerator vendor (`RuntimeReserve`): what a device spends before
+  the step's own buffers -- its context, the collectives' buffers, library workspaces and the
+  allocator's fragmentation -- taken off the device's memory before the plan's margin.
 
 The optimizer update's temporaries are not priced: XLA schedules the update after the
 backward has freed the activations, so they overlap (they decide the peak only at a few
@@ -128,6 +131,45 @@ def transient_bytes_per_token(model: "ModelConfig", seq_len: int, tp: int, remat
 def head_bytes_per_token(model: "ModelConfig", tp: int, remat: str) -> float:
     """The f32 logits, log-probabilities and their gradients, per token (last stage)."""
     return TERMS[remat].vocab * model.vocab_size / tp
+
+
+@dataclass(frozen=True)
+class RuntimeReserve:
+    """Bytes a device spends outside the step's own buffers, each with its source: the
+    runtime's context (`context_gib`), the collectives library's buffers (`collectives_gib`),
+    kernel libraries' workspaces (`workspace_gib`), and the allocator's fragmentation
+    (`fragmentation`: a share of what remains)."""
+
+    context_gib: float = 0.0
+    collectives_gib: float = 0.0
+    workspace_gib: float = 0.0
+    fragmentation: float = 0.0
+
+    def bytes(self, memory_bytes: float) -> float:
+        fixed = (self.context_gib + self.collectives_gib + self.workspace_gib) * GIB
+        return fixed + self.fragmentation * max(memory_bytes - fixed, 0.0)
+
+
+# Per device vendor. NVIDIA (and AMD, the same stack): a CUDA context with cuBLAS / cuDNN
+# loaded holds 0.7-0.8 GiB before any tensor (781 MB in nvidia-smi at a PyTorch process's
+# start: pytorch/pytorch#34323); NCCL allocates NCCL_BUFFSIZE (4 MiB by default, NCCL's
+# environment documentation) per channel and direction for each peer of a communicator, about
+# 0.5 GiB for a TP and a DP communicator at 16-32 channels; cuBLASLt's and cuDNN's workspaces
+# (32 MiB for cuBLAS on Hopper, cuDNN's fused attention and XLA's autotuned GEMMs) about
+# 0.25 GiB; a caching allocator (PyTorch's, XLA's BFC) keeps about 5% of its pool in blocks it
+# cannot reuse for the next size. TPU: the runtime reserves a small program area (the HBM
+# `bytes_limit` is below the chip's nominal size, which the local preset reads); CPU: none.
+RESERVES = {
+    "nvidia": RuntimeReserve(0.75, 0.5, 0.25, 0.05),
+    "amd": RuntimeReserve(0.75, 0.5, 0.25, 0.05),
+    "tpu": RuntimeReserve(0.0, 0.0, 0.25, 0.05),
+    "cpu": RuntimeReserve(),
+}
+
+
+def runtime_reserve(vendor: str) -> RuntimeReserve:
+    """The reserve of a device of `vendor` (an unknown vendor: NVIDIA's)."""
+    return RESERVES.get(vendor, RESERVES["nvidia"])
 
 
 def what_to_change(remat: str, microbatches: int, zero: str) -> str:

@@ -82,9 +82,9 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     nodes = len(names)
     stage = np.full((nodes, width), np.nan)
     replica = np.full((nodes, width), -1)
-    mesh = plan.mesh_ranks()  # (pp, dp, tp)
     where = {}
-    for (s, d, t), r in np.ndenumerate(mesh):
+    for s, d, r in ((s, d, r) for s in range(plan.pp)
+                    for (d, _), r in np.ndenumerate(plan.stage_mesh(s))):
         dev = topology.devices[int(r)]
         cell = ((dev.cluster, int(r) - topology.cluster_ranks(dev.cluster).start) if per_cluster
                 else (dev.global_node, dev.local))
@@ -98,10 +98,11 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     ax.set_xlim(-0.5, width - 0.5)
     ax.set_ylim(shown - 0.5, -0.5)
     # TP groups: a black box around each group's cells when they sit side by side in a node.
-    if plan.tp > 1:
-        for s in range(plan.pp):
-            for d in range(plan.dp):
-                cells = [where[int(r)] for r in mesh[s, d]]
+    tp_any = any(t > 1 for _, t in plan.shapes())
+    if tp_any:
+        for group in plan.tp_groups():
+            if len(group) > 1:
+                cells = [where[int(r)] for r in group]
                 node = {n for n, _ in cells}
                 cols = sorted(c for _, c in cells)
                 if len(node) == 1 and cols == list(range(cols[0], cols[-1] + 1)) and \
@@ -112,7 +113,8 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     for (n, c), s in np.ndenumerate(stage[:shown]):
         if np.isnan(s):
             continue
-        text = f"s{int(s)} r{replica[n, c]}" if plan.dp > 1 else f"s{int(s)}"
+        replicas = plan.stage_shape(int(s))[0]
+        text = f"s{int(s)} r{replica[n, c]}" if replicas > 1 else f"s{int(s)}"
         if _fits(ax, text, 0.9, 7):
             ax.text(c, n, text, ha="center", va="center", fontsize=7)
         elif _fits(ax, f"{int(s)}", 0.9, 6):
@@ -124,8 +126,10 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     ax.set_xticks(range(0, width, max(1, math.ceil(width / 16))))
     ax.set_xlabel("device in cluster" if per_cluster else "device in node")
     more = f" (first {shown} of {nodes} rows)" if shown < nodes else ""
-    ax.set_title(f"device map: pp={plan.pp} dp={plan.dp} tp={plan.tp}{more} -- colour: stage, "
-                 f"r: DP replica{', black box: TP group' if plan.tp > 1 else ''}", fontsize=10)
+    degrees = (f"dp={plan.dp} tp={plan.tp}" if plan.uniform else "dp x tp per stage " +
+               ",".join(f"{d}x{t}" for d, t in plan.stage_shapes))
+    ax.set_title(f"device map: pp={plan.pp} {degrees}{more} -- colour: stage, "
+                 f"r: DP replica{', black box: TP group' if tp_any else ''}", fontsize=10)
     if plan.pp <= 12:
         ax.legend(handles=[Patch(color=cmap(s), label=f"stage {s}") for s in range(plan.pp)],
                   loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7, frameon=False)

@@ -1,5 +1,13 @@
-"""Published large-scale runs the cost model is checked against, and the fit of its per-kind
-compute rates on them.
+"""Published runs the cost model is fitted on and checked against.
+
+Holmes' Table 1 (spec/holmes.md: GPT 3.6B on 4 nodes x 8 A100, InfiniBand / RoCE / Ethernet,
+Megatron-LM): the flat model's one free compute parameter is the efficiency factor (fraction
+of peak a layer reaches). `fit_efficiency` finds the value at which the model's predicted
+throughput of a measured run equals the measurement (the prediction falls monotonically as
+efficiency drops, so bisection); `holmes_table1` gives the three rows as Measurements, to fit
+on one row and predict the others (`scripts/bench/planner.py calibrate`); `fit_fabrics` fits
+one NIC efficiency per fabric with the compute efficiency (the catalogue's defaults in
+hetjax.core.topology.LINKS).
 
 Megatron-LM's weak-scaling table (Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM", SC'21, arXiv 2104.04473, Table 1; the same
@@ -31,14 +39,177 @@ from hetjax.core.catalogue import LINKS, make_cluster
 from hetjax.errors import PlanError
 from hetjax.core.hardware import Link, Topology
 from hetjax.core.plan import Plan
+from hetjax.core.topology import preset
 from hetjax.planner import compute as ck
 from hetjax.planner.cost import CostModel, CostOptions
+from hetjax.planner.fit_range import FitRange
 from hetjax.planner.formulas import megatron_flops_per_step
 from hetjax.planner.zero_factors import named
 
 if TYPE_CHECKING:
     from hetjax.core.model_config import ModelConfig
 
+
+# --- Holmes Table 1: the flat model's efficiency and the fabrics' -------------------------------
+@dataclass(frozen=True)
+class Measurement:
+    """A measured run: the layout, where it ran, the system that ran it (a cost-model
+    executor) and its throughput in sequences per second."""
+
+    name: str
+    topology: Topology
+    model: "ModelConfig"
+    plan: Plan
+    samples_per_s: float
+    executor: str = "hetjax"
+
+
+def predicted_samples_per_s(m: Measurement, options: CostOptions) -> float:
+    options = dataclasses.replace(options, executor=m.executor)
+    pred = CostModel(m.topology, m.model, options).predict(m.plan)
+    return m.plan.global_batch / pred.step_time
+
+
+def _solve(rate, target: float, lo: float, hi: float, what: str, tolerance: float) -> float:
+    """Bisection for x in [lo, hi] with rate(x) = target, rate increasing in x."""
+    if not rate(lo) <= target <= rate(hi):
+        raise PlanError(f"no {what} in [{lo:g}, {hi:g}] makes the cost model predict "
+                        f"{target:.4g} samples/s (it predicts {rate(lo):.4g} .. {rate(hi):.4g})")
+    while hi - lo > tolerance * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def fit_efficiency(m: Measurement, options: CostOptions | None = None,
+                   tolerance: float = 1e-6) -> float:
+    """The efficiency at which the cost model predicts the measured throughput."""
+    options = options or CostOptions()
+    return _solve(lambda eff: predicted_samples_per_s(
+        m, dataclasses.replace(options, efficiency=eff)), m.samples_per_s, 1e-3, 1.0,
+        "efficiency", tolerance)
+
+
+def with_nic_bandwidth(topology: Topology, gbps: float) -> Topology:
+    """The topology with every cluster's inter-node NIC achieving `gbps`."""
+    return dataclasses.replace(topology, clusters=tuple(
+        dataclasses.replace(c, nic=dataclasses.replace(c.nic, bandwidth_gbps=gbps,
+                                                       efficiency=1.0))
+        for c in topology.clusters))
+
+
+def with_nic_efficiency(topology: Topology, efficiency: float) -> Topology:
+    """The topology with every cluster's inter-node NIC at `efficiency` of its nominal rate."""
+    return dataclasses.replace(topology, clusters=tuple(
+        dataclasses.replace(c, nic=dataclasses.replace(c.nic, efficiency=efficiency))
+        for c in topology.clusters))
+
+
+def nominal_links(topology: Topology) -> Topology:
+    """The topology with every link at its nominal bandwidth (efficiency 1)."""
+    def nominal(lk):
+        return None if lk is None else dataclasses.replace(lk, efficiency=1.0)
+
+    return dataclasses.replace(
+        topology,
+        clusters=tuple(dataclasses.replace(c, nic=nominal(c.nic), intra_node=nominal(
+            c.intra_node)) for c in topology.clusters),
+        inter_cluster=nominal(topology.inter_cluster),
+        cluster_links=tuple(dataclasses.replace(cl, link=nominal(cl.link))
+                            for cl in topology.cluster_links))
+
+
+def fit_nic_efficiency(m: Measurement, options: CostOptions | None = None,
+                       tolerance: float = 1e-6) -> float:
+    """The NIC efficiency (achieved / nominal bandwidth) at which the cost model predicts
+    the measured throughput, given the compute efficiency of `options`."""
+    options = options or CostOptions()
+    return _solve(lambda eff: predicted_samples_per_s(
+        dataclasses.replace(m, topology=with_nic_efficiency(m.topology, eff)), options),
+        m.samples_per_s, 1e-3, 1.0, "NIC efficiency", tolerance)
+
+
+@dataclass(frozen=True)
+class FabricFit:
+    """Holmes Table 1 fitted: one compute efficiency and one NIC efficiency per fabric."""
+
+    compute_efficiency: float
+    fabric_efficiency: dict[str, float]
+    anchor: str  # the fabric taken at its nominal rate
+
+
+def fit_fabrics(rows: Sequence[Measurement] | None = None) -> FabricFit:
+    """Fit Table 1's three rows with four unknowns (compute efficiency and three fabric
+    efficiencies): the rows fix the fabric efficiencies only relative to the compute
+    efficiency, so take the smallest compute efficiency at which no fabric beats its nominal
+    rate -- the one that puts the best fabric (here Ethernet, whose row implies a rate just
+    above its nominal 25 Gb/s at the InfiniBand-fitted compute efficiency) at efficiency 1 --
+    then fit each fabric's NIC efficiency at that compute efficiency."""
+    rows = list(rows or holmes_table1(nominal=True))
+    fits = {m.name: fit_efficiency(m) for m in rows}
+    anchor = max(fits, key=fits.get)  # its nominal rate asks the most of compute
+    options = CostOptions(efficiency=fits[anchor])
+    effs = {m.name: 1.0 if m.name == anchor else fit_nic_efficiency(m, options) for m in rows}
+    return FabricFit(fits[anchor], effs, anchor)
+
+
+def fit_nic_bandwidth(m: Measurement, options: CostOptions | None = None,
+                      tolerance: float = 1e-6) -> float:
+    """The NIC bandwidth (Gb/s) at which the cost model predicts the measured throughput:
+    the link's effective speed for this workload, given the compute efficiency."""
+    options = options or CostOptions()
+    return _solve(lambda gbps: predicted_samples_per_s(
+        dataclasses.replace(m, topology=with_nic_bandwidth(m.topology, gbps)), options),
+        m.samples_per_s, 0.01, 1e4, "NIC bandwidth", tolerance)
+
+
+def holmes_model() -> "ModelConfig":
+    """Holmes' GPT 3.6B (hidden 3072, 30 layers, 32 heads, GPT-2 vocabulary) with a SwiGLU MLP
+    of the same size (d_ff = 8/3 h) and full activation recompute, in bf16."""
+    from hetjax.core.model_config import ModelConfig
+
+    return ModelConfig(vocab_size=50257, d_model=3072, n_layers=30, n_heads=32, n_kv_heads=32,
+                       d_ff=8192, max_seq_len=2048, remat="full", dtype="bfloat16",
+                       param_dtype="bfloat16")
+
+
+# Holmes Table 1: samples per second of GPT 3.6B on 4 nodes x 8 A100 (PP 2, TP 1, DP 16,
+# global batch 768, sequence 2048).
+HOLMES_TABLE1 = {"infiniband": 99.23, "roce": 80.54, "ethernet": 61.32}
+
+
+def holmes_table1(microbatch_per_replica: int = 1, nominal: bool = False) -> list[Measurement]:
+    """The three rows as Measurements. Holmes runs Megatron-LM (1F1B, a ZeRO-1 style
+    distributed optimizer); the micro-batch size is not reported (1 sequence per replica is
+    assumed, so M = 768 / 16 = 48). The links are the catalogue's (with its fabric
+    efficiencies), or at their nominal rates with `nominal`."""
+    model = holmes_model()
+    dp = 16
+    plan = Plan(pp=2, dp=dp, tp=1, stage_layers=(15, 15),
+                microbatches=768 // (dp * microbatch_per_replica), global_batch=768,
+                seq_len=2048, schedule="1f1b", zero=named("zero1", dp, 8))
+    def topology(nic):
+        t = preset(f"holmes_{nic}")
+        return nominal_links(t) if nominal else t
+
+    return [Measurement(nic, topology(nic), model, plan, rate, executor="megatron")
+            for nic, rate in HOLMES_TABLE1.items()]
+
+
+def holmes_range() -> FitRange:
+    """The flat model's default efficiency and the catalogue's fabric efficiencies were fitted
+    on Holmes Table 1 (GPT 3.6B on 32 A100; InfiniBand, RoCE, Ethernet)."""
+    # hetjax's MFU (no recompute FLOPs): samples/s x model FLOPs per sample over 32 peaks
+    model = holmes_model()
+    mfu = [v * model.flops_per_token(2048) * 2048 / (32 * 312e12)
+           for v in HOLMES_TABLE1.values()]
+    return FitRange("Holmes Table 1 (the flat model's efficiency 0.72)",
+                    (holmes_model().num_params,) * 2, (32, 32),
+                    ("ethernet", "infiniband", "nvlink", "roce"), ("a100",),
+                    (min(mfu), max(mfu)))
+
+
+# --- Megatron-LM Table 1: the per-kind compute rates ---------------------------------------------
 SEQ_LEN = 2048
 VOCAB = 51200
 A100_PEAK_TFLOPS = 312.0
@@ -228,8 +399,6 @@ def megatron_range():
     """What compute.FITTED was fitted on (the plausibility guard's range for compute "kinds"
     without a calibration file): the two fitted rows' model sizes and device counts, Selene's
     fabric, A100s; the MFU span of the whole table."""
-    from hetjax.planner.calibrate import FitRange
-
     rows = [row(n) for n in FITTED_ROWS]
     sizes = [megatron_model(r).num_params for r in rows]
     mfu = [model_flops_utilization(r) for r in MEGATRON_TABLE1]
@@ -266,6 +435,9 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["terms", "main", "megatron_range", "MegatronRow", "MEGATRON_TABLE1", "FITTED_ROWS", "row", "selene", "megatron_model",
-           "megatron_plan", "megatron_options", "predicted_tflops", "RowCheck", "check_table",
+__all__ = ["Measurement", "predicted_samples_per_s", "fit_efficiency", "fit_nic_efficiency",
+           "fit_nic_bandwidth", "with_nic_bandwidth", "with_nic_efficiency", "nominal_links",
+           "FabricFit", "fit_fabrics", "holmes_model", "holmes_table1", "HOLMES_TABLE1",
+           "holmes_range", "terms", "main", "megatron_range", "MegatronRow", "MEGATRON_TABLE1",
+           "FITTED_ROWS", "row", "selene", "megatron_model", "megatron_plan", "megatron_options", "predicted_tflops", "RowCheck", "check_table",
            "fit_megatron", "model_flops_utilization"]

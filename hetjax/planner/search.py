@@ -32,8 +32,9 @@ from hetjax.errors import PlanError
 from hetjax.core.plan import (Plan, ZeroFactors, batch_split_problem, even_split, name_problems,
                          placement_problem, raise_first)
 from hetjax.planner import assign, partition, zero_factors as zr
-from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, Layout,
-                                 MissingLinkError, StageCost, runs_schedule)
+from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCost, runs_schedule
+from hetjax.planner.layout import Layout
+from hetjax.planner.network import MissingLinkError
 from hetjax.planner.placement import placement_problems
 from hetjax.planner.simulate import (closed_form, exposed, folded_ticks, in_flight, lockstep_ticks,
                                      lower_bound)
@@ -191,7 +192,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                     if not fits_schedule(name, p, M, executor, schedules[0]) or (
                             placement_problem(place, name)):
                         continue
-                    todo.append((Layout(p, d, t, order, M, global_batch, seq_len, name,
+                    todo.append((Layout(pp=p, dp=d, tp=t, device_order=order, microbatches=M,
+                                        global_batch=global_batch, seq_len=seq_len, schedule=name,
                                         placement=place, remat=remat), orders, tag))
     floors = [s.cm.step_floor(lay) for lay, _, _ in todo]
     ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top) if prune else math.inf

@@ -3,7 +3,7 @@
 `simulate` plays the schedule (the same table the executor runs and the plot draws) with each
 stage's forward / backward time per micro-batch and each boundary's transfer time, in one of
 two ways:
-- asynchronous (`hetjax.core.schedules.timeline`): each stage runs its next action as soon as its
+- asynchronous (`hetjax.core.timeline.timeline`): each stage runs its next action as soon as its
   input has arrived, as Megatron-LM does; each stage's data-parallel gradient sync follows its
   last backward, of which a fraction `overlap` may hide behind that backward;
 - lockstep (`lockstep=True`): the tick grid (`hetjax.core.schedules.tick_table`) run as one SPMD
@@ -26,9 +26,10 @@ import numpy as np
 from hetjax.errors import PlanError
 from hetjax.core.plan import ScheduleSpec, resolve_schedule
 from hetjax.core.schedules import (SCHEDULES, Action, Event, Schedule, cell_tasks, tick_codes,
-                                tick_table, timeline)
-from hetjax.core.schedules import folded_lockstep_ticks
-from hetjax.core.schedules import lockstep_ticks as schedules_lockstep_ticks
+                                   tick_table)
+from hetjax.core.timeline import timeline
+from hetjax.planner.lockstep import folded_lockstep_ticks
+from hetjax.planner.lockstep import lockstep_ticks as schedules_lockstep_ticks
 
 
 def exposed(comm: float, window: float, overlap: float) -> float:
@@ -108,7 +109,7 @@ def lockstep_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                    bwd: Sequence[float], send_fwd: Sequence[float] = (),
                    send_bwd: Sequence[float] = ()) -> np.ndarray:
     """Duration of each tick of the named schedule's grid run in lockstep
-    (`hetjax.core.schedules.lockstep_ticks`, with the grid cached)."""
+    (`hetjax.planner.lockstep.lockstep_ticks`, with the grid cached)."""
     codes = grid_codes(schedule, len(fwd), microbatches)
     return schedules_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd)
 
@@ -118,7 +119,7 @@ def folded_ticks(schedule: str, microbatches: int, fwd: Sequence[float],
                  send_bwd: Sequence[float] = (), down_share: Sequence[float] = ()
                  ) -> np.ndarray:
     """Duration of each tick of a folded pipeline in lockstep: the named schedule's grid for
-    2 pp virtual stages, priced per device (`hetjax.core.schedules.folded_lockstep_ticks`)."""
+    2 pp virtual stages, priced per device (`hetjax.planner.lockstep.folded_lockstep_ticks`)."""
     codes = grid_codes(schedule, 2 * len(fwd), microbatches)
     return folded_lockstep_ticks(codes, fwd, bwd, send_fwd, send_bwd, down_share)
 

@@ -12,7 +12,9 @@ The rule: a stage's key is the set of clusters its devices lie in (a stage that 
 clusters is its own fabric) plus their accelerator kinds; stages with equal keys form one
 world; worlds are numbered by their first stage. A world owns whole processes: a process
 (`hetjax.distributed.process_slots`) whose devices belong to two worlds is an error. A plan
-that is not MPMD, or has pp = 1, is one world. jax-free: the launcher and `hetjax plan` use it
+that is not MPMD, or has pp = 1, is one world. A process whose devices the plan leaves out,
+all of them, is in no world and is not started (`idle_processes`); the job then runs as
+bridged worlds even when there is one (`bridged`). jax-free: the launcher and `hetjax plan` use it
 before jax starts.
 """
 
@@ -81,6 +83,32 @@ def plan_worlds(plan: Plan, topology: Topology,
     return worlds
 
 
+def idle_processes(plan: Plan, slots: tuple[ProcessSlot, ...]) -> list[ProcessSlot]:
+    """The processes whose devices the plan leaves out, every one of them: `hetjax launch`
+    does not start them (the plan's worlds have none of their ranks)."""
+    used = set(plan.device_order)
+    return [slot for slot in slots if not used.intersection(slot.ranks)]
+
+
+def bridged(plan: Plan, worlds: list[World], slots: tuple[ProcessSlot, ...]) -> bool:
+    """Whether the job runs as worlds joined by the bridge, each its own jax.distributed job:
+    several worlds, or processes left out (a world's job then holds only some of the
+    topology's ranks, and only the worlds executor places stages by rank on such a job)."""
+    return len(worlds) > 1 or bool(idle_processes(plan, slots))
+
+
+def idle_problem(plan: Plan, idle: list[ProcessSlot]) -> str | None:
+    """Why a plan that leaves whole processes idle cannot run so, or None: only the MPMD
+    executor's worlds run on a job without some of the topology's processes."""
+    if not idle or (plan.executor == "mpmd" and plan.pp > 1):
+        return None
+    nodes = sorted(n for slot in idle for n in slot.nodes)
+    return (f"the plan uses none of the devices of process(es) {[s.index for s in idle]} "
+            f"(topology nodes {nodes}), which would not be started, and only a pipeline under "
+            "the MPMD executor runs without them. Fix: set --config.pipeline.executor=mpmd "
+            "with parallel.pp >= 2, or let the plan use those nodes (parallel.exclude)")
+
+
 def world_of_stage(worlds: list[World], s: int) -> World:
     return next(w for w in worlds if s in w.stages)
 
@@ -119,4 +147,5 @@ def _span(xs) -> str:
     return ",".join(map(str, xs))
 
 
-__all__ = ["World", "plan_worlds", "world_of_stage", "world_lines", "stage_key"]
+__all__ = ["World", "plan_worlds", "world_of_stage", "world_lines", "stage_key",
+           "idle_processes", "bridged", "idle_problem"]

@@ -8,7 +8,7 @@ of its dp data-parallel devices. hetjax's mesh factors the dp axis into (dp / s_
 s_p) with P innermost, so a valid point has s_p | s_os | dp and s_g in {s_p, s_os}; AMSP's
 "fill a node before spanning nodes" rule, checked on the real placement: every block of a
 factor's consecutive DP members lies inside one node or consists of whole nodes. Config
-validation (hetjax/config.py), `plan_from_config` and the search all call these rules; parallel/
+validation (hetjax.config), `plan_from_config` and the search all call these rules; parallel/
 only executes the point a Plan carries. Collective times come from the cost model
 (`hetjax.planner.cost`), passed in as a function, so this module holds only the algebra, for
 two ways of running the step:
@@ -292,19 +292,41 @@ def zero_times(f: ZeroFactors, p_bytes: float, g_bytes: float, dp_groups: np.nda
 
 # --- the factors of a config on a plan ----------------------------------------------------
 def replica_nodes(plan: Plan, topology: Topology) -> np.ndarray:
-    """[groups, dp]: the node of each member of each of the plan's data-parallel groups."""
+    """[groups, dp]: the node of each member of each of the plan's data-parallel groups (a
+    plan whose stages share one shape; `stage_replica_nodes` is every plan's)."""
     return np.array([[topology.devices[r].global_node for r in g] for g in plan.dp_groups()])
+
+
+def stage_replica_nodes(plan: Plan, topology: Topology) -> list[np.ndarray]:
+    """Per stage, [tp_s, dp_s]: the node of each member of each of its data-parallel groups."""
+    return [np.vectorize(lambda r: topology.devices[int(r)].global_node, otypes=[np.int64])(
+        plan.stage_mesh(s).T) for s in range(plan.pp)]
+
+
+def plan_valid_factors(plan: Plan, topology: Topology) -> list[int]:
+    """The sharding factors every stage's placement allows (`valid_factors` of each stage)."""
+    if plan.uniform:
+        return valid_factors(replica_nodes(plan, topology))
+    sets = [set(valid_factors(n)) for n in stage_replica_nodes(plan, topology)]
+    return sorted(set.intersection(*sets))
+
+
+def _dp_text(plan: Plan) -> str:
+    dps = sorted({d for d, _ in plan.shapes()})
+    return f"dp = {dps[0]}" if len(dps) == 1 else f"the stages' dp {dps}"
 
 
 def check_factors(z: ZeroFactors, plan: Plan, topology: Topology) -> None:
     """Raise ConfigError unless (s_p, s_g, s_os) keeps AMSP's ordering, divisibility and
-    node-filling rules for the plan's dp and placement; the message lists the valid choices."""
-    valid = valid_factors(replica_nodes(plan, topology))
-    rule = (f"valid factors for dp = {plan.dp} on {topology.name!r}: {valid} (divisors of dp "
+    node-filling rules for the plan's dp and placement (every stage's, with per-stage
+    shapes); the message lists the valid choices."""
+    valid = plan_valid_factors(plan, topology)
+    dp = _dp_text(plan)
+    rule = (f"valid factors for {dp} on {topology.name!r}: {valid} (divisors of dp "
             "whose groups stay inside a node or take whole nodes)")
     for name, s in (("s_p", z.s_p), ("s_g", z.s_g), ("s_os", z.s_os)):
         if s not in valid:
-            raise ConfigError(f"zero.{name}", f"{name} = {s} is not usable with dp = {plan.dp}",
+            raise ConfigError(f"zero.{name}", f"{name} = {s} is not usable with {dp}",
                               f"choose from the {rule}")
     check_order(z.s_p, z.s_g, z.s_os)
 
@@ -316,8 +338,20 @@ def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
                           "build the plan with hetjax.planner.plan_from_config")
     if zc.preset == "custom":
         z = ZeroFactors(zc.s_p, zc.s_g, zc.s_os, name="custom")
-    else:
+    elif plan.uniform:
         z = named(zc.preset, plan.dp, node_local_factor(replica_nodes(plan, topology)))
+    else:  # per-stage shapes: one point, valid on every stage
+        dps = {d for d, _ in plan.shapes()}
+        if zc.preset != "ddp" and len(dps) > 1:
+            raise ConfigError("zero.preset", f"{zc.preset!r} shards over all of a stage's dp "
+                              f"devices, but the stages' dp differ ({sorted(dps)})",
+                              "use zero.preset=ddp, or zero.preset=custom with factors that "
+                              f"divide every stage's dp: {plan_valid_factors(plan, topology)}")
+        valid = plan_valid_factors(plan, topology)
+        local = max(s for s in valid if all(
+            (n.reshape(len(n), -1, s) == n.reshape(len(n), -1, s)[..., :1]).all()
+            for n in stage_replica_nodes(plan, topology)))
+        z = named(zc.preset, plan.dp, local)
     check_factors(z, plan, topology)
     return z
 

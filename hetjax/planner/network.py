@@ -1,0 +1,265 @@
+"""Network pricing: what moving bytes between a topology's ranks costs.
+
+`Network` interns the topology's links and prices collectives (all-reduce, reduce-scatter,
+all-gather; NCCL's algorithm choice of hetjax/planner/collectives.py, or the flat alpha-beta
+ring) and point-to-point transfers over concurrent rank groups: each group on the slowest link
+it crosses, a node's NIC bandwidth shared by the concurrent groups that leave that node, and a
+calibrated `LinkFit` per link class and operation used instead of the topology's links when
+`hetjax calibrate` measured one. The cost model (hetjax/planner/cost.py) holds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetjax.core.topology import Link, Topology
+from hetjax.errors import PlanError, TopologyError
+from hetjax.planner import collectives as coll
+from hetjax.units import BYTES_PER_GBIT
+
+_ON_NODE = ("loopback", "nvlink", "pcie")  # links that do not go through a node's NIC
+COLLECTIVE_MODELS = ("nccl", "ring")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Achieved bus bandwidth and per-hop latency of one operation on one link class, as
+    measured by `hetjax calibrate` (hetjax/planner/calibrate.py)."""
+
+    bandwidth_gbps: float
+    latency_us: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * BYTES_PER_GBIT
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+class MissingLinkError(PlanError):
+    """A layout puts traffic between two clusters that no link joins."""
+
+
+def ring_time(op: str, nbytes: float, group: int, link: Link) -> float:
+    """Alpha-beta ring collective of `nbytes` over `group` devices on `link`: all_reduce
+    2(p-1)(a + v/(p b)), reduce_scatter / all_gather (p-1)(a + v/(p b))."""
+    return coll.flat_ring_time(op, nbytes, group, link.bytes_per_s, link.latency_s)
+
+
+@dataclass(frozen=True)
+class _Net:
+    """Concurrent groups' links (see Network.net), one entry per distinct kind of group."""
+
+    ids: np.ndarray  # slowest link id of each group
+    kinds: np.ndarray  # [distinct, 5]: slowest link id, NIC flows, nodes, max per node,
+    # intra-node link id (groups alike in these are priced alike)
+
+
+class Network:
+    """Prices traffic between the ranks of `topology`. share_nics: concurrent groups leaving a
+    node split its NIC bandwidth; collectives: "nccl" (NCCL's cheapest algorithm) or "ring"
+    (the flat alpha-beta ring); link_fits: measured bandwidth and latency per link kind and
+    operation ("all_reduce", "reduce_scatter", "all_gather", "p2p")."""
+
+    def __init__(self, topology: Topology, share_nics: bool = True, collectives: str = "nccl",
+                 link_fits: dict[str, dict[str, LinkFit]] | None = None):
+        self.topology = topology
+        self.share_nics = share_nics
+        self.collectives = collectives
+        self.link_fits = link_fits or {}
+        devs = topology.devices
+        self.cluster = np.array([d.cluster for d in devs])  # of each rank
+        self.node = np.array([d.global_node for d in devs])  # of each rank
+        self._node_cluster = np.array([c for c, cl in enumerate(topology.clusters)
+                                       for _ in range(cl.nodes)])
+        # Links interned by id, so a group's link is an index into these arrays.
+        self.links: list[Link] = []
+        self._intra_id = np.array([self.link_id(c.intra_node) for c in topology.clusters])
+        self._nic_id = np.array([self.link_id(c.nic) for c in topology.clusters])
+        self._nets: dict[tuple, _Net] = {}
+
+    def link_id(self, link: Link) -> int:
+        if link not in self.links:
+            self.links.append(link)
+        return self.links.index(link)
+
+    def net(self, groups: np.ndarray) -> "_Net":
+        """The links of concurrent rank groups `groups` [instances, size]: each row's slowest
+        link, and the distinct (bandwidth, latency) the rows see once the groups that leave
+        one node share its NIC (cached: the search prices the same groups many times)."""
+        key = (groups.shape, groups.tobytes())
+        if key in self._nets:
+            return self._nets[key]
+        nodes, clusters = self.node[groups], self.cluster[groups]
+        snodes = np.sort(nodes, axis=1)
+        new_node = np.ones_like(snodes, dtype=bool)
+        new_node[:, 1:] = snodes[:, 1:] != snodes[:, :-1]
+        one_node = ~new_node[:, 1:].any(axis=1)
+        one_cluster = (clusters == clusters[:, :1]).all(axis=1) & new_node.all(axis=1)
+        ids = np.where(one_node, self._intra_id[clusters[:, 0]], self._nic_id[clusters[:, 0]])
+        mixed = np.flatnonzero(~(one_node | one_cluster))
+        if len(mixed):
+            ids[mixed] = self._mixed_link_ids(groups[mixed], snodes[mixed], new_node[mixed])
+        links = self.links
+        off = np.array([lk.kind not in _ON_NODE for lk in links])[ids] & ~one_node
+        flows = np.ones(len(groups), dtype=int)
+        if self.share_nics and off.any():
+            counts = np.bincount(snodes[off][new_node[off]], minlength=self.node.max() + 1)
+            flows = np.where(off, counts[snodes].max(axis=1), 1)
+        # Members per node: the longest run of one node in the sorted row.
+        pos = np.arange(groups.shape[1])
+        run_start = np.maximum.accumulate(np.where(new_node, pos, 0), axis=1)
+        per_node = (pos - run_start + 1).max(axis=1)
+        # The slower intra-node link of the first and last member's cluster.
+        ends = self._intra_id[clusters[:, [0, -1]]]
+        intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
+        intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
+        kinds = np.stack([ids, flows, new_node.sum(axis=1), per_node, intra], axis=1)
+        net = _Net(ids, unique_rows(kinds))
+        self._nets[key] = net
+        return net
+
+    def _mixed_link_ids(self, groups: np.ndarray, snodes: np.ndarray,
+                        new_node: np.ndarray) -> np.ndarray:
+        """Link ids of groups spanning clusters (or nodes, with some node holding two
+        members). Topology.group_link decides from three facts per cluster: present, spanning
+        nodes, holding two members on one node; groups alike in those share the answer."""
+        node_cluster = self._node_cluster[snodes]
+        same_cluster = node_cluster[:, 1:] == node_cluster[:, :-1]
+        shape = np.concatenate([
+            np.eye(len(self.topology.clusters), dtype=bool)[node_cluster].any(axis=1),
+            _flag(node_cluster[:, 1:], new_node[:, 1:] & same_cluster, self.topology),
+            _flag(node_cluster[:, 1:], ~new_node[:, 1:], self.topology)], axis=1)
+        first, inverse = unique_rows(shape, return_index=True, return_inverse=True)[1:]
+        try:
+            ids = [self.link_id(self.topology.group_link(self._witness(groups[i])))
+                   for i in first]
+        except TopologyError as e:
+            raise MissingLinkError(f"the layout needs a link that does not exist: {e}") from None
+        return np.asarray(ids)[inverse.ravel()]
+
+    def _witness(self, ranks: np.ndarray) -> list[int]:
+        """A few of `ranks` with the same three facts per cluster (at most two nodes of a
+        cluster, two members of a node), so group_link stays cheap on large groups."""
+        keep, nodes_of, doubled = [], {}, set()
+        for r in sorted(ranks.tolist(), key=lambda r: self.node[r]):
+            c, node = self.cluster[r], self.node[r]
+            seen = nodes_of.setdefault(c, [])
+            if node not in seen and len(seen) < 2:
+                seen.append(node)
+                keep.append(r)
+            elif node in seen and c not in doubled:
+                doubled.add(c)
+                keep.append(r)
+        return keep
+
+    def node_of(self, ranks: np.ndarray) -> np.ndarray:
+        """The (global) node of each rank."""
+        return self.node[np.asarray(ranks)]
+
+    def nic_flows(self, groups: np.ndarray) -> int:
+        """The most concurrent groups of `groups` sharing one node's NIC (1: none shared)."""
+        return int(self.net(np.asarray(groups)).kinds[:, 1].max())
+
+    def group_links(self, groups: np.ndarray) -> list[Link]:
+        """Slowest link of each row of `groups`."""
+        return [self.links[i] for i in self.net(np.asarray(groups)).ids]
+
+    def _group(self, op: str, kind: np.ndarray, p: int) -> coll.Group:
+        """The collectives model's view of one kind of group (see _Net.kinds), with the
+        calibrated bandwidth and latency of `op` on its links when a calibration has them."""
+        link_id, flows, nodes, per_node, intra_id = (int(x) for x in kind)
+        bw, lat = self._achieved(self.links[link_id], op)
+        bw_intra, lat_intra = self._achieved(self.links[intra_id], op)
+        return coll.Group(p, nodes, per_node, bw / flows, lat, bw_intra, lat_intra)
+
+    def _achieved(self, lk: Link, op: str) -> tuple[float, float]:
+        """Bandwidth [bytes/s] and latency [s] of `op` on link `lk`: the calibration's fit for
+        the link's class, else the link's achieved bandwidth (nominal x efficiency)."""
+        fit = self.link_fits.get(lk.kind, {}).get(op)
+        if fit is not None:
+            return fit.bytes_per_s, fit.latency_s
+        return lk.bytes_per_s, lk.latency_s
+
+    def collective(self, op: str, nbytes: float, groups: np.ndarray) -> float:
+        """Time of collective `op` run concurrently by every row of `groups`: the slowest
+        row's, each priced with NCCL's algorithm choice (hetjax/planner/collectives.py), or
+        the flat alpha-beta ring with CostOptions(collectives="ring")."""
+        return self.collective_choice(op, nbytes, groups)[0]
+
+    def collective_choice(self, op: str, nbytes: float, groups: np.ndarray
+                          ) -> tuple[float, str]:
+        """(time, algorithm) of the slowest row of `groups` (see `collective`)."""
+        groups = np.asarray(groups)
+        p = groups.shape[1]
+        if p <= 1 or nbytes <= 0:
+            return 0.0, "none"
+        return self.choice_on(self.net(groups), op, nbytes, p)
+
+    def choice_on(self, net: "_Net", op: str, nbytes: float, p: int) -> tuple[float, str]:
+        """`collective_choice` on groups of p members whose links `net` describes."""
+        worst = (0.0, "none")
+        for kind in net.kinds:
+            g = self._group(op, kind, p)
+            if self.collectives == "ring":
+                t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
+            else:
+                t = coll.collective_time(op, nbytes, g)
+            worst = max(worst, t)
+        return worst
+
+
+    def transfer(self, nbytes: float, pairs: np.ndarray) -> tuple[float, Link]:
+        """Concurrent point-to-point transfers between each row's two ranks: the slowest, and
+        its link."""
+        return self.transfer_on(self.net(np.asarray(pairs)), nbytes)
+
+    def transfer_on(self, net: "_Net", nbytes: float) -> tuple[float, Link]:
+        """`transfer` over pairs whose links `net` describes."""
+        best = (-1.0, None)
+        for kind in net.kinds:
+            lk = self.links[int(kind[0])]
+            bw, lat = self._achieved(lk, "p2p")
+            t = lat + nbytes * kind[1] / bw
+            if t > best[0]:
+                best = (float(t), lk)
+        return best
+
+
+def unique_rows(rows: np.ndarray, return_index: bool = False, return_inverse: bool = False):
+    """`np.unique(rows, axis=0, ...)` for small non-negative integer (or bool) rows, sorted
+    alike: each row is read as one mixed-radix integer (first column most significant), which
+    np.unique sorts many times faster than rows (the search calls this for every distinct
+    group of ranks it prices). Falls back to np.unique(axis=0) if the code would overflow."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.size == 0 or (rows.dtype != bool and rows.min() < 0):
+        return np.unique(rows, axis=0, return_index=return_index,
+                         return_inverse=return_inverse)
+    radix = rows.max(axis=0).astype(np.int64) + 1
+    if float(np.prod(radix.astype(float))) >= 2.0 ** 62:
+        return np.unique(rows, axis=0, return_index=return_index,
+                         return_inverse=return_inverse)
+    place = np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
+    code = rows.astype(np.int64) @ place
+    _, index, inverse = np.unique(code, return_index=True, return_inverse=True)
+    out = rows[index]
+    if not (return_index or return_inverse):
+        return out
+    return (out,) + ((index,) if return_index else ()) + \
+        ((inverse.reshape(-1),) if return_inverse else ())
+
+
+def _flag(clusters: np.ndarray, where: np.ndarray, topology: Topology) -> np.ndarray:
+    """[groups, n_clusters]: whether `where` holds at some position of that cluster."""
+    out = np.zeros((len(clusters), len(topology.clusters)), dtype=bool)
+    rows, cols = np.nonzero(where)
+    out[rows, clusters[rows, cols]] = True
+    return out
+
+
+__all__ = ["Network", "LinkFit", "MissingLinkError", "COLLECTIVE_MODELS", "ring_time",
+           "unique_rows"]

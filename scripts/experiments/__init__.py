@@ -1,5 +1,0 @@
-"""The testbed experiments: `harness` (what both share: workload, runs,
-calibrated predictions, CPU watch, reports), `hetnet` (Holmes: heterogeneous NICs) and
-`hetaccel` (HetHub: heterogeneous accelerators). scripts/bench_hetnet.py and
-scripts/bench_hetaccel.py are their entry points; tests/test_experiments.py tests them here.
-"""
