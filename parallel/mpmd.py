@@ -488,7 +488,8 @@ class MpmdExecutor(Executor):
         self.schedule = resolve_schedule(self.plan)
         self.program = pg.lower(self.schedule)
         self.chunks = model_chunks(self.plan.stage_layers, self.schedule.placement())
-        self.loss_dp = self.plan.stage_shape(self.chunks[-1].stage)[0]  # the head stage's dp
+        # the head stage's per-device loss slices (dp_s / ep)
+        self.loss_dp = self.plan.ep_replicas(self.chunks[-1].stage)
 
     @classmethod
     def create(cls, plan, topology, model_cfg, optimizer, runtime):
