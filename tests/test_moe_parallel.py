@@ -161,3 +161,24 @@ def test_diloco_sites_with_expert_parallelism_synchronise_experts_and_router(tmp
     assert float(np.abs(router[0] - router[1]).max()) > 1e-4  # the router did learn
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_compiled_flops_follow_the_active_parameters():
+    """Capacity dispatch at factor 1 runs each token through k experts only: the compiled
+    step's FLOPs are within 5% of 6 x active parameters x tokens (the rest: attention's
+    QK^T / AV, elementwise work, AdamW over all parameters). One layer, since XLA's cost
+    analysis counts a loop's body once."""
+    config = tiny_config(**{**MOE, "model.n_experts": 4, "model.moe_d_ff": 512,
+                            "model.d_model": 256, "model.d_ff": 512, "model.n_layers": 1,
+                            "model.n_kv_heads": 4, "model.remat": "none",
+                            "model.moe_dispatch": "capacity", "model.moe_capacity_factor": 1.0,
+                            "train.batch_size": 32, "topology.preset": "cpu_single",
+                            "topology.devices_per_node": 1, "parallel.dp": 1})
+    trainer = Trainer(config, quiet=True)
+    cost = trainer.executor.compiled_step(trainer.state).cost_analysis()
+    flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    m = trainer.executor.model_cfg
+    tokens = config.train.batch_size * config.train.seq_len
+    assert m.num_params > 1.6 * m.active_params  # the experts the tokens skip are many
+    assert flops == pytest.approx(6 * m.active_params * tokens, rel=0.05)
