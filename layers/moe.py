@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from hetjax.core.model_config import ModelConfig, capacity_slots
+from hetjax.core.model_config import ModelConfig
 from hetjax.core.plan import DP_AXES, EXPERT_AXIS
 from hetjax.layers.attention import dense_init
 from hetjax.layers.mlp import MLP
@@ -103,9 +103,6 @@ def balance_loss(probs, experts, n_experts: int):
 def z_loss(logits):
     """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-
-
-capacity = capacity_slots  # ceil(factor * tokens * k / E) slots per expert, in [1, tokens]
 
 
 # --- the experts ---------------------------------------------------------------------------------
@@ -278,29 +275,26 @@ def _exchange_dispatch(x, experts, weights, w, n_experts: int, ep: int, mode: st
     return y, jnp.sum(~keep).astype(jnp.float32)
 
 
-def expert_parallel_dispatch(x, experts, weights, w, cfg: ModelConfig, ep: int):
-    """Run `_exchange_dispatch` on each device's tokens with the experts split over the
-    ambient mesh's 'expert' axis; x [B, L, d], experts / weights [B, L, k]. Returns the output
-    [B, L, d] and the dropped assignments (a global count).
-
-    The shard_map is manual over every data axis: the rows are split as the logical 'batch'
-    says here (over the data axes and 'expert' in one program; over 'expert' alone inside the
-    executors' per-device vmap, whose batching adds the data axes to the specs itself)."""
+def row_split() -> tuple[str, ...]:
+    """The mesh axes the exchange splits a batch's rows over: the logical 'batch' here (the
+    data axes and 'expert' in one program; 'expert' alone inside the executors' per-device
+    vmap, whose batching adds the data axes to the specs itself), always with 'expert'."""
     mesh = jax.sharding.get_abstract_mesh()
     split = nn.logical_to_mesh_axes(("batch",))[0]
     split = tuple(a for a in ((split,) if isinstance(split, str) else split or ())
                   if mesh.shape.get(a, 1) > 1 or a == EXPERT_AXIS)
-    if EXPERT_AXIS not in split:
-        split += (EXPERT_AXIS,)
-    parts = math.prod(mesh.shape[a] for a in split)
-    b, l, _ = x.shape
-    if b % parts:
-        from hetjax.errors import HetjaxError
+    return split if EXPERT_AXIS in split else split + (EXPERT_AXIS,)
 
-        raise HetjaxError(f"expert parallelism splits a micro-batch's {b} rows over {parts} "
-                          f"devices. Fix: make the rows per micro-batch a multiple of {parts} "
-                          "(train.batch_size / train.microbatches)")
-    tokens = (b // parts) * l
+
+def expert_parallel_dispatch(x, experts, weights, w, cfg: ModelConfig, ep: int):
+    """Run `_exchange_dispatch` on each device's tokens with the experts split over the
+    ambient mesh's 'expert' axis; x [B, L, d] (B a multiple of the devices `row_split`
+    names), experts / weights [B, L, k]. Returns the output [B, L, d] and the dropped
+    assignments (a global count). The shard_map is manual over every data axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = row_split()
+    b, l, _ = x.shape
+    tokens = (b // math.prod(mesh.shape[a] for a in split)) * l
     k = experts.shape[-1]
     slots = cfg.expert_slots(tokens)
     # the exchange fills fixed queues either way; only capacity dispatch lets them overflow
@@ -390,6 +384,11 @@ class MoE(nn.Module):
         mode = "dropless" if cfg.moe_dispatch == "auto" else cfg.moe_dispatch
         # (initialisation traces one row: only the parameters' shapes matter then)
         ep = 1 if self.is_initializing() else expert_parallelism()
+        if ep > 1 and b % math.prod(jax.sharding.get_abstract_mesh().shape[a]
+                                    for a in row_split()):
+            # rows that do not split over the exchange's devices (a few prompts decoding):
+            # every device runs the layer on all of them, the experts gathered where needed
+            ep = 1
         dropped = jnp.zeros((), jnp.float32)
         if ep > 1:
             y, dropped = expert_parallel_dispatch(
@@ -401,8 +400,8 @@ class MoE(nn.Module):
             elif mode == "dropless":
                 y = dispatch_dropless(xt, experts, weights, w, e)
             else:
-                y, dropped = dispatch_capacity(xt, experts, weights, w, e, capacity(
-                    b * l, k, e, cfg.moe_capacity_factor))
+                y, dropped = dispatch_capacity(xt, experts, weights, w, e,
+                                               cfg.expert_slots(b * l))
             y = y.reshape(b, l, d)
 
         if cfg.shared_expert_d_ff:

@@ -46,6 +46,12 @@ def test_expert_parallel_steps_equal_one_device(single, ep):
     # each device holds n_experts / ep experts
     gate = trainer.state.params["layers"]["block"]["moe"]["experts"]["gate"]
     assert gate.addressable_shards[0].data.shape[1] == 8 // ep
+    # evaluation runs the exchange too, and sampling a prompt that does not split over the
+    # devices runs the layer whole
+    toks = np.random.default_rng(0).integers(0, 256, (16, 17))
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    assert trainer.evaluate(batch) == pytest.approx(single[0].evaluate(batch), rel=1e-5)
+    assert trainer.generate("the", 4) == single[0].generate("the", 4)
 
 
 @pytest.fixture(scope="module")

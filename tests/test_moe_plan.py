@@ -93,7 +93,8 @@ def test_planner_searches_the_ep_degree_and_counts_the_experts_memory():
     assert per_device[1] - per_device[8] == pytest.approx(model.expert_params * 7 / 8)
 
 
-@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+@pytest.mark.parametrize("dispatch", ["capacity",
+                                      pytest.param("dropless", marks=pytest.mark.slow)])
 def test_compiled_all_to_alls_equal_the_cost_models(dispatch):
     """The all-to-alls of the compiled step (bytes, replica groups over 'expert', executions)
     are the ones the cost model prices."""

@@ -135,6 +135,14 @@ class ModelConfig:
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
 
+    @property
+    def active_d_ff(self) -> int:
+        """The feed-forward width one token passes: d_ff, or in an MoE layer its k experts'
+        and the shared expert's (what the planner's compute and activations follow)."""
+        if not self.is_moe:
+            return self.d_ff
+        return self.experts_per_token * self.expert_d_ff + self.shared_expert_d_ff
+
     def moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) is an MoE layer."""
         return (self.is_moe and i >= self.first_dense_layers

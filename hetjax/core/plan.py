@@ -563,6 +563,10 @@ def tp_problems(tp: int, model: Any, field: str = "parallel.tp") -> list[Problem
     parallel.stage_tp with it, `Plan.problems` every stage's tp."""
     dims = {"model.n_heads": model.n_heads, "model.n_kv_heads": model.n_kv_heads,
             "model.d_ff": model.d_ff}
+    if getattr(model, "n_experts", 0):  # an MoE model's experts are split alike
+        dims["model.moe_d_ff"] = model.moe_d_ff or model.d_ff
+        if model.shared_expert_d_ff:
+            dims["model.shared_expert_d_ff"] = model.shared_expert_d_ff
     common = _divisors(math.gcd(*dims.values()))
     return [Problem(field, f"tp = {tp} does not divide {f} = {v}; tensor parallelism splits it",
                     f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "

@@ -332,7 +332,8 @@ class _Search:
                                 f"stages but pp = {pp}; give pp = {len(stage_layers)}")
             pp = len(stage_layers)
         per_node = math.gcd(*(c.devices_per_node for c in self.topology.clusters))
-        tp_ok = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, per_node)
+        tp_ok = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, per_node,
+                         *((m.expert_d_ff, m.shared_expert_d_ff) if m.is_moe else ()))
         if pp > n:
             raise PlanError(
                 f"pp = {pp} pipeline stages need at least {pp} devices (one per stage), but "
