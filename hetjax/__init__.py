@@ -2,9 +2,9 @@
 
 The public API is small: `Topology` and `preset` describe hardware, `Plan` is a training
 layout, `load_config` reads a config file (its workdir defaulting to runs/python, apart from
-the `hetjax` command's runs/default), and `Trainer` trains. Names that need JAX are imported
-lazily, so `import hetjax` does not start JAX (the CLI sizes the simulated CPU device
-count from the topology first).
+the `hetjax` command's runs/default), and `Trainer` trains (built from `TrainerParts`). Names
+that need JAX are imported lazily, so `import hetjax` does not start JAX (the CLI sizes the
+simulated CPU device count from the topology first).
 """
 
 from hetjax.config import base_config, validate
@@ -15,7 +15,8 @@ from hetjax.core.topology import Topology, preset
 
 __version__ = "0.1.0"
 
-_LAZY = {"Trainer": ("hetjax.train", "Trainer")}
+_LAZY = {"Trainer": ("hetjax.train", "Trainer"),
+         "TrainerParts": ("hetjax.train", "TrainerParts")}
 
 
 def __getattr__(name):
@@ -27,5 +28,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'hetjax' has no attribute {name!r}")
 
 
-__all__ = ["Topology", "preset", "Plan", "ZeroFactors", "Trainer", "base_config", "load_config",
-           "validate", "HetjaxError", "ConfigError", "PlanError", "TopologyError"]
+__all__ = ["Topology", "preset", "Plan", "ZeroFactors", "Trainer", "TrainerParts", "base_config",
+           "load_config", "validate", "HetjaxError", "ConfigError", "PlanError", "TopologyError"]

@@ -24,7 +24,9 @@ refused from its metadata, before any array is read.
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +40,58 @@ from hetjax.errors import HetjaxError
 # Test-only: seconds to hold every save open after its files are written and before orbax
 # commits it (renames it into place), so a test can kill the process mid-save for certain.
 HOLD_ENV = "HETJAX_TEST_HOLD_SAVE_S"
+# tensorstore reports a failed write (a full disk, a read-only file system) as a ValueError
+# whose text carries the system's error code; orbax raises it from its writer threads.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def storage_error(e: BaseException, directory: str) -> OSError | None:
+    """The OSError a failed checkpoint write stands for (on `directory`, the disk the user
+    chose), or None when `e` is not one."""
+    if isinstance(e, OSError):
+        return e
+    m = _OS_ERROR_CODE.search(str(e))
+    if not m:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), directory)
+
+
+class _StorageErrorEcho(logging.Filter):
+    """Drops the log records orbax's writer threads and asyncio's unretrieved tasks print for a
+    failed checkpoint write (one per thread and array, ~730 lines for a small model): the
+    Checkpointer raises it once, as an OSError the run reports in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not _OS_ERROR_CODE.search(text)
+
+
+_ECHO_FILTER = _StorageErrorEcho()
+
+
+def _quiet_storage_echoes() -> None:
+    for name in ("absl", "asyncio"):
+        log = logging.getLogger(name)
+        if _ECHO_FILTER not in log.filters:
+            log.addFilter(_ECHO_FILTER)
+    if not getattr(sys.excepthook, "hetjax_closed_loop", False):
+        sys.excepthook = _closed_loop_quiet(sys.excepthook)
+
+
+def _closed_loop_quiet(hook):
+    """`hook` without the 'Event loop is closed' reports tensorstore prints (through
+    sys.excepthook) for each write still in flight when orbax's save failed and closed its
+    event loop: the failure itself is reported once."""
+    def excepthook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            return
+        hook(kind, value, tb)
+
+    excepthook.hetjax_closed_loop = True
+    return excepthook
 
 
 class Layout(Protocol):
@@ -205,7 +259,14 @@ class Checkpointer:
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
         metrics = {"eval_loss": float(eval_loss)} if eval_loss is not None else None
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        _quiet_storage_echoes()
+        try:  # (waits for the previous save first, whose failure surfaces here)
+            self.manager.save(step, args=args, metrics=metrics, force=True)
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+            err = storage_error(e, self.directory)
+            if err is None:
+                raise
+            raise err from None
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -248,32 +309,30 @@ class Checkpointer:
     def _restore_newest(self, layout: Layout, step: int | None) -> Restored | None:
         if step is not None:
             return self._restore(layout, step)
-        for candidate in sorted(self.manager.all_steps(), reverse=True):
+        candidates = sorted(self.manager.all_steps(), reverse=True)
+        for i, candidate in enumerate(candidates):
             try:
                 return self._restore(layout, candidate)
             except _Unreadable as e:
-                self._set_aside(candidate, str(e))
+                self._set_aside(candidate, str(e), candidates[i + 1] if i + 1 < len(candidates)
+                                else None)
         return None
 
     def _stored_shapes(self, step: int) -> dict[str, tuple] | None:
         """The array shapes checkpoint `step` holds, from its metadata alone (None if that
         cannot be read: the restore itself then says what is wrong)."""
-        import logging
+        from hetjax.noise import quiet_absl
 
-        absl = logging.getLogger("absl")
-        level = absl.level
         # orbax warns that the item directory has no step metadata file (it is one level up)
-        absl.setLevel(logging.ERROR)
         try:
-            md = ocp.StandardCheckpointer().metadata(
-                os.path.join(self.directory, str(step), "state"))
+            with quiet_absl():
+                md = ocp.StandardCheckpointer().metadata(
+                    os.path.join(self.directory, str(step), "state"))
             tree = getattr(md, "item_metadata", md)  # a StepMetadata in newer orbax
             return {_key(path): tuple(m.shape)
                     for path, m in jax.tree_util.tree_leaves_with_path(tree)}
         except Exception:  # noqa: BLE001 - orbax raises many kinds; the restore reports them
             return None
-        finally:
-            absl.setLevel(level)
 
     def _check_shapes(self, step: int, target) -> None:
         """Refuse a checkpoint of another model before any array is read: orbax's reads that
@@ -313,9 +372,10 @@ class Checkpointer:
             raise _Unreadable(f"it holds NaN/Inf values in {', '.join(bad[:3])}")
         return Restored(step, layout.from_natural(r.state), dict(r.data), dict(r.meta))
 
-    def _set_aside(self, step: int, what: str) -> None:
+    def _set_aside(self, step: int, what: str, previous: int | None) -> None:
         """Rename an unreadable checkpoint to `<step>.corrupt` (kept for a post-mortem, out of
-        orbax's sight) and tell the user in one line."""
+        orbax's sight) and tell the user in one line what comes next: the `previous`
+        checkpoint, or (None) a start from step 0."""
         src = os.path.join(self.directory, str(step))
         dst = src + ".corrupt"
         n = 1
@@ -325,7 +385,9 @@ class Checkpointer:
         if jax.process_index() == 0:
             os.rename(src, dst)
             print(f"hetjax: checkpoint {step} in {self.directory} cannot be read ({what}); "
-                  f"moved aside to {os.path.basename(dst)}, trying the previous one",
+                  f"moved aside to {os.path.basename(dst)}, "
+                  + (f"trying the previous one ({previous})" if previous is not None else
+                     "and there is no earlier checkpoint: starting from step 0"),
                   file=sys.stderr, flush=True)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -336,7 +398,13 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until an asynchronous save in flight is committed."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+                err = storage_error(e, self.directory)
+                if err is None:
+                    raise
+                raise err from None
 
     def close(self) -> None:
         if self._manager is not None:

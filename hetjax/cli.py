@@ -67,9 +67,9 @@ PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 
 def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
-                      example: str = "out.json") -> None:
+                      example: str = "out.json", kind: str = "a plot") -> None:
     """An output file flag is checked before the work it saves: not a directory, in a
-    writable directory, and (for a plot) in a format we can write."""
+    writable directory, and (for `kind`, a plot or a results file) in a format we write."""
     where = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         name = f"out.{formats[0]}" if formats else example
@@ -80,7 +80,7 @@ def check_output_path(flag: str, path: str, formats: tuple[str, ...] = (),
                           f"writable; fix: create it, or give a path in an existing one")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if formats and ext not in formats:
-        raise HetjaxError(f"--{flag}={path}: cannot write a plot as "
+        raise HetjaxError(f"--{flag}={path}: cannot write {kind} as "
                           f"{'.' + ext if ext else 'a file without an extension'}; fix: end the"
                           " name with one of "
                           f"{', '.join('.' + f for f in formats)}")
@@ -233,7 +233,7 @@ def cmd_train(argv: list[str]) -> int:
     topology, spec = _start_devices(cfg)
     from hetjax.train import Trainer
 
-    trainer = Trainer(cfg, topology=topology)
+    trainer = Trainer.from_config(cfg, topology=topology)
     if spec is None or spec.process_id == 0:
         print(trainer.describe(), flush=True)
     trainer.train()
@@ -396,8 +396,8 @@ def cmd_plan(argv: list[str]) -> int:
         plan = plan_from_config(cfg, topology)
     model = model_from_config(cfg, topology=topology)
     if "step_time_s" not in plan.predicted and plan.uniform:  # a fixed layout: price it too
-        plan = dataclasses.replace(plan, predicted=predict_for_config(
-            cfg, plan, topology).as_dict())
+        plan = dataclasses.replace(plan, predicted={**plan.predicted, **predict_for_config(
+            cfg, plan, topology).as_dict()})
     print(topology.describe())
     print(plan.describe(topology))
     if "step_time_s" not in plan.predicted:
@@ -449,9 +449,9 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
-CALIBRATE_USAGE = """usage: hetjax calibrate [--out=PATH] [--plot=PATH] [--quick] [--batches=1,4]
-                        [--seq_lens=64,128] [--sizes=65536,1048576,4194304] [--repeats=3]
-                        [--min_sample=0.5]
+CALIBRATE_USAGE = """usage: hetjax calibrate [--out=PATH] [--plot=PATH] [--profile=PATH] [--quick]
+                        [--batches=1,4] [--seq_lens=64,128] [--sizes=65536,1048576,4194304]
+                        [--repeats=3] [--min_sample=0.5]
                         [--config=FILE] [--config.SECTION.FIELD=VALUE ...]
 
 Measure the cost model's inputs on the devices of this job: the model's decoder block,
@@ -459,15 +459,18 @@ forward and backward, per accelerator kind at several micro-batch sizes (--batch
 sequence lengths (--seq_lens, default train.seq_len / 2 and train.seq_len); all-reduce,
 reduce-scatter, all-gather and point-to-point per link class at several message sizes
 (--sizes, bytes) and group sizes; and each operation kind the cost model prices separately:
-matmuls of several sizes, attention per implementation, a memory-bound stream. Each time comes
+matmuls of several sizes, attention per implementation, a memory-bound stream; and, in one
+process, the layer split over each TP degree a node allows (compute profile rows). Each time comes
 from --repeats samples (compute: their mean; collectives: their median), a sample being as
 many back-to-back calls as last --min_sample seconds (averages out CPU quotas and clock
 changes; 0: one call). It states the number of measurements and an estimate first, prints each
 as it ends, and warns when a measurement's samples spread beyond 10%. --quick: one micro-batch
-size and sequence length, 2 short samples, two message sizes, no pipeline-staged block: about a
-minute. Writes a calibration file (default
+size and sequence length, 2 short samples, two message sizes, no pipeline-staged block and no
+TP degrees: about a minute. Writes a calibration file (default
 <workdir>/calibration.json) and a plot of measured vs modelled times (default next to it,
-.png), and prints both tables. Use it: hetjax plan --config.planner.calibration=PATH.
+.png), and prints both tables; --profile=PATH also writes the measurements as a compute profile
+(docs/planner.md). Use it: hetjax plan --config.planner.calibration=PATH (or
+--config.planner.profile=PATH).
 Under several processes: hetjax launch --local N --command=calibrate [--config...].
 """
 
@@ -502,9 +505,9 @@ def cmd_calibrate(argv: list[str]) -> int:
     opts, rest = take_options([a for a in argv if a not in CALIBRATE_FLAGS],
                               CALIBRATE_OPTIONS)
     cfg = _parse("calibrate", rest)
-    for name in ("out", "plot"):  # checked before the measurements, not after
+    for name in ("out", "plot", "profile"):  # checked before the measurements, not after
         if opts.get(name):
-            if name == "out":  # its directory is created when missing
+            if name in ("out", "profile"):  # its directory is created when missing
                 os.makedirs(os.path.dirname(os.path.abspath(opts[name])), exist_ok=True)
             check_output_path(name, opts[name], PLOT_FORMATS if name == "plot" else ())
     topology, spec = _start_devices(cfg)
@@ -529,7 +532,8 @@ def cmd_calibrate(argv: list[str]) -> int:
         min_sample_s=_seconds(opts.get("min_sample", str(q.get("min_sample_s",
                                                                measure.MIN_SAMPLE_S))),
                               "min_sample"),
-        optimizer=make_optimizer(cfg.train)[0], staged=not quick, progress=progress)
+        optimizer=make_optimizer(cfg.train)[0], staged=not quick, tp=not quick,
+        progress=progress)
     if not lead:
         return 0
     print(progress.summary())
@@ -538,6 +542,10 @@ def cmd_calibrate(argv: list[str]) -> int:
     print(cal.describe())
     print(f"wrote {save_calibration(cal, out)}")
     print(f"wrote {plot_calibration(cal, opts.get('plot') or os.path.splitext(out)[0] + '.png')}")
+    if opts.get("profile"):
+        from hetjax.planner.compute_profile import save_profile
+
+        print(f"wrote {save_profile(cal.profile(), opts['profile'])} (a compute profile)")
     print(f"use it: hetjax plan --config.planner.calibration={out}")
     return 0
 
@@ -565,9 +573,12 @@ def cmd_export(argv: list[str]) -> int:
     mb = opts.get("max_shard_mb", "2048")
     if not mb.isdigit() or int(mb) < 1:
         raise HetjaxError(f"--max_shard_mb={mb} is not a whole number >= 1; use e.g. 2048")
+    from hetjax import config as hconfig
     from hetjax.interop.hf_checkpoint import export_checkpoint
 
-    files = export_checkpoint(opts["checkpoint"], opts["out"], max_shard_bytes=int(mb) << 20)
+    files = export_checkpoint(opts["checkpoint"], opts["out"],
+                              hconfig.base_config().model.to_dict(),
+                              max_shard_bytes=int(mb) << 20)
     print(f"wrote {opts['out']}: {', '.join(files)}\nload it: "
           f"transformers.AutoModelForCausalLM.from_pretrained({opts['out']!r})")
     return 0

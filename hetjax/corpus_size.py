@@ -33,6 +33,21 @@ EXACT_READ_LIMIT = 256 * 2**20  # read a source for its exact text lengths only 
 EXACT_EVAL_READ_LIMIT = 32 * 2**20
 
 
+# What each data.source reads, as the run's start and its errors say it.
+SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
+               "files": "data.path", "synthetic": "random token sequences"}
+
+
+def source_line(d) -> str:
+    """The line a run prints at start about what it reads (`d`: a config's data section): the
+    source, the tokenizer and the held-out share."""
+    what = (f"data.path {d.path!r}" + (f" weighted {d.weights}" if d.weights else "")
+            if d.source == "files" else f"{SOURCE_TEXT[d.source]} (data.source = {d.source})")
+    held = (f", {d.eval_fraction:g} of the documents held out for evaluation"
+            if d.source != "synthetic" else "")
+    return f"data: {what}, tokenizer {d.tokenizer}{held}"
+
+
 def record_kind(path: str) -> str | None:
     """'jsonl' (.jsonl, .jsonl.gz) or 'parquet' for a file of records, None for a text file
     (one document)."""
@@ -241,5 +256,5 @@ def check_corpus_size(c, eval_needed: bool | None = None) -> None:
                       eval_needed)
 
 
-__all__ = ["VCS_DIRS", "check_corpus_size", "least_eval_fraction", "listed_files",
-           "record_kind", "source_size", "stdlib_files"]
+__all__ = ["SOURCE_TEXT", "VCS_DIRS", "check_corpus_size", "least_eval_fraction",
+           "listed_files", "record_kind", "source_line", "source_size", "stdlib_files"]

@@ -1,6 +1,7 @@
 """The step loop's hooks: what a hook sees after a step (`StepInfo`), when it runs (`Hook`: a
-function with an interval), and the timing hook (`Timing`: step time, tokens/s and MFU, and the
-run's totals). `hetjax.train.Trainer` runs them."""
+function with an interval), the timing hook (`Timing`: step time, tokens/s and MFU, and the
+run's totals) and the checkpointer's (`Checkpointing`: saves at `checkpoint.every` and at the
+run's end, never a blown-up run). `hetjax.train.Trainer` runs them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
+import numpy as np
 
 if TYPE_CHECKING:
     from hetjax.train import Trainer
@@ -120,3 +122,26 @@ class Timing:
             "compile_and_first_step_s": (self.t_first - self.t_start) if self.t_first else None,
             "input_wait_s": (tr.data.waited_s - self.waited_start) / max(total - self.start, 1),
         }
+
+
+class Checkpointing:
+    """The checkpointer as a hook: after the steps the trainer's checkpointer is due to save
+    (`checkpoint.every`, `Checkpointer.should_save`) and after the run's last step, save the
+    state with the step's eval loss -- after the divergence check (a run that blew up is
+    stopped, not saved) and never the state of a skipped update. Aside: not training time."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+
+    def __call__(self, info: StepInfo) -> None:
+        tr = self.trainer
+        tr._check_diverged(info.step, info.metrics["loss"])  # never save a blown-up run
+        if not (np.isfinite(info.metrics["loss"]) and np.isfinite(info.metrics["grad_norm"])):
+            # A skipped update: the state is the last step's, or (a DiLoCo outer step after a
+            # blow-up) worse; the loop's finiteness check reports it a step later.
+            return
+        tr.save(eval_loss=info.added.get("eval_loss"))
+
+    def hook(self) -> Hook:
+        return Hook(self, 0, last=True, aside=True,
+                    also=lambda info: self.trainer.checkpointer.should_save(info.step))

@@ -40,8 +40,8 @@ from hetjax.distributed import (BRIDGE_PORT_OFFSET, DEFAULT_HEARTBEAT_TIMEOUT,
 from hetjax.errors import HetjaxError
 from hetjax.parallel import nic
 from hetjax.planner import plan_from_config
-from hetjax.planner.worlds import (bridged, idle_problem, idle_processes, plan_worlds,
-                                   world_lines)
+from hetjax.planner.worlds import (bridged, bridged_shape_problem, idle_problem,
+                                   idle_processes, plan_worlds, world_lines)
 from hetjax.supervise import run_with_restarts
 from hetjax.worker import ENV_HEARTBEAT, ENV_NIC_POLICY, world_coordinators, world_worker_env
 
@@ -102,7 +102,7 @@ def plan_workers(cfg, topology: Topology, plan: Plan, args, config_args) -> list
     slots = process_slots(topology, len(hosts))
     worlds = plan_worlds(plan, topology, slots)
     idle = idle_processes(plan, slots)  # not started: the plan uses none of their devices
-    problem = idle_problem(plan, idle)
+    problem = idle_problem(plan, idle) or bridged_shape_problem(plan, topology, slots)
     if problem:
         raise HetjaxError(problem)
     joined = bridged(plan, worlds, slots)

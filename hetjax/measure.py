@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.planner.calibrate import Calibration, ComputeRow, LinkRow, OPS_MEASURED
+from hetjax.planner.compute_profile import ProfileRow
 from hetjax.core.topology import Topology
 
 if TYPE_CHECKING:
@@ -150,6 +151,86 @@ def _mean_seconds(fn, args, repeats: int, calls: int, label: str = "") -> float:
     26.5 or 36 ms in alternate 0.5 s samples under 100 ms periods); the median picks one
     cluster, the mean converges to the long-run rate."""
     return float(np.mean(_reported(label, _sample_seconds(fn, args, repeats, calls))))
+
+
+def _mean_and_spread(fn, args, repeats: int, calls: int, label: str) -> tuple[float, float]:
+    """`_mean_seconds` and the samples' (max - min) / mean."""
+    samples = _reported(label, _sample_seconds(fn, args, repeats, calls))
+    mean = float(np.mean(samples))
+    return mean, float((max(samples) - min(samples)) / mean) if mean > 0 else 0.0
+
+
+def tp_degrees(model: "ModelConfig", devices_per_node: int, local: int) -> tuple[int, ...]:
+    """The TP degrees `hetjax calibrate` measures the layer at: the powers of two above 1
+    that divide a node's devices (a TP group stays inside a node), this process's, and the
+    model's heads, key/value heads and feed-forward width (what TP splits)."""
+    out, t = [], 2
+    while t <= min(devices_per_node, local):
+        if all(x % t == 0 for x in (devices_per_node, local, model.n_heads, model.n_kv_heads,
+                                    model.d_ff)):
+            out.append(t)
+        t *= 2
+    return tuple(out)
+
+
+def measure_tp_layers(model: "ModelConfig", devices: Sequence, kind: str,
+                      degrees: Sequence[int], batches: Sequence[int], seq_lens: Sequence[int],
+                      repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S) -> list[ProfileRow]:
+    """Compute profile rows of one decoder layer split over `tp` devices (Megatron's split,
+    as the model's logical axes place it: heads and the MLP over 'tp', its collectives
+    included), every group of `devices` running its own micro-batch of `b` sequences of `s`
+    tokens at once: forward seconds, backward seconds (forward + backward less forward), the
+    samples' spread, and XLA's temporary bytes of the forward + backward program per device
+    (`peak_bytes`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from hetjax.core.plan import MESH_AXES
+    from hetjax.layers.block import DecoderBlock
+    from hetjax.parallel.sharding import named, param_specs
+
+    block = DecoderBlock(model)
+    dtype = jnp.dtype(model.dtype)
+    rows = []
+    for tp in degrees:
+        n = len(devices) // tp * tp
+        mesh = Mesh(np.asarray(devices[:n]).reshape(1, n // tp, 1, 1, tp), MESH_AXES)
+        boxed = jax.eval_shape(lambda: block.init(jax.random.PRNGKey(0),
+                                                  jnp.zeros((1, 8, model.d_model), dtype)))
+        shardings = named(mesh, param_specs(boxed["params"]))
+        params = jax.jit(lambda: block.init(jax.random.PRNGKey(0), jnp.zeros(
+            (1, 8, model.d_model), dtype))["params"], out_shardings=shardings)()
+        params = jax.tree.map(lambda a: a.value if hasattr(a, "value") else a, params,
+                              is_leaf=lambda a: hasattr(a, "value"))
+        batch = NamedSharding(mesh, P(("dp",), None, None))
+
+        def fwd(p, x):
+            return block.apply({"params": p}, x)
+
+        def loss(p, x):
+            return jnp.sum(fwd(p, x).astype(jnp.float32))
+
+        run_fwd = jax.jit(fwd)
+        run_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        for s in seq_lens:
+            for b in batches:
+                x = jax.device_put(jnp.ones((n // tp * b, s, model.d_model), dtype), batch)
+                what = f"{kind} layer tp={tp} b={b} s={s}"
+                t_fwd, sp_f = _mean_and_spread(
+                    run_fwd, (params, x), repeats,
+                    _calls_per_sample(run_fwd, (params, x), min_sample_s), f"{what} forward")
+                t_grad, sp_g = _mean_and_spread(
+                    run_grad, (params, x), repeats,
+                    _calls_per_sample(run_grad, (params, x), min_sample_s),
+                    f"{what} forward + backward")
+                ma = run_grad.lower(params, x).compile().memory_analysis()
+                rows.append(ProfileRow(
+                    accelerator=kind, piece="layer", tp=tp, tokens=b * s, seq_len=s,
+                    fwd_s=t_fwd, bwd_s=max(t_grad - t_fwd, 1e-3 * t_fwd),
+                    peak_bytes=float(getattr(ma, "temp_size_in_bytes", 0) or 0),
+                    spread=max(sp_f, sp_g)))
+    return rows
 
 
 def _stacked(params, devices):
@@ -482,10 +563,11 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
               message_bytes: Sequence[int] = DEFAULT_MESSAGE_BYTES,
               repeats: int = 3, min_sample_s: float = MIN_SAMPLE_S,
               optimizer=None, staged: bool = True, kinds: bool = True,
-              progress: Progress | None = None) -> Calibration:
+              progress: Progress | None = None, tp: bool = True) -> Calibration:
     """Measure this job's devices: compute (block, head, optimizer update, and with `kinds`
     matmuls / attention / memory-bound work) per accelerator kind, collectives per link
-    class. `staged`: also the block as the pipelines run it. `progress` reports each
+    class. `staged`: also the block as the pipelines run it. `tp`: also the layer split over
+    each TP degree a node allows (one process only: compute profile rows). `progress` reports each
     measurement (see Progress). In a multi-process job every process must call it; all get
     the whole Calibration."""
     import jax
@@ -499,10 +581,16 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
     for r in local_ranks:
         by_kind.setdefault(topology.accelerator_of(r).name, []).append(r)
     platform = devices[0].platform
+    degrees = {}  # accelerator kind -> the TP degrees its layer is measured at
+    if tp and jax.process_count() == 1:
+        for kind, ranks in by_kind.items():
+            per_node = topology.cluster_of(ranks[0]).devices_per_node
+            degrees[kind] = tp_degrees(model, per_node, len(ranks))
     if progress is not None:
         points = len(batches) * len(seq_lens)
         per_kind = 2 * points * (2 + (len(staged_policies(model)) if staged else 0)) + 1 + (
             kinds_count(platform) if kinds else 0)
+        per_kind += 2 * points * max((len(d) for d in degrees.values()), default=0)
         links = sum(len(split_by_class(topology, g)) for g in group_layouts(topology)) * len(
             OPS_MEASURED) * len(message_bytes)
         progress.start(len(by_kind) * per_kind + links, repeats, min_sample_s,
@@ -511,12 +599,16 @@ def calibrate(topology: Topology, model: "ModelConfig", seq_lens: Sequence[int],
     try:
         compute, links = _measure(topology, model, devices, by_kind, seq_lens, batches,
                                   message_bytes, repeats, min_sample_s, optimizer, staged, kinds)
+        profile = [row for kind, ranks in sorted(by_kind.items()) for row in measure_tp_layers(
+            model, [devices[r] for r in ranks], kind, degrees.get(kind, ()), batches,
+            seq_lens, repeats, min_sample_s)]
     finally:
         _PROGRESS = None
     return Calibration(topology, model, tuple(compute), tuple(links),
                        processes=jax.process_count(),
                        collectives=str(jax.config.jax_cpu_collectives_implementation or "")
-                       if platform == "cpu" and jax.process_count() > 1 else platform)
+                       if platform == "cpu" and jax.process_count() > 1 else platform,
+                       profile_rows=tuple(profile))
 
 
 def _measure(topology, model, devices, by_kind, seq_lens, batches, message_bytes, repeats,

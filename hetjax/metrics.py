@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from hetjax.files import open_in_place
+
 
 class MetricsWriter:
     def __init__(self, workdir: str, tensorboard: bool = True, primary: bool = True,
@@ -30,7 +32,7 @@ class MetricsWriter:
         self.wandb_url = None
         if primary:
             os.makedirs(workdir, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            self._file = open_in_place(self.path, "a")
             if self.tb_dir:
                 from tensorboardX import SummaryWriter
 
@@ -142,7 +144,7 @@ def truncate_metrics(path: str, step: int) -> tuple[int, bool]:
     rows, torn = _scan(path)
     later = [offset for row, offset in rows if row.get("step", 0) > step]
     cut = min(later + ([torn] if torn is not None else []), default=None)
-    with open(path, "r+b") as f:
+    with open_in_place(path, "r+b") as f:
         if cut is not None:
             f.truncate(cut)
         elif f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":

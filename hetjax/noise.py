@@ -56,6 +56,20 @@ def install() -> None:
 
 
 @contextlib.contextmanager
+def quiet_absl():
+    """absl warnings off for the block (errors still show): orbax's about a reader's
+    bookkeeping -- a step's metadata file one level up, a read-only directory -- which a
+    restore, an export or a reader opening a checkpoint meets every time."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+@contextlib.contextmanager
 def quiet_tfds_progress():
     """tfds's tqdm progress bars off for the block, unless `verbose()`; as they were after it."""
     if verbose():
@@ -71,4 +85,4 @@ def quiet_tfds_progress():
         tqdm_utils.display_progress_bar(was)
 
 
-__all__ = ["ENV_VERBOSE", "install", "quiet_tfds_progress", "set_verbose", "verbose"]
+__all__ = ["ENV_VERBOSE", "install", "quiet_absl", "quiet_tfds_progress", "set_verbose", "verbose"]

@@ -13,12 +13,12 @@ a Trainer is built, so the CLI can size the simulated devices first (`saved_conf
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 
 from hetjax import config as hconfig
 from hetjax.errors import HetjaxError
+from hetjax.noise import quiet_absl
 
 
 def checkpoint_dir(path: str) -> str:
@@ -92,17 +92,13 @@ def open_checkpoint(path: str, overrides=(), step: int | None = None, config=Non
     from hetjax.train import Trainer
 
     cfg, step = config if config is not None else saved_config(path, overrides, step)
-    trainer = Trainer(cfg, workdir=os.path.expanduser(path), quiet=True, reading=True)
+    trainer = Trainer.from_config(cfg, workdir=os.path.expanduser(path), quiet=True,
+                                  reading=True)
     layout = trainer.layout()
     # A reader: it never removes the files of a run that may still be saving. orbax warns
     # (through absl) that a reader's directory is read-only, which is the point here.
-    absl_log = logging.getLogger("absl")
-    level = absl_log.level
-    absl_log.setLevel(logging.ERROR)
-    try:
+    with quiet_absl():
         r = hckpt.Checkpointer(cfg.checkpoint.dir, every=1, writer=False).restore(layout, step)
-    finally:
-        absl_log.setLevel(level)
     trainer.state = r.state
     return trainer
 

@@ -12,9 +12,11 @@ there for the stop step. All waiting happens in daemon threads or at a step boun
 inside a step, so no process needs a peer blocked in a collective to agree. A peer that never
 answers (stopped, dead) ends the wait after `HETJAX_HEARTBEAT_TIMEOUT` s; the run then stops
 without saving and says which steps are lost. SIGTERM to the workers themselves (what a
-scheduler sends every task when it preempts or cancels a job) is handled the same way; when the
-launcher stops a failed job's workers with it, the dead peer never answers and the others stop
-without saving (or are killed after the launcher's grace period). A job of several JAX worlds (MPMD across clusters) has one key-value store per
+scheduler sends every task when it preempts or cancels a job) is handled the same way. When a
+worker of the job dies, the launcher first writes `STOP_LINE FAILED` on the others' stdin: a
+survivor's main thread may sit in a collective with the dead peer, where no signal handler
+runs until the collective times out, so the stop-line thread ends the process at once
+(`EXIT_PEER_FAILED`); nothing could be saved together anyway. A job of several JAX worlds (MPMD across clusters) has one key-value store per
 world, so it cannot agree: it stops at once, without saving, and says which steps are lost.
 """
 
@@ -29,8 +31,11 @@ from typing import Any
 from hetjax.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT
 from hetjax.parallel.nic import ENV_WORLDS
 
-# One line on a worker's stdin: stop like Ctrl-C (or, followed by " SIGTERM", like SIGTERM).
+# One line on a worker's stdin: stop like Ctrl-C (or, followed by " SIGTERM", like SIGTERM;
+# followed by FAILED: a peer died, so nothing can be saved together: exit now).
 STOP_LINE = "hetjax: stop"
+FAILED = "FAILED"
+EXIT_PEER_FAILED = 143  # as SIGTERM's default action would have ended it
 POLL_MS = 250  # how long a daemon thread's key-value read waits before it looks again
 
 _lock = threading.Lock()
@@ -55,8 +60,12 @@ def listen(stream=None) -> threading.Thread:
 
     def read():
         try:
-            for line in stream:  # "hetjax: stop" or "hetjax: stop SIGTERM"
+            for line in stream:  # "hetjax: stop", "hetjax: stop SIGTERM" or "... FAILED"
                 words = line.split()
+                if " ".join(words[:2]) == STOP_LINE and words[2:3] == [FAILED]:
+                    # The main thread may sit in a collective with the dead peer, where no
+                    # signal handler runs until it times out: this thread ends the process.
+                    os._exit(EXIT_PEER_FAILED)
                 if " ".join(words[:2]) == STOP_LINE:
                     request(words[2] if len(words) > 2 else "SIGINT")
         except (OSError, ValueError):

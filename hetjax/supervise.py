@@ -103,7 +103,9 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     first. With `stop_line` (training workers), Ctrl-C (KeyboardInterrupt) or SIGTERM sends each
     child `STOP_LINE` and the signal's name on its stdin (the workers save an agreed step and
     exit 130, or 75) and waits for them; a second signal (or the first, without `stop_line`)
-    stops them at once."""
+    stops them at once. A worker's traceback is shown TRACEBACK_HOLD_S late, and not at all when
+    another worker's failure stops the job meanwhile (said in one line); the survivors of a
+    failure get `STOP_LINE FAILED` before SIGTERM, which ends them even inside a collective."""
     out = out or sys.stdout
     children = list(children)
     lock = threading.Lock()
@@ -112,13 +114,43 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     finished: set[str] = set()  # workers that said they exit normally
     owner: dict[str, int] = {}  # worker -> the child whose output carries its heartbeat
 
-    def say(line: str, worker: bool = False) -> None:
-        if worker and not verbose and is_noise(line.split("] ", 1)[-1]):
+    # A worker's traceback is held for TRACEBACK_HOLD_S before it is shown: when a peer died
+    # (SIGKILL, a crash), the survivors' collectives break off with "Connection reset by peer"
+    # tracebacks that often arrive before the launcher sees the death. Held, they are dropped
+    # once the peer is named, and only the failed worker's own traceback is shown.
+    held: dict[str, dict] = {}  # stream -> {"child", "since", "lines"} of a traceback held
+    dropped: set[str] = set()  # workers whose tracebacks were hidden behind a peer's failure
+
+    def say(line: str, worker: bool = False, child: int | None = None, key: str = "") -> None:
+        text = line.split("] ", 1)[-1]
+        if worker and not verbose and is_noise(text):
             hidden[0] += 1
             return
         with lock:
+            if worker and not verbose and child is not None:
+                if key in held:
+                    held[key]["lines"].append(line)
+                    return
+                if text.startswith("Traceback (most recent call last):"):
+                    held[key] = {"child": child, "since": time.monotonic(), "lines": [line]}
+                    return
             out.write(line + "\n")
             out.flush()
+
+    def release(cause: int | None = None, force: bool = False) -> None:
+        """Show the held tracebacks that are due (or all, `force`), except, once child `cause`
+        has failed, those of the other children: their collectives only lost it."""
+        now = time.monotonic()
+        with lock:
+            for key, h in list(held.items()):
+                if cause is not None and h["child"] != cause:
+                    dropped.add(names[h["child"]])
+                elif cause is None and not force and now - h["since"] < TRACEBACK_HOLD_S:
+                    continue
+                else:
+                    out.write("".join(line + "\n" for line in h["lines"]))
+                    out.flush()
+                del held[key]
 
     def beat(child: int, worker: str, done: bool) -> None:
         with lock:
@@ -141,10 +173,11 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
         raise HetjaxError(f"could not start {children[len(procs)][1][0]!r}: {e.strerror}") from None
     # Threads start only after every fork: forking while other threads run is unsafe.
     exits: queue.Queue = queue.Queue()
-    pumps = [threading.Thread(target=_pump, args=(stream, f"[{n}] ", say,
-                                                  lambda w, d, i=i: beat(i, w, d), labelled, n),
-                              daemon=True)
-             for i, (n, p) in enumerate(zip(names, procs)) for stream in (p.stdout, p.stderr)]
+    pumps = [threading.Thread(target=_pump, args=(
+        stream, f"[{n}] ", lambda line, worker=False, i=i, k=f"{i}{k}": say(line, worker, i, k),
+        lambda w, d, i=i: beat(i, w, d), labelled, n), daemon=True)
+        for i, (n, p) in enumerate(zip(names, procs))
+        for k, stream in (("out", p.stdout), ("err", p.stderr))]
     for i, p in enumerate(procs):
         threading.Thread(target=lambda i, p: exits.put((i, p.wait())), args=(i, p),
                          daemon=True).start()
@@ -174,10 +207,23 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
         return f"srun task {worker[1:]}" if worker != names[j] else f"pid {procs[j].pid}"
     end = time.monotonic() + timeout if timeout else float("inf")
 
+    def cause_of(failure) -> int | None:
+        """The child whose failure stops the job (None: the launcher's own --timeout)."""
+        name = failure[0]
+        return names.index(name) if name in names else owner.get(name)
+
     def stop_all(reason: str) -> None:
         nonlocal kill_at
+        if failure is not None and failure[0] is not None:
+            release(cause_of(failure))  # the failed worker's traceback, before the reason
         rest = ", ".join(names[j] for j in sorted(running))
         say(f"hetjax launch: {reason}" + (f"; stopping {rest}" if rest else ""))
+        if failure is not None and failure[0] is not None and stop_line:
+            # A peer is gone: nothing can be saved together, and a survivor may sit in a
+            # collective with it where a signal handler cannot run; the line (read by a
+            # thread) stops it at once.
+            for j in running:
+                _tell(procs[j], f"{STOP_LINE} {FAILED}")
         _signal([procs[j] for j in running], signal.SIGTERM)
         kill_at = time.monotonic() + grace
 
@@ -224,6 +270,8 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
                 if failure is None and time.monotonic() > end:
                     failure = (None, 124, "")
                     stop_all(f"the job ran longer than --timeout {timeout:g} s")
+                release(cause_of(failure) if failure is not None and failure[0] is not None
+                        else None)
                 if running and time.monotonic() > kill_at:
                     say(f"hetjax launch: {', '.join(names[j] for j in sorted(running))} still "
                         f"running {grace:g} s after SIGTERM; sending SIGKILL")
@@ -250,6 +298,11 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
             t.join(timeout=5)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        release(cause_of(failure) if failure is not None and failure[0] is not None else None,
+                force=True)
+    if dropped:
+        say(f"hetjax launch: hid the traceback of {', '.join(sorted(dropped))}: its collective "
+            f"broke off when {failure[0]} failed (--verbose shows it)")
     if hidden[0]:
         say(f"hetjax launch: hid {hidden[0]} gloo connection lines (--verbose shows them)")
     if failure is None:
@@ -303,6 +356,9 @@ def _terminate(signum, frame):
 # What the launcher writes on a worker's stdin on Ctrl-C (over ssh too; should only one worker
 # read it, as under `srun --input=0`, the workers' agreement tells the others).
 STOP_LINE = stopping.STOP_LINE
+FAILED = stopping.FAILED
+# How long a worker's traceback waits before it is shown (a peer's death is seen within 0.2 s).
+TRACEBACK_HOLD_S = 1.0
 
 
 def _tell(proc: subprocess.Popen, line: str) -> None:

@@ -89,7 +89,8 @@ class Tokenizer(abc.ABC):
 
     def encode_document(self, text: str | bytes) -> np.ndarray:
         """A document's ids as training sees them: BOS first when `add_bos` (EOS, which ends
-        every document, is added by the packer)."""
+        every document, is added by the packer). A prompt to continue is encoded the same
+        way, so the model sees it as it saw the start of every training document."""
         ids = self.encode(text)
         return np.concatenate([[self.bos_id], ids]).astype(np.int32) if self.add_bos else ids
 
@@ -241,6 +242,9 @@ class HFTokenizer(Tokenizer):
             with_special = self._tok.encode("a", add_special_tokens=True).ids
             self.add_bos = bool(with_special) and with_special[0] == bos
         self._set_bos(add_bos, path)
+        # Special-token text inside a document ("</s>", "<|im_end|>") is text, as with every
+        # other tokenizer kind; only the ids hetjax adds (BOS, EOS) are control tokens.
+        self._tok.encode_special_tokens = True
         with open(path, "rb") as f:
             h = hashlib.sha1(f.read())
         h.update(f"{self.bos_id}/{self.eos_id}".encode())

@@ -1,12 +1,15 @@
 """The trainer: the step loop over an executor, with evaluation, checkpoints, metrics, progress
 and timing as hooks.
 
-`Trainer(config)` is the Python entry point (`hetjax train` uses it too). It turns the config
-into a topology, a Plan and an optimizer, and asks an executor (`hetjax.parallel.executor`) for
-everything that depends on how a step runs: the train state in its shardings, one optimizer
-step, the parameters in the natural layout, the checkpoint layout. The Trainer owns the loop and
-the data. Nothing is compiled or loaded until it is needed: the state is created on first use,
-the loaders when training starts.
+`Trainer.from_config(config)` (or `Trainer(config)`) is the Python entry point (`hetjax train`
+uses it too). The Trainer is built from parts: `TrainerParts.from_config` validates the config
+and builds, once each, the topology, the Plan, the tokenizer, the model, the optimizer, the
+runtime, the executor (`hetjax.parallel.executor`), the attention kernel and the memory check;
+`Trainer(parts)` runs them and builds nothing itself. The executor answers everything that
+depends on how a step runs: the train state in its shardings, one optimizer step, the parameters
+in the natural layout, the checkpoint layout. The Trainer owns the loop and the data. Nothing is
+compiled or loaded until it is needed: the state is created on first use, the loaders when
+training starts.
 
 The loop (`iter_steps`) yields a `StepInfo` after every step and runs the hooks that are due
 (`hetjax.hooks.Hook`: a function with an interval). `train()` installs the standard hooks --
@@ -31,11 +34,11 @@ disk) becomes one error naming the path, after the checkpoint in flight is drain
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import jax
@@ -44,13 +47,14 @@ import optax
 
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
-from hetjax.corpus_size import check_corpus_size
+from hetjax.corpus_size import check_corpus_size, source_line
 from hetjax.data import make_loader, padded_vocab
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
-from hetjax.hooks import Hook, StepInfo, Timing
+from hetjax.hooks import Checkpointing, Hook, StepInfo, Timing
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.lock import WorkdirLock
+from hetjax.files import replace_file
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
 from hetjax.core.plan import Plan, vocab_shards
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
@@ -64,7 +68,8 @@ from hetjax.tokenizer import tokenizer_from_config
 from hetjax.core.topology import Topology
 from hetjax.layers import ModelConfig
 from hetjax.layers.attention_kernels import choose_local
-from hetjax.parallel.executor import Optimizer, Runtime, TrainState, make_executor, opt_state_specs
+from hetjax.parallel.executor import (Executor, Optimizer, Runtime, TrainState, make_executor,
+                                     opt_state_specs)
 from hetjax.parallel.nic import ENV_WORLD
 from hetjax.core.registry import EXECUTORS
 
@@ -119,53 +124,113 @@ def runtime_from_environ(config, plan: Plan, topology: Topology, env=None) -> Ru
                    init_timeout_s=timeout)
 
 
-class Trainer:
-    """Train a hetjax model from a config.
+@dataclass(frozen=True)
+class TrainerParts:
+    """What a Trainer runs with, each part built once, in this order, by `from_config`: the
+    validated config, the topology, the Plan (and what `check_placement` notes about it), the
+    tokenizer, the model, the optimizer (transform and learning-rate schedule), the runtime
+    this process's environment describes, the executor, the attention kernel its devices run,
+    and the plan's predicted memory (a plan predicted not to fit is refused here).
 
-    >>> trainer = Trainer(load_config("configs/default.py", ["--config.train.steps=20"]))
-    >>> trainer.add_hook(lambda info: print(info.step, info.metrics["loss"]), every=5)
-    >>> summary = trainer.train()
-    """
+    `Trainer(parts)` runs with them; a caller may build parts itself or replace one
+    (`dataclasses.replace(parts, executor=...)`) -- the Trainer builds nothing of its own."""
 
-    def __init__(self, config, *, topology: Topology | None = None, plan: Plan | None = None,
-                 workdir: str | None = None, quiet: bool = False, reading: bool = False):
+    config: Any
+    topology: Topology
+    plan: Plan
+    notes: tuple
+    tokenizer: Any
+    model_cfg: ModelConfig
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    runtime: Runtime
+    executor: Executor
+    attention: Any
+    predicted: dict
+
+    @classmethod
+    def from_config(cls, config, *, topology: Topology | None = None, plan: Plan | None = None,
+                    reading: bool = False) -> "TrainerParts":
+        """Build every part from the config (`topology` / `plan`: given instead of built);
+        `reading`: for a run that only restores a checkpoint (eval, sample)."""
         hconfig.validate(config, reading)  # reading: only restores (eval, sample)
         check_corpus_size(config)  # from the files alone, before anything is built
-        self.config = config
-        self.quiet = quiet
-        self.topology = topology or hconfig.build_topology(config)
-        self.plan = plan or plan_from_config(config, self.topology)
-        self.notes = check_placement(self.plan, self.topology, config.parallel.allow_straddle,
-                                     sites=bool(config.diloco.inner_steps))
-        self.workdir = workdir or config.workdir
-        self.tokenizer = tokenizer_from_config(config.data)
+        topology = topology or hconfig.build_topology(config)
+        plan = plan or plan_from_config(config, topology)
+        notes = check_placement(plan, topology, config.parallel.allow_straddle,
+                                sites=bool(config.diloco.inner_steps))
+        tokenizer = tokenizer_from_config(config.data)
         # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
-        run_plan = plan_to_run(config, self.topology, self.plan)
-        self.model_cfg = dataclasses.replace(
-            ModelConfig.from_config(config.model, padded_vocab(self.tokenizer.vocab_size),
+        run_plan = plan_to_run(config, topology, plan)
+        model_cfg = dataclasses.replace(
+            ModelConfig.from_config(config.model, padded_vocab(tokenizer.vocab_size),
                                     vocab_shards(run_plan)),
-            dtype=hconfig.compute_dtype(config, self.topology))
-        if self.plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
-            self.model_cfg = dataclasses.replace(self.model_cfg, remat=self.plan.remat)
-        if (config.data.document_mask and self.plan.pp > 1
-                and not EXECUTORS[self.plan.executor].document_masks):
+            dtype=hconfig.compute_dtype(config, topology))
+        if plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
+            model_cfg = dataclasses.replace(model_cfg, remat=plan.remat)
+        if (config.data.document_mask and plan.pp > 1
+                and not EXECUTORS[plan.executor].document_masks):
             masks = [k.name for k in EXECUTORS.values() if k.document_masks]
-            raise ConfigError("data.document_mask", f"the {self.plan.executor} pipeline executor "
-                              f"(here pp = {self.plan.pp}) does not pass segment ids to its "
+            raise ConfigError("data.document_mask", f"the {plan.executor} pipeline executor "
+                              f"(here pp = {plan.pp}) does not pass segment ids to its "
                               "stages", f"--config.pipeline.executor={' or '.join(masks)}, or "
                               "--config.data.document_mask=false")
-        self.tx, self.schedule = make_optimizer(config.train)
-        optimizer = Optimizer(self.tx, self.schedule, config.train.grad_clip)
-        self.runtime = runtime_from_environ(config, self.plan, self.topology)
-        self.executor = make_executor(run_plan, self.topology, self.model_cfg, optimizer,
-                                      self.runtime)
+        tx, schedule = make_optimizer(config.train)
+        optimizer = Optimizer(tx, schedule, config.train.grad_clip)
+        runtime = runtime_from_environ(config, plan, topology)
+        executor = make_executor(run_plan, topology, model_cfg, optimizer, runtime)
         # The attention kernel this process's devices run (a named one they cannot run is a
         # ConfigError here, before anything compiles); shown in `describe` and the summary.
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
         # must be requested before JAX starts, and this looks at the devices).
-        self.attention = choose_local(self.model_cfg.attention, self.model_cfg.dtype,
-                                      self.model_cfg.head_dim, self.plan.seq_len)
-        self.predicted = self._check_memory()
+        attention = choose_local(model_cfg.attention, model_cfg.dtype, model_cfg.head_dim,
+                                 plan.seq_len)
+        predicted = check_memory(config, plan, topology, executor, model_cfg)
+        return cls(config, topology, plan, tuple(notes), tokenizer, model_cfg, tx, schedule,
+                   runtime, executor, attention, predicted)
+
+
+def check_memory(config, plan: Plan, topology: Topology, executor: Executor,
+                 model_cfg: ModelConfig) -> dict[str, Any]:
+    """The plan's predicted memory; refuses a plan predicted not to fit, in the words
+    `hetjax plan` prints for it."""
+    predicted = plan.predicted
+    # (per-stage (dp, tp) shapes: the cost model prices one shape, so no prediction)
+    if "stage_memory_gib" not in predicted and executor.runs_whole_plan and plan.uniform:
+        predicted = predict_for_config(config, plan, topology).as_dict()
+    problem = fit_problem(predicted, model_cfg.remat, plan.microbatches, plan.zero.name)
+    if problem:
+        raise PlanError(problem)
+    return predicted
+
+
+class Trainer:
+    """Train a hetjax model: the step loop over an executor, from its parts.
+
+    >>> trainer = Trainer.from_config(load_config("configs/default.py",
+    ...                                           ["--config.train.steps=20"]))
+    >>> trainer.add_hook(lambda info: print(info.step, info.metrics["loss"]), every=5)
+    >>> summary = trainer.train()
+
+    `Trainer(parts)` takes built `TrainerParts`; `Trainer(config, ...)` is
+    `Trainer.from_config(config, ...)`."""
+
+    def __init__(self, parts, *, topology: Topology | None = None, plan: Plan | None = None,
+                 workdir: str | None = None, quiet: bool = False, reading: bool = False):
+        if not isinstance(parts, TrainerParts):  # a config: build the parts from it
+            parts = TrainerParts.from_config(parts, topology=topology, plan=plan,
+                                             reading=reading)
+        elif topology is not None or plan is not None:
+            raise HetjaxError("Trainer(parts): the parts hold the topology and the plan; give "
+                              "them to TrainerParts.from_config (or dataclasses.replace)")
+        self.parts = parts
+        self.config, self.topology, self.plan = parts.config, parts.topology, parts.plan
+        self.notes, self.tokenizer, self.model_cfg = parts.notes, parts.tokenizer, parts.model_cfg
+        self.tx, self.schedule, self.runtime = parts.tx, parts.schedule, parts.runtime
+        self.executor, self.attention = parts.executor, parts.attention
+        self.predicted = parts.predicted
+        self.quiet = quiet
+        self.workdir = workdir or self.config.workdir
         # MFU is a fraction of the topology's peak: say so when JAX runs on other devices
         # (a multi-world job's process sees only its own world's devices)
         self.mfu_warning = None if self.runtime.multi_world else device_mismatch(
@@ -182,19 +247,13 @@ class Trainer:
         self._tokenizer_saved = False
         self._first_loss = None  # the run's first loss: divergence is measured against it
 
-    def _check_memory(self) -> dict[str, Any]:
-        """The plan's predicted memory; refuses a plan predicted not to fit, in the words
-        `hetjax plan` prints for it."""
-        predicted = self.plan.predicted
-        # (per-stage (dp, tp) shapes: the cost model prices one shape, so no prediction)
-        if ("stage_memory_gib" not in predicted and self.executor.runs_whole_plan
-                and self.plan.uniform):
-            predicted = predict_for_config(self.config, self.plan, self.topology).as_dict()
-        problem = fit_problem(predicted, self.model_cfg.remat, self.plan.microbatches,
-                              self.plan.zero.name)
-        if problem:
-            raise PlanError(problem)
-        return predicted
+    @classmethod
+    def from_config(cls, config, *, topology: Topology | None = None, plan: Plan | None = None,
+                    workdir: str | None = None, quiet: bool = False,
+                    reading: bool = False) -> "Trainer":
+        """A Trainer whose parts `TrainerParts.from_config` builds from `config`."""
+        return cls(TrainerParts.from_config(config, topology=topology, plan=plan,
+                                            reading=reading), workdir=workdir, quiet=quiet)
 
     def _out_of_memory(self, error: BaseException) -> PlanError:
         """The one message a run ends with when XLA runs out of device memory."""
@@ -360,7 +419,9 @@ class Trainer:
         from hetjax.layers.model import Transformer
 
         single = isinstance(prompts, str)
-        ids = [self.tokenizer.encode(p).tolist() for p in ([prompts] if single else prompts)]
+        prompts = [prompts] if single else list(prompts)
+        # as training documents begin: BOS first when the tokenizer adds it
+        ids = [self.tokenizer.encode_document(p).tolist() for p in prompts]
         for name, v, ok in (("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
                             ("temperature", temperature, temperature >= 0),
                             ("top_k", top_k, top_k >= 0), ("top_p", top_p, 0 < top_p <= 1)):
@@ -368,7 +429,7 @@ class Trainer:
                 raise HetjaxError(f"{name} = {v} is out of range; use max_new_tokens >= 1, "
                                   "temperature >= 0 (0: greedy), top_k >= 0 (0: all), "
                                   "0 < top_p <= 1 (1: all)")
-        if not all(ids):
+        if not all(prompts):
             raise HetjaxError("an empty prompt has nothing to continue; give at least one "
                               "character")
         longest = max(map(len, ids)) + max_new_tokens
@@ -486,18 +547,8 @@ class Trainer:
                         else "") + f", {m.dtype} compute")
         lines.append(f"attention: {self.attention}"
                      + (", document masks" if self.config.data.document_mask else ""))
-        lines.append(self.data_line())
+        lines.append(source_line(self.config.data))
         return "\n".join(lines)
-
-    def data_line(self) -> str:
-        """What the run reads: the source, the tokenizer and the held-out share."""
-        d = self.config.data
-        what = (f"data.path {d.path!r}" + (f" weighted {d.weights}" if d.weights else "")
-                if d.source == "files" else
-                f"{hconfig.SOURCE_TEXT[d.source]} (data.source = {d.source})")
-        held = (f", {d.eval_fraction:g} of the documents held out for evaluation"
-                if d.source != "synthetic" else "")
-        return f"data: {what}, tokenizer {d.tokenizer}{held}"
 
     def _repr_html_(self) -> str:
         """Notebooks: the topology and plan tables, the device map and simulated timeline as
@@ -699,14 +750,6 @@ class Trainer:
             info.add(eval_loss=self.eval_loss())
             last_eval.append(info.added["eval_loss"])
 
-        def checkpoint(info):
-            self._check_diverged(info.step, info.metrics["loss"])  # never save a blown-up run
-            if not (np.isfinite(info.metrics["loss"]) and np.isfinite(info.metrics["grad_norm"])):
-                # A skipped update: the state is the last step's, or (a DiLoCo outer step
-                # after a blow-up) worse; `_check_finite` reports it a step later.
-                return
-            self.save(eval_loss=info.added.get("eval_loss"))
-
         rows: list[dict[str, float]] = []  # this process's log rows (process 0 has the file)
         plot_path = os.path.join(self.workdir, LOSS_PNG)
 
@@ -722,8 +765,7 @@ class Trainer:
         if self.config.eval.every:
             standard.append(Hook(evaluate, self.config.eval.every, last=True, aside=True))
         if ckpt.every:
-            standard.append(Hook(checkpoint, 0, last=True, aside=True,
-                                 also=lambda info: self.checkpointer.should_save(info.step)))
+            standard.append(Checkpointing(self).hook())
         standard += [
             Hook(timing, **log),
             Hook(lambda info: writer.write(info.step, info.metrics), **log),
@@ -810,7 +852,7 @@ class Trainer:
         p = self.plan
         since = f" since step {resumed}" if resumed is not None else ""
         return (f"{self.model_cfg.num_params / 1e6:.2f}M parameters on {self.topology.name}: "
-                f"pp={p.pp} dp={p.dp} tp={p.tp}{since}")
+                f"pp={p.pp} {p.degrees()}{since}")
 
     def _complete(self, total: int, resumed: int | None) -> RunSummary:
         """The summary of a run that is already at step `total`: from its metrics file."""
@@ -876,13 +918,13 @@ class Trainer:
 
     def _write_run_files(self):
         os.makedirs(self.workdir, exist_ok=True)
-        with open(os.path.join(self.workdir, "plan.json"), "w") as f:
-            f.write(self.plan.to_json(indent=1))
-        with open(os.path.join(self.workdir, "topology.json"), "w") as f:
-            f.write(self.topology.to_json(indent=1))
-        with open(os.path.join(self.workdir, "config.json"), "w") as f:
-            f.write(self.config.to_json_best_effort(indent=1))
+        # replaced, not written through: a link planted in the workdir stays a link elsewhere
+        for name, text in (("plan.json", self.plan.to_json(indent=1)),
+                           ("topology.json", self.topology.to_json(indent=1)),
+                           ("config.json", self.config.to_json_best_effort(indent=1))):
+            replace_file(os.path.join(self.workdir, name), lambda f, t=text: f.write(t), "w")
 
 
-__all__ = ["Trainer", "TrainState", "Hook", "StepInfo", "make_optimizer", "opt_state_specs",
-           "format_summary", "summary_rows", "History", "RunSummary"]
+__all__ = ["Trainer", "TrainerParts", "check_memory", "TrainState", "Hook", "StepInfo",
+           "make_optimizer", "opt_state_specs", "format_summary", "summary_rows", "History",
+           "RunSummary"]

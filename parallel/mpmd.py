@@ -508,8 +508,11 @@ class MpmdExecutor(Executor):
     def describe(self) -> str:
         kept = {"none": "all residuals kept", "dots": "matmul outputs kept",
                 "full": "layers recomputed"}[effective_remat(self.model_cfg.remat)]
+        shapes = "" if self.plan.uniform else " (its own mesh, dp x tp " + ", ".join(
+            f"{d}x{t}" for d, t in self.plan.stage_shapes) + ")"
         return (f"pipeline: mpmd, {self.schedule.name}, {self.plan.microbatches} micro-batches, "
-                f"one program per stage, layers per stage {list(self.plan.stage_layers)} "
+                f"one program per stage{shapes}, layers per stage "
+                f"{list(self.plan.stage_layers)} "
                 f"(no padding), at most {max(self.schedule.max_in_flight(s) for s in range(self.plan.pp))} "
                 f"micro-batches stashed per stage ({kept}; model.remat={self.model_cfg.remat})")
 
@@ -634,7 +637,7 @@ class MpmdExecutor(Executor):
          "W": self._weight_grads}[op.kind](step, op, self.stages[op.stage])
 
     def _forward(self, step, op, st):
-        s, c, x = op.stage, op.position, op.read("activation")
+        s, c, x = op.stage, op.stage_chunk, op.read("activation")
         out, step.buffers[s, op.written("stash")] = self._call(
             step, s, op.kind, st.forward, c, step.pieces[s][c],
             None if x is None else step.buffers[s, x], step.inputs, step.targets,
@@ -647,7 +650,7 @@ class MpmdExecutor(Executor):
 
     def _pulled_back(self, step, op, st) -> tuple:
         """(chunk position, its pieces, its stash, its output gradient): what B and I read."""
-        s, c, dy = op.stage, op.position, op.read("gradient")
+        s, c, dy = op.stage, op.stage_chunk, op.read("gradient")
         return (c, step.pieces[s][c], step.buffers[s, op.read("stash")],
                 st.constants[1] if dy is None else step.buffers[s, dy])  # the loss's: ones
 
@@ -671,7 +674,7 @@ class MpmdExecutor(Executor):
             step.buffers[s, op.written("gradient")] = dx
 
     def _weight_grads(self, step, op, st):
-        s, c = op.stage, op.position
+        s, c = op.stage, op.stage_chunk
         args = (c, step.pieces[s][c], step.buffers[s, op.read("stash")],
                 step.buffers[s, op.read("douts")], step.acc[s])
         if op.reduce:

@@ -210,7 +210,10 @@ def group_links(plan: Plan, topology: Topology, slots=None,
 
 def stock_nccl_notes(plan: Plan, topology: Topology, slots=None,
                      policy: str = "cluster") -> list[str]:
-    """Groups whose traffic stock NCCL cannot put on the link Holmes would choose."""
+    """Groups whose traffic stock NCCL cannot put on the link Holmes would choose (none when
+    no cluster has GPUs: CPU devices talk over gloo, never NCCL)."""
+    if not any(c.accelerator.vendor in GPU_VENDORS for c in topology.clusters):
+        return []
     slots = slots or process_slots(topology, topology.num_nodes)
     links = group_links(plan, topology, slots, policy)
     notes = []

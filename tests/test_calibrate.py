@@ -279,6 +279,11 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     assert all(r.fwd_s > 0 and r.bwd_s > 0 for part in ("block", "head", "staged:full")
                for r in cal.rows(part))
     assert set(cal.staged_curves()) == {"none", "full"}
+    # the layer split over each TP degree a node allows (2 devices a node): a profile row
+    assert [(r.tp, r.tokens, r.seq_len) for r in cal.profile_rows] == [(2, 32, 16)]
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 and r.peak_bytes > 0 for r in cal.profile_rows)
+    assert cal.options().profile.lookup("cpu", "layer", 2, 32, 16).fwd_s == \
+        cal.profile_rows[0].fwd_s
     assert cal.rows("update")[0].params == MODEL.num_params
     assert cal.update_rates()["cpu"] > 0 and set(cal.curves("head")) == {"cpu"}
     # one process: the pipeline stays priced in lockstep with NCCL's algorithms

@@ -95,14 +95,6 @@ def test_checkpoint_restores_under_another_plan_and_training_continues(runs, pla
                  host(trainer.state.params), runs["params"])
 
 
-def _pipeline_missing() -> bool:
-    try:
-        import hetjax.parallel.pipeline  # noqa: F401
-    except ImportError:
-        return True
-    return False
-
-
 PP_SAVE = {"parallel.pp": 2, "pipeline.stage_layers": (3, 1), "parallel.dp": 2,
            "parallel.tp": 2, "zero.preset": "zero1"}
 
@@ -124,8 +116,6 @@ def pp_config(workdir, root, plan):
     return config(workdir, root / "tfds", plan=plan, **{"model.n_layers": 4})
 
 
-@pytest.mark.skipif(_pipeline_missing(), reason="needs the pipeline executor "
-                    "(hetjax.parallel.pipeline, stage-stacked parameters), which has not landed yet")
 @pytest.mark.parametrize("plan", [
     {"parallel.pp": 1, "parallel.dp": 8, "parallel.tp": 1},
     pytest.param({"parallel.pp": 4, "pipeline.stage_layers": (1, 1, 1, 1), "parallel.dp": 2,

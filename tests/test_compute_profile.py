@@ -14,6 +14,7 @@ from hetjax.core.model_config import ModelConfig
 from hetjax.core.plan import Plan
 from hetjax.core.topology import preset
 from hetjax.errors import PlanError
+from hetjax.planner import band
 from hetjax.planner.compute_profile import ComputeProfile, ProfileRow, load_profile
 from hetjax.planner.cost import CostModel, CostOptions
 from hetjax.planner.layout import Layout
@@ -133,11 +134,15 @@ def test_the_band_grows_with_the_spread_and_the_extrapolation():
     near = _profile(_row(256, 3e-3, 7e-3, spread=0.05))
     plan_ = _layout().with_plan((4,))
     inside = CostModel(t, MODEL, CostOptions(profile=near)).predict(plan_)
-    assert inside.step_band / inside.step_time == pytest.approx(0.05)
+    assert inside.step_band / inside.step_time == pytest.approx(
+        math.hypot(band.PROFILE_STEP_ERROR, 0.05))
     far = _profile(_row(64, 3e-3 / 4, 7e-3 / 4, spread=0.05))  # tokens 4x beyond
     out = CostModel(t, MODEL, CostOptions(profile=far)).predict(plan_)
     assert out.extrapolation == pytest.approx(4.0)
-    assert out.step_band / out.step_time == pytest.approx(math.hypot(0.05, 0.1 * 2))
+    assert out.step_band / out.step_time == pytest.approx(
+        math.sqrt(band.PROFILE_STEP_ERROR ** 2 + 0.05 ** 2 + (band.PER_DOUBLING * 2) ** 2))
+    flat = CostModel(t, MODEL).predict(plan_)
+    assert flat.step_band / flat.step_time == pytest.approx(band.FLAT_STEP_ERROR)
 
 
 def test_a_calibration_is_a_profile_at_tp_1(tmp_path):
@@ -186,3 +191,44 @@ def test_plan_uses_a_profile_file(tmp_path):
     assert best.predicted["compute_source"] in ("profile", "profile + flat cpu")
     assert best.predicted["step_band_s"] > 0
     assert isinstance(Plan.from_json(best.to_json()), Plan)
+
+
+def test_calibrate_measures_the_layer_at_each_tp_degree_a_node_allows():
+    """`hetjax calibrate` splits the layer over 2 devices (Megatron's split, its
+    collectives included) and reports forward, backward, spread and XLA's temporary bytes."""
+    import jax
+
+    from hetjax import measure
+
+    assert measure.tp_degrees(MODEL, 8, 8) == (2,)  # 2 key/value heads: tp 4 cannot split
+    assert measure.tp_degrees(dataclasses.replace(MODEL, n_kv_heads=4), 8, 8) == (2, 4)
+    assert measure.tp_degrees(MODEL, 1, 8) == ()
+    lines = []
+    measure._PROGRESS = measure.Progress(out=lines.append)
+    measure._PROGRESS.start(2, repeats=1, min_sample_s=0.0, compile_s=0.5)
+    try:
+        (row,) = measure.measure_tp_layers(MODEL, jax.devices()[:4], "cpu", (2,), (1,), (16,),
+                                           repeats=1, min_sample_s=0.0)
+    finally:
+        measure._PROGRESS = None
+    assert (row.piece, row.tp, row.tokens, row.seq_len) == ("layer", 2, 16, 16)
+    assert row.fwd_s > 0 and row.bwd_s > 0 and row.peak_bytes > 0
+    assert "cpu layer tp=2 b=1 s=16 forward" in lines[1]
+
+
+def test_hetjax_plan_prints_the_band_and_what_priced_the_compute(tmp_path, capsys):
+    from hetjax.cli import main
+
+    p = _profile(_row(256, 3e-3, 7e-3, spread=0.05))
+    p = dataclasses.replace(p, model={"d_model": 128, "n_heads": 4, "n_kv_heads": 2,
+                                      "d_ff": 384, "vocab_size": 384})
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(p.to_dict()))
+    common = ["hetjax", "plan", "--config.parallel.pp=1", "--config.parallel.tp=1",
+              "--config.train.microbatches=1"]
+    assert main([*common, f"--config.planner.profile={path}"]) == 0
+    out = capsys.readouterr().out
+    assert " ± " in out and "(compute: profile)" in out
+    assert "compute priced from a measured profile" in out
+    assert main(common) == 0
+    assert "(compute: flat)" in capsys.readouterr().out

@@ -88,6 +88,20 @@ MISTAKES = [
     ({"planner.compute": "roofline"}, "planner.compute", "'kinds'"),
     ({"parallel.pp": 4, "model.n_layers": 2, "parallel.dp": 0}, "parallel.pp",
      "at most 2 stages"),
+    # per-stage degrees and devices left out
+    ({"parallel.stage_tp": (2, 0)}, "parallel.stage_tp", "[2,1]"),
+    ({"parallel.exclude": (3, 3)}, "parallel.exclude", "give each rank once"),
+    ({"parallel.pp": 2, "parallel.stage_dp": (1, 2), "parallel.stage_tp": (2, 1, 1)},
+     "parallel.stage_tp", "one number per stage in both"),
+    ({"parallel.stage_tp": (2, 1)}, "parallel.pp", "--config.parallel.pp=2"),
+    ({"parallel.pp": 2, "parallel.stage_tp": (2, 4), "pipeline.executor": "mpmd"},
+     "parallel.stage_tp", "common divisors"),
+    ({"parallel.pp": 2, "parallel.stage_tp": (2, 1)}, "pipeline.executor",
+     "--config.pipeline.executor=mpmd"),
+    ({"parallel.pp": 2, "parallel.stage_tp": (2, 1), "pipeline.executor": "mpmd",
+      "zero.preset": "auto"}, "zero.preset", "choose zero.preset yourself"),
+    ({"parallel.exclude": (7,), "diloco.inner_steps": 10}, "parallel.exclude",
+     "diloco.inner_steps=0"),
 ]
 
 
@@ -108,6 +122,15 @@ LAYOUT_MISTAKES = [
     ({"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 1}, "parallel", "product is 8"),
     ({"parallel.tp": 2, "train.batch_size": 4, "train.microbatches": 2}, "train.batch_size",
      "multiple of microbatches x dp = 8"),
+    ({"parallel.exclude": (8,)}, "parallel.exclude", "list ranks of this topology"),
+    ({"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 1, "parallel.exclude": (6, 7)},
+     "parallel", "product is 6"),  # 4 devices on the 6 left
+    ({"parallel.pp": 2, "parallel.stage_dp": (1, 2), "parallel.stage_tp": (2, 1),
+      "pipeline.executor": "mpmd"}, "parallel", "leave the others out with parallel.exclude"),
+    ({"parallel.pp": 2, "parallel.stage_dp": (2, 4), "parallel.stage_tp": (2, 1),
+      "pipeline.executor": "mpmd", "train.batch_size": 12, "train.microbatches": 2},
+     "train.batch_size", "least common multiple 4"),
+    ({"parallel.pp": 0, "parallel.exclude": (6, 7)}, "parallel.exclude", "fix the layout too"),
 ]
 
 

@@ -264,8 +264,10 @@ def test_hetjax_executor_across_processes_is_priced_asynchronously():
     send, _ = free.boundary_times(layout)
     fwd = [c.fwd(n) for c, n in zip(stages, p.stage_layers)]
     bwd = [c.bwd(n) for c, n in zip(stages, p.stage_layers)]
-    sync = [c.sync(n) for c, n in zip(stages, p.stage_layers)]
-    asynchronous = simulate("1f1b", 16, fwd, bwd, send, send, sync, free.options.overlap)
+    # on CPU nothing overlaps: the sync and the refresh follow each stage's last backward
+    sync = [c.sync(n) + c.refresh(n) for c, n in zip(stages, p.stage_layers)]
+    assert free.exposed_sync(layout, stages, p.stage_layers, fwd, bwd) == sync
+    asynchronous = simulate("1f1b", 16, fwd, bwd, send, send, sync, 0.0)
     assert free.predict(p).step_time == pytest.approx(asynchronous.step_time)
     assert free.predict(p).step_time < lock.predict(p).step_time
     assert free.predict(p).stage_memory == lock.predict(p).stage_memory
@@ -540,3 +542,84 @@ def test_unique_rows_is_numpys_unique_over_rows():
         assert (got[0] == want[0]).all() and (got[1] == want[1]).all()
         assert (got[2] == want[2].ravel()).all()
         assert (unique_rows(rows) == np.unique(rows, axis=0)).all()
+
+
+# --- overlap as scheduled, TP on the node's link ----------------------------------------------------
+def _a100s(nodes=2, per_node=8, intra="nvlink", nic="infiniband"):
+    return Topology("a100s", (make_cluster("a", nodes, per_node, "a100", nic, intra=intra),),
+                    None)
+
+
+def test_zero_traffic_overlaps_layer_by_layer_on_gpus_and_not_on_cpus():
+    """Megatron / AMSP under ZeRO-3: each layer's gather is prefetched during the layer before
+    and its reduce-scatter runs during the next layer's backward, so a layer costs the longer
+    of its compute and its traffic, and a pass's first gather / last reduce-scatter stay
+    exposed once. XLA:CPU overlaps nothing: there a layer costs compute + traffic."""
+    m = holmes_model()
+    for topo, overlaps in ((_a100s(), True), (preset("cpu_single"), False)):
+        cm = CostModel(topo, m, CostOptions(executor="megatron"))
+        dp = topo.num_devices
+        lay = Layout(pp=1, dp=dp, tp=1, microbatches=1, global_batch=dp, seq_len=2048,
+                     zero=zr.named("zero3", dp, topo.clusters[0].devices_per_node))
+        (c,) = cm.stage_costs(lay)
+        z = cm.zero_times(lay.zero, m.layer_params, lay.mesh()[0].T)
+        compute_f, _, _ = cm.layer_times(topo.clusters[0].accelerator, lay, "full", False)
+        assert z.gather > 0
+        if overlaps:
+            assert c.fwd_layer == pytest.approx(max(compute_f, z.gather))
+            head_f, _, _ = cm.piece_times(topo.clusters[0].accelerator, lay, "head")
+            assert c.fwd_fixed == pytest.approx(head_f + min(z.gather, compute_f))
+        else:
+            assert c.fwd_layer == pytest.approx(compute_f + z.gather)
+
+
+def test_gradient_buckets_hide_behind_the_last_backward_all_but_the_last():
+    """Asynchronous executors synchronise a layer's gradients as soon as the last backward
+    has produced them: of a stage of n layers, n / (n + 1) of the sync may hide behind that
+    backward (one bucket per layer and one for embedding and head); the SPMD executor in
+    lockstep reduces after its loop, hiding nothing."""
+    m = holmes_model()
+    topo = _a100s()
+    p = Plan(pp=2, dp=8, tp=1, stage_layers=(15, 15), microbatches=4, global_batch=32,
+             seq_len=2048, schedule="1f1b")
+    lay = Layout.of(p)
+    for executor in ("mpmd", "megatron"):
+        cm = CostModel(topo, m, CostOptions(executor=executor))
+        stages = cm.stage_costs(lay)
+        fwd = [c.fwd(15) for c in stages]
+        bwd = [c.bwd(15) for c in stages]
+        got = cm.exposed_sync(lay, stages, [15, 15], fwd, bwd)
+        for c, f, b, e in zip(stages, fwd, bwd, got):
+            sync, refresh = c.sync(15), c.refresh(15)
+            hidden = min(15 / 16 * sync, b)
+            # Megatron / AMSP also prefetch the refresh during the next step's forward
+            ref = refresh - min(refresh, f) if executor == "megatron" else refresh
+            assert e == pytest.approx(sync - hidden + ref)
+    lock = CostModel(topo, m, CostOptions(executor="hetjax"))
+    stages = lock.stage_costs(lay)
+    assert lock.exposed_sync(lay, stages, [15, 15], [0, 0], [1, 1]) == pytest.approx(
+        [c.sync(15) + c.refresh(15) for c in stages])
+
+
+def test_tensor_parallelism_on_pcie_shares_the_link_with_the_boundary():
+    """TP all-reduces are priced on the node's own link; on PCIe the stage boundary's
+    activations to and from the NIC cross the same lanes (through host memory without P2P,
+    at half the rate), so TP waits for them once per micro-batch; on NVLink it does not."""
+    m = tiny_model(n_layers=4)
+    p = Plan(pp=2, dp=1, tp=4, stage_layers=(2, 2), microbatches=2, global_batch=8,
+             seq_len=128, schedule="1f1b")
+    lay = Layout.of(p)
+    tok = lay.tokens_per_device()
+    boundary = 2 * tok * m.d_model * 4 / 4  # in and out, f32, split over tp = 4
+    shared = {}
+    for intra in ("nvlink", "pcie4", "pcie4_no_p2p"):
+        cm = CostModel(_a100s(2, 4, intra=intra), m)
+        shared[intra] = cm.pcie_shared(lay, lay.mesh()[0].ravel())
+        tp_link = cm.group_links(lay.mesh()[0])[0]
+        assert tp_link == LINKS[intra]  # TP priced on the node's link
+    assert shared["nvlink"] == 0.0
+    assert shared["pcie4"] == pytest.approx(boundary / LINKS["pcie4"].bytes_per_s)
+    assert shared["pcie4_no_p2p"] == pytest.approx(2 * shared["pcie4"])
+    # two stages on one node: the boundary stays inside, nothing shares the NIC's path
+    one = CostModel(_a100s(1, 8, intra="pcie4"), m)
+    assert one.pcie_shared(lay, lay.mesh()[0].ravel()) == 0.0

@@ -135,7 +135,7 @@ def test_folded_orders_come_from_the_virtual_grid_and_play_without_deadlock(name
     assert max(ends) <= looped
     # each stage runs every micro-batch's F and B of both its chunks
     for order in f.orders:
-        assert sorted((a.kind, a.chunk, a.microbatch) for a in order) == sorted(
+        assert sorted((a.kind, a.stage_chunk, a.microbatch) for a in order) == sorted(
             (k, c, i) for k in "FB" for c in (0, 1) for i in range(m))
     with pytest.raises(ValueError, match="tick-grid schedule"):
         sch.folded("interleaved", p, m)

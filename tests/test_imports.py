@@ -10,14 +10,16 @@ its own layer and the layers below it, and no import circle exists anywhere:
                 model's shape (model_config), the schedule
                 registry (schedules), schedules lowered to ops
                 (program), the executor registry (registry),
-                collective byte formulas (hlo), codec names (wire)
+                collective byte formulas (hlo), codec names (wire),
+                HF config.json <-> model fields (hf_config)
     services    distributed, checkpoint, tokenizer, data,         used by everything above;
-                history, metrics, argv, linkcheck, interop         import no layout logic
+                history, metrics, argv, linkcheck                  import no layout logic
     planner     hetjax.planner, hetjax.config, hetjax             chooses and checks Plans (no JAX)
     model       hetjax.layers (the Flax modules)
     execution   hetjax.parallel (the executors, mesh, ZeRO        turns a Plan into JAX programs
-                kernels, bridge, NIC environment), profile,
-                measure, interop.hf_checkpoint
+                kernels, bridge, NIC environment),
+                hetjax.interop (HF checkpoints in and out),
+                profile, measure
     training    hetjax/train.py, hooks, sampling, stopping
     entry       cli, launch (worker, supervise), testbed          nothing imports them from below
 
@@ -45,17 +47,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("hetjax.core", "hetjax.core.*"),
     "services": ("hetjax.distributed", "hetjax.checkpoint", "hetjax.tokenizer", "hetjax.data",
                  "hetjax.text_dataset", "hetjax.history", "hetjax.metrics", "hetjax.argv",
-                 "hetjax.linkcheck", "hetjax.lock", "hetjax.interop", "hetjax.interop.*",
-                 "hetjax.corpus_size", "hetjax.noise"),
+                 "hetjax.linkcheck", "hetjax.lock", "hetjax.corpus_size", "hetjax.noise"),
     "planner": ("hetjax", "hetjax.config", "hetjax.config.*", "hetjax.planner",
                 "hetjax.planner.*"),
     "model": ("hetjax.layers", "hetjax.layers.*"),
-    "execution": ("hetjax.parallel", "hetjax.parallel.*", "hetjax.profile", "hetjax.measure",
-                  "hetjax.interop.hf_checkpoint"),
+    "execution": ("hetjax.parallel", "hetjax.parallel.*", "hetjax.interop", "hetjax.interop.*",
+                  "hetjax.profile", "hetjax.measure"),
     "training": ("hetjax.train", "hetjax.hooks", "hetjax.sampling",
                  "hetjax.stopping"),
-    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.worker", "hetjax.supervise",
-              "hetjax.testbed"),
+    "entry": ("hetjax.cli", "hetjax.__main__", "hetjax.launch", "hetjax.worker",
+              "hetjax.supervise", "hetjax.testbed"),
 }
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
@@ -189,6 +190,22 @@ def test_every_module_has_a_layer():
     assert not missing, f"give these modules a layer in LAYERS: {missing}"
 
 
+def test_every_folder_is_one_layer():
+    """Folders are layers: every module of a subpackage (hetjax.core, hetjax.planner,
+    hetjax.config, hetjax.layers, hetjax.parallel, hetjax.interop) sits in its package's layer.
+    Only the top-level hetjax package, the user-facing one, holds modules of several layers."""
+    mixed = sorted(f"{m} ({layer_of(m)}) in {p} ({layer_of(p)})" for p in PACKAGES if p != ROOT
+                   for m in MODULES if m.startswith(p + ".") and layer_of(m) != layer_of(p))
+    assert not mixed, "\n".join(mixed)
+
+
+def test_the_folder_check_finds_a_module_outside_its_layer(monkeypatch):
+    monkeypatch.setitem(LAYERS, "execution", LAYERS["execution"] + ("hetjax.core.toy",))
+    monkeypatch.setitem(MODULES, "hetjax.core.toy", "hetjax/core/toy.py")
+    with pytest.raises(AssertionError, match="hetjax.core.toy .execution. in hetjax.core .core."):
+        test_every_folder_is_one_layer()
+
+
 def test_the_layers_are_as_documented():
     """A few fixed points, so a pattern change cannot quietly move a module."""
     assert layer_of("hetjax.planner.cost") == "planner"
@@ -229,8 +246,11 @@ def test_the_plan_is_a_leaf():
     assert others <= {"numpy"}, others
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("hetjax.parallel")))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES
+                                           if m.startswith(("hetjax.parallel", "hetjax.interop"))))
 def test_parallel_never_imports_the_planner_or_the_config(module):
+    """Below the Plan nothing reaches back into the planner or the raw config: the executors
+    and the checkpoint interop take what they need as arguments."""
     upward = {n for n in all_names(module)
               if n.startswith(("hetjax.planner", "hetjax.config", "hetjax.train"))}
     assert not upward, f"{MODULES[module]} imports {sorted(upward)}"

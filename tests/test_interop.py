@@ -13,7 +13,8 @@ import pytest
 from conftest import tiny_config
 from hetjax.config import apply_model_source, load_config, validate
 from hetjax.errors import ConfigError
-from hetjax.interop import hf_checkpoint, hf_config
+from hetjax.core import hf_config
+from hetjax.interop import hf_checkpoint
 from hetjax.interop.safetensors_files import SafetensorsDir
 from hetjax.layers import ModelConfig, Transformer
 

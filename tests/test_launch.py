@@ -566,3 +566,12 @@ def test_a_launch_that_leaves_a_node_out_trains_like_one_process(tmp_path):
                          "parallel.exclude": (4, 5), "workdir": str(tmp_path / "one")})
     one = losses(Trainer(cfg, quiet=True).train()["metrics"])
     np.testing.assert_allclose(multi, one, rtol=1e-5)
+
+
+def test_per_stage_shapes_on_processes_the_bridge_joins_are_refused_before_starting(tmp_path):
+    """cpu_hybrid, one process per cluster: the stages are two worlds, and the bridge between
+    them carries one shape on both sides."""
+    with pytest.raises(HetjaxError, match=r"different \(dp, tp\) shapes .* same processes"):
+        launch.main(["--local", "2", "--dry-run", *config_args({
+            **TINY, "parallel.pp": 2, "pipeline.executor": "mpmd", "train.microbatches": 2,
+            "parallel.stage_dp": "[2,4]", "parallel.stage_tp": "[2,1]"})])

@@ -142,6 +142,11 @@ def staged_config(stage_dp, stage_tp, microbatches=2, **extra):
 STAGED = [
     pytest.param((1, 2), (2, 1), {"parallel.exclude": (2, 3, 6, 7)}, id="tp2dp1-tp1dp2-subset"),
     pytest.param((2, 4), (2, 1), {}, id="tp2dp2-tp1dp4", marks=pytest.mark.slow),
+    # optimizer states sharded over 2 of each stage's replicas (a factor of both stages' dp)
+    pytest.param((2, 2), (1, 2), {"topology.preset": "cpu_single", "parallel.exclude": (6, 7),
+                                  "topology.devices_per_node": 8, "zero.preset": "custom",
+                                  "zero.s_os": 2}, id="tp1dp2-tp2dp2-zero-os2",
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -154,7 +159,8 @@ def test_stages_with_their_own_shapes_give_the_plain_models_loss_and_gradients(
     plan = trainer.plan
     assert plan.shapes() == tuple(zip(stage_dp, stage_tp))
     for st, (dp, tp) in zip(trainer.executor.stages, plan.shapes()):
-        assert (st.mesh.shape["dp"], st.mesh.shape["tp"]) == (dp, tp)
+        replicas = st.mesh.shape["dp"] * st.mesh.shape["dp_os"] * st.mesh.shape["dp_p"]
+        assert (replicas, st.mesh.shape["tp"]) == (dp, tp)
         assert sorted(d.id for d in st.mesh.devices.flat) == st.ex.plan.stage_ranks(st.index)
     if "parallel.exclude" in extra:
         assert plan.unused_ranks(trainer.topology) == list(extra["parallel.exclude"])
@@ -228,12 +234,12 @@ def test_hetjax_plan_shows_each_stages_degrees_and_the_devices_left_out(tmp_path
     assert main(["hetjax", "plan", *SMALL_JOB, *slow_node_left_out(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "pp=2 dp,tp per stage: 2x1 2x2" in out
-    assert "  unused: ranks 6-7 (slow)" in out
+    assert "  unused: ranks 6-7 (slow): left out by parallel.exclude" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("  0 ", "  1 "))]
     assert [r[3:6] for r in rows] == [["2", "1", "0-1"], ["2", "2", "2-5"]]  # dp, tp, ranks
 
 
-@pytest.mark.slow  # two runs through the CLI; test_stages_with_their_own_shapes_... is the default tier's
+@pytest.mark.slow  # two runs through the CLI; the default tier has the equivalence test above
 def test_a_plan_that_leaves_the_slow_node_out_trains_like_one_device(tmp_path):
     """3 fast nodes + 1 node behind a 1 Gb/s link: `hetjax train` with the slow node left out
     trains with the single-device run's losses."""

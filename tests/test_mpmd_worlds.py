@@ -26,7 +26,14 @@ STEPS = 3
 # between them over the bridge too
 CASES = [pytest.param(((1, 3), "1f1b", 2, 2, 4), 0, id="process-per-world"),
          pytest.param(((1, 1, 1, 1), "1f1b", 2, 1, 4), 4, id="stage-per-process",
-                      marks=pytest.mark.slow)]
+                      marks=pytest.mark.slow),
+         # half of each cluster left out: a world's job holds only its used ranks (one
+         # process per world), or its processes' ranks with some idle (one per node; the
+         # processes of the nodes left out have no world)
+         pytest.param(((1, 1), "1f1b", 1, 2, 4, {"parallel.exclude": (2, 3, 6, 7)}), 0,
+                      id="subset-process-per-world", marks=pytest.mark.slow),
+         pytest.param(((1, 1), "1f1b", 1, 2, 4, {"parallel.exclude": (2, 3, 6, 7)}), 4,
+                      id="subset-process-per-node", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case, processes", CASES)
@@ -34,7 +41,7 @@ def test_two_worlds_train_and_evaluate_like_one(case, processes):
     from hetjax.distributed import process_slots
     from hetjax.parallel.mpmd_worlds import stage_groups
 
-    trainer = Trainer(mpmd_config(*case), quiet=True)
+    trainer = Trainer(mpmd_config(*case[:5], **(case[5] if len(case) > 5 else {})), quiet=True)
     batches = [next(trainer.data) for _ in range(STEPS)]
     ref = trainer.executor
     state, want = ref.init_state(trainer.config.train.seed), []
@@ -55,8 +62,8 @@ def test_two_worlds_train_and_evaluate_like_one(case, processes):
     groups = stage_groups(plan, worlds, owner)
     assert [g.stages for g in groups] == [w.stages for w in worlds] if not processes else \
         [(s,) for s in range(plan.pp)]
-    ends = sorted(set(owner.values()))
-    addresses = [f"127.0.0.1:{free_port()}" for _ in ends]
+    ends = sorted({owner[r] for w in worlds for r in w.ranks})  # a process left out has none
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(max(owner.values()) + 1)]
     devices = topo.jax_devices()
     got, states, evals, errors = {}, {}, {}, []
 

@@ -204,7 +204,7 @@ def test_a_corrupt_checkpoint_is_set_aside_and_the_newest_good_one_restored(
     assert trainer.restore() == newest_good
     err = capsys.readouterr().err.strip()
     prefix = f"hetjax: checkpoint {step} in {ckpt} cannot be read ({detail}"
-    suffix = f"); moved aside to {step}.corrupt, trying the previous one"
+    suffix = f"); moved aside to {step}.corrupt, trying the previous one ({newest_good})"
     assert err.startswith(prefix) and err.endswith(suffix) and "\n" not in err, err
     assert os.path.isdir(os.path.join(ckpt, f"{step}.corrupt"))
     assert trainer.checkpointer.steps() == ([2, 4] if step == 6 else [2])

@@ -158,3 +158,14 @@ def test_xla_gpu_flags_exist_in_this_jaxlib():
     assert ok.returncode == 0, ok.stderr[-2000:]
     bad = _jax_accepts("--xla_gpu_enable_latency_hiding_scheduler_typo=true")
     assert bad.returncode != 0 and "Unknown flag" in bad.stderr
+
+
+def test_groups_of_a_plan_with_per_stage_shapes_on_some_of_the_devices():
+    """Stage 0 a TP pair on an ib node, stage 1 two replicas on a roce node, the other four
+    devices left out: they are in no group, and the PP group is the boundary's two stages."""
+    p = Plan(pp=2, dp=0, tp=0, stage_layers=(1, 1), microbatches=1, global_batch=2, seq_len=8,
+             executor="mpmd", stage_shapes=((1, 2), (2, 1)), device_order=(0, 1, 4, 5))
+    links = {(g.axis, g.ranks): g.link for g in nic.group_links(p, preset("cpu_hybrid"))
+             if len(g.ranks) > 1}
+    assert links == {("tp", (0, 1)): "nvlink", ("dp", (4, 5)): "nvlink",
+                     ("pp", (0, 1, 4, 5)): "ethernet"}

@@ -51,3 +51,15 @@ def test_flat_efficiency_misses_the_table_shape():
     kinds = rr.predicted_tflops(mid) / rr.predicted_tflops(small)
     measured = mid.tflops_per_gpu / small.tflops_per_gpu
     assert abs(kinds - measured) < abs(ratio - measured)
+
+
+def test_amsp_reported_mfu_is_predicted_within_10_percent():
+    """AMSP's 52% MFU for LLaMA 7B and 13B on 1,024 A800s: ZeRO's per-layer gathers and
+    reduce-scatters overlap the layers' compute and the gradient buckets the last backward,
+    so at the assumed 400 Gb/s a node only the last bucket and a pass's first gather are
+    exposed. (Before the overlap was scheduled the model predicted 40%.)"""
+    from hetjax.planner.reference_runs import AMSP_MFU, AMSP_REPORTED, amsp_plan
+
+    for name in AMSP_REPORTED:
+        mfu = amsp_plan(name).predicted["mfu"]
+        assert abs(mfu / AMSP_MFU - 1) <= 0.10, (name, mfu)

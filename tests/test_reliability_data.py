@@ -38,6 +38,8 @@ def test_data_path_without_source_files_is_refused(tmp_path, source):
 
 
 def test_a_run_says_at_start_what_data_it_reads(tmp_path):
+    """The `data:` line of `Trainer.describe()`, which `hetjax train` prints at start."""
+    from hetjax.corpus_size import source_line
     from hetjax.train import Trainer
 
     docs = _jsonl(tmp_path / "docs.jsonl")
@@ -49,8 +51,10 @@ def test_a_run_says_at_start_what_data_it_reads(tmp_path):
             ({"data.source": "files", "data.path": str(docs)},
              f"data: data.path {str(docs)!r}, tokenizer byte, 0.01 of the documents held out "
              "for evaluation")):
-        trainer = Trainer(tiny_config(**{"workdir": str(tmp_path / "run"), **over}), quiet=True)
-        assert line in trainer.describe().splitlines()
+        assert source_line(tiny_config(**over).data) == line
+    trainer = Trainer(tiny_config(workdir=str(tmp_path / "run")), quiet=True)
+    assert "data: random token sequences (data.source = synthetic), tokenizer byte" in \
+        trainer.describe().splitlines()
 
 
 def test_a_held_out_split_too_small_is_named_before_anything_is_built(tmp_path):
@@ -100,7 +104,7 @@ def test_hetjax_eval_never_evaluates_a_batch_twice(saved_run, tmp_path, capsys):
     out, err = capsys.readouterr()
     distinct = int(err.split("sequences, ")[1].split(" distinct")[0])
     assert 0 < distinct < 64
-    assert f"hetjax: eval.batches = 64, but the held-out split packs into " in err
+    assert "hetjax: eval.batches = 64, but the held-out split packs into " in err
     assert f"evaluating {distinct}, none twice (raise data.eval_fraction for more)" in err
     assert f"({distinct} batches of 8 x 16 tokens, data.source=files)" in out
 

@@ -42,12 +42,12 @@ def test_every_chunk_runs_each_forward_and_backward_once(name):
             assert {a.stage for a in order} == {st}
             expect = [(k, m, c) for c in range(s.virtual) for m in range(mb)
                       for k in ["F"] + backward]
-            assert sorted((a.kind, a.microbatch, a.chunk) for a in order) == sorted(expect)
+            assert sorted((a.kind, a.microbatch, a.stage_chunk) for a in order) == sorted(expect)
             seen = set()
             for a in order:  # a backward comes after its own forward, W after its I
                 need = {"F": None, "B": "F", "I": "F", "W": "I"}[a.kind]
-                assert need is None or (need, a.microbatch, a.chunk) in seen, (name, st, a)
-                seen.add((a.kind, a.microbatch, a.chunk))
+                assert need is None or (need, a.microbatch, a.stage_chunk) in seen, (name, st, a)
+                seen.add((a.kind, a.microbatch, a.stage_chunk))
         # every model chunk is placed on a stage, each stage runs `virtual` of them
         assert sorted(s.placement()) == sorted(list(range(stages)) * s.virtual)
 
@@ -425,7 +425,7 @@ def test_sends_match_receives_and_every_input_is_the_right_value(name, stages, m
         elif isinstance(op, pg.Free):
             del env[op.stage, op.buffer]
         elif isinstance(op, pg.Run):
-            k, m = op.chunk, op.microbatch
+            k, m = op.model_chunk, op.microbatch
             assert schedule.placement()[k] == op.stage
             got = {b.kind: env[op.stage, b] for b in op.reads}
             if op.kind == "F":
@@ -450,9 +450,9 @@ def test_each_stage_runs_its_order_and_reduces_once_after_its_last_backward(name
     for s in range(stages):
         ops = program.of_stage(s)
         runs = [op for op in ops if isinstance(op, pg.Run)]
-        assert [(r.kind, r.microbatch, r.position) for r in runs] == \
-            [(a.kind, a.microbatch, a.chunk) for a in schedule.orders[s]]
-        assert [schedule.model_chunk(a) for a in schedule.orders[s]] == [r.chunk for r in runs]
+        assert [(r.kind, r.microbatch, r.stage_chunk) for r in runs] == \
+            [(a.kind, a.microbatch, a.stage_chunk) for a in schedule.orders[s]]
+        assert [schedule.model_chunk(a) for a in schedule.orders[s]] == [r.model_chunk for r in runs]
         reductions = [i for i, op in enumerate(ops)
                       if isinstance(op, pg.Reduce) or (isinstance(op, pg.Run) and op.reduce)]
         assert len(reductions) == 1

@@ -30,22 +30,23 @@ EXERCISED_BY = {
     "scripts/bench/diloco.py": "test_bench_diloco_smoke",
     "scripts/bench/gpu.py": "test_bench_gpu.py::test_smoke_run_prints_the_table_and_writes_json",
     "scripts/bench/hetaccel.py":
-        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+        "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/bench/hetnet.py":
-        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+        "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/bench/moe.py": "test_bench_moe_smoke",
     "scripts/bench/pipeline.py": "test_bench_pipeline_smoke",
     "scripts/bench/planner.py": "test_bench_planner_smoke",
+    "scripts/bench/predict.py": "test_bench_predict_smoke",
     "scripts/bench/quota.py": "test_bench_quota_smoke",
     "scripts/bench/reliability.py": "test_bench_reliability_smoke",
     "scripts/bench/zero.py": "test_bench_zero_smoke",
     "scripts/bench/check_worlds.py":
-        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+        "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/tools/doc_blocks.py": "test_docs.py::test_a_failing_python_block_fails",
     "scripts/tools/make_hf_fixture.py":  # needs torch; the tests read what it wrote
         "test_interop.py::test_an_hf_checkpoint_gives_transformers_logits",
     "scripts/bench/repredict.py":
-        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+        "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/bench/experiments/__init__.py": "test_experiments.py::test_report_helpers",
     "scripts/bench/experiments/harness.py": "test_experiments.py::test_report_helpers",
     "scripts/bench/experiments/hetaccel.py":
@@ -55,7 +56,7 @@ EXERCISED_BY = {
     "scripts/bench/experiments/repredict.py":
         "test_experiments.py::test_saved_runs_are_priced_again_and_compared_run_to_run",
     "scripts/bench/experiments/worlds.py":
-        "test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module",
+        "test_an_entry_point_of_an_experiment_starts_as_a_module",
 }
 
 
@@ -101,7 +102,7 @@ def test_a_script_imports_no_private_name(path):
 def test_bench_pipeline_smoke(capsys):
     from scripts.bench import pipeline as bench_pipeline
 
-    assert bench_pipeline.main(["smoke"]) == 0
+    assert bench_pipeline.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "## Modelled step time, stages of [2, 1] layers" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or
@@ -188,36 +189,110 @@ def test_bench_reliability_smoke(capsys):
 def test_bench_planner_smoke(capsys):
     from scripts.bench import planner as bench_planner
 
-    bench_planner.main(["smoke"])
+    bench_planner.main(["--smoke"])
     out = capsys.readouterr().out
     assert "All-reduce over 1,024" in out and "Holmes" in out, out[-2000:]
+
+
+def test_bench_predict_smoke(capsys, tmp_path):
+    """Every source but the compiled steps' memory (a compile: the slow tier's smoke below)."""
+    import json
+
+    from scripts.bench import predict as bench_predict
+
+    out_json = tmp_path / "rows.json"
+    bench_predict.main(["--smoke", "--sources",
+                        "emulated,profile,megatron,megatron_flat,amsp,holmes,h200",
+                        "--json", str(out_json)])
+    out = capsys.readouterr().out
+    for source in ("emulated cluster", "Megatron-LM Table 1", "AMSP, 1,024 A800",
+                   "Holmes Table 1", "one H200 (recorded)"):
+        assert f"| {source} |" in out, out[-2000:]
+    rows = json.loads(out_json.read_text())
+    assert all(r["predicted"] > 0 and r["measured"] > 0 for r in rows)
+    assert any(r["fitted"] for r in rows) and any(not r["fitted"] for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_predict_smoke_compiles_a_step_for_its_memory(capsys):
+    from scripts.bench import predict as bench_predict
+
+    bench_predict.main(["--smoke", "--sources", "memory"])
+    assert "| XLA memory_analysis() |" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_end_to_end_on_a_tiny_shape(tmp_path):
     """scripts/tools/gpu_check.sh, the one command a GPU session runs, on CPU with a tiny shape:
     calibrate, plan (flat and by kind) and bench/gpu.py all finish and leave their files."""
-    env = {**os.environ, "GPU_CHECK_SMOKE": "1", "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable}
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "tools", "gpu_check.sh"), str(tmp_path)],
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "tools", "gpu_check.sh"), "--smoke",
+                        str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for name in ("calibration.json", "plan_flat.json", "plan_kinds.json", "bench_gpu.json"):
+    for name in ("calibration.json", "profile.json", "plan_flat.json", "plan_kinds.json",
+                 "plan_profile.json", "bench_gpu.json"):
         assert (tmp_path / name).is_file(), (name, r.stdout[-3000:])
-    assert r.stdout.count("exit 0") == 4, r.stdout[-3000:]
+    assert r.stdout.count("exit 0") == 5, r.stdout[-3000:]
+    # the profile has the layer at one sequence and at the job's micro-batch (2 sequences)
+    from hetjax.planner.compute_profile import load_profile
+
+    prof = load_profile(str(tmp_path / "profile.json"))
+    assert {r.tokens for r in prof.rows if r.piece == "layer"} == {64, 128}
+    assert "(compute: profile)" in (tmp_path / "plan_profile.log").read_text()
+
+
+def _runnable(path: str) -> bool:
+    with open(os.path.join(REPO, path)) as f:
+        text = f.read()
+    return path.endswith(".sh") or 'if __name__ == "__main__":' in text
+
+
+RUNNABLE = sorted(p for p in (FILES + [os.path.relpath(os.path.join(folder, n), REPO)
+                                       for folder, _, names in os.walk(SCRIPTS) for n in names
+                                       if n.endswith(".sh")]) if _runnable(p))
+# The runnable scripts without a --smoke run, and why. Every other one takes --smoke (tiny
+# shapes, on CPU, seconds to a minute), the one spelling the suite and the docs use.
+NO_SMOKE = {
+    "scripts/bench/hetaccel.py": "runs on the testbed's emulated cluster: needs root",
+    "scripts/bench/hetnet.py": "runs on the testbed's emulated cluster: needs root",
+    "scripts/bench/repredict.py": "reprices the results files a testbed run wrote",
+    "scripts/tools/doc_blocks.py": "a tool: runs documentation blocks",
+    "scripts/tools/make_hf_fixture.py": "a tool: writes the HF test fixture (needs torch)",
+    "scripts/tools/gpu_wheels.sh": "a tool: downloads wheels",
+}
+
+
+def test_every_script_is_runnable_or_imported():
+    assert {"scripts/bench/pipeline.py", "scripts/tools/gpu_check.sh",
+            "scripts/bench/experiments/worlds.py"} <= set(RUNNABLE)
+    assert set(NO_SMOKE) <= set(RUNNABLE)
+
+
+@pytest.mark.parametrize("path", RUNNABLE)
+def test_every_script_answers_help_and_takes_smoke(path, tmp_path):
+    """Run as a file from another directory (an installed hetjax does not include scripts/;
+    an entry point still finds its experiment), `--help` prints the usage and exits 0, and
+    lists `--smoke` unless NO_SMOKE says why not."""
+    cmd = ["bash"] if path.endswith(".sh") else [sys.executable]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([*cmd, os.path.join(REPO, path), "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout, res.stdout[-2000:]
+    assert ("--smoke" in res.stdout) == (path not in NO_SMOKE), res.stdout[-2000:]
+    assert not list(tmp_path.iterdir())  # nothing written where it ran
 
 
 @pytest.mark.parametrize("name", ["hetaccel", "hetnet", "check_worlds", "repredict", "diloco",
                                   "quota"])
-@pytest.mark.parametrize("how", ["file", "module"])
-def test_an_entry_point_of_an_experiment_starts_as_a_file_and_as_a_module(name, how, tmp_path):
-    """An installed hetjax does not include scripts/: run as a file, from another directory, the
-    entry point still finds its experiment; run with -m from the repository root, too."""
-    argv = ([sys.executable, os.path.join(SCRIPTS, "bench", f"{name}.py"), "--help"]
-            if how == "file" else [sys.executable, "-m", f"scripts.bench.{name}", "--help"])
+def test_an_entry_point_of_an_experiment_starts_as_a_module(name):
+    """Run with -m from the repository root, an entry point imports its experiment as a
+    subpackage (as a file, it finds it on its own folder: the test above)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run(argv, cwd=tmp_path if how == "file" else REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", f"scripts.bench.{name}", "--help"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
 

@@ -107,6 +107,39 @@ def test_a_hook_added_from_python_runs_at_its_interval_and_sees_the_metrics(tmp_
     assert seen[-1][1]["loss"] == rows[6]["loss"]
 
 
+def test_a_trainer_runs_on_the_parts_it_is_given_and_builds_none_itself(tmp_path, monkeypatch):
+    """TrainerParts.from_config builds the validated config, topology, plan, tokenizer, model,
+    optimizer, runtime, executor, attention kernel and memory check; Trainer(parts) only runs
+    them (nothing of train.py's builders is called again), and its checkpointer is a hook."""
+    from hetjax import train
+    from hetjax.errors import HetjaxError
+    from hetjax.hooks import Checkpointing
+
+    parts = train.TrainerParts.from_config(tiny_config(**{
+        "train.steps": 2, "checkpoint.every": 2, "checkpoint.async_save": False,
+        "workdir": str(tmp_path)}))
+
+    def built_again(*args, **kwargs):
+        raise AssertionError("Trainer(parts) built a part")
+
+    for name in ("make_executor", "plan_from_config", "tokenizer_from_config", "make_optimizer",
+                 "runtime_from_environ", "check_memory", "choose_local"):
+        monkeypatch.setattr(train, name, built_again)
+    monkeypatch.setattr(train.hconfig, "validate", built_again)
+    trainer = train.Trainer(parts, quiet=True)
+    assert (trainer.executor, trainer.plan, trainer.model_cfg) == \
+        (parts.executor, parts.plan, parts.model_cfg)
+    saved = []
+    monkeypatch.setattr(Checkpointing, "__call__",
+                        lambda self, info, call=Checkpointing.__call__: (saved.append(info.step),
+                                                                         call(self, info)))
+    summary = trainer.train()
+    assert np.isfinite(summary["final_loss"]) and saved == [2]
+    assert trainer.checkpointer.steps() == [2]
+    with pytest.raises(HetjaxError, match="the parts hold the topology and the plan"):
+        train.Trainer(parts, plan=parts.plan)
+
+
 def test_the_loss_plot_title_names_the_model_and_plan_not_a_temporary_directory(tmp_path):
     workdir = tmp_path / "hetjax-quickstart-x1y2z3"
     trainer = Trainer(tiny_config(**{"workdir": str(workdir)}), quiet=True)

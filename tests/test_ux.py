@@ -222,6 +222,24 @@ def test_plan_plot_labels_only_what_fits_and_ends_at_the_step_time():
     assert len(device_map.patches) == plan.pp * plan.dp
 
 
+def test_the_device_map_of_per_stage_shapes_says_which_devices_are_left_out():
+    """A plan the cost model does not price (per-stage shapes) is drawn as its device map
+    alone: each stage's own replicas, its TP pair outlined, the idle devices marked."""
+    from hetjax.core.plan import Plan
+    from hetjax.core.topology import preset
+    from hetjax.planner import model_from_config
+    from hetjax.planner.plot import plan_figure
+
+    plan = Plan(pp=2, dp=0, tp=0, stage_layers=(1, 1), microbatches=2, global_batch=8,
+                seq_len=16, executor="mpmd", stage_shapes=((1, 2), (2, 1)),
+                device_order=(0, 1, 4, 5))
+    (ax,) = plan_figure(plan, preset("cpu_hybrid"), model_from_config(tiny_config())).axes[:1]
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["s0", "s0", "s1 r0", "s1 r1"] + ["unused"] * 4
+    assert len(ax.patches) == 1  # stage 0's TP pair
+    assert "pp=2 dp,tp per stage: 1x2 2x1" in ax.get_title()
+
+
 # --- launch output ----------------------------------------------------------------------------
 def test_launch_prefixes_every_worker_line_and_hides_gloo_noise():
     import io

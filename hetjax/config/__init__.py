@@ -25,7 +25,7 @@ tuple, where `base_config()` and `--help` read it).
 
 from hetjax.config import fields
 from hetjax.config.fields import (ADD_BOS, DATA_SOURCES, DESCRIPTIONS, DTYPES, PATH_FIELDS,
-                                  SOURCE_TEXT, WANDB_MODES, WRITTEN_FIELDS, Bound, Choices, Field,
+                                  WANDB_MODES, WRITTEN_FIELDS, Bound, Choices, Field,
                                   base_config, count_or_off, field_problems, field_value,
                                   positive_int, spec, warmup_steps)
 from hetjax.config.loading import (PYTHON_WORKDIR, apply_model_source, check_fields,
@@ -35,7 +35,7 @@ from hetjax.config.validation import build_topology, compute_dtype, validate
 from hetjax.errors import ConfigError
 
 __all__ = ["ADD_BOS", "DATA_SOURCES", "DESCRIPTIONS", "DTYPES", "fields", "PATH_FIELDS",
-           "SOURCE_TEXT", "WANDB_MODES", "WRITTEN_FIELDS", "Bound", "Choices", "Field",
+           "WANDB_MODES", "WRITTEN_FIELDS", "Bound", "Choices", "Field",
            "base_config", "count_or_off", "field_value", "positive_int", "spec", "warmup_steps",
            "PYTHON_WORKDIR", "apply_model_source", "check_fields", "check_one_model_source",
            "expand_paths", "load_config", "load_config_for_python", "build_topology",

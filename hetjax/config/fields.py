@@ -24,16 +24,13 @@ from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 from hetjax.core.wire import BOUNDARY_CODECS, DILOCO_CODECS
-from hetjax.interop.hf_config import ROPE_TYPES
+from hetjax.core.hf_config import ROPE_TYPES
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import COMPUTE_MODELS
 
 
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-# What each data.source reads, as the run's start and its errors say it.
-SOURCE_TEXT = {"stdlib": "the Python standard library's .py files",
-               "files": "data.path", "synthetic": "random token sequences"}
 WANDB_MODES = ("online", "offline", "disabled")
 ADD_BOS = ("auto", "true", "false")
 
@@ -163,7 +160,7 @@ def _is_file_or_empty(fix: str):
 
 def _known_model_preset(field, v):
     if v:
-        from hetjax.interop.hf_config import preset_fields
+        from hetjax.core.hf_config import preset_fields
 
         preset_fields(v)  # an unknown name is one error listing the presets
     return None
@@ -205,6 +202,15 @@ def _writable_dir(field, path):
     while not os.path.exists(parent):  # the deepest existing ancestor must be writable
         parent = os.path.dirname(parent)
     if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+        # access() says yes to root everywhere, and to pseudo file systems (/proc, /sys) that
+        # refuse new entries: create one to be sure (and remove it)
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hetjax-probe-", dir=parent))
+        except OSError as e:
+            return (f"{path} cannot be created ({parent}: {e.strerror})",
+                    f"choose a --config.{field} under a directory you can write")
         return None
     return (f"{path} cannot be written ({parent} is "
             f"{'not writable' if os.path.isdir(parent) else 'a file'})",
@@ -242,9 +248,9 @@ def _schedule_help() -> str:
 
 
 def _model_presets() -> str:
-    from hetjax.interop.hf_config import PRESETS
+    from hetjax.core.hf_config import PRESETS
 
-    return (f"a published architecture (hetjax.interop.hf_config.PRESETS: "
+    return (f"a published architecture (hetjax.core.hf_config.PRESETS: "
             f"{', '.join(PRESETS)}); sets the architecture fields, explicit --config.model.* "
             "overrides win")
 
@@ -350,8 +356,8 @@ FIELDS: tuple[Field, ...] = (
           _is_dir_or_empty("give a HuggingFace model directory (config.json + "
                            "*.safetensors)")),
 
-    Field("parallel.pp", 1, "pipeline stages; pp * dp * tp = topology devices; 0: the planner "
-          "chooses", _DEGREE),
+    Field("parallel.pp", 1, "pipeline stages; pp * dp * tp = topology devices (less "
+          "parallel.exclude); 0: the planner chooses", _DEGREE),
     Field("parallel.dp", 0, "data-parallel replicas; 0: all remaining devices", _DEGREE),
     Field("parallel.tp", 1, "tensor-parallel shards (inside a node); 0: the planner chooses",
           _DEGREE),
@@ -378,7 +384,8 @@ FIELDS: tuple[Field, ...] = (
           "two chunks per device in a V (down, then back up; device 0 holds embedding and "
           "head), each device's stage_layers split ceil/floor down/up | auto: the planner "
           "prices both", _layout_name("placement")),
-    Field("pipeline.microbatches", 0, "alias of train.microbatches for pipeline users; 0: unset"),
+    Field("pipeline.microbatches", 0, "fixes M, the micro-batches per step, for pipeline users: "
+          "the number train.microbatches also sets (give one of the two); 0: unset"),
     Field("pipeline.boundary_codec", "none", "activations and their gradients crossing worlds "
           "(MPMD stages on different clusters): {choices}",
           Choices(BOUNDARY_CODECS, "codec", {

@@ -67,13 +67,13 @@ def load_config(path: str | None = None, overrides=(),
 
 
 def apply_model_source(c, keep=()) -> None:
-    """Set the architecture fields (hetjax.interop.hf_config.ARCH_FIELDS) from model.preset or
+    """Set the architecture fields (hetjax.core.hf_config.ARCH_FIELDS) from model.preset or
     the config.json of model.init_from, except the dotted fields in `keep`. `load_config` calls
     it; call it on a config built in Python after setting either field."""
     m = c.model
     if not m.preset and not m.init_from:
         return
-    from hetjax.interop import hf_config
+    from hetjax.core import hf_config
 
     check_one_model_source(m)
     fields = (hf_config.preset_fields(m.preset) if m.preset else

@@ -16,10 +16,10 @@ import os
 
 import ml_collections
 
-from hetjax.config.fields import (SOURCE_TEXT, base_config, field_problems, field_value,
-                                  positive_int, spec)
+from hetjax.config.fields import base_config, field_problems, field_value, positive_int, spec
 from hetjax.config.loading import check_fields, check_one_model_source, expand_paths
 from hetjax.core import topology as topo
+from hetjax.corpus_size import SOURCE_TEXT
 from hetjax.core.plan import (ZeroFactors, layout_problems, raise_first, stage_shape_problem,
                               tp_problems)
 from hetjax.errors import ConfigError, TopologyValueError
@@ -139,7 +139,7 @@ def _validate_model(c) -> None:
         _check(c, "model.rope_original_max_len", positive_int())
     check_one_model_source(m)
     if m.init_from:
-        from hetjax.interop import hf_config
+        from hetjax.core import hf_config
 
         # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
         # scaling or max_seq_len, a run may change on purpose).

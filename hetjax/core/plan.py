@@ -5,9 +5,9 @@ A Plan says how many pipeline stages, data-parallel replicas and tensor-parallel
 which topology ranks sit at each (stage, replica, shard) position (`device_order`, possibly a
 subset of the topology's ranks: the others stay idle), how many layers each stage runs, how the
 batch is cut into micro-batches, which schedule runs them and how the model states are
-ZeRO-sharded. It may carry the planner's predictions (and why it left devices out). Everything downstream
-(mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan and a Topology; a Plan
-is saved as JSON next to checkpoints.
+ZeRO-sharded. It may carry the planner's predictions (and why it left devices out).
+Everything downstream (mesh, shardings, pipeline, NIC environment, trainer) reads only a Plan
+and a Topology; a Plan is saved as JSON next to checkpoints.
 
 `resolve_schedule` is the one place a plan becomes a schedule object (of the registry in
 `hetjax.core.schedules`). This module is a leaf: it imports only the topology, the errors, the
@@ -382,15 +382,20 @@ class Plan:
                      f"{percent(pr.get('memory_margin', 0.0))}")
         return line
 
+    def degrees(self) -> str:
+        """The data- and tensor-parallel degrees in words: "dp=2 tp=1", or with per-stage
+        shapes "dp,tp per stage: 1x2 2x1"."""
+        if self.uniform:
+            return f"dp={self.dp} tp={self.tp}"
+        return "dp,tp per stage: " + " ".join(f"{d}x{t}" for d, t in self.stage_shapes)
+
     def header(self) -> str:
         z = self.zero
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
         executor += f"  placement={self.placement}" if self.placement != "looped" else ""
         executor += f"  remat={self.remat}" if self.remat else ""
-        degrees = (f"dp={self.dp} tp={self.tp}" if self.uniform else
-                   "dp,tp per stage: " + " ".join(f"{d}x{t}" for d, t in self.stage_shapes))
-        degrees += f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"plan ({self.source}): pp={self.pp} {degrees}  "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"plan ({self.source}): pp={self.pp} {self.degrees()}{ep}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")

@@ -36,32 +36,33 @@ from hetjax.core.timeline import timeline
 @dataclass(frozen=True)
 class Buffer:
     """One value a stage holds between ops: `kind` activation (the input of model chunk
-    `chunk`), gradient (the gradient of chunk `chunk`'s output), stash (chunk `chunk`'s
+    `model_chunk`), gradient (the gradient of that chunk's output), stash (that chunk's
     residuals, F to B / W) or douts (its pieces' output gradients, I to W), of `microbatch`.
     Activations and gradients keep the *reading* chunk's index on both sides of a send."""
 
     kind: str
-    chunk: int
+    model_chunk: int
     microbatch: int
 
     @property
     def source(self) -> int:
         """The model chunk that produces an activation or gradient buffer."""
-        return self.chunk - 1 if self.kind == "activation" else self.chunk + 1
+        return self.model_chunk - 1 if self.kind == "activation" else self.model_chunk + 1
 
     def __str__(self) -> str:
-        return f"{self.kind}(c{self.chunk},m{self.microbatch})"
+        return f"{self.kind}(c{self.model_chunk},m{self.microbatch})"
 
 
 @dataclass(frozen=True)
 class Run:
-    """Task `kind` (F, B, I, W) of model chunk `chunk` (the stage's chunk `position`) and
+    """Task `kind` (F, B, I, W) of model chunk `model_chunk` (the stage's chunk `stage_chunk`,
+    as the schedule's `Task.stage_chunk`) and
     `microbatch`; `reduce`: the stage's gradient reduction runs in the same program."""
 
     stage: int
     kind: str
-    chunk: int
-    position: int
+    model_chunk: int
+    stage_chunk: int
     microbatch: int
     reads: tuple[Buffer, ...] = ()
     writes: tuple[Buffer, ...] = ()
@@ -74,7 +75,8 @@ class Run:
         return next((b for b in self.writes if b.kind == kind), None)
 
     def __str__(self) -> str:
-        return f"{self.kind}(c{self.chunk},m{self.microbatch})" + ("+reduce" if self.reduce else "")
+        return (f"{self.kind}(c{self.model_chunk},m{self.microbatch})"
+                + ("+reduce" if self.reduce else ""))
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ def _task_ops(schedule: sch.Schedule, s: int, a: sch.Task, last_release: bool) -
     else:
         raise ValueError(f"schedule {schedule.name} has a task of unknown kind {a.kind!r}")
     fused = last_release and not writes
-    ops: list[Op] = before + [Run(s, a.kind, k, a.chunk, m, tuple(reads), tuple(writes),
+    ops: list[Op] = before + [Run(s, a.kind, k, a.stage_chunk, m, tuple(reads), tuple(writes),
                                   reduce=fused)]
     ops += [send] if send else []
     return ops + ([Reduce(s)] if last_release and not fused else [])

@@ -5,8 +5,8 @@ A schedule gives, for every stage, the ordered list of tasks it performs in one 
 A `Task` names its kind, micro-batch, stage and chunk: F(m) runs a forward of micro-batch m,
 B(m) its backward; schedules that split the backward (zero bubble) run I(m), the input
 gradient that the previous stage waits for, and later W(m), the weight gradient that nobody
-waits for. A stage may run several model chunks (virtual stages): `chunk` is the task's chunk
-in its stage's chunk order, and `Schedule.placement()` says which stage runs each chunk of the
+waits for. A stage may run several model chunks (virtual stages): `stage_chunk` is the task's
+chunk in its stage's chunk order (`Schedule.model_chunk(task)` its index in model order), and `Schedule.placement()` says which stage runs each chunk of the
 model, in model order (the default loops: model chunk k on stage k mod pp, Megatron's
 interleaved placement). Dependencies are implicit: F of model chunk k needs F of chunk k - 1
 (its input activation); B or I of chunk k needs B or I of chunk k + 1 (the gradient of its
@@ -49,18 +49,19 @@ RELEASE_KINDS = ("B", "W")  # the tasks after which a micro-batch's stash is fre
 @dataclass(frozen=True)
 class Task:
     """One task of a stage: `kind` F, B, I (input gradient) or W (weight gradient), of
-    micro-batch `microbatch`, on the stage's chunk `chunk` (0 .. virtual - 1)."""
+    micro-batch `microbatch`, on the stage's chunk `stage_chunk` (0 .. virtual - 1, in the
+    stage's own order; `Schedule.model_chunk` gives the chunk's index in model order)."""
 
     kind: str
     microbatch: int
-    chunk: int = 0
+    stage_chunk: int = 0
     stage: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        chunk = f".{self.stage_chunk}" if self.stage_chunk else ""
+        return f"{self.kind}{self.microbatch}{chunk}"
 
 
-Action = Task  # the name the SPMD executor's tick tables use
 SCHEDULES: dict[str, type["Schedule"]] = {}
 
 
@@ -96,7 +97,7 @@ class Schedule:
         self.check(stages, microbatches)
         self.stages, self.microbatches = stages, microbatches
         self.orders: tuple[tuple[Task, ...], ...] = tuple(
-            tuple(Task(t.kind, t.microbatch, t.chunk, s) for t in order)
+            tuple(Task(t.kind, t.microbatch, t.stage_chunk, s) for t in order)
             for s, order in enumerate(self.build()))
 
     @classmethod
@@ -138,9 +139,9 @@ class Schedule:
                 seen[s] = seen.get(s, -1) + 1
                 self._chunk_index[s, seen[s]] = k
         try:
-            return self._chunk_index[task.stage, task.chunk]
+            return self._chunk_index[task.stage, task.stage_chunk]
         except KeyError:
-            raise ValueError(f"stage {task.stage} has no chunk {task.chunk} in "
+            raise ValueError(f"stage {task.stage} has no chunk {task.stage_chunk} in "
                              f"{self.name}") from None
 
     def max_in_flight(self, stage: int) -> int:

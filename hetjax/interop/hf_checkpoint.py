@@ -22,7 +22,8 @@ import numpy as np
 
 from hetjax.errors import HetjaxError
 from hetjax.files import copy_file, replace_file
-from hetjax.interop import hf_config
+from hetjax.core import hf_config
+from hetjax.noise import quiet_absl
 from hetjax.interop.safetensors_files import SafetensorsDir, write_file
 
 # Tokenizer files an HF directory may carry; copied into exports as they are.
@@ -288,30 +289,34 @@ def checkpoint_step_dir(path: str) -> str:
     return os.path.join(root, str(steps[-1]))
 
 
-def export_checkpoint(checkpoint: str, out: str, *, max_shard_bytes: int = 2 << 30) -> list:
+def export_checkpoint(checkpoint: str, out: str, model_defaults: dict, *,
+                      max_shard_bytes: int = 2 << 30) -> list:
     """Export a hetjax checkpoint (any plan: checkpoints hold the natural layout) as an HF
-    directory `transformers` loads; returns the files written."""
+    directory `transformers` loads; returns the files written. `model_defaults`: every
+    `model.*` field at its default (the caller's `base_config().model`), for the fields a
+    checkpoint saved before they existed does not name."""
     import ml_collections
     import orbax.checkpoint as ocp
 
-    from hetjax.config import base_config
     from hetjax.layers import ModelConfig
 
     step_dir = checkpoint_step_dir(checkpoint)
     with open(os.path.join(step_dir, "meta", "metadata")) as f:
         meta = json.load(f)
-    model = base_config().model.to_dict()
+    model = dict(model_defaults)
     model.update({k: v for k, v in meta["config"]["model"].items() if k in model})
     # Every array onto this process's first device: the export writes from one host.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     ckptr = ocp.StandardCheckpointer()
-    tree = ckptr.metadata(os.path.join(step_dir, "state"))
+    with quiet_absl():  # orbax: "Metadata file does not exist" (the step's, one level up)
+        tree = ckptr.metadata(os.path.join(step_dir, "state"))
     # orbax >= 0.11 wraps the tree in StepMetadata.item_metadata(.tree); older returns it bare.
     tree = getattr(tree, "item_metadata", tree)
     tree = getattr(tree, "tree", tree)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           tree)
-    params = ckptr.restore(os.path.join(step_dir, "state"), target)["params"]
+    with quiet_absl():
+        params = ckptr.restore(os.path.join(step_dir, "state"), target)["params"]
     rows = params["embedder"]["embedding"].shape[0]
     m = dataclasses.replace(ModelConfig.from_config(ml_collections.ConfigDict(model), rows),
                             vocab_rows=rows)

@@ -4,7 +4,7 @@
 accelerator kind, collectives per link class -- fits a `ComputeCurve` per kind and a `LinkFit`
 per link class and operation (`options()`), compares measured with modelled times
 (`describe`, `plot_calibration`) and is the JSON file `planner.calibration` names. The
-testbed's benches (scripts/bench_het*.py) calibrate with it like a user would. The fits on
+testbed's benches (scripts/bench/het*.py) calibrate with it like a user would. The fits on
 published runs are hetjax/planner/reference_runs.py's.
 """
 

@@ -236,7 +236,7 @@ def update_seconds_per_param(acc: Accelerator, rates: KernelRates) -> float:
 # the other eight rows within 10%), the other rates nominal. The fitted matmul peak (0.63)
 # is below what a large cuBLAS GEMM reaches alone (~0.8): it also carries the work this
 # model does not price (dropout, bias + GELU, the fp16 loss scaling, data loading).
-FITTED = KernelRates(matmul_peak=0.6263, matmul_half_flops=5.29e8)
+FITTED = KernelRates(matmul_peak=0.6274, matmul_half_flops=1.054e9)
 
 
 __all__ = ["ATTENTION_IMPLS", "KernelRates", "SizeCurve", "Work", "attention_impl",

@@ -14,8 +14,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from hetjax.errors import ConfigError
-from hetjax.core.plan import (Plan, ZeroFactors, even_split, layout_problems, raise_first,
-                              stage_shape_problem)
+from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, even_split, layout_problems,
+                              raise_first, stage_shape_problem)
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
 from hetjax.planner.placement import placement_problems, refuse_straddle
@@ -93,6 +93,10 @@ def validate_layout(c, topology: Topology) -> None:
     (less parallel.exclude) (the Plan's rules, `hetjax.core.plan.layout_problems`)."""
     p = c.parallel
     devices = len(usable_ranks(c, topology))
+    if devices < topology.num_devices and searches_layout(c):
+        raise ConfigError("parallel.exclude", "leaves devices out of a layout the planner "
+                          "searches", "fix the layout too (parallel.pp and parallel.tp, or "
+                          "parallel.stage_dp / stage_tp), or leave parallel.exclude empty")
     shapes = stage_shapes_of(c, devices)
     raise_first(layout_problems(pp=p.pp, dp=p.dp if not shapes else 0,
                                 tp=p.tp if not shapes else 0, devices=devices,
@@ -290,11 +294,6 @@ def plan_from_config(c, topology: Topology) -> Plan:
     ranks = usable_ranks(c, topology)
     shapes = stage_shapes_of(c, len(ranks))
     if searches_layout(c):
-        if len(ranks) < topology.num_devices:
-            raise ConfigError("parallel.exclude", "leaves devices out of a layout the planner "
-                              "searches", "fix the layout too (parallel.pp and parallel.tp, "
-                              "or parallel.stage_dp / stage_tp), or leave parallel.exclude "
-                              "empty")
         return plan_for_config(c, topology).plan
     n = len(ranks)
     p = c.parallel
@@ -315,4 +314,8 @@ def plan_from_config(c, topology: Topology) -> Plan:
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
     plan_ = dataclasses.replace(plan_, zero=zr.factors_from_config(c.zero, plan_, topology))
-    return _choose_executor(c, plan_, topology, None)
+    plan_ = _choose_executor(c, plan_, topology, None)
+    if len(ranks) < topology.num_devices:  # why each device is idle (describe() shows it)
+        plan_.predicted[UNUSED_KEY] = {str(r): "left out by parallel.exclude"
+                                       for r in plan_.unused_ranks(topology)}
+    return plan_

@@ -142,8 +142,11 @@ class CostOptions:
     efficiency: fraction of peak FLOP/s a layer reaches (per accelerator kind overrides in
     `efficiency_by_kind`); profiles: measured per-layer times by accelerator name, used instead
     of FLOPs when given; curves: measured efficiency against kernel size by accelerator name
-    (`ComputeCurve`), used before the flat efficiency; overlap: fraction of gradient sync and ZeRO traffic that can hide
-    behind compute; memory_fraction: share of device memory the plan may use; share_nics:
+    (`ComputeCurve`), used before the flat efficiency; overlap: the share of the ZeRO and
+    gradient traffic the schedule can overlap with compute that does (1: all of it, as
+    scheduled -- per layer, bucketed, per executor: `exposed_sync`; 0: none, as measured
+    across gloo processes); memory_fraction: share of device memory the plan may use (after
+    the runtime's reserve); share_nics:
     concurrent groups leaving a node split its NIC bandwidth; executor: how the pipeline runs
     (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
     does in one process, where every collective-permute is a rendezvous of all devices; across
@@ -163,7 +166,7 @@ class CostOptions:
     efficiency_by_kind: dict[str, float] = field(default_factory=dict)
     profiles: dict[str, LayerProfile] = field(default_factory=dict)
     curves: dict[str, ComputeCurve] = field(default_factory=dict)
-    overlap: float = 0.5
+    overlap: float = 1.0
     memory_fraction: float = 0.9
     share_nics: bool = True
     executor: str = "hetjax"
@@ -223,7 +226,7 @@ class StageCost:
     bwd_layer: float
     fwd_fixed: float
     bwd_fixed: float
-    sync_layer: float  # gradient sync + parameter refresh per layer, once per step
+    sync_layer: float  # gradient sync per layer, once per step
     sync_fixed: float
     mem_slot: float  # model-state bytes per layer slot (every stage holds max(l) slots)
     mem_layer: float  # activation bytes per layer, for all micro-batches in flight
@@ -234,6 +237,9 @@ class StageCost:
     update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
     update_fixed: float = 0.0
     reserve: float = 0.0  # the runtime's bytes per device (outside `memory`, off capacity)
+    refresh_layer: float = 0.0  # ZeRO's parameter refresh after the update, per layer
+    refresh_fixed: float = 0.0
+    overlap: float = 0.0  # share of overlappable traffic that hides (0 on CPU)
     mem_measured: bool = False  # activations from a profile's measured bytes
     source: str = "flat"  # what priced its compute (see _Slot)
     spread: float = 0.0
@@ -251,6 +257,9 @@ class StageCost:
 
     def sync(self, layers: int) -> float:
         return self.sync_layer * layers + self.sync_fixed
+
+    def refresh(self, layers: int) -> float:
+        return self.refresh_layer * layers + self.refresh_fixed
 
     def update(self, layers: int, max_layers: int) -> float:
         """The optimizer update of the stage's parameters (every padded slot's, if padded)."""
@@ -290,6 +299,14 @@ class _Slot:
     update_head: float = 0.0
     embed_fwd: float = 0.0  # measured embedding (a profile's "embedding" rows), first stage
     embed_bwd: float = 0.0
+    refresh_layer: float = 0.0  # ZeRO's parameter refresh after the update
+    embed_refresh: float = 0.0
+    head_refresh: float = 0.0
+    # a pass's ZeRO traffic that no layer's compute hides: the first layer's gather of a
+    # forward, the last reduce-scatter of a backward (the rest overlaps layer by layer)
+    zero_edge_fwd: float = 0.0
+    zero_edge_bwd: float = 0.0
+    overlap: float = 0.0  # the share of overlappable traffic that hides on these devices
     # where the compute prices came from, the measurements' spread and how far they were
     # extrapolated (Estimate.distance; 1: inside the measured range)
     source: str = "flat"
@@ -707,6 +724,26 @@ class CostModel:
         hf, hb = self.head_seconds_per_token(acc, tok / tp, tp)
         return tok * hf / tp, tok * hb / tp, None
 
+    def pcie_shared(self, layout: Layout, ranks: np.ndarray) -> float:
+        """Seconds a stage's TP collectives wait per micro-batch and pass because its node's
+        PCIe also carries the stage boundary's activations to and from the NIC: on a node
+        whose devices talk over PCIe (through host memory without P2P), the NIC's traffic
+        crosses the same lanes. Counted when tp > 1, pp > 1 and the stage's nodes hold no
+        other stage (its boundaries leave the node): the boundary's bytes in and out of each
+        device (split over tp, as sent) at the PCIe link's achieved rate."""
+        if layout.tp == 1 or layout.pp == 1:
+            return 0.0
+        clusters = np.unique(self._cluster[ranks])
+        links = [self.topology.clusters[c].intra_node for c in clusters]
+        if not any(lk.kind == "pcie" for lk in links):
+            return 0.0
+        nodes = np.unique(self._node[ranks])
+        on_nodes = np.flatnonzero(np.isin(self._node, nodes))
+        if not set(on_nodes.tolist()) <= set(ranks.tolist()):
+            return 0.0  # another stage shares these nodes: its boundary may stay inside
+        nbytes = 2 * layout.tokens_per_device() * self.model.d_model * self.act_bytes / layout.tp
+        return max(nbytes / lk.bytes_per_s for lk in links if lk.kind == "pcie")
+
     def _price_slots(self, layout: Layout) -> list["_Slot"]:
         m, o, sb, f = self.model, self.options, self.state_bytes, layout.zero
         zr.check(f, layout.dp)
@@ -744,6 +781,7 @@ class CostModel:
             cb = max(c for _, c, _ in priced)
             lf = max(c + (0.0 if e is not None else tp_ar) for c, _, e in priced)
             lb = max(c + (0.0 if e is not None else tp_ar) for _, c, e in priced)
+            shared = self.pcie_shared(layout, ranks)
             heads = [self.piece_times(a, layout, "head") for a in accs]
             embeds = [self.piece_times(a, layout, "embedding") for a in accs]
             est += [e for _, _, e in heads + embeds if e is not None]
@@ -775,11 +813,23 @@ class CostModel:
             kinds = sorted(a.name for a, (_, _, e) in zip(accs, priced) if e is None)
             source = ("profile" if not kinds else
                       "profile + flat " + "/".join(kinds) if est else "flat")
+            # ZeRO's per-pass traffic as scheduled: each layer's gather is prefetched during
+            # the layer before it and its gradient's reduce-scatter runs during the next
+            # layer's backward, so a layer costs the longer of its compute and its traffic;
+            # the first gather and the last reduce-scatter of a pass stay exposed.
+            # XLA:CPU runs a program's collectives in line with its compute (measured on the
+            # emulated cluster: an MPMD stage's last backward and its gradient all-reduce took
+            # their sum), so on CPU nothing overlaps.
+            h = 0.0 if cpu else o.overlap
+            g_fwd = z.gather
+            g_bwd = z.gather + z.scatter + z.accumulate * (M - 1) / M
             slots.append(_Slot(
-                fwd_layer=lf + a2a_fwd + exposed(z.gather, cf, o.overlap),
-                bwd_layer=lb + a2a_bwd + exposed(
-                    z.gather + z.scatter + z.accumulate * (M - 1) / M, cb, o.overlap),
-                sync_layer=z.sync + z.refresh,
+                fwd_layer=lf + a2a_fwd + exposed(g_fwd, cf, h),
+                bwd_layer=lb + a2a_bwd + exposed(g_bwd, cb, h),
+                zero_edge_fwd=min(h * g_fwd, cf) + shared,
+                zero_edge_bwd=min(h * g_bwd, cb) + shared, overlap=h,
+                sync_layer=z.sync, refresh_layer=z.refresh,
+                embed_refresh=ze.refresh, head_refresh=zh.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
                 # hetjax stashes each layer's residuals (its input under remat 'full') in
                 # every padded slot, plus the stage output, and with 'full' holds one layer's
@@ -796,9 +846,9 @@ class CostModel:
                 source=source, spread=max((e.spread for e in est), default=0.0),
                 mem_measured=bool(measured) and len(measured) == len(priced),
                 distance=max((e.distance for e in est), default=1.0),
-                embed_sync=ze.sync + ze.refresh,
+                embed_sync=ze.sync,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
-                head_sync=zh.sync + zh.refresh,
+                head_sync=zh.sync,
                 head_mem=zr.step_state_bytes(head_p, f, sb, zero_as),
                 # f32 logits, log-probabilities and their gradients
                 logits=tok * mem.head_bytes_per_token(m, tp, remat),
@@ -841,8 +891,10 @@ class CostModel:
         head = last or slot.shared_everywhere
         return StageCost(
             fwd_layer=slot.fwd_layer, bwd_layer=slot.bwd_layer,
-            fwd_fixed=(slot.head_fwd if last else 0.0) + (slot.embed_fwd if first else 0.0),
-            bwd_fixed=(slot.head_bwd if last else 0.0) + (slot.embed_bwd if first else 0.0),
+            fwd_fixed=(slot.head_fwd if last else 0.0) + (slot.embed_fwd if first else 0.0)
+            + slot.zero_edge_fwd,
+            bwd_fixed=(slot.head_bwd if last else 0.0) + (slot.embed_bwd if first else 0.0)
+            + slot.zero_edge_bwd,
             sync_layer=slot.sync_layer,
             sync_fixed=(slot.embed_sync if embed else 0.0) + (slot.head_sync if head else 0.0)
             + (shared if slot.shared_everywhere or first or last else 0.0),
@@ -854,6 +906,9 @@ class CostModel:
             update_slot=slot.update_layer,
             update_fixed=(slot.update_embed if embed else 0.0)
             + (slot.update_head if head else 0.0),
+            refresh_layer=slot.refresh_layer, overlap=slot.overlap,
+            refresh_fixed=(slot.embed_refresh if embed else 0.0)
+            + (slot.head_refresh if head else 0.0),
             reserve=slot.reserve, mem_measured=slot.mem_measured, source=slot.source,
             spread=slot.spread, distance=slot.distance)
 
@@ -921,10 +976,10 @@ class CostModel:
         stages = self.stage_costs(layout)
         send, pp_links = self.boundary_times(layout)
         layers = plan.stage_layers
-        sim = simulate(plan.schedule, plan.microbatches,
-                       [c.fwd(n) for c, n in zip(stages, layers)],
-                       [c.bwd(n) for c, n in zip(stages, layers)], send, send,
-                       [c.sync(n) for c, n in zip(stages, layers)], self.options.overlap,
+        fwd = [c.fwd(n) for c, n in zip(stages, layers)]
+        bwd = [c.bwd(n) for c, n in zip(stages, layers)]
+        sim = simulate(plan.schedule, plan.microbatches, fwd, bwd, send, send,
+                       self.exposed_sync(layout, stages, layers, fwd, bwd), 0.0,
                        lockstep=self.runs_in_lockstep(layout), placement=layout.placement,
                        down_share=self.down_share(stages, layers) if layout.folded else (),
                        update=[c.update(n, max(layers)) for c, n in zip(stages, layers)],
@@ -947,6 +1002,28 @@ class CostModel:
             stage_reserve=_floats(c.reserve for c in stages),
             memory_margin=1.0 - self.options.memory_fraction, **self._band(stages, step))
         return (pred, sim) if with_events else pred
+
+    def exposed_sync(self, layout: Layout, stages: Sequence[StageCost], layers: Sequence[int],
+                     fwd: Sequence[float], bwd: Sequence[float]) -> list[float]:
+        """Each stage's once-a-step ZeRO / data-parallel traffic left on the critical path.
+
+        hetjax's SPMD executor in lockstep reduces after its loop: nothing hides. Otherwise
+        the gradients are synchronised in buckets, one per layer (and one for the embedding
+        and head), each as soon as the last micro-batch's backward has produced it, so all
+        but the last bucket may hide behind that backward (`bwd`, up to
+        CostOptions.overlap of it); the parameter refresh after the update overlaps the next
+        step's first forward under Megatron-LM / AMSP (prefetched per layer), and is exposed
+        under hetjax's executors (the next step's program starts after it)."""
+        sync = [c.sync(n) for c, n in zip(stages, layers)]
+        refresh = [c.refresh(n) for c, n in zip(stages, layers)]
+        if self.runs_in_lockstep(layout):
+            return [x + r for x, r in zip(sync, refresh)]
+        out = []
+        for c, x, r, n, f, b in zip(stages, sync, refresh, layers, fwd, bwd):
+            hidden = exposed(x, b, c.overlap * n / (n + 1))
+            out.append(hidden + (exposed(r, f, c.overlap) if self.options.executor == "megatron"
+                                 else r))
+        return out
 
     @staticmethod
     def _band(stages: Sequence[StageCost], step: float) -> dict[str, Any]:

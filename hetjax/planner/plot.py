@@ -41,9 +41,14 @@ def plan_figure(plan: Plan, topology: Topology, model: "ModelConfig",
     """The matplotlib Figure `plot_plan` writes (notebooks display it as it is)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, safe in notebooks
 
-    pred, sim = CostModel(topology, model, options).predict(plan, with_events=True)
     rows = min(len(topology.clusters) if topology.num_nodes > 16 else topology.num_nodes, 32)
     map_h = 0.9 + 0.32 * rows
+    if not plan.uniform:  # the cost model prices one (dp, tp) shape: no timeline to play
+        fig = Figure(figsize=(12, map_h + 0.4))
+        device_map(fig.add_subplot(), plan, topology)
+        fig.tight_layout()
+        return fig
+    pred, sim = CostModel(topology, model, options).predict(plan, with_events=True)
     line_h = 0.9 + 0.45 * plan.pp
     fig = Figure(figsize=(12, map_h + line_h + 0.8))
     grid = fig.add_gridspec(2, 1, height_ratios=[map_h, line_h])
@@ -82,12 +87,15 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     nodes = len(names)
     stage = np.full((nodes, width), np.nan)
     replica = np.full((nodes, width), -1)
+    def cell_of(r: int) -> tuple[int, int]:
+        dev = topology.devices[r]
+        return ((dev.cluster, r - topology.cluster_ranks(dev.cluster).start) if per_cluster
+                else (dev.global_node, dev.local))
+
     where = {}
     for s, d, r in ((s, d, r) for s in range(plan.pp)
                     for (d, _), r in np.ndenumerate(plan.stage_mesh(s))):
-        dev = topology.devices[int(r)]
-        cell = ((dev.cluster, int(r) - topology.cluster_ranks(dev.cluster).start) if per_cluster
-                else (dev.global_node, dev.local))
+        cell = cell_of(int(r))
         stage[cell], replica[cell] = s, d
         where[int(r)] = cell
     shown = min(nodes, 32)
@@ -110,6 +118,11 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
                     ax.add_patch(Rectangle((cols[0] - 0.45, next(iter(node)) - 0.42),
                                            len(cols) - 0.1, 0.84, fill=False, lw=1.6,
                                            edgecolor="black"))
+    if not per_cluster:  # the devices the plan leaves out: blank cells, said so
+        for r in plan.unused_ranks(topology):
+            n, c = cell_of(r)
+            if n < shown and _fits(ax, "unused", 0.9, 7):
+                ax.text(c, n, "unused", ha="center", va="center", fontsize=7, color="grey")
     for (n, c), s in np.ndenumerate(stage[:shown]):
         if np.isnan(s):
             continue
@@ -126,9 +139,7 @@ def device_map(ax, plan: Plan, topology: Topology) -> None:
     ax.set_xticks(range(0, width, max(1, math.ceil(width / 16))))
     ax.set_xlabel("device in cluster" if per_cluster else "device in node")
     more = f" (first {shown} of {nodes} rows)" if shown < nodes else ""
-    degrees = (f"dp={plan.dp} tp={plan.tp}" if plan.uniform else "dp x tp per stage " +
-               ",".join(f"{d}x{t}" for d, t in plan.stage_shapes))
-    ax.set_title(f"device map: pp={plan.pp} {degrees}{more} -- colour: stage, "
+    ax.set_title(f"device map: pp={plan.pp} {plan.degrees()}{more} -- colour: stage, "
                  f"r: DP replica{', black box: TP group' if tp_any else ''}", fontsize=10)
     if plan.pp <= 12:
         ax.legend(handles=[Patch(color=cmap(s), label=f"stage {s}") for s in range(plan.pp)],

@@ -36,7 +36,7 @@ from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCos
 from hetjax.planner.layout import Layout
 from hetjax.planner.network import MissingLinkError
 from hetjax.planner.placement import placement_problems
-from hetjax.planner.simulate import (closed_form, exposed, folded_ticks, in_flight, lockstep_ticks,
+from hetjax.planner.simulate import (closed_form, folded_ticks, in_flight, lockstep_ticks,
                                      lower_bound)
 from hetjax.core.topology import Topology
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
@@ -550,14 +550,13 @@ class _Search:
         M = layout.microbatches
         fwd = [c.fwd(n) for c, n in zip(stages, layers)]
         bwd = [c.bwd(n) for c, n in zip(stages, layers)]
-        sync = [c.sync(n) for c, n in zip(stages, layers)]
+        sync = self.cm.exposed_sync(layout, stages, layers, fwd, bwd)
         if self.cm.runs_in_lockstep(layout) and layout.folded:
             estimate = float(folded_ticks(layout.schedule, M, fwd, bwd, send, send,
                                           self.cm.down_share(stages, layers)).sum())
         elif self.cm.runs_in_lockstep(layout):
             estimate = float(lockstep_ticks(layout.schedule, M, fwd, bwd, send, send).sum())
         else:
-            sync = [exposed(x, b, self.cm.options.overlap) for x, b in zip(sync, bwd)]
             estimate = closed_form(fwd, bwd, M, send)
         bound = lower_bound(fwd, bwd, M, send, send, sync)
         return _Candidate(estimate + max(sync), bound, layout, layers, tag)

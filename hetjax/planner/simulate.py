@@ -25,7 +25,7 @@ import numpy as np
 
 from hetjax.errors import PlanError
 from hetjax.core.plan import ScheduleSpec, resolve_schedule
-from hetjax.core.schedules import (SCHEDULES, Action, Event, Schedule, cell_tasks, tick_codes,
+from hetjax.core.schedules import (SCHEDULES, Event, Schedule, Task, cell_tasks, tick_codes,
                                    tick_table)
 from hetjax.core.timeline import timeline
 from hetjax.planner.lockstep import folded_lockstep_ticks
@@ -85,7 +85,7 @@ def in_flight_folded(name: str, stages: int, microbatches: int) -> tuple[float, 
 
 @functools.lru_cache(maxsize=256)
 def _ticks(name: str, stages: int, microbatches: int
-           ) -> tuple[list[list[Action | None]], np.ndarray]:
+           ) -> tuple[list[list[Task | None]], np.ndarray]:
     """The tick grid and its codes [ticks, stages]: 0 idle, 1 forward, 2 backward (for the
     events of `simulate`; the estimates need only `grid_codes`)."""
     table = tick_table(schedule_table(name, stages, microbatches))

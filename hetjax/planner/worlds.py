@@ -109,6 +109,26 @@ def idle_problem(plan: Plan, idle: list[ProcessSlot]) -> str | None:
             "with parallel.pp >= 2, or let the plan use those nodes (parallel.exclude)")
 
 
+def bridged_shape_problem(plan: Plan, topology: Topology,
+                          slots: tuple[ProcessSlot, ...]) -> str | None:
+    """Why a bridged job (`bridged`) cannot run the plan's per-stage (dp, tp) shapes, or None:
+    the bridge carries what crosses between stages on different processes position by
+    position, so it needs one shape on both sides (the worlds executor's own check, made
+    before anything starts)."""
+    worlds = plan_worlds(plan, topology, slots)
+    if plan.uniform or not bridged(plan, worlds, slots):
+        return None
+    owner = {r: slot.index for slot in slots for r in slot.ranks}
+    holders = {tuple(sorted({owner[r] for r in plan.stage_ranks(s)})) for s in range(plan.pp)}
+    if len(holders) == 1:
+        return None
+    return (f"stages with different (dp, tp) shapes {list(plan.stage_shapes)} sit on "
+            f"different processes of a job whose worlds the bridge joins, which needs one "
+            "shape on both sides. Fix: give every stage the same parallel.stage_dp and "
+            "parallel.stage_tp, or put the stages on the same processes (fewer processes, or "
+            "hetjax train in one process)")
+
+
 def world_of_stage(worlds: list[World], s: int) -> World:
     return next(w for w in worlds if s in w.stages)
 
@@ -148,4 +168,4 @@ def _span(xs) -> str:
 
 
 __all__ = ["World", "plan_worlds", "world_of_stage", "world_lines", "stage_key",
-           "idle_processes", "bridged", "idle_problem"]
+           "idle_processes", "bridged", "idle_problem", "bridged_shape_problem"]

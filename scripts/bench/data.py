@@ -13,6 +13,7 @@ small text file (data.source=files) prepared under --workdir (default: a tempora
 so nothing is written outside it; the stdlib corpus's preparation is what it leaves out.
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -42,23 +43,23 @@ def smoke_corpus(workdir: str) -> list[str]:
             f"--config.data.dir={os.path.join(workdir, 'tfds')}", *SMOKE_MODEL]
 
 
-def main(argv) -> int:
-    opts = {"--batches": 200, "--steps": 30}
-    overrides, smoke, workdir = [], False, ""
-    for a in argv:
-        key, _, value = a.partition("=")
-        if key in opts:
-            opts[key] = int(value)
-        elif key == "--smoke":
-            smoke = True
-        elif key == "--workdir":
-            workdir = value
-        else:
-            overrides.append(a)
-    if not smoke:
-        return run(opts, overrides)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 usage="%(prog)s [options] [--config.SECTION.FIELD=VALUE ...]")
+    ap.add_argument("--batches", type=int, default=200, help="batches the loader is timed on")
+    ap.add_argument("--steps", type=int, default=30, help="train steps timed")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 2 batches and 2 steps over a small text file (seconds)")
+    ap.add_argument("--workdir", default="", help="--smoke: where its corpus is prepared "
+                    "(default: a temporary directory)")
+    args, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    stray = [a for a in overrides if not a.startswith("--config.")]
+    if stray:
+        ap.error(f"unrecognized arguments: {' '.join(stray)}")
+    if not args.smoke:
+        return run({"--batches": args.batches, "--steps": args.steps}, overrides)
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = workdir or tmp
+        workdir = args.workdir or tmp
         os.makedirs(workdir, exist_ok=True)
         return run({"--batches": 2, "--steps": 2}, [*smoke_corpus(workdir), *overrides])
 
@@ -110,4 +111,4 @@ def run(opts: dict, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

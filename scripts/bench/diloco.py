@@ -51,7 +51,7 @@ from hetjax.cli import ensure_cpu_devices
 
 if __package__:  # python -m scripts.bench.diloco, or imported by the suite
     from .experiments import harness
-else:  # python scripts/bench/diloco.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/diloco.py: Python puts scripts/bench/ first on sys.path
     from experiments import harness
 
 if "--testbed" not in sys.argv:  # in one process: 3 sites of 2 simulated devices (unless the
@@ -430,6 +430,7 @@ def main(argv=None):
                          "its step is t_inner, with which the planner's step times are shown")
     ap.add_argument("--timeout", type=float, default=3600, help="--testbed: seconds per run")
     args = ap.parse_args(argv)
+    harness.check_outputs("bench_diloco", results={"json": args.json})
     if args.smoke:
         if args.testbed:
             raise SystemExit("bench_diloco: --smoke runs the one-process path; drop --testbed")

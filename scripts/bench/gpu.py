@@ -34,6 +34,10 @@ import sys
 import tempfile
 import time
 
+if __package__:  # python -m scripts.bench.gpu, or imported by the suite
+    from .experiments import harness
+else:  # python scripts/bench/gpu.py: Python puts scripts/bench/ first on sys.path
+    from experiments import harness
 
 ROWS = ("trainer", "trainer-moe", "jit-xla", "jit-fused", "hf-eager", "hf-compile")
 LABELS = {"trainer": "hetjax Trainer",
@@ -400,7 +404,10 @@ def parse(argv):
     ap.add_argument("--row-timeout", type=int, default=240, help="seconds per row (GPU)")
     ap.add_argument("--one-row", default="", help=argparse.SUPPRESS)
     ap.add_argument("--row-out", default="", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.one_row:  # a row's own process writes what its parent names
+        harness.check_outputs("bench_gpu", results={"out": args.out})
+    return args
 
 
 def main(argv=None) -> dict:

@@ -12,7 +12,7 @@ import sys
 from hetjax.errors import HetjaxError
 if __package__:  # python -m scripts.bench.hetaccel
     from .experiments.hetaccel import main
-else:  # python scripts/bench/hetaccel.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/hetaccel.py: Python puts scripts/bench/ first on sys.path
     from experiments.hetaccel import main
 
 if __name__ == "__main__":

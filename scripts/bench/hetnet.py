@@ -11,7 +11,7 @@ import sys
 
 if __package__:  # python -m scripts.bench.hetnet
     from .experiments.hetnet import main
-else:  # python scripts/bench/hetnet.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/hetnet.py: Python puts scripts/bench/ first on sys.path
     from experiments.hetnet import main
 
 if __name__ == "__main__":

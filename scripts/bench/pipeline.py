@@ -10,8 +10,8 @@ compute per stage, and the schedule timeline plots.
     python scripts/bench/pipeline.py remat      # SPMD pipeline FLOPs and memory per model.remat
     python scripts/bench/pipeline.py folded     # modelled step time, looped vs folded placement
     python scripts/bench/pipeline.py folded-memory  # compiled temp memory, looped vs folded
-    python scripts/bench/pipeline.py smoke      # tiny versions of time, compute, plots (seconds)
-    python scripts/bench/pipeline.py            # all but folded, folded-memory and smoke
+    python scripts/bench/pipeline.py --smoke    # tiny versions of time, compute, plots (seconds)
+    python scripts/bench/pipeline.py            # all but folded and folded-memory
 
 Numbers come from the compiled programs (`memory_analysis()`) and from wall-clock timing of
 the executor's own stage code; timings on a shared CPU are noisy, so each is the best of
@@ -20,6 +20,7 @@ several runs.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -355,20 +356,27 @@ def smoke(outdir: str | None = None) -> None:
 
 SECTIONS = {"memory": memory, "compute": compute, "time": step_time, "plots": plots,
             "mpmd-memory": mpmd_memory, "mpmd-time": mpmd_time, "remat": remat,
-            "folded": folded, "folded-memory": folded_memory, "smoke": smoke}
+            "folded": folded, "folded-memory": folded_memory}
 DEFAULT = ["memory", "compute", "time", "plots", "mpmd-memory", "mpmd-time", "remat"]
 
 
-def main(argv: list[str]) -> int:
-    unknown = [w for w in argv if w not in SECTIONS]
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("sections", nargs="*", metavar="SECTION",
+                    help=f"what to run: {', '.join(SECTIONS)} (default: {', '.join(DEFAULT)})")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny versions of time, compute and plots, in seconds")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    unknown = [w for w in args.sections if w not in SECTIONS]
     if unknown:
-        print(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}",
-              file=sys.stderr)
-        return 2
-    for w in argv or DEFAULT:
+        ap.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.smoke:
+        smoke()
+        return 0
+    for w in args.sections or DEFAULT:
         SECTIONS[w]()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

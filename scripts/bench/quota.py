@@ -28,7 +28,7 @@ import time
 
 if __package__:  # python -m scripts.bench.quota, or imported by the suite
     from .experiments import harness, hetaccel
-else:  # python scripts/bench/quota.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/quota.py: Python puts scripts/bench/ first on sys.path
     from experiments import harness, hetaccel
 
 

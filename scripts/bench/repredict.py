@@ -10,7 +10,7 @@ import sys
 from hetjax.errors import HetjaxError
 if __package__:  # python -m scripts.bench.repredict
     from .experiments.repredict import main
-else:  # python scripts/bench/repredict.py: Python puts scripts/ first on sys.path
+else:  # python scripts/bench/repredict.py: Python puts scripts/bench/ first on sys.path
     from experiments.repredict import main
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ The rules that make a block small (`substitute`; the only changes made to what i
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import os
@@ -227,12 +228,18 @@ def run_page(blocks: list[Block], *, root: str = REPO, timeout: float = 600
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(argv: list[str]) -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                 epilog="Marks and rules: see this file's docstring.")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--list", action="store_true", help="list every block and its mark")
+    what.add_argument("--skipped", action="store_true",
+                      help="run the blocks marked skip, as written, in the checkout")
+    what.add_argument("blocks", nargs="*", default=[], metavar="FILE:LINE",
+                      help="run these blocks (file:line of the fence, as --list names them)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     blocks = all_blocks()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    if argv[0] == "--list":
+    if args.list:
         for b in blocks:
             mark = f"skip ({b.skip})" if b.skip else ("slow" if b.slow else "suite")
             first = b.code.splitlines()[0] if b.code.strip() else ""
@@ -241,15 +248,15 @@ def main(argv: list[str]) -> int:
               f"({sum(b.slow and not b.skip for b in blocks)} slow), "
               f"{sum(bool(b.skip) for b in blocks)} marked skip")
         return 0
-    if argv[0] == "--skipped":
+    if args.skipped:
         chosen, as_written = [b for b in blocks if b.skip], True
     else:
         by_name = {b.name: b for b in blocks}
-        unknown = [a for a in argv if a not in by_name]
+        unknown = [a for a in args.blocks if a not in by_name]
         if unknown:
             print(f"doc_blocks: no block at {', '.join(unknown)}; see --list", file=sys.stderr)
             return 2
-        chosen, as_written = [by_name[a] for a in argv], False
+        chosen, as_written = [by_name[a] for a in args.blocks], False
     failed = []
     for b in chosen:
         print(f"== {b.name} ({b.lang}{', ' + b.skip if b.skip else ''})", flush=True)
@@ -262,4 +269,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -15,8 +15,6 @@ import argparse
 import os
 
 import numpy as np
-import torch
-import transformers
 
 # name -> (model class, config class, config kwargs)
 FIXTURES = {
@@ -43,6 +41,9 @@ FIXTURES = {
 
 
 def build(name: str, out: str) -> None:
+    import torch  # here, so that --help works without torch
+    import transformers
+
     model_cls, config_cls, kwargs = FIXTURES[name]
     torch.manual_seed(0)
     # initializer_range 0.08 (not HF's 0.02): logits of a few units, not ~1, so the 1e-4
@@ -68,12 +69,12 @@ def build(name: str, out: str) -> None:
           f"files {sorted(os.listdir(path))}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests",
                                                   "fixtures", "hf"))
     ap.add_argument("names", nargs="*", default=list(FIXTURES))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for name in args.names:
         build(name, args.out)
 

@@ -440,9 +440,32 @@ def bench_args(argv, name: str, doc: str, steps: int, cpus_help: str,
         ap.add_argument("--replot", metavar="JSON",
                         help="draw --out again from a results file this bench wrote; run nothing")
     args = ap.parse_args(argv)
+    check_outputs(name, plots={"out": args.out}, results={"json": args.json})
     if args.busy_ok:
         allow_busy()
     return args
+
+
+def check_outputs(prog: str, plots: dict[str, str] = {}, results: dict[str, str] = {}) -> None:
+    """Every file a bench writes, checked before its work (as the hetjax commands check
+    theirs, `hetjax.cli.check_output_path`): `plots` and `results` map a flag to its path
+    (empty: not written). A missing directory is created (the bench would create it to write);
+    a directory given as the file, an unwritable place, a plot in a format matplotlib does not
+    write or results not ending in .json end the bench at once with one line."""
+    from hetjax.cli import PLOT_FORMATS, check_output_path
+
+    try:
+        for paths, formats, kind in ((plots, PLOT_FORMATS, "a plot"),
+                                     (results, ("json",), "results")):
+            for flag, path in paths.items():
+                if not path:
+                    continue
+                where = os.path.dirname(os.path.abspath(path))
+                if not os.path.exists(where):
+                    os.makedirs(where, exist_ok=True)
+                check_output_path(flag, path, formats, kind=kind)
+    except (HetjaxError, OSError) as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
 
 
 def allow_busy() -> None:

@@ -196,8 +196,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench.experiments.worlds")
     p.add_argument("mode", choices=("check", "worker", "reference"))
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="2 steps (the check in seconds)")
     p.add_argument("--die", default="", help="N:S -- process N kills itself before step S")
     args, overrides = p.parse_known_args(argv)
+    if args.smoke:
+        args.steps = 2
     if args.mode == "worker":
         print("LOSSES " + json.dumps(worker(overrides, args.steps)), flush=True)
         return 0
