@@ -188,6 +188,10 @@ def _short(m: dict[str, float]) -> dict[str, str]:
             v = m[k]
             out[k] = f"{v:.2%}" if k == "mfu" else (f"{v:.3g}" if k != "tokens_per_s"
                                                      else f"{v:,.0f}")
+    # an MoE model's routers: the balance loss (1: even) and the fraction of tokens dropped
+    for k, short in (("moe_balance", "balance"), ("moe_drop", "dropped")):
+        if k in m:
+            out[short] = f"{m[k]:.3g}" if k == "moe_balance" else f"{m[k]:.2%}"
     return out
 
 

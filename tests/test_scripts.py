@@ -33,6 +33,7 @@ EXERCISED_BY = {
         "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/bench/hetnet.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_module",
+    "scripts/bench/moe.py": "test_bench_moe_smoke",
     "scripts/bench/pipeline.py": "test_bench_pipeline_smoke",
     "scripts/bench/planner.py": "test_bench_planner_smoke",
     "scripts/bench/predict.py": "test_bench_predict_smoke",
@@ -120,6 +121,17 @@ def test_bench_zero_smoke(capsys):
     assert "| zero3 | 8/8/8 |" in out  # pp = 1: the factors of dp = 8
     assert "| custom, dp=4 tp=1 | 2/2/4 |" in out  # the pp = 2 table
     assert " in the loop)" in out and out.count("| zero3 |") == 1, out
+
+
+@pytest.mark.slow  # six compiled steps
+def test_bench_moe_smoke(capsys):
+    from scripts.bench import moe as bench_moe
+
+    assert bench_moe.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    for row in ("| dense |", "| MoE, dropless |", "| MoE, capacity 1.0 |",
+                "| MoE, dropless, EP 4 |"):
+        assert row in out, out
 
 
 def test_bench_data_smoke(tmp_path, capsys):

@@ -371,6 +371,10 @@ FIELDS: tuple[Field, ...] = (
     Field("parallel.dp", 0, "data-parallel replicas; 0: all remaining devices", _DEGREE),
     Field("parallel.tp", 1, "tensor-parallel shards (inside a node); 0: the planner chooses",
           _DEGREE),
+    Field("parallel.ep", 1, "expert parallelism (MoE models): the experts split over groups of "
+          "ep data-parallel devices; divides dp and model.n_experts; 0: the planner chooses",
+          count_or_off("set --config.{field}=1 (no expert parallelism) or 0 (the planner "
+                       "chooses)", 2)),
     Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
           "clusters"),
     Field("parallel.stage_dp", (), "data-parallel replicas of each stage, e.g. [2,1] (each "

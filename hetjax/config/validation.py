@@ -196,6 +196,14 @@ def _validate_layout(c) -> None:
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
         raise_first(tp_problems(p.tp, m), ConfigError)
+    if p.ep > 1:
+        _require(m.n_experts > 0, "parallel.ep", f"= {p.ep}, but the model has no experts "
+                 "(model.n_experts = 0)", "set --config.parallel.ep=1, or give the model "
+                 "experts (model.n_experts)")
+        _require(m.n_experts % p.ep == 0, "parallel.ep",
+                 f"{p.ep} does not divide model.n_experts = {m.n_experts}",
+                 f"choose ep from the divisors of {m.n_experts}: "
+                 f"{[d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0]}")
     _validate_stage_degrees(c)
 
 

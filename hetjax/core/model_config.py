@@ -166,6 +166,14 @@ class ModelConfig:
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
 
+    @property
+    def active_d_ff(self) -> int:
+        """The feed-forward width one token passes: d_ff, or in an MoE layer its k experts'
+        and the shared expert's (what the planner's compute and activations follow)."""
+        if not self.is_moe:
+            return self.d_ff
+        return self.experts_per_token * self.expert_d_ff + self.shared_expert_d_ff
+
     def moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) is an MoE layer."""
         return (self.is_moe and i >= self.first_dense_layers
@@ -189,6 +197,21 @@ class ModelConfig:
         if self.shared_expert_d_ff and self.moe_shared_expert_gate:
             shared += d
         return d * self.n_experts + experts * 3 * d * self.expert_d_ff + shared
+
+    def expert_slots(self, tokens: int) -> int:
+        """Rows per expert in the buffers of an expert-parallel exchange of `tokens` tokens
+        per device (layers/moe.py): the capacity under `capacity` dispatch, else `tokens` (a
+        token picks an expert at most once, so no queue overflows)."""
+        if self.moe_dispatch == "capacity":
+            return capacity_slots(tokens, self.experts_per_token, self.n_experts,
+                                  self.moe_capacity_factor)
+        return tokens
+
+    def all_to_all_bytes(self, tokens: int, value_bytes: int) -> int:
+        """V of one token exchange of an MoE layer under expert parallelism: the [ep, E / ep,
+        slots, d_model] buffer each device sends and receives (what the HLO's all-to-all
+        moves; forward dispatch and combine, and the two of the backward, are each one)."""
+        return self.n_experts * self.expert_slots(tokens) * self.d_model * value_bytes
 
     @property
     def expert_params(self) -> int:
@@ -245,6 +268,12 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward), without recompute."""
         return 3 * (self.n_layers * self.layer_flops(seq_len) + self.head_flops())
+
+
+def capacity_slots(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Slots per expert under capacity dispatch: ceil(factor * tokens * k / E), at least 1 and
+    at most `tokens` (a token picks an expert at most once)."""
+    return max(1, min(tokens, math.ceil(factor * tokens * k / n_experts)))
 
 
 # The ModelConfig fields of an MoE model, as the config's `model.*` fields of the same names.

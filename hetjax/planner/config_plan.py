@@ -68,7 +68,8 @@ def searches_layout(c) -> bool:
     p = c.parallel
     if p.get("stage_dp", ()) or p.get("stage_tp", ()):
         return False
-    return not p.pp or not p.tp or c.zero.preset == "auto" or c.pipeline.placement == "auto"
+    return (not p.pp or not p.tp or c.zero.preset == "auto" or c.pipeline.placement == "auto"
+            or (p.get("ep", 1) == 0 and c.model.n_experts > 0))
 
 
 def stage_shapes_of(c, devices: int) -> tuple[tuple[int, int], ...]:
@@ -226,7 +227,7 @@ def plan_for_config(c, topology: Topology, options: CostOptions | None = None,
                  schedule=c.pipeline.schedule, zero=zero,
                  stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                  allow_straddle=c.parallel.allow_straddle,
-                 placement=c.pipeline.placement)
+                 placement=c.pipeline.placement, ep=c.parallel.ep)
         results.append(_with_executor(r, executor))
     best = min(results, key=lambda r: r.plan.predicted["step_time_s"])
     if len(results) > 1:
@@ -304,13 +305,13 @@ def plan_from_config(c, topology: Topology) -> Plan:
     mb = resolve_microbatches(c)
     raise_first(layout_problems(pp=pp, dp=dp, tp=tp, devices=n, topology_name=topology.name,
                                 microbatches=mb, global_batch=c.train.batch_size,
-                                stage_shapes=shapes), ConfigError)
+                                stage_shapes=shapes, ep=p.ep or 1), ConfigError)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
                  schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
                  placement=c.pipeline.placement if pp > 1 else "looped",
-                 device_order=tuple(ranks), stage_shapes=shapes)
+                 device_order=tuple(ranks), stage_shapes=shapes, ep=p.ep or 1)
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).

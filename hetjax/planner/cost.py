@@ -414,6 +414,7 @@ class CostModel:
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._stage_slot_cache: dict[tuple, _Slot] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
+        self._a2a: dict[tuple, tuple] = {}  # MoE exchanges by (EP groups, bytes)
 
     # --- compute -------------------------------------------------------------------------------
     def _rate(self, acc: Accelerator) -> float:
@@ -577,6 +578,54 @@ class CostModel:
             self.model, layout.seq_len, layout.tp, remat, self.attention,
             self.act_bytes) * layout.tokens_per_device()
 
+    # --- Mixture-of-Experts ------------------------------------------------------------------
+    def expert_groups(self, layout: Layout, s: int) -> np.ndarray:
+        """Stage s's expert-parallel groups [dp / ep x tp, ep]: ep neighbours of its
+        data-parallel devices (parallel/mesh.py puts 'expert' innermost among the data axes)."""
+        m = layout.mesh()[s]  # [dp, tp]
+        return m.reshape(layout.dp // layout.ep, layout.ep, layout.tp).transpose(0, 2, 1
+                                                                                ).reshape(-1, layout.ep)
+
+    def expert_all_to_alls(self, layout: Layout) -> list[tuple[int, int, int]]:
+        """The all-to-alls one step of an MoE model runs under expert parallelism, per device:
+        (bytes V of the buffer each device sends and receives, group size ep, executions per
+        step). Per MoE layer and micro-batch: dispatch and combine in the forward and their
+        transposes in the backward (and the forward's again when 'full' recompute reruns it),
+        each [ep, E / ep, slots, d] (`ModelConfig.all_to_all_bytes`); dropless dispatch also
+        sends each expert's row count (int32 [ep, E / ep]) once per forward. What the HLO audit
+        reads from the compiled step."""
+        m = self.model
+        if not m.is_moe or layout.ep <= 1:
+            return []
+        per_layer = m.n_moe_layers / layout.pp * layout.microbatches
+        forwards = 2 if self.remat_of(layout) == "full" else 1
+        tok = int(layout.tokens_per_device() * layout.ep)  # an EP group's rows, split by ep
+        out = [(m.all_to_all_bytes(tok // layout.ep, self.act_bytes), layout.ep,
+                int(per_layer * (2 * forwards + 2)))]
+        if m.moe_dispatch != "capacity":
+            out.append((m.n_experts * 4, layout.ep, int(per_layer * forwards)))
+        return out
+
+    def expert_exchange(self, layout: Layout, s: int) -> tuple[float, dict[str, int]]:
+        """Seconds of one MoE token exchange (an all-to-all of `all_to_all_bytes`) on stage
+        s's expert-parallel groups, priced on the links they cross (`Network.all_to_all`), and
+        a member's peers per link kind. Zero without expert parallelism."""
+        m = self.model
+        if not m.is_moe or layout.ep <= 1:
+            return 0.0, {}
+        groups = self.expert_groups(layout, s)
+        nbytes = m.all_to_all_bytes(int(layout.tokens_per_device()), self.act_bytes)
+        key = (groups.shape, groups.tobytes(), nbytes)
+        if key not in self._a2a:
+            self._a2a[key] = self.network.all_to_all(nbytes, groups)
+        return self._a2a[key]
+
+    def layer_params_per_device(self, layout: Layout) -> float:
+        """One layer's parameters a device holds: 1 / tp of each, and of an MoE layer's routed
+        experts only its E / ep."""
+        m = self.model
+        return (m.layer_params - m.expert_params * (1 - 1 / layout.ep)) / layout.tp
+
     # --- stages ----------------------------------------------------------------------------------
     def _slots(self, layout: Layout) -> list["_Slot"]:
         """Costs of each mesh row's devices that do not depend on where the stage sits
@@ -720,7 +769,7 @@ class CostModel:
         staged = self.runs_staged(layout)
         remat = self.remat_of(layout)
         zero_as = self.zero_style
-        layer_p = m.layer_params / tp
+        layer_p = self.layer_params_per_device(layout)
         embed_p = m.embed_params / tp
         # Megatron's last stage keeps its own copy of a tied embedding; hetjax's stages all
         # hold the embedding anyway.
@@ -753,10 +802,24 @@ class CostModel:
             embeds = [self.piece_times(a, layout, "embedding") for a in accs]
             est += [e for _, _, e in heads + embeds if e is not None]
             dp_groups = mesh[s].T  # [tp, dp]
+            # Expert parallelism: parameters are reduced over the dp / ep devices holding the
+            # same experts (a non-expert parameter's partial sums inside an EP group are
+            # all-reduced at every micro-batch); each MoE layer exchanges tokens four times.
+            ep = layout.ep
+            if ep > 1:
+                dp_groups = mesh[s].reshape(layout.dp // ep, ep, tp).transpose(1, 2, 0).reshape(
+                    ep * tp, layout.dp // ep)
+            a2a = self.expert_exchange(layout, s)[0]
+            ep_ar = self.collective("all_reduce", (layer_p - m.expert_params / ep / tp)
+                                    * self.state_bytes.g, self.expert_groups(layout, s)
+                                    ) if ep > 1 else 0.0
+            a2a_fwd, a2a_bwd = 2 * a2a, (4 if remat == "full" else 2) * a2a + ep_ar
             z, ze, zh = (self.zero_times(f, x, dp_groups) for x in (layer_p, embed_p, head_p))
             cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
             kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
             transient = self.temporary_bytes(layout, remat, cpu)
+            if m.is_moe and ep > 1:  # send, receive, output and return buffers of a layer
+                transient += 4 * m.all_to_all_bytes(int(tok), self.act_bytes)
             reserve = max((self.runtime_reserve(a) for a in accs),
                           key=lambda r: (r.fixed_bytes, r.fragmentation))
             measured = [e for _, _, e in priced
@@ -778,8 +841,8 @@ class CostModel:
             g_fwd = z.gather
             g_bwd = z.gather + z.scatter + z.accumulate * (M - 1) / M
             slots.append(_Slot(
-                fwd_layer=lf + exposed(g_fwd, cf, h),
-                bwd_layer=lb + exposed(g_bwd, cb, h),
+                fwd_layer=lf + a2a_fwd + exposed(g_fwd, cf, h),
+                bwd_layer=lb + a2a_bwd + exposed(g_bwd, cb, h),
                 zero_edge_fwd=min(h * g_fwd, cf) + shared,
                 zero_edge_bwd=min(h * g_bwd, cb) + shared, overlap=h,
                 sync_layer=z.sync, refresh_layer=z.refresh,

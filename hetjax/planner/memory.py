@@ -107,7 +107,7 @@ def _bytes(w: Widths, model: "ModelConfig", seq_len: int, tp: int, attention: st
     heads = model.n_heads / tp
     scores = (score_factor * w.attention * heads * seq_len if attention not in FUSED_ATTENTION
               else FUSED_STATS_BYTES * heads * (w.attention > 0))
-    return act_bytes / 4.0 * (w.width * width + w.ffn * model.d_ff / tp) + scores
+    return act_bytes / 4.0 * (w.width * width + w.ffn * model.active_d_ff / tp) + scores
 
 
 def layer_bytes_per_token(model: "ModelConfig", seq_len: int, tp: int, remat: str,
