@@ -367,7 +367,7 @@ def _attention_lines(model, topology, seq_len: int) -> list[str]:
     lines = []
     for name, acc in kinds.items():
         choice = choose_for_accelerator(model.attention, acc.vendor, name, model.dtype,
-                                        model.head_dim, seq_len)
+                                        model.head_dim, seq_len, model.sliding_window)
         lines.append(f"attention: {choice}" + (f" on {name}" if len(kinds) > 1 else ""))
     return lines
 

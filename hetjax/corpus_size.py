@@ -256,5 +256,5 @@ def check_corpus_size(c, eval_needed: bool | None = None) -> None:
                       eval_needed)
 
 
-__all__ = ["SOURCE_TEXT", "VCS_DIRS", "check_corpus_size", "source_line", "least_eval_fraction", "listed_files",
-           "record_kind", "source_size", "stdlib_files"]
+__all__ = ["SOURCE_TEXT", "VCS_DIRS", "check_corpus_size", "least_eval_fraction",
+           "listed_files", "record_kind", "source_line", "source_size", "stdlib_files"]

@@ -5,7 +5,8 @@ read from a file (a safetensors index's shards, a saved tokenizer's descriptor) 
 when it names a file inside that file's directory (`inside`): no absolute path, no '..', no
 link leading out. And a file hetjax writes into a directory (an export, a tokenizer copy) is
 written to a fresh temporary file beside it and renamed over the name (`replace_file`), so a
-symbolic link already at that name is replaced, never followed to a file elsewhere.
+symbolic link already at that name is replaced, never followed to a file elsewhere; a file
+appended to or cut in place (the metrics file) is refused when it is a link (`open_in_place`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def replace_file(path: str, write: Callable, mode: str = "wb") -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def open_in_place(path: str, mode: str):
+    """`open(path, mode)` for a file hetjax appends to or cuts in place (mode "a" or "r+b"),
+    refusing a symbolic link at `path` (OSError ELOOP naming it) rather than writing through
+    it to a file elsewhere."""
+    import errno
+
+    flags = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r+b": os.O_RDWR}[mode]
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symbolic link, which hetjax does not write "
+                          "through", path) from None
+        raise
+    return os.fdopen(fd, mode, buffering=1) if mode == "a" else os.fdopen(fd, mode)
 
 
 def copy_file(src: str, dst: str) -> None:

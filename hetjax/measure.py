@@ -361,7 +361,15 @@ def _staged_rows(model: "ModelConfig", params, policy: str, devices, kind: str,
             args = (stacked, kept, out)
             t_b = _mean_seconds(run_b, args, repeats,
                                 _calls_per_sample(run_b, args, min_sample_s), f"{what} backward")
-            rows.append(ComputeRow(kind, b, s, t_f, t_b, peak_tflops, f"staged:{policy}"))
+            # bytes per device: what the forward keeps (the stash the executors hold per
+            # micro-batch in flight) and, while the backward runs, that, the incoming
+            # gradient and the backward program's temporaries
+            n = len(devices)
+            kept_b = sum(a.nbytes for a in jax.tree.leaves(kept)) / n
+            temp = getattr(run_b.lower(*args).compile().memory_analysis(),
+                           "temp_size_in_bytes", 0) or 0
+            rows.append(ComputeRow(kind, b, s, t_f, t_b, peak_tflops, f"staged:{policy}",
+                                   kept_bytes=kept_b, peak_bytes=kept_b + out.nbytes / n + temp))
     return rows
 
 

@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from hetjax.files import open_in_place
+
 
 class MetricsWriter:
     def __init__(self, workdir: str, tensorboard: bool = True, primary: bool = True,
@@ -30,7 +32,7 @@ class MetricsWriter:
         self.wandb_url = None
         if primary:
             os.makedirs(workdir, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            self._file = open_in_place(self.path, "a")
             if self.tb_dir:
                 from tensorboardX import SummaryWriter
 
@@ -142,7 +144,7 @@ def truncate_metrics(path: str, step: int) -> tuple[int, bool]:
     rows, torn = _scan(path)
     later = [offset for row, offset in rows if row.get("step", 0) > step]
     cut = min(later + ([torn] if torn is not None else []), default=None)
-    with open(path, "r+b") as f:
+    with open_in_place(path, "r+b") as f:
         if cut is not None:
             f.truncate(cut)
         elif f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
@@ -186,6 +188,10 @@ def _short(m: dict[str, float]) -> dict[str, str]:
             v = m[k]
             out[k] = f"{v:.2%}" if k == "mfu" else (f"{v:.3g}" if k != "tokens_per_s"
                                                      else f"{v:,.0f}")
+    # an MoE model's routers: the balance loss (1: even) and the fraction of tokens dropped
+    for k, short in (("moe_balance", "balance"), ("moe_drop", "dropped")):
+        if k in m:
+            out[short] = f"{m[k]:.3g}" if k == "moe_balance" else f"{m[k]:.2%}"
     return out
 
 

@@ -103,7 +103,9 @@ def run(children: list[tuple[str, tuple[str, ...], dict[str, str] | None]], grac
     first. With `stop_line` (training workers), Ctrl-C (KeyboardInterrupt) or SIGTERM sends each
     child `STOP_LINE` and the signal's name on its stdin (the workers save an agreed step and
     exit 130, or 75) and waits for them; a second signal (or the first, without `stop_line`)
-    stops them at once."""
+    stops them at once. A worker's traceback is shown TRACEBACK_HOLD_S late, and not at all when
+    another worker's failure stops the job meanwhile (said in one line); the survivors of a
+    failure get `STOP_LINE FAILED` before SIGTERM, which ends them even inside a collective."""
     out = out or sys.stdout
     children = list(children)
     lock = threading.Lock()

@@ -53,6 +53,7 @@ from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Pre
 from hetjax.hooks import Checkpointing, Hook, StepInfo, Timing
 from hetjax.history import LOSS_PNG, History, RunSummary, format_summary, summary_rows
 from hetjax.lock import WorkdirLock
+from hetjax.files import replace_file
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
 from hetjax.core.plan import Plan, vocab_shards
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
@@ -184,7 +185,7 @@ class TrainerParts:
         # After the executor: it asks JAX for the topology's devices (simulated CPU devices
         # must be requested before JAX starts, and this looks at the devices).
         attention = choose_local(model_cfg.attention, model_cfg.dtype, model_cfg.head_dim,
-                                 plan.seq_len)
+                                 plan.seq_len, model_cfg.sliding_window)
         predicted = check_memory(config, plan, topology, executor, model_cfg)
         return cls(config, topology, plan, tuple(notes), tokenizer, model_cfg, tx, schedule,
                    runtime, executor, attention, predicted)
@@ -918,12 +919,11 @@ class Trainer:
 
     def _write_run_files(self):
         os.makedirs(self.workdir, exist_ok=True)
-        with open(os.path.join(self.workdir, "plan.json"), "w") as f:
-            f.write(self.plan.to_json(indent=1))
-        with open(os.path.join(self.workdir, "topology.json"), "w") as f:
-            f.write(self.topology.to_json(indent=1))
-        with open(os.path.join(self.workdir, "config.json"), "w") as f:
-            f.write(self.config.to_json_best_effort(indent=1))
+        # replaced, not written through: a link planted in the workdir stays a link elsewhere
+        for name, text in (("plan.json", self.plan.to_json(indent=1)),
+                           ("topology.json", self.topology.to_json(indent=1)),
+                           ("config.json", self.config.to_json_best_effort(indent=1))):
+            replace_file(os.path.join(self.workdir, name), lambda f, t=text: f.write(t), "w")
 
 
 __all__ = ["Trainer", "TrainerParts", "check_memory", "TrainState", "Hook", "StepInfo",

@@ -11,8 +11,11 @@ take XLA. An implementation asked for by name that cannot run there is a `Config
 `attend` runs the chosen kernel on [batch, length, heads, head_dim] queries and
 [batch, length, kv_heads, head_dim] keys/values (grouped-query attention), causal, and with
 `segment_ids` ([batch, length] int32, documents numbered 1, 2, ... within a row, 0 padding) a
-token attends only to earlier tokens of its own document. The softmax runs in float32 in
-every kernel.
+token attends only to earlier tokens of its own document. With a sliding `window` W a query
+attends to the W latest positions, itself included (HF's sliding_window): XLA and cuDNN take it
+as JAX's `local_window_size`; the Pallas kernel has none, so `choose` refuses it by name (and
+'auto' passes it over) whenever the window is shorter than the sequence. The softmax runs in
+float32 in every kernel.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ def _cudnn_problem(dtype: str, head_dim: int, seq_len: int, capability: float | 
     return ""
 
 
-def _pallas_problem(seq_len: int) -> str:
+def _pallas_problem(seq_len: int, window: int = 0) -> str:
     """Why the Pallas/Triton flash kernel cannot run this shape on a GPU ('' when it can)."""
+    if 0 < window < seq_len:
+        return f"the Pallas flash kernel has no sliding window (model.sliding_window = " \
+               f"{window} < sequence length {seq_len})"
     for block in (PALLAS_BLOCK, PALLAS_BWD_BLOCK):
         if seq_len % min(block, seq_len):
             return f"the Pallas flash kernel splits the sequence into blocks of {block}; " \
@@ -67,11 +73,11 @@ def _pallas_problem(seq_len: int) -> str:
 
 
 def choose(requested: str, platform: str, dtype: str, head_dim: int, seq_len: int,
-           capability: float | None = None) -> Choice:
+           capability: float | None = None, window: int = 0) -> Choice:
     """The kernel `model.attention = requested` takes on `platform` ('cpu', 'tpu', 'cuda',
-    'rocm'; 'gpu' is read as 'cuda') for this compute dtype, head size and sequence length;
-    `capability` is the CUDA compute capability when known. Raises ConfigError for a named
-    implementation the platform cannot run."""
+    'rocm'; 'gpu' is read as 'cuda') for this compute dtype, head size, sequence length and
+    sliding window (0: none); `capability` is the CUDA compute capability when known. Raises
+    ConfigError for a named implementation the platform cannot run."""
     platform = "cuda" if platform == "gpu" else platform
     from hetjax.errors import ConfigError  # here: layers/ stays importable without hetjax's config
 
@@ -82,7 +88,7 @@ def choose(requested: str, platform: str, dtype: str, head_dim: int, seq_len: in
         return Choice("xla", "asked for")
     cudnn = (_cudnn_problem(dtype, head_dim, seq_len, capability) if platform == "cuda"
              else f"cuDNN runs on NVIDIA GPUs, this is {platform}")
-    pallas = (_pallas_problem(seq_len) if platform == "cuda"
+    pallas = (_pallas_problem(seq_len, window) if platform == "cuda"
               else f"the Pallas flash kernel is the Triton one, for NVIDIA GPUs; this is "
                    f"{platform}")
     if requested == "cudnn":
@@ -117,11 +123,12 @@ CAPABILITY = {"v100": 7.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9, "h100": 9.0, "
 
 
 def choose_for_accelerator(requested: str, vendor: str, kind: str, dtype: str, head_dim: int,
-                           seq_len: int) -> Choice:
+                           seq_len: int, window: int = 0) -> Choice:
     """`choose` for a topology's accelerator (its catalogue vendor and kind name)."""
     capability = next((c for name, c in CAPABILITY.items() if kind.lower().startswith(name)),
                       None)
-    return choose(requested, platform_of_vendor(vendor), dtype, head_dim, seq_len, capability)
+    return choose(requested, platform_of_vendor(vendor), dtype, head_dim, seq_len, capability,
+                  window)
 
 
 def local_platform() -> tuple[str, float | None]:
@@ -140,10 +147,11 @@ def local_platform() -> tuple[str, float | None]:
     return platform, capability
 
 
-def choose_local(requested: str, dtype: str, head_dim: int, seq_len: int) -> Choice:
+def choose_local(requested: str, dtype: str, head_dim: int, seq_len: int,
+                 window: int = 0) -> Choice:
     """`choose` for the devices this process runs on."""
     platform, capability = local_platform()
-    return choose(requested, platform, dtype, head_dim, seq_len, capability)
+    return choose(requested, platform, dtype, head_dim, seq_len, capability, window)
 
 
 def say_once(choice: Choice) -> None:
@@ -163,19 +171,26 @@ def document_mask(segment_ids):
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def attend(q, k, v, segment_ids=None, *, implementation: str = "xla",
+def attend(q, k, v, segment_ids=None, *, implementation: str = "xla", window: int = 0,
            interpret: bool = False):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] (N a multiple of K) with the
     kernel `implementation` ('xla', 'cudnn' or 'pallas'; see `choose`); `segment_ids` [B, T]
-    confines each token to its own document. `interpret` runs the Pallas kernel in its
-    interpreter (any platform; for tests)."""
+    confines each token to its own document; `window` > 0 to its `window` latest positions.
+    `interpret` runs the Pallas kernel in its interpreter (any platform; for tests)."""
     import jax
     import jax.numpy as jnp
 
+    # A window as long as the sequence masks nothing: leave it out (and let Pallas run).
+    window = window if 0 < window < q.shape[1] else 0
     if implementation in ("xla", "cudnn"):
         mask = None if segment_ids is None else document_mask(segment_ids)
+        # JAX's (left, right) window: W - 1 earlier positions and none later (causal).
+        local = (window - 1, 0) if window else None
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            local_window_size=local,
                                             implementation=implementation)
+    if window:  # `choose` never picks Pallas for a window; a direct call must not lose it
+        raise ValueError(f"the Pallas flash kernel has no sliding window ({window})")
     if implementation == "pallas":
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -189,8 +204,9 @@ def attend(q, k, v, segment_ids=None, *, implementation: str = "xla",
                      f"{', '.join(IMPLEMENTATIONS[1:])}")
 
 
-def reference(q, k, v, segment_ids=None):
-    """Plain float32 masked-softmax attention (the tests' reference): causal, GQA, documents."""
+def reference(q, k, v, segment_ids=None, window: int = 0):
+    """Plain float32 masked-softmax attention (the tests' reference): causal, GQA, documents,
+    a sliding window of `window` positions (0: none)."""
     import jax
     import jax.numpy as jnp
 
@@ -199,6 +215,8 @@ def reference(q, k, v, segment_ids=None):
     k, v = (jnp.repeat(a.astype(jnp.float32), groups, axis=2) for a in (k, v))
     s = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), k) / jnp.sqrt(jnp.float32(h))
     allowed = jnp.tril(jnp.ones((t, t), bool))[None, None]
+    if window:
+        allowed = allowed & ~jnp.tril(jnp.ones((t, t), bool), -window)[None, None]
     if segment_ids is not None:
         allowed = allowed & document_mask(segment_ids)
     p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)

@@ -17,13 +17,14 @@ class DecoderBlock(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, cache=None):
-        """With a KV cache (decoding) returns (x, updated cache)."""
+    def __call__(self, x, segment_ids=None, cache=None, windowed=None):
+        """With a KV cache (decoding) returns (x, updated cache). `windowed`: this layer's
+        sliding-window flag, when the layers' windows differ (`Attention`)."""
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="attn_norm")(x)
         if cache is None:
-            x = x + Attention(cfg, name="attn")(h, segment_ids)
+            x = x + Attention(cfg, name="attn")(h, segment_ids, windowed=windowed)
         else:
             a, cache = Attention(cfg, name="attn")(h, cache=cache)
             x = x + a

@@ -33,14 +33,14 @@ class _ScanStep(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids, cache):
+    def __call__(self, x, segment_ids, cache, windowed):
         block = DecoderBlock
         if cache is not None:  # decoding (no gradients): the layer's slice of the KV cache
             return block(self.cfg, name="block")(x, cache=cache)
         if self.cfg.remat in REMAT_JAX_POLICIES:
             block = nn.remat(DecoderBlock, prevent_cse=False,
                              policy=REMAT_JAX_POLICIES[self.cfg.remat])
-        return block(self.cfg, name="block")(x, segment_ids), None
+        return block(self.cfg, name="block")(x, segment_ids, None, windowed), None
 
 
 class Transformer(nn.Module):
@@ -55,7 +55,8 @@ class Transformer(nn.Module):
         axes = {"params": 0, **({STATS: 0, "router_logits": 0} if cfg.is_moe else {})}
         self.layers = nn.scan(
             _ScanStep, variable_axes=axes, split_rngs={"params": True},
-            in_axes=(nn.broadcast, 0),  # every layer sees the same segment ids; its own cache
+            # every layer sees the same segment ids; its own cache and sliding-window flag
+            in_axes=(nn.broadcast, 0, 0),
             length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
         self.final_norm = RMSNorm(cfg.norm_eps, dtype, pdtype)
         if not cfg.tie_embeddings:
@@ -70,7 +71,9 @@ class Transformer(nn.Module):
         return self.embedder(tokens)
 
     def blocks(self, x, segment_ids=None):
-        x, _ = self.layers(x, segment_ids, None)
+        # Per-layer window flags only when the layers differ (else the window is a constant).
+        flags = jnp.asarray(self.cfg.window_flags()) if self.cfg.mixed_windows else None
+        x, _ = self.layers(x, segment_ids, None, flags)
         return x
 
     def head(self, x):
@@ -89,7 +92,7 @@ class Transformer(nn.Module):
     def decode(self, tokens, cache):
         """Logits of `tokens` [batch, L] placed at each row's cache position, and the cache
         with their keys and values written (layers/kv_cache.py, layers/generate.py)."""
-        x, cache = self.layers(self.embed(tokens), None, cache)
+        x, cache = self.layers(self.embed(tokens), None, cache, None)
         return self.head(x), cache
 
 

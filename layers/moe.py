@@ -34,13 +34,19 @@ when nothing is dropped:
 
 Expert parallelism: under a mesh with an `expert` axis of size > 1 (parallel/mesh.py) the
 experts' leading axis is split over it, and the layer exchanges tokens with
-`jax.lax.all_to_all` on fixed-size buffers inside `jax.shard_map` (manual over 'expert' only;
-the other axes stay automatic): each device routes its own tokens, sends each (token, choice)
-to the device holding its expert, runs its E / ep experts (dropless: ragged_dot over what it
-received; capacity: its slots) and sends the outputs back.
+`jax.lax.all_to_all` on fixed-size buffers [ep, E / ep, slots, d] inside `jax.shard_map`
+(manual over the data axes and 'expert'; tensor parallelism stays automatic): each device
+routes its own tokens, sends each (token, choice) to the device holding its expert, runs its
+E / ep experts (dropless: grouped matmuls over the rows it received; capacity: its slots) and
+sends the outputs back. `jax.lax.ragged_all_to_all` would send only the filled rows, but XLA's
+CPU backend does not implement it, so the fixed buffers are used everywhere. (Dense dispatch exchanges like
+dropless: only the experts' own tokens cross the links.)
 
 Auxiliary losses, recorded per layer with `self.sow('moe', ...)` (`Transformer` stacks them
-over layers; `moe_loss` turns them into the term added to the training loss):
+over layers; `moe_loss` sums them into the term the training loss adds, reported as a metric).
+Their gradient enters the backward inside the layer (`with_aux_gradient`), so every executor,
+pipeline stages included, trains on cross-entropy + that term while reporting the
+cross-entropy as the loss:
 - load balance (Switch Transformer / Megatron-Core's convention): B = E * sum_e f_e * P_e, with
   f_e the fraction of the T * k assignments that chose expert e and P_e the mean router
   probability of e. A uniform router gives B = 1, a router that sends every token to one expert
@@ -59,14 +65,14 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
 from hetjax.core.model_config import ModelConfig
+from hetjax.core.plan import DP_AXES, EXPERT_AXIS
 from hetjax.layers.attention import dense_init
 from hetjax.layers.mlp import MLP
 
-# The mesh axis the experts' leading axis is split over (named by parallel/mesh.py's mesh).
-EXPERT_AXIS = "expert"
 # What Transformer.apply(..., mutable=[STATS]) returns per MoE layer (stacked over layers).
 STATS = "moe"
 
@@ -99,12 +105,6 @@ def z_loss(logits):
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
 
 
-def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
-    """Slots per expert under the capacity dispatch: ceil(factor * tokens * k / E) (>= 1, and
-    never more than `tokens`: a token picks an expert at most once)."""
-    return max(1, min(tokens, math.ceil(factor * tokens * k / n_experts)))
-
-
 # --- the experts ---------------------------------------------------------------------------------
 def swiglu(x, gate, up, down):
     """Batched experts: x [E, C, d] -> [E, C, d] with gate/up [E, d, f], down [E, f, d]."""
@@ -112,12 +112,66 @@ def swiglu(x, gate, up, down):
     return jnp.einsum("ecf,efd->ecd", h, down)
 
 
+# Grouped matmuls. `jax.lax.ragged_dot` has no batching rule for batched group sizes (jax
+# 0.10), and the single-program executor vmaps the loss over each data-parallel device's rows;
+# so the two products a grouped SwiGLU needs (forward and input gradient: `_gmm`; weight
+# gradient: `_tgmm`) carry their own batching rule, `ragged_dot_general` with a batch dimension,
+# and the gradient is defined on top of them.
+_RDN = jax.lax.RaggedDotDimensionNumbers
+
+
+def _broadcast(args, batched, size):
+    return [a if b else jnp.broadcast_to(a, (size,) + a.shape) for a, b in zip(args, batched)]
+
+
+@custom_vmap
+def _gmm(x, w, sizes):
+    """[M, K] rows grouped by `sizes` [G] times w [G, K, N] -> [M, N]."""
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+@_gmm.def_vmap
+def _gmm_batched(size, batched, x, w, sizes):
+    x, w, sizes = _broadcast((x, w, sizes), batched, size)
+    return jax.lax.ragged_dot_general(x, w, sizes, _RDN((([2], [2]), ([0], [0])), [1], [1])), True
+
+
+@custom_vmap
+def _tgmm(x, dy, sizes):
+    """Per group g: x_g^T dy_g -> [G, K, N] (the weight gradient of `_gmm`)."""
+    return jax.lax.ragged_dot_general(x, dy, sizes, _RDN((([0], [0]), ([], [])), [0], []))
+
+
+@_tgmm.def_vmap
+def _tgmm_batched(size, batched, x, dy, sizes):
+    x, dy, sizes = _broadcast((x, dy, sizes), batched, size)
+    out = jax.lax.ragged_dot_general(x, dy, sizes, _RDN((([1], [1]), ([0], [0])), [1], []))
+    return jnp.swapaxes(out, 0, 1), True  # it comes out [G, batch, K, N]
+
+
+@jax.custom_vjp
+def grouped_matmul(x, w, sizes):
+    """`jax.lax.ragged_dot(x, w, sizes)` that also runs under vmap (see above)."""
+    return _gmm(x, w, sizes)
+
+
+def _grouped_matmul_fwd(x, w, sizes):
+    return _gmm(x, w, sizes), (x, w, sizes)
+
+
+def _grouped_matmul_bwd(res, dy):
+    x, w, sizes = res
+    return _gmm(dy, jnp.swapaxes(w, -1, -2), sizes), _tgmm(x, dy, sizes), None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
 def ragged_swiglu(x, group_sizes, gate, up, down):
     """Experts on rows grouped by expert: x [N, d] whose first group_sizes[0] rows go to expert
     0, the next to expert 1, ...; rows past sum(group_sizes) come back as zeros."""
-    h = (nn.silu(jax.lax.ragged_dot(x, gate, group_sizes))
-         * jax.lax.ragged_dot(x, up, group_sizes))
-    return jax.lax.ragged_dot(h, down, group_sizes)
+    h = nn.silu(grouped_matmul(x, gate, group_sizes)) * grouped_matmul(x, up, group_sizes)
+    return grouped_matmul(h, down, group_sizes)
 
 
 def dispatch_dense(x, experts, weights, w, n_experts: int):
@@ -221,32 +275,63 @@ def _exchange_dispatch(x, experts, weights, w, n_experts: int, ep: int, mode: st
     return y, jnp.sum(~keep).astype(jnp.float32)
 
 
-def expert_parallel_dispatch(x, experts, weights, w, n_experts: int, ep: int, mode: str,
-                             capacity_factor: float):
-    """Run `_exchange_dispatch` on each device's tokens with the experts split over the
-    ambient mesh's 'expert' axis; x [B, L, d], experts / weights [B, L, k]. Returns the output
-    [B, L, d] and the dropped assignments (a global count)."""
-    b, l, _ = x.shape
-    if b % ep:
-        from hetjax.errors import HetjaxError
+def row_split() -> tuple[str, ...]:
+    """The mesh axes the exchange splits a batch's rows over: the logical 'batch' here (the
+    data axes and 'expert' in one program; 'expert' alone inside the executors' per-device
+    vmap, whose batching adds the data axes to the specs itself), always with 'expert'."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = nn.logical_to_mesh_axes(("batch",))[0]
+    split = tuple(a for a in ((split,) if isinstance(split, str) else split or ())
+                  if mesh.shape.get(a, 1) > 1 or a == EXPERT_AXIS)
+    return split if EXPERT_AXIS in split else split + (EXPERT_AXIS,)
 
-        raise HetjaxError(f"expert parallelism over {ep} devices splits the batch rows, but a "
-                          f"micro-batch has {b}. Fix: make the micro-batch size a multiple of "
-                          f"{ep} (train.batch_size / train.microbatches)")
-    tokens = (b // ep) * l
+
+def expert_parallel_dispatch(x, experts, weights, w, cfg: ModelConfig, ep: int):
+    """Run `_exchange_dispatch` on each device's tokens with the experts split over the
+    ambient mesh's 'expert' axis; x [B, L, d] (B a multiple of the devices `row_split`
+    names), experts / weights [B, L, k]. Returns the output [B, L, d] and the dropped
+    assignments (a global count). The shard_map is manual over every data axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = row_split()
+    b, l, _ = x.shape
+    tokens = (b // math.prod(mesh.shape[a] for a in split)) * l
     k = experts.shape[-1]
-    slots = tokens if mode == "dropless" else capacity(tokens, k, n_experts, capacity_factor)
+    slots = cfg.expert_slots(tokens)
+    # the exchange fills fixed queues either way; only capacity dispatch lets them overflow
+    mode = "capacity" if cfg.moe_dispatch == "capacity" else "dropless"
 
     def local(x, experts, weights, *w):
         y, dropped = _exchange_dispatch(
             x.reshape(tokens, -1), experts.reshape(tokens, k), weights.reshape(tokens, k), w,
-            n_experts, ep, mode, slots)
-        return y.reshape(x.shape), jax.lax.psum(dropped, EXPERT_AXIS)
+            cfg.n_experts, ep, mode, slots)
+        return y.reshape(x.shape), dropped[None]
 
-    rows, ex = P(EXPERT_AXIS), P(EXPERT_AXIS)
-    fn = jax.shard_map(local, in_specs=(rows, rows, rows, ex, ex, ex), out_specs=(rows, P()),
-                       axis_names=frozenset({EXPERT_AXIS}), check_vma=False)
-    return fn(x, experts, weights, *w)
+    manual = set(mesh.manual_axes) if not mesh.empty else set()
+    axes = frozenset(a for a in (*DP_AXES, EXPERT_AXIS) if a not in manual)
+    rows, ex = P(split), P(EXPERT_AXIS)
+    fn = jax.shard_map(local, in_specs=(rows, rows, rows, ex, ex, ex), out_specs=(rows, rows),
+                       axis_names=axes, check_vma=False)
+    y, dropped = fn(x, experts, weights, *w)
+    return y, jnp.sum(dropped)
+
+
+@jax.custom_vjp
+def with_aux_gradient(y, aux):
+    """`y`, with the gradient of the scalar `aux` added to the backward as if `aux` were a term
+    of the loss (Megatron-Core's MoEAuxLossAutoScaler): the loss value stays the
+    cross-entropy, while the router learns from the auxiliary losses wherever the layer runs."""
+    return y
+
+
+def _with_aux_fwd(y, aux):
+    return y, aux
+
+
+def _with_aux_bwd(aux, dy):
+    return dy, jnp.ones_like(aux)
+
+
+with_aux_gradient.defvjp(_with_aux_fwd, _with_aux_bwd)
 
 
 # --- the layer -----------------------------------------------------------------------------------
@@ -297,12 +382,17 @@ class MoE(nn.Module):
         flat_logits = logits.reshape(b * l, e)
         probs, experts, weights = route(flat_logits, k, cfg.moe_norm_topk_prob)
         mode = "dropless" if cfg.moe_dispatch == "auto" else cfg.moe_dispatch
-        ep = expert_parallelism()
+        # (initialisation traces one row: only the parameters' shapes matter then)
+        ep = 1 if self.is_initializing() else expert_parallelism()
+        if ep > 1 and b % math.prod(jax.sharding.get_abstract_mesh().shape[a]
+                                    for a in row_split()):
+            # rows that do not split over the exchange's devices (a few prompts decoding):
+            # every device runs the layer on all of them, the experts gathered where needed
+            ep = 1
         dropped = jnp.zeros((), jnp.float32)
         if ep > 1:
             y, dropped = expert_parallel_dispatch(
-                x, experts.reshape(b, l, k), weights.reshape(b, l, k), w, e, ep,
-                "capacity" if mode == "capacity" else "dropless", cfg.moe_capacity_factor)
+                x, experts.reshape(b, l, k), weights.reshape(b, l, k), w, cfg, ep)
         else:
             xt = x.reshape(b * l, d)
             if mode == "dense":
@@ -310,8 +400,8 @@ class MoE(nn.Module):
             elif mode == "dropless":
                 y = dispatch_dropless(xt, experts, weights, w, e)
             else:
-                y, dropped = dispatch_capacity(xt, experts, weights, w, e, capacity(
-                    b * l, k, e, cfg.moe_capacity_factor))
+                y, dropped = dispatch_capacity(xt, experts, weights, w, e,
+                                               cfg.expert_slots(b * l))
             y = y.reshape(b, l, d)
 
         if cfg.shared_expert_d_ff:
@@ -323,8 +413,13 @@ class MoE(nn.Module):
                 s = nn.sigmoid(g) * s
             y = y + s
 
-        self.sow(STATS, "balance", balance_loss(probs, experts, e))
-        self.sow(STATS, "z", z_loss(flat_logits))
+        balance, z = balance_loss(probs, experts, e), z_loss(flat_logits)
+        # The auxiliary losses' gradient joins the backward here, whoever runs the layer (one
+        # program, or a pipeline stage's own vjp): this layer's share of the training loss.
+        y = with_aux_gradient(y, (cfg.moe_aux_loss_coef * balance + cfg.moe_z_loss_coef * z)
+                              / cfg.n_moe_layers)
+        self.sow(STATS, "balance", balance)
+        self.sow(STATS, "z", z)
         self.sow(STATS, "load", expert_counts(experts, e) / experts.size)
         self.sow(STATS, "dropped", dropped / experts.size)
         return nn.with_logical_constraint(y.astype(dtype), ("batch", "length", "embed"))
@@ -334,14 +429,33 @@ def moe_loss(stats, cfg: ModelConfig):
     """The auxiliary term the training loss adds, from the stats of `Transformer.apply(...,
     mutable=[STATS])` (or of any subset of its layers, e.g. a pipeline stage's): the
     coefficients times the per-layer losses averaged over the model's MoE layers."""
-    if not stats:
-        return jnp.zeros((), jnp.float32)
     layers = cfg.n_moe_layers
     total = jnp.zeros((), jnp.float32)
     for name, coef in (("balance", cfg.moe_aux_loss_coef), ("z", cfg.moe_z_loss_coef)):
         if coef:
             total = total + coef * sum(jnp.sum(v) for v in find_stat(stats, name)) / layers
     return total
+
+
+def layer_stats(collections) -> dict:
+    """{name: [MoE layers, ...]} of what `Transformer.apply(..., mutable=[STATS])` returned
+    (the layers' records, stacked over layers by the scan)."""
+    return {n: find_stat(collections, n)[0] for n in ("balance", "z", "load", "dropped")}
+
+
+def moe_metrics(stats, aux_loss) -> dict:
+    """Scalar metrics of `layer_stats` (averaged over a step): the auxiliary term added to the
+    loss, the mean balance loss, z-loss and drop fraction over layers, and per layer i the
+    most and least loaded expert's share of the assignments relative to an even share (1.0:
+    balanced; E: one expert takes all) and the fraction dropped."""
+    load = stats["load"] * stats["load"].shape[-1]
+    out = {"moe_aux_loss": aux_loss, "moe_balance": jnp.mean(stats["balance"]),
+           "moe_z": jnp.mean(stats["z"]), "moe_drop": jnp.mean(stats["dropped"])}
+    for i in range(load.shape[0]):
+        out[f"moe_load_max/{i}"] = jnp.max(load[i])
+        out[f"moe_load_min/{i}"] = jnp.min(load[i])
+        out[f"moe_drop/{i}"] = stats["dropped"][i]
+    return out
 
 
 def find_stat(stats, name: str) -> list:

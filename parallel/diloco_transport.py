@@ -1,6 +1,6 @@
-"""How DiLoCo's sites exchange pseudo-gradients when each site is its own process of one
-`jax.distributed` job (the executor, `hetjax.parallel.diloco`, runs the exchange in one process
-itself).
+"""DiLoCo's transports: how the sites exchange pseudo-gradients when each site is its own
+process of one `jax.distributed` job (in one process the executor, `hetjax.parallel.diloco`,
+runs the exchange itself).
 
 `CrossSiteExchange`: compiled collectives over a mesh of one device per site -- an all-reduce
 of the float32 pseudo-gradients, or with a codec a reduce-scatter (all-to-all of quantized row

@@ -39,7 +39,7 @@ from hetjax import checkpoint as hckpt
 from hetjax.errors import PlanError
 from hetjax.core.plan import DilocoPlan, Plan, raise_first
 from hetjax.core.topology import Topology
-from hetjax.layers import ModelConfig
+from hetjax.layers import ModelConfig, moe
 from hetjax.parallel import sharding as shd
 from hetjax.parallel import zero_sharding as zero
 from hetjax.parallel.mesh import build_mesh
@@ -82,9 +82,20 @@ class SingleProgramExecutor(Executor):
 
         `params` are in the P spec. Gradients are accumulated in the G spec and reduced across
         data-parallel replicas once, after the micro-batch loop; they come back in the OS spec
-        (parallel/zero_sharding.py accumulate_gradients)."""
-        return zero.accumulate_gradients(jax.value_and_grad(self.loss_fn), params, batch,
-                                         self.zero_specs, self.mesh, self.rules)
+        (parallel/zero_sharding.py accumulate_gradients). An MoE model's gradients include
+        the routers' auxiliary losses (its loss is the cross-entropy)."""
+        return self.loss_grads_metrics(params, batch)[:2]
+
+    def loss_grads_metrics(self, params, batch):
+        """`loss_and_grads` and the step's metrics besides them ({} for a dense model; an MoE
+        model's `moe.moe_metrics`)."""
+        if not self.model_cfg.is_moe:
+            return (*zero.accumulate_gradients(jax.value_and_grad(self.loss_fn), params, batch,
+                                               self.zero_specs, self.mesh, self.rules), {})
+        loss, grads, stats = zero.accumulate_gradients(
+            jax.value_and_grad(self.moe_loss_fn, has_aux=True), params, batch,
+            self.zero_specs, self.mesh, self.rules, has_aux=True)
+        return loss, grads, moe.moe_metrics(stats, moe.moe_loss(stats, self.model_cfg))
 
     # --- shardings and state ----------------------------------------------------------------
     def _init_boxed(self, key):
@@ -145,7 +156,7 @@ class SingleProgramExecutor(Executor):
 
     # --- the step ---------------------------------------------------------------------------
     def _train_step(self, state: TrainState, batch):
-        loss, grads = self.loss_and_grads(state.params, batch)
+        loss, grads, extra = self.loss_grads_metrics(state.params, batch)
         # AdamW on the OS shards: each device updates the slice of its P shard it owns (a
         # local slice, no communication) ...
         params = jax.lax.with_sharding_constraint(state.params, self.os_param_sharding)
@@ -159,7 +170,7 @@ class SingleProgramExecutor(Executor):
         # (and with it the data position) advances. The Trainer counts and reports such steps.
         params, opt_state = skip_unless_finite(loss, g_norm, (params, opt_state),
                                                (state.params, state.opt_state))
-        metrics = {"loss": loss, "grad_norm": g_norm, "lr": self.lr_schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": g_norm, "lr": self.lr_schedule(state.step), **extra}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def step(self, state, batch):
@@ -210,6 +221,9 @@ class SpmdPipelineExecutor(SingleProgramExecutor):
         """The pipeline's loss and stage-stacked gradients in the OS spec, reduced across
         data-parallel replicas once, after its tick loop."""
         return self.pipeline.loss_and_grads(params, batch, self.zero_specs)
+
+    def loss_grads_metrics(self, params, batch):
+        return (*self.loss_and_grads(params, batch), {})
 
     def checkpoint_layout(self, state) -> hckpt.Layout:
         from hetjax.parallel.pipeline import StageLayout

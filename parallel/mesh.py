@@ -1,4 +1,4 @@
-"""Plan + Topology -> `jax.sharding.Mesh` with axes ('pp', 'dp', 'dp_os', 'dp_p', 'tp').
+"""Plan + Topology -> `jax.sharding.Mesh` with axes ('pp', 'dp', 'dp_os', 'dp_p', 'expert', 'tp').
 
 Axes run slowest first. The data-parallel devices of a stage are factored into three sub-axes
 for ZeRO sharding (AMSP): 'dp' (replicas), 'dp_os' and 'dp_p', with sizes
@@ -6,7 +6,9 @@ dp / s_os, s_os / s_p and s_p. Parameters shard over 'dp_p', optimizer states ov
 ('dp_p', 'dp_os') -- 'dp_p' major -- so every optimizer-state shard lies inside its device's
 parameter shard (parallel/zero_sharding.py).
 Anything that means "all data-parallel devices" uses `DP_AXES`. With plain data parallelism
-the two sub-axes have size 1.
+the two sub-axes have size 1. 'expert' (size ep, 1 unless an MoE model's experts are split)
+is the innermost data axis: the batch is split over it too, the experts' leading axis is split
+over it, and the other parameters are replicated over it like over 'dp'.
 
 The mesh is the plan's device order reshaped to (pp, dp, tp). Where groups may sit (a TP group
 inside a node, a stage inside a cluster) is a planning rule: hetjax/planner/placement.py owns
@@ -27,22 +29,22 @@ from hetjax.core.topology import Topology
 
 
 def mesh_shape(plan: Plan) -> tuple[int, ...]:
-    """Sizes of AXES for a plan: (pp, dp / s_os, s_os / s_p, s_p, tp)."""
+    """Sizes of AXES for a plan: (pp, dp / (s_os ep), s_os / s_p, s_p, ep, tp)."""
     z = plan.zero
-    if plan.dp % z.s_os or z.s_os % z.s_p:
-        raise PlanError(f"ZeRO factors s_p={z.s_p}, s_os={z.s_os} must divide each other and "
-                        f"dp={plan.dp} (s_p | s_os | dp)")
-    return (plan.pp, plan.dp // z.s_os, z.s_os // z.s_p, z.s_p, plan.tp)
+    if plan.dp % (z.s_os * plan.ep) or z.s_os % z.s_p:
+        raise PlanError(f"ZeRO factors s_p={z.s_p}, s_os={z.s_os} and ep={plan.ep} must divide "
+                        f"dp={plan.dp} (s_p | s_os, s_os x ep | dp)")
+    return (plan.pp, plan.dp // (z.s_os * plan.ep), z.s_os // z.s_p, z.s_p, plan.ep, plan.tp)
 
 
 def stage_mesh_shape(plan: Plan, s: int) -> tuple[int, ...]:
-    """Sizes of AXES[1:] for stage s: (dp_s / s_os, s_os / s_p, s_p, tp_s)."""
+    """Sizes of AXES[1:] for stage s: (dp_s / (s_os ep), s_os / s_p, s_p, ep, tp_s)."""
     dp, tp = plan.stage_shape(s)
     z = plan.zero
-    if dp % z.s_os or z.s_os % z.s_p:
-        raise PlanError(f"ZeRO factors s_p={z.s_p}, s_os={z.s_os} must divide each other and "
-                        f"stage {s}'s dp={dp} (s_p | s_os | dp)")
-    return (dp // z.s_os, z.s_os // z.s_p, z.s_p, tp)
+    if dp % (z.s_os * plan.ep) or z.s_os % z.s_p:
+        raise PlanError(f"ZeRO factors s_p={z.s_p}, s_os={z.s_os} and ep={plan.ep} must divide "
+                        f"stage {s}'s dp={dp} (s_p | s_os, s_os x ep | dp)")
+    return (dp // (z.s_os * plan.ep), z.s_os // z.s_p, z.s_p, plan.ep, tp)
 
 
 def _by_rank(plan: Plan, topology: Topology, devices) -> np.ndarray:
@@ -69,7 +71,7 @@ def build_mesh(plan: Plan, topology: Topology, devices=None):
 
 
 def build_stage_mesh(plan: Plan, topology: Topology, s: int, devices=None):
-    """Stage s's own mesh, axes AXES[1:] ('dp', 'dp_os', 'dp_p', 'tp'): its (dp_s, tp_s)
+    """Stage s's own mesh, axes AXES[1:] ('dp', 'dp_os', 'dp_p', 'expert', 'tp'): its (dp_s, tp_s)
     ranks, dp factored into the ZeRO sub-axes (the MPMD executors' sub-meshes)."""
     from jax.sharding import AxisType, Mesh
 

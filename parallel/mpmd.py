@@ -189,7 +189,7 @@ class Stage:
         self.chunks = chunks
         self.holds_embedding = any(c.first for c in chunks)
         self.holds_head = any(c.last for c in chunks)
-        self.n_dp = plan.stage_shape(s)[0]
+        self.n_dp = plan.ep_replicas(s)
         self.rules = shd.LOGICAL_RULES
         self.abstract = nn.unbox(boxed)
         self.zs = zero.zero_specs(self.abstract, shd.param_specs(boxed, self.rules),
@@ -488,7 +488,8 @@ class MpmdExecutor(Executor):
         self.schedule = resolve_schedule(self.plan)
         self.program = pg.lower(self.schedule)
         self.chunks = model_chunks(self.plan.stage_layers, self.schedule.placement())
-        self.loss_dp = self.plan.stage_shape(self.chunks[-1].stage)[0]  # the head stage's dp
+        # the head stage's per-device loss slices (dp_s / ep)
+        self.loss_dp = self.plan.ep_replicas(self.chunks[-1].stage)
 
     @classmethod
     def create(cls, plan, topology, model_cfg, optimizer, runtime):
@@ -507,8 +508,11 @@ class MpmdExecutor(Executor):
     def describe(self) -> str:
         kept = {"none": "all residuals kept", "dots": "matmul outputs kept",
                 "full": "layers recomputed"}[effective_remat(self.model_cfg.remat)]
+        shapes = "" if self.plan.uniform else " (its own mesh, dp x tp " + ", ".join(
+            f"{d}x{t}" for d, t in self.plan.stage_shapes) + ")"
         return (f"pipeline: mpmd, {self.schedule.name}, {self.plan.microbatches} micro-batches, "
-                f"one program per stage, layers per stage {list(self.plan.stage_layers)} "
+                f"one program per stage{shapes}, layers per stage "
+                f"{list(self.plan.stage_layers)} "
                 f"(no padding), at most {max(self.schedule.max_in_flight(s) for s in range(self.plan.pp))} "
                 f"micro-batches stashed per stage ({kept}; model.remat={self.model_cfg.remat})")
 

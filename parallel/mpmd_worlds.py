@@ -148,9 +148,9 @@ class WorldsExecutor(MpmdExecutor):
         if self.chunks[-1].stage in self.local:
             self.batch_sharding["targets"] = self.stages[self.chunks[-1].stage].batch
         self.mesh = None  # no mesh spans every stage here
-        b = plan.microbatch_size // plan.dp
+        b = plan.microbatch_size // plan.ep_replicas()
         self.activation = jax.ShapeDtypeStruct(
-            (plan.dp, b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
+            (plan.ep_replicas(), b, plan.seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
         self._calls = 0  # steps run: the message keys' step field
         self._evals = (0, 0)  # (step field, eval batches run at it): eval messages' keys
         self._route_cache: dict[tuple, list[list[int]]] = {}

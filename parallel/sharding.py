@@ -12,10 +12,12 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from hetjax.core.plan import EXPERT_AXIS
 from hetjax.parallel.mesh import DP_AXES
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", DP_AXES),
+    ("batch", DP_AXES + (EXPERT_AXIS,)),
+    ("expert", EXPERT_AXIS),
     ("vocab", "tp"),
     ("heads", "tp"),
     ("kv_heads", "tp"),
@@ -46,8 +48,9 @@ def named(mesh, specs):
 
 
 def batch_spec(microbatched: bool = True) -> P:
-    """[micro-batch, batch, length] with the batch over dp (or [batch, length])."""
-    return P(None, DP_AXES, None) if microbatched else P(DP_AXES, None)
+    """[micro-batch, batch, length] with the batch over the data axes (or [batch, length])."""
+    rows = DP_AXES + (EXPERT_AXIS,)
+    return P(None, rows, None) if microbatched else P(rows, None)
 
 
 def replicated() -> P:

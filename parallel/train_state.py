@@ -29,6 +29,7 @@ from hetjax.errors import HetjaxError
 from hetjax.core.plan import Plan
 from hetjax.core.topology import Topology
 from hetjax.layers import ModelConfig, Transformer, cross_entropy
+from hetjax.layers import moe
 from hetjax.layers.model import chunked_head_loss
 
 
@@ -240,6 +241,23 @@ class Executor(abc.ABC):
                                      self.model_cfg.loss_chunk_tokens)
         logits = self.model.apply({"params": params}, inputs, segment_ids)
         return cross_entropy(logits, targets)
+
+    def moe_loss_fn(self, params, inputs, targets, segment_ids=None):
+        """An MoE model's loss and its records: (cross-entropy, per-layer records
+        (`moe.layer_stats`)). Its gradient includes the routers' auxiliary losses, which the
+        layers add to the backward themselves (`moe.with_aux_gradient`)."""
+        mutable = [moe.STATS]
+        if self.model_cfg.loss_chunk_tokens:
+            x = self.model.apply({"params": params}, inputs, method=Transformer.embed)
+            x, st = self.model.apply({"params": params}, x, segment_ids,
+                                     method=Transformer.blocks, mutable=mutable)
+            ce = chunked_head_loss(self.model, params, x, targets,
+                                   self.model_cfg.loss_chunk_tokens)
+        else:
+            logits, st = self.model.apply({"params": params}, inputs, segment_ids,
+                                          mutable=mutable)
+            ce = cross_entropy(logits, targets)
+        return ce, moe.layer_stats(st)
 
 
 __all__ = ["Executor", "Optimizer", "Runtime", "TrainState", "batch_rows", "opt_state_specs",

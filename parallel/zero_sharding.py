@@ -283,7 +283,8 @@ def finish_grads(acc, losses, zs: ZeroSpecs, mesh, scale: float):
                                  P(DP_AXES)), (zs.os, P()))(acc, losses)
 
 
-def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, rules):
+def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, rules,
+                         has_aux: bool = False):
     """Mean loss and gradients over the micro-batches of `batch` ([M, b, S] arrays), pp = 1.
 
     `params` are in the P spec; `grad_fn(params, inputs, targets, segment_ids) -> (loss,
@@ -291,7 +292,8 @@ def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, 
     None when the batch has none). Gathers P once, reduce-scatters
     each micro-batch's gradient into a G-sharded accumulator, and reduces across replicas once,
     after the loop. Returns the loss and the gradients in the OS spec. Trace it with `mesh`
-    in context."""
+    in context. With `has_aux`, `grad_fn` returns ((loss, aux), grads) and the mean of the
+    pytree `aux` over devices and micro-batches comes third."""
     n, m = dp_size(mesh), batch["inputs"].shape[0]
     full = gather_params(params, zs, mesh)
     segments = "segment_ids" in batch
@@ -303,12 +305,15 @@ def accumulate_gradients(grad_fn: Callable, params, batch, zs: ZeroSpecs, mesh, 
             loss, grads = vgrad(full, split_devices(mb["inputs"], n),
                                 split_devices(mb["targets"], n),
                                 split_devices(mb["segment_ids"], n) if segments else None)
-        return (losses + loss, jax.tree.map(jnp.add, acc, scatter_grads(grads, zs, mesh))), None
+        loss, aux = loss if has_aux else (loss, None)
+        return (losses + loss, jax.tree.map(jnp.add, acc, scatter_grads(grads, zs, mesh))), aux
 
     losses = jax.lax.with_sharding_constraint(jnp.zeros((n,), jnp.float32), P(DP_AXES))
-    (losses, acc), _ = jax.lax.scan(body, (losses, new_accumulator(full, zs, mesh)), batch)
+    (losses, acc), aux = jax.lax.scan(body, (losses, new_accumulator(full, zs, mesh)), batch)
     # Each device's loss and gradient are means over its own slice of the micro-batch.
     grads, loss = finish_grads(acc, losses, zs, mesh, 1.0 / (m * n))
+    if has_aux:
+        return loss, grads, jax.tree.map(lambda a: jnp.mean(a, axis=(0, 1)), aux)
     return loss, grads
 
 

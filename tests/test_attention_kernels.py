@@ -60,6 +60,47 @@ def test_kernels_match_the_masked_softmax_reference(impl, masked):
         np.testing.assert_allclose(g, r, atol=5e-5, rtol=5e-5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_xla_window_matches_the_masked_softmax_reference(masked):
+    """A 5-token window (shorter than the 32 positions and than two of row 0's documents):
+    outputs and gradients equal the reference's, and differ from full attention."""
+    q, k, v = _qkv()
+    seg = _segments() if masked else None
+    ref = ak.reference(q, k, v, seg, window=5)
+    got = jax.jit(lambda q, k, v: ak.attend(q, k, v, seg, window=5))(q, k, v)
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
+    assert np.abs(ref - ak.reference(q, k, v, seg)).max() > 0.1
+    w = jax.random.normal(jax.random.key(1), ref.shape)
+    grads = [jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+             for f in (lambda q, k, v: ak.attend(q, k, v, seg, window=5),
+                       lambda q, k, v: ak.reference(q, k, v, seg, window=5))]
+    for g, r in zip(*grads):
+        np.testing.assert_allclose(g, r, atol=5e-5, rtol=5e-5)
+
+
+def test_a_window_reaches_exactly_its_length_back():
+    """Query i sees keys i - 4 .. i with a 5-token window: changing key i - 5 leaves it."""
+    q, k, v = _qkv()
+    out = ak.attend(q, k, v, window=5)
+    k2, v2 = k.at[:, 10].add(5.0), v.at[:, 10].add(5.0)
+    moved = np.abs(np.asarray(ak.attend(q, k2, v2, window=5) - out)).max(axis=(0, 2, 3)) > 1e-6
+    assert moved.nonzero()[0].tolist() == [10, 11, 12, 13, 14]
+
+
+def test_pallas_has_no_window_and_says_so():
+    with pytest.raises(ConfigError, match="model.attention.*no sliding window "
+                       r"\(model.sliding_window = 512 < sequence length 2048\)"):
+        ak.choose("pallas", "cuda", "bfloat16", 64, 2048, 9.0, window=512)
+    # auto passes it over: cuDNN takes the window; where cuDNN cannot run, XLA does
+    assert ak.choose("auto", "cuda", "bfloat16", 64, 2048, 9.0, window=512).name == "cudnn"
+    c = ak.choose("auto", "cuda", "float32", 64, 2048, 9.0, window=512)
+    assert c.name == "xla" and "no sliding window" in c.reason
+    # a window as long as the sequence masks nothing: Pallas runs
+    assert ak.choose("pallas", "cuda", "bfloat16", 64, 2048, 9.0, window=4096).name == "pallas"
+    with pytest.raises(ValueError, match="no sliding window"):
+        ak.attend(*_qkv(), implementation="pallas", window=5, interpret=True)
+
+
 def test_document_mask_blocks_attention_across_documents():
     """A token's output does not move when another document's keys and values change."""
     q, k, v = _qkv()

@@ -31,11 +31,11 @@ def test_smoke_run_prints_the_table_and_writes_json(tmp_path, capsys):
     bench = _bench()
     out = tmp_path / "bench.json"
     bench.main(["--smoke", "--steps", "1", "--warmup", "1", "--out", str(out),
-                "--rows", "trainer,jit-xla,jit-fused,hf-eager"])
+                "--rows", "trainer,trainer-moe,jit-xla,jit-fused,hf-eager"])
     result = json.loads(out.read_text())
     rows = {r["row"]: r["result"] for r in result["rows"]}
     assert result["platform"] == "cpu" and result["shape"]["d_model"] == 64
-    for row in ("trainer", "jit-xla"):
+    for row in ("trainer", "trainer-moe", "jit-xla"):
         assert rows[row]["step_s"] > 0 and rows[row]["loss"] > 0, rows[row]
         assert rows[row]["attention"].startswith("xla")
     assert rows["jit-fused"]["skipped"].startswith("no fused kernel here")

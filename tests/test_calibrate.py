@@ -136,7 +136,7 @@ def test_staged_block_prices_pipelined_layers_and_only_those():
     # per micro-batch is layers x 4 ms (dp = 4: 2 sequences of 64 per device).
     p = Plan(pp=2, dp=4, tp=1, stage_layers=(2, 2), microbatches=2, global_batch=16,
              seq_len=64)
-    for executor in ("hetjax", "mpmd"):
+    for executor in ("spmd", "mpmd"):
         cm = CostModel(t, model, dataclasses.replace(cal.options(), executor=executor))
         assert cm.stage_costs(cm_layout(p))[0].fwd_layer == pytest.approx(4e-3)
     megatron = CostModel(t, model, dataclasses.replace(cal.options(), executor="megatron"))
@@ -279,6 +279,10 @@ def test_measure_on_this_process_devices_covers_every_link_class(tmp_path):
     assert all(r.fwd_s > 0 and r.bwd_s > 0 for part in ("block", "head", "staged:full")
                for r in cal.rows(part))
     assert set(cal.staged_curves()) == {"none", "full"}
+    # the staged rows carry the stash the forward keeps and the backward's peak
+    assert all(0 < r.kept_bytes < r.peak_bytes for part in ("staged:none", "staged:full")
+               for r in cal.rows(part))
+    assert cal.profile().lookup("cpu", "layer", 1, 32, 16, "full", True).kept_bytes > 0
     # the layer split over each TP degree a node allows (2 devices a node): a profile row
     assert [(r.tp, r.tokens, r.seq_len) for r in cal.profile_rows] == [(2, 32, 16)]
     assert all(r.fwd_s > 0 and r.bwd_s > 0 and r.peak_bytes > 0 for r in cal.profile_rows)

@@ -141,6 +141,8 @@ def test_the_band_grows_with_the_spread_and_the_extrapolation():
     assert out.extrapolation == pytest.approx(4.0)
     assert out.step_band / out.step_time == pytest.approx(
         math.sqrt(band.PROFILE_STEP_ERROR ** 2 + 0.05 ** 2 + (band.PER_DOUBLING * 2) ** 2))
+    assert out.compute_notes == ("tokens 256 beyond the measured sizes (x4)",)
+    assert out.as_dict()["compute_notes"] == list(out.compute_notes)
     flat = CostModel(t, MODEL).predict(plan_)
     assert flat.step_band / flat.step_time == pytest.approx(band.FLAT_STEP_ERROR)
 
@@ -230,5 +232,33 @@ def test_hetjax_plan_prints_the_band_and_what_priced_the_compute(tmp_path, capsy
     out = capsys.readouterr().out
     assert " ± " in out and "(compute: profile)" in out
     assert "compute priced from a measured profile" in out
+    assert "beyond the measured sizes" in out  # the profile's 256 tokens; the plan asks more
     assert main(common) == 0
     assert "(compute: flat)" in capsys.readouterr().out
+
+
+def test_measured_stash_and_peak_replace_the_fitted_activation_terms():
+    """A profile whose pipelined layer rows carry what the forward keeps and the backward's
+    peak (calibrate's staged rows) prices a pipelined stage's activations from them: the
+    kept bytes per micro-batch in flight and the rest of the peak once."""
+    t = preset("cpu_single")
+    model = dataclasses.replace(MODEL, remat="full")
+    p = Plan(pp=2, dp=4, tp=1, stage_layers=(2, 2), microbatches=2, global_batch=16,
+             seq_len=64)
+    lay = Layout.of(p)
+    tok = int(lay.tokens_per_device())
+    rows = [_row(tok, 1e-3, 3e-3, recompute="full", pipelined=True, kept_bytes=1e5,
+                 peak_bytes=4e5)]
+    for executor in ("mpmd", "hetjax"):
+        plain = CostModel(t, model, CostOptions(executor=executor))
+        measured = CostModel(t, model, CostOptions(executor=executor, profile=_profile(*rows)))
+        a, b = plain.stage_costs(lay)[0], measured.stage_costs(lay)[0]
+        if executor == "mpmd":
+            assert b.mem_layer == pytest.approx(1e5 * 2)  # 2 micro-batches in flight, stage 0
+        else:
+            assert b.mem_slot - a.mem_slot == pytest.approx(
+                2 * (1e5 - plain.activation_bytes_per_token(1, 64, "full", True) * tok))
+        assert b.mem_measured and not a.mem_measured
+    # the memory band is then the profile's spread (0 here), not the fitted terms' 10%
+    assert CostModel(t, model, CostOptions(executor="mpmd", profile=_profile(*rows))).predict(
+        p).memory_band == 0.0

@@ -191,7 +191,7 @@ def test_hetjax_executor_stashes_layer_inputs_and_replicates_shared_parameters()
     stage."""
     m = tiny_model(n_layers=8, remat="auto")
     t = preset("cpu_single")
-    hj, mg = (CostModel(t, m, CostOptions(executor=e)) for e in ("hetjax", "megatron"))
+    hj, mg = (CostModel(t, m, CostOptions(executor=e)) for e in ("spmd", "megatron"))
     layout = _layout(4, 2, M=8, schedule="1f1b")
     ours, theirs = hj.stage_costs(layout), mg.stage_costs(layout)
     tok = 32 / 8 / 2 * 128
@@ -217,8 +217,8 @@ def test_hetjax_executor_prices_the_recompute_policy_it_is_given(remat):
     does, and every padded layer slot stashes the residuals the policy keeps."""
     m = tiny_model(n_layers=8, remat=remat)
     t = preset("cpu_single")
-    hj, mg = (CostModel(t, m, CostOptions(executor=e)) for e in ("hetjax", "megatron"))
-    full = CostModel(t, dataclasses.replace(m, remat="full"), CostOptions(executor="hetjax"))
+    hj, mg = (CostModel(t, m, CostOptions(executor=e)) for e in ("spmd", "megatron"))
+    full = CostModel(t, dataclasses.replace(m, remat="full"), CostOptions(executor="spmd"))
     layout = _layout(4, 2, M=8, schedule="1f1b")
     ours, theirs, recomputed = (c.stage_costs(layout) for c in (hj, mg, full))
     assert ours[0].bwd_layer == pytest.approx(theirs[0].bwd_layer)
@@ -595,7 +595,7 @@ def test_gradient_buckets_hide_behind_the_last_backward_all_but_the_last():
             # Megatron / AMSP also prefetch the refresh during the next step's forward
             ref = refresh - min(refresh, f) if executor == "megatron" else refresh
             assert e == pytest.approx(sync - hidden + ref)
-    lock = CostModel(topo, m, CostOptions(executor="hetjax"))
+    lock = CostModel(topo, m, CostOptions(executor="spmd"))
     stages = lock.stage_costs(lay)
     assert lock.exposed_sync(lay, stages, [15, 15], [0, 0], [1, 1]) == pytest.approx(
         [c.sync(15) + c.refresh(15) for c in stages])

@@ -28,10 +28,10 @@ def test_every_registered_executor_is_an_executor_the_plan_config_and_cost_model
             assert issubclass(getattr(__import__(module, fromlist=[cls]), cls), Executor)
         assert Plan(pp=2, dp=4, tp=1, stage_layers=(1, 1), microbatches=2, global_batch=8,
                     seq_len=16, executor=name).executor == name
-        assert cost.PLAN_EXECUTORS[name] in cost.EXECUTORS
+        assert cost.PLAN_EXECUTORS[name] in cost.PRICED_EXECUTORS
         hconfig.validate(tiny_config(**{"pipeline.executor": name}))
     assert set(cost.PLAN_EXECUTORS) == set(registry.EXECUTORS) == {"spmd", "mpmd"}
-    assert cost.PLAN_EXECUTORS["spmd"] == "hetjax"  # the cost model's name for the tick grid
+    assert cost.PLAN_EXECUTORS["spmd"] == "spmd"  # each of hetjax's executors: its own name
     help_line = hconfig.DESCRIPTIONS["pipeline.executor"]
     assert all(f"{k.name}: {k.help}" in help_line for k in registry.EXECUTORS.values())
     with pytest.raises(ConfigError, match="choose one of spmd, mpmd, auto"):
@@ -55,7 +55,7 @@ def test_the_tick_grid_rule_comes_from_the_registry():
                                           "pipeline.executor=mpmd"):
         hconfig.validate(tiny_config(**{"pipeline.executor": "spmd",
                                         "pipeline.schedule": "zb-h1"}))
-    assert not cost.runs_schedule("spmd", "zb-h1") and not cost.runs_schedule("hetjax", "zb-h1")
+    assert not cost.runs_schedule("spmd", "zb-h1")
     assert cost.runs_schedule("mpmd", "zb-h1") and cost.runs_schedule("spmd", "1f1b")
 
 
@@ -80,7 +80,7 @@ class CountingExecutor(SingleProgramExecutor):
 def toy_executor():
     kind = registry.register(registry.ExecutorKind(
         "toy", f"{__name__}:CountingExecutor", "every stage runs the whole model, counting",
-        priced_as="hetjax", tick_grid_only=True))
+        priced_as="spmd", tick_grid_only=True))
     yield kind.name
     del registry.EXECUTORS[kind.name]
 

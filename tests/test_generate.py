@@ -69,6 +69,32 @@ def test_cached_logits_match_the_full_forward(dtype, tol):
     assert int(cache["pos"][0, 0]) == seq.shape[1]
 
 
+@pytest.mark.parametrize("full_layers", [(), (0,)], ids=["every-layer", "layer-1-only"])
+def test_cached_logits_keep_the_sliding_window(full_layers):
+    """A 4-token window over 10 positions, on every layer or on layer 1 only: prefill plus
+    one-token steps give the windowed full forward's logits (which differ from full attention),
+    the cache carrying each layer's window."""
+    import dataclasses
+
+    model, params = model_and_params()
+    windowed = Transformer(dataclasses.replace(model.cfg, sliding_window=4,
+                                               full_attention_layers=full_layers))
+    seq = jnp.asarray([[5, 9, 2, 7, 1, 3, 30, 12, 40, 17]])
+    full = jax.jit(windowed.apply)({"params": params}, seq)
+    assert np.abs(full - model.apply({"params": params}, seq)).max() > 1e-2
+    step = jax.jit(lambda p, t, c: windowed.apply({"params": p}, t, c,
+                                                  method=Transformer.decode))
+    cache = init_cache(windowed.cfg, 1, 16)
+    assert cache["window"].tolist() == ([4, 4] if not full_layers else [0, 4])
+    logits, cache = step(params, seq[:, :3], cache)
+    got = [logits]
+    for t in range(3, seq.shape[1]):
+        logits, cache = step(params, seq[:, t:t + 1], cache)
+        got.append(logits)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(got, axis=1)), np.asarray(full),
+                               atol=1e-5 * float(jnp.max(jnp.abs(full))), rtol=0)
+
+
 def test_top_k_1_equals_greedy():
     model, params = model_and_params()
     greedy = generate(model, params, PROMPTS, 6)

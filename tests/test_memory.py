@@ -186,14 +186,18 @@ def test_memory_matches_what_one_h200_measured(remat):
     assert gib == pytest.approx(H200_MEASURED[remat], rel=0.10)
 
 
-def test_the_runtime_reserve_comes_off_a_device_before_the_margin():
-    """A GPU spends its context, the collectives' buffers, workspaces and the allocator's
-    fragmentation before the step: capacity = (memory - reserve) x (1 - margin); the plan
-    shows both. CPU devices reserve nothing; a user's figure replaces the vendor's."""
+def test_a_device_holds_the_step_and_the_runtime_reserve_within_the_margin():
+    """A GPU spends its context, the collectives' buffers and workspaces, and its allocator
+    keeps a share of the step's bytes it cannot reuse: a device holds step x (1 + 5%) +
+    1.5 GiB, which must fit (1 - margin) of its memory; the plan shows both. CPU devices
+    reserve nothing; a user's reserve replaces the vendor's."""
+    import dataclasses
+
     from hetjax.core.model_config import ModelConfig
     from hetjax.core.plan import Plan
     from hetjax.core.topology import Topology, make_cluster, preset
     from hetjax.planner.cost import CostModel, CostOptions
+    from hetjax.units import gib
 
     model = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=128, max_seq_len=64)
@@ -202,19 +206,20 @@ def test_the_runtime_reserve_comes_off_a_device_before_the_margin():
     gpu = Topology("a", (make_cluster("a", 1, 8, "a100", "infiniband"),), None)
     r = mem.RESERVES["nvidia"]
     fixed = (r.context_gib + r.collectives_gib + r.workspace_gib) * mem.GIB
+    assert fixed == 1.5 * mem.GIB and r.fragmentation == 0.05
     memory = gpu.clusters[0].accelerator.memory_bytes
-    reserve = fixed + r.fragmentation * (memory - fixed)
     pred = CostModel(gpu, model, CostOptions(memory_fraction=0.9)).predict(plan_)
-    assert pred.stage_reserve == pytest.approx((reserve,))
-    assert pred.stage_capacity == pytest.approx(((memory - reserve) * 0.9,))
+    (step,) = pred.stage_memory
+    assert pred.stage_reserve == pytest.approx((fixed + 0.05 * step,))
+    # the step may use what leaves the device's whole holding within 90% of its memory
+    assert pred.stage_capacity == pytest.approx(((memory * 0.9 - fixed) / 1.05,))
     assert pred.as_dict()["memory_margin"] == pytest.approx(0.1)
-    import dataclasses
-
     shown = dataclasses.replace(plan_, predicted=pred.as_dict()).summary_line()
-    from hetjax.units import gib
-
-    assert f"runtime reserve {gib(reserve)}" in shown and "margin of 10%" in shown
+    assert f"a device holds up to {gib(step * 1.05 + fixed)}: the step's {gib(step)} and " \
+        f"the runtime reserve {gib(fixed + 0.05 * step)}" in shown
+    assert "margin of 10%" in shown
     cpu = CostModel(preset("cpu_single"), model).predict(plan_)
     assert cpu.stage_reserve == (0.0,)
-    mine = CostModel(gpu, model, CostOptions(reserve_bytes={"a100": 2 * mem.GIB})).predict(plan_)
-    assert mine.stage_capacity == pytest.approx(((memory - 2 * mem.GIB) * 0.9,))
+    mine = CostModel(gpu, model, CostOptions(reserve={"a100": mem.RuntimeReserve(2.0)})
+                     ).predict(plan_)
+    assert mine.stage_capacity == pytest.approx((memory * 0.9 - 2 * mem.GIB,))

@@ -1,5 +1,7 @@
 """Mesh placement: Holmes' group formulas, TP inside nodes, DP inside clusters."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -56,9 +58,18 @@ def test_zero_sub_axes_factor_dp_with_p_innermost():
     plan = Plan(pp=1, dp=8, tp=1, stage_layers=(2,), microbatches=1, global_batch=8,
                 seq_len=8, zero=ZeroFactors(2, 2, 4, "custom"))
     mesh = pmesh.build_mesh(plan, t)
-    assert dict(mesh.shape) == {"pp": 1, "dp": 2, "dp_os": 2, "dp_p": 2, "tp": 1}
+    assert dict(mesh.shape) == {"pp": 1, "dp": 2, "dp_os": 2, "dp_p": 2, "expert": 1, "tp": 1}
     ids = np.vectorize(lambda dv: dv.id)(mesh.devices)
-    assert ids[0, 0, 0, :, 0].tolist() == [0, 1]  # a P group is adjacent ranks
+    assert ids[0, 0, 0, :, 0, 0].tolist() == [0, 1]  # a P group is adjacent ranks
+    # expert parallelism: the innermost data axis, an EP group adjacent ranks, ZeRO beside it
+    ep = dataclasses.replace(plan, ep=2, zero=ZeroFactors(2, 2, 2, "custom"))
+    mesh = pmesh.build_mesh(ep, t)
+    assert dict(mesh.shape) == {"pp": 1, "dp": 2, "dp_os": 1, "dp_p": 2, "expert": 2, "tp": 1}
+    ids = np.vectorize(lambda dv: dv.id)(mesh.devices)
+    assert ids[0, 0, 0, 0, :, 0].tolist() == [0, 1] and ep.ep_groups()[1] == [2, 3]
+    assert ids[0, 0, 0, :, 0, 0].tolist() == [0, 2]  # a P group: one device of each EP group
+    with pytest.raises(PlanError, match="s_os x ep | dp"):
+        pmesh.mesh_shape(dataclasses.replace(plan, ep=4))
     with pytest.raises(PlanError, match="s_p | s_os | dp"):
         pmesh.mesh_shape(Plan(pp=1, dp=8, tp=1, stage_layers=(2,), microbatches=1,
                               global_batch=8, seq_len=8, zero=ZeroFactors(3, 3, 3)))

@@ -1,5 +1,7 @@
 """The Flax model against a plain NumPy implementation of the same maths (float64)."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,8 @@ from hetjax.layers.model import block_apply, layer_slice
 
 
 def reference_forward(cfg: ModelConfig, params, tokens):
-    """Embedding, then per layer: RMSNorm, rotary causal GQA attention, RMSNorm, SwiGLU; then
+    """Embedding, then per layer: RMSNorm, rotary causal GQA attention (QK-norm per head or over
+    all heads, a sliding window on the layers cfg.window_flags() names), RMSNorm, SwiGLU; then
     the final norm and the (tied or untied) output projection. Loops over heads, no Flax."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     x = p["embedder"]["embedding"][tokens]
@@ -29,15 +32,27 @@ def reference_forward(cfg: ModelConfig, params, tokens):
         a, b = v[..., : hd // 2], v[..., hd // 2:]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
-    causal = np.tril(np.ones((S, S), bool))
+    def qk(h, a, name, heads, n):
+        """Head n of the query or key projection, QK-normed as cfg says, rotated."""
+        t = np.einsum("bsd,dnh->bsnh", h, a[name])
+        if cfg.qk_norm == "head":
+            t = rms(t, a[f"{name}_norm"]["scale"])
+        elif cfg.qk_norm == "all_heads":
+            flat = rms(t.reshape(B, S, heads * hd), a[f"{name}_norm"]["scale"].reshape(-1))
+            t = flat.reshape(B, S, heads, hd)
+        return rope(t[:, :, n])
+
     for i in range(cfg.n_layers):
         lp = jax.tree.map(lambda a: a[i], p["layers"]["block"])
         h = rms(x, lp["attn_norm"]["scale"])
         att = np.zeros((B, S, D))
+        causal = np.tril(np.ones((S, S), bool))
+        if cfg.window_flags()[i]:
+            causal &= ~np.tril(np.ones((S, S), bool), -cfg.sliding_window)
         for n in range(H):
             kv = n // (H // K)
-            q = rope(h @ lp["attn"]["query"][:, n, :])
-            k = rope(h @ lp["attn"]["key"][:, kv, :])
+            q = qk(h, lp["attn"], "query", H, n)
+            k = qk(h, lp["attn"], "key", K, kv)
             v = h @ lp["attn"]["value"][:, kv, :]
             s = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
             s = np.where(causal, s, -np.inf)
@@ -71,6 +86,46 @@ def test_forward_matches_numpy_reference(tie, kv):
     assert sum(a.size for a in jax.tree.leaves(params)) == cfg.num_params
 
 
+@pytest.mark.parametrize("qk_norm,window,full_layers", [("head", 5, ()),
+                                                         ("all_heads", 4, (0, 2))])
+def test_qk_norm_and_sliding_windows_match_numpy_reference(qk_norm, window, full_layers):
+    """QK-norm per head (Qwen3) and over all heads (OLMoE); a window on every layer, or on
+    some (the others attending fully, each layer's flag scanned with the stack)."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48,
+                      qk_norm=qk_norm, sliding_window=window, full_attention_layers=full_layers)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    model = Transformer(cfg)
+    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(  # every scale its own, so a mix-up shows
+        lambda path, a: a * (1.0 + 0.3 * rng.standard_normal(a.shape))
+        if path[-1].key == "scale" else a, params)
+    got = model.apply({"params": params}, tokens)
+    want = reference_forward(cfg, params, np.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
+    assert sum(a.size for a in jax.tree.leaves(params)) == cfg.num_params
+    plain = reference_forward(dataclasses.replace(cfg, sliding_window=0), params,
+                              np.asarray(tokens))
+    assert np.abs(plain - want).max() > 1e-3  # the window matters at 12 positions
+
+
+def test_one_layer_of_mixed_windows_is_refused_naming_them():
+    """block_apply runs a layer without its index (the pipelines): with layers of both kinds
+    its window is unknown, so it stops rather than attend fully."""
+    from hetjax.errors import HetjaxError
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+                      sliding_window=4, full_attention_layers=(0,))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens)["params"])
+    x = jnp.ones((1, 8, 32))
+    with pytest.raises(HetjaxError, match=r"full_attention_layers = \[0\] with "
+                       "model.sliding_window = 4.*parallel.pp=1"):
+        block_apply(cfg, layer_slice(params, 1), x)
+    uniform = dataclasses.replace(cfg, full_attention_layers=())
+    block_apply(uniform, layer_slice(params, 1), x)  # one window for all: no question
+
+
 def test_pieces_compose_to_the_whole_model():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48)
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
@@ -92,8 +147,6 @@ def test_remat_does_not_change_gradients(remat):
     def grads(cfg):
         f = lambda p: jnp.sum(Transformer(cfg).apply({"params": p}, tokens) ** 2)  # noqa: E731
         return jax.grad(f)(params)
-
-    import dataclasses
 
     g0, g1 = grads(base), grads(dataclasses.replace(base, remat=remat))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g0, g1)

@@ -126,6 +126,7 @@ def test_balance_and_z_loss_closed_forms():
     assert float(moe.moe_loss(stats, cfg)) == pytest.approx(0.02 * 2.0 + 0.001 * 3.0)
 
 
+@pytest.mark.slow
 def test_model_records_stats_per_layer_and_counts_parameters():
     cfg = dataclasses.replace(TINY, shared_expert_d_ff=16)
     tokens = jnp.arange(32).reshape(2, 16) % cfg.vocab_size
@@ -141,3 +142,33 @@ def test_model_records_stats_per_layer_and_counts_parameters():
     np.testing.assert_allclose(np.sum(moe.find_stat(st, "load")[0], -1), 1.0, rtol=1e-6)
     per_expert = 3 * 32 * 48
     assert cfg.num_params - cfg.active_params == cfg.n_layers * 2 * per_expert
+
+
+@pytest.mark.slow
+def test_auxiliary_gradient_enters_the_backward_inside_the_layer():
+    """The layer adds the auxiliary losses' gradient itself (with_aux_gradient): the gradient
+    of the cross-entropy of a model with coefficients equals the gradient of cross-entropy +
+    moe_loss computed explicitly on the same model without them."""
+    from hetjax.layers.model import cross_entropy
+
+    cfg = dataclasses.replace(TINY, moe_aux_loss_coef=0.3, moe_z_loss_coef=0.05)
+    off = dataclasses.replace(cfg, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0)
+    tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, cfg.vocab_size)
+    params = nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens)["params"])
+
+    def implicit(p):
+        return cross_entropy(Transformer(cfg).apply({"params": p}, tokens)[:, :-1], tokens[:, 1:])
+
+    def explicit(p):
+        logits, st = Transformer(off).apply({"params": p}, tokens, mutable=[moe.STATS])
+        return (cross_entropy(logits[:, :-1], tokens[:, 1:])
+                + moe.moe_loss(moe.layer_stats(st), cfg))
+
+    g1, g2 = jax.grad(implicit)(params), jax.grad(explicit)(params)
+    router = g1["layers"]["block"]["moe"]["router"]["kernel"]
+    off_router = jax.grad(lambda p: cross_entropy(Transformer(off).apply(
+        {"params": p}, tokens)[:, :-1], tokens[:, 1:]))(params)["layers"]["block"]["moe"][
+        "router"]["kernel"]
+    assert float(jnp.max(jnp.abs(router - off_router))) > 1e-4  # the aux term matters here
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

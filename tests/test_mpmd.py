@@ -234,7 +234,7 @@ def test_hetjax_plan_shows_each_stages_degrees_and_the_devices_left_out(tmp_path
     assert main(["hetjax", "plan", *SMALL_JOB, *slow_node_left_out(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "pp=2 dp,tp per stage: 2x1 2x2" in out
-    assert "  unused: ranks 6-7 (slow)" in out
+    assert "  unused: ranks 6-7 (slow): left out by parallel.exclude" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("  0 ", "  1 "))]
     assert [r[3:6] for r in rows] == [["2", "1", "0-1"], ["2", "2", "2-5"]]  # dp, tp, ranks
 

@@ -76,7 +76,7 @@ def test_the_cost_model_and_the_search_read_the_plans_schedule_rule():
             runs = not layout_problems(executor=executor, schedule=name)
             assert cost.runs_schedule(executor, name) == runs
     # the cost model's own name for the SPMD executor
-    assert cost.runs_schedule("hetjax", "1f1b") and not cost.runs_schedule("hetjax", "zb-h1")
+    assert cost.runs_schedule("spmd", "1f1b") and not cost.runs_schedule("spmd", "zb-h1")
 
 
 def test_a_config_left_to_the_planner_is_not_held_to_a_plans_names():

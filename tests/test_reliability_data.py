@@ -104,7 +104,7 @@ def test_hetjax_eval_never_evaluates_a_batch_twice(saved_run, tmp_path, capsys):
     out, err = capsys.readouterr()
     distinct = int(err.split("sequences, ")[1].split(" distinct")[0])
     assert 0 < distinct < 64
-    assert f"hetjax: eval.batches = 64, but the held-out split packs into " in err
+    assert "hetjax: eval.batches = 64, but the held-out split packs into " in err
     assert f"evaluating {distinct}, none twice (raise data.eval_fraction for more)" in err
     assert f"({distinct} batches of 8 x 16 tokens, data.source=files)" in out
 

@@ -103,6 +103,9 @@ def test_the_checkpoint_docs_claim_no_test_that_is_skipped():
     (["gpu.py", "--out", "results.csv"],
      "bench_gpu: error: --out=results.csv: cannot write results as .csv; fix: end the name "
      "with one of .json"),
+    (["predict.py", "--smoke", "--json", "{tmp}/rows.md"],
+     "bench_predict: error: --json={tmp}/rows.md: cannot write results as .md; fix: end the "
+     "name with one of .json"),
     (["diloco.py", "--smoke", "--json", "{tmp}/r.txt"],
      "bench_diloco: error: --json={tmp}/r.txt: cannot write results as .txt; fix: end the "
      "name with one of .json"),

@@ -33,6 +33,7 @@ EXERCISED_BY = {
         "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/bench/hetnet.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_module",
+    "scripts/bench/moe.py": "test_bench_moe_smoke",
     "scripts/bench/pipeline.py": "test_bench_pipeline_smoke",
     "scripts/bench/planner.py": "test_bench_planner_smoke",
     "scripts/bench/predict.py": "test_bench_predict_smoke",
@@ -42,6 +43,8 @@ EXERCISED_BY = {
     "scripts/bench/check_worlds.py":
         "test_an_entry_point_of_an_experiment_starts_as_a_module",
     "scripts/tools/doc_blocks.py": "test_docs.py::test_a_failing_python_block_fails",
+    "scripts/tools/structure.py":
+        "test_structure.py::test_the_module_table_in_docs_structure_is_generated_from_the_docstrings",
     "scripts/tools/make_hf_fixture.py":  # needs torch; the tests read what it wrote
         "test_interop.py::test_an_hf_checkpoint_gives_transformers_logits",
     "scripts/bench/repredict.py":
@@ -118,6 +121,17 @@ def test_bench_zero_smoke(capsys):
     assert "| zero3 | 8/8/8 |" in out  # pp = 1: the factors of dp = 8
     assert "| custom, dp=4 tp=1 | 2/2/4 |" in out  # the pp = 2 table
     assert " in the loop)" in out and out.count("| zero3 |") == 1, out
+
+
+@pytest.mark.slow  # six compiled steps
+def test_bench_moe_smoke(capsys):
+    from scripts.bench import moe as bench_moe
+
+    assert bench_moe.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    for row in ("| dense |", "| MoE, dropless |", "| MoE, capacity 1.0 |",
+                "| MoE, dropless, EP 4 |"):
+        assert row in out, out
 
 
 def test_bench_data_smoke(tmp_path, capsys):
@@ -247,6 +261,7 @@ NO_SMOKE = {
     "scripts/bench/hetnet.py": "runs on the testbed's emulated cluster: needs root",
     "scripts/bench/repredict.py": "reprices the results files a testbed run wrote",
     "scripts/tools/doc_blocks.py": "a tool: runs documentation blocks",
+    "scripts/tools/structure.py": "a tool: writes docs/structure.md's module table",
     "scripts/tools/make_hf_fixture.py": "a tool: writes the HF test fixture (needs torch)",
     "scripts/tools/gpu_wheels.sh": "a tool: downloads wheels",
 }

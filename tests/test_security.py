@@ -105,8 +105,9 @@ def _injections(pwned) -> list[str]:
             'x && touch "$PWNED_D"', '\'; touch "$PWNED_E"; \'', 'x\ntouch "$PWNED_F"']
 
 
-@pytest.mark.parametrize("line", ["-oProxyCommand=touch {pwned}/host", "localhost touch {pwned}/host;",
-                                  "$(touch {pwned}/host)", "-- localhost", "host;touch {pwned}/host"])
+@pytest.mark.parametrize("line", ["-oProxyCommand=touch {pwned}/host",
+                                  "localhost touch {pwned}/host;", "$(touch {pwned}/host)",
+                                  "-- localhost", "host;touch {pwned}/host"])
 def test_a_hostfile_line_that_is_not_a_host_name_is_refused_before_anything_runs(
         tmp_path, fakes, line):
     python, record, pwned = fakes
@@ -207,7 +208,8 @@ BAD_HEADERS = {
     "an unknown dtype": ({**GOOD, "b": {**GOOD["b"], "dtype": "F99"}}, None, "dtype 'F99'"),
     "a shape larger than its bytes": (
         {**GOOD, "a": {**GOOD["a"], "shape": [1 << 20, 1 << 20]}}, None, "has 4398046511104 bytes"),
-    "a negative dimension": ({**GOOD, "a": {**GOOD["a"], "shape": [-2, -3]}}, None, "shape [-2, -3]"),
+    "a negative dimension": ({**GOOD, "a": {**GOOD["a"], "shape": [-2, -3]}}, None,
+                             "shape [-2, -3]"),
     "offsets past the file's end": (
         {**GOOD, "b": {"dtype": "F32", "shape": [4], "data_offsets": [1 << 40, (1 << 40) + 16]}},
         None, "not [begin, end] inside the 40 data bytes"),
@@ -230,7 +232,8 @@ def test_a_damaged_or_hostile_safetensors_header_is_one_error(tmp_path, case):
     _rewrite(d / "model.safetensors", header, length=length)
     with pytest.raises(HetjaxError, match=re.escape(message)) as e:
         SafetensorsDir(str(d)).read("a")
-    assert str(d / "model.safetensors") in str(e.value) and "not a valid safetensors file" in str(e.value)
+    assert str(d / "model.safetensors") in str(e.value)
+    assert "not a valid safetensors file" in str(e.value)
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "link.safetensors"])
@@ -302,7 +305,7 @@ def test_tensors_the_model_does_not_use_are_named(tmp_path):
         "were not loaded: model.layers.0.self_attn.rotary_emb.inv_freq, model.vision_tower.weight")
 
 
-# --- config.json: bounded before anything is allocated ----------------------------------------------
+# --- config.json: bounded before anything is allocated ------------------------------------------
 def _llama(**change) -> dict:
     from hetjax.core.hf_config import PRESETS
 
@@ -419,3 +422,35 @@ def test_a_saved_tokenizer_names_only_a_file_beside_it(tmp_path):
         with pytest.raises(HetjaxError, match=f"names the file '{re.escape(file)}', which is "
                                               "not inside"):
             load_tokenizer(str(saved))
+
+
+def test_links_planted_in_a_workdir_are_never_written_through(tmp_path):
+    """A workdir where someone left links at the names a run writes (plan.json, config.json,
+    topology.json; metrics.jsonl, which a run appends to and cuts): the run files replace
+    their links; the metrics file, kept in place, is refused as a link, naming it."""
+    from types import SimpleNamespace
+
+    from hetjax.metrics import MetricsWriter, truncate_metrics
+    from hetjax.planner import plan_from_config
+    from hetjax.train import Trainer
+
+    victims, workdir = tmp_path / "elsewhere", tmp_path / "run"
+    victims.mkdir()
+    workdir.mkdir()
+    names = ["plan.json", "topology.json", "config.json", "metrics.jsonl"]
+    for name in names:
+        (victims / name).write_text('{"step": 1}\n')
+        (workdir / name).symlink_to(victims / name)
+    c = hconfig.base_config()
+    topology = hconfig.build_topology(c)
+    Trainer._write_run_files(SimpleNamespace(workdir=str(workdir), config=c, topology=topology,
+                                             plan=plan_from_config(c, topology)))
+    assert json.loads((workdir / "plan.json").read_text())
+    for opened in (lambda: MetricsWriter(str(workdir), tensorboard=False),
+                   lambda: truncate_metrics(str(workdir / "metrics.jsonl"), 0)):
+        with pytest.raises(OSError) as e:
+            opened()
+        assert e.value.filename == str(workdir / "metrics.jsonl")
+        assert e.value.strerror == "is a symbolic link, which hetjax does not write through"
+    assert all((victims / n).read_text() == '{"step": 1}\n' for n in names)
+    assert [n for n in names if (workdir / n).is_symlink()] == ["metrics.jsonl"]

@@ -443,7 +443,7 @@ def test_teardown_on_error():
 def _start_up_command(sigint_ignored=False):
     """`testbed up` in a child; with sigint_ignored it starts with SIGINT ignored, as a
     background job (or a test runner's worker's child) does."""
-    argv = [sys.executable, os.path.join(REPO, "scripts", "testbed.py"), "up", "--cpus=1",
+    argv = [sys.executable, "-m", "hetjax", "testbed", "up", "--cpus=1",
             "--config.topology.nodes=1"]
     if sigint_ignored:  # exec keeps an ignored signal ignored
         argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]

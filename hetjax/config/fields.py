@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_collections
 
 from hetjax.core import topology as topo
-from hetjax.core.model_config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, REMAT_POLICIES
+from hetjax.core.model_config import (ATTENTION_IMPLEMENTATIONS, MOE_DISPATCH, QK_NORMS,
+                                      REMAT_POLICIES)
 from hetjax.core.model_config import LIMITS as MODEL_LIMITS
 from hetjax.core.plan import INNER_OPTIMIZERS, OUTER_OPTIMIZERS, name_problems
 from hetjax.core.registry import EXECUTORS, executor_help
@@ -323,6 +324,15 @@ FIELDS: tuple[Field, ...] = (
     Field("model.rope_original_max_len", 8192, "llama3 RoPE scaling: "
           "original_max_position_embeddings"),
     Field("model.qkv_bias", False, "biases on the query/key/value projections (Qwen2)"),
+    Field("model.sliding_window", 0, "a query attends to at most this many latest positions, "
+          "itself included (HF sliding_window: Mistral, Qwen2/3 use_sliding_window); 0: full "
+          "causal attention", count_or_off(example=4096)),
+    Field("model.full_attention_layers", (), "layers that attend fully although "
+          "model.sliding_window is set (HF layer_types 'full_attention'); empty: every layer "
+          "uses the window"),
+    Field("model.qk_norm", "none", "RMSNorm of queries and keys before RoPE: {choices}",
+          Choices(QK_NORMS, "QK-norm", {"head": "each head (Qwen3)",
+                                        "all_heads": "the whole projection (OLMoE)"})),
     Field("model.n_experts", 0, "Mixture-of-Experts: routed experts per MoE layer; 0: a dense "
           "model", count_or_off("set --config.{field}=8 (0: a dense model)", 8)),
     Field("model.experts_per_token", 2, "MoE: experts each token is routed to (top-k)",
@@ -362,6 +372,10 @@ FIELDS: tuple[Field, ...] = (
     Field("parallel.dp", 0, "data-parallel replicas; 0: all remaining devices", _DEGREE),
     Field("parallel.tp", 1, "tensor-parallel shards (inside a node); 0: the planner chooses",
           _DEGREE),
+    Field("parallel.ep", 1, "expert parallelism (MoE models): the experts split over groups of "
+          "ep data-parallel devices; divides dp and model.n_experts; 0: the planner chooses",
+          count_or_off("set --config.{field}=1 (no expert parallelism) or 0 (the planner "
+                       "chooses)", 2)),
     Field("parallel.allow_straddle", False, "allow a TP group across nodes / a stage across "
           "clusters"),
     Field("parallel.stage_dp", (), "data-parallel replicas of each stage, e.g. [2,1] (each "
@@ -395,8 +409,8 @@ FIELDS: tuple[Field, ...] = (
     Field("zero.s_os", 1, "optimizer-state shard factor (zero.preset=custom only)",
           positive_int()),
 
-    Field("planner.memory_margin", 0.1, "share of device memory a plan leaves free "
-          "(fragmentation)", Bound(lo=0, hi=1, hi_open=True,
+    Field("planner.memory_margin", 0.1, "share of device memory a plan leaves free (what "
+          "the model does not count; the runtime's reserve is counted)", Bound(lo=0, hi=1, hi_open=True,
                                    fix="use 0.1 (plans use at most 90% of device memory)")),
     Field("planner.calibration", "", "a `hetjax calibrate` JSON file: measured compute and links",
           _is_file_or_empty("write one with 'hetjax calibrate --out=calibration.json', or "

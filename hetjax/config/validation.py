@@ -144,7 +144,7 @@ def _validate_model(c) -> None:
         # The fields that shape the weights must be the checkpoint's (the rest, e.g. RoPE
         # scaling or max_seq_len, a run may change on purpose).
         hf = hf_config.model_fields(hf_config.read_config_json(m.init_from), "model.init_from")
-        for k in hf_config.SHAPE_FIELDS:
+        for k in (k for k in hf_config.SHAPE_FIELDS if k in hf):
             _require(m[k] == hf[k], f"model.{k}",
                      f"is {m[k]!r}, but the weights of model.init_from = {m.init_from!r} have "
                      f"{hf[k]!r}", "drop the override (load_config sets it from config.json; "
@@ -163,6 +163,17 @@ def _validate_model(c) -> None:
              f"n_heads = {m.n_heads} is not a multiple of n_kv_heads = {m.n_kv_heads}",
              f"pick n_kv_heads from the divisors of {m.n_heads}: "
              f"{[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+    layers = tuple(m.full_attention_layers)
+    _require(all(isinstance(i, int) and 0 <= i < m.n_layers for i in layers),
+             "model.full_attention_layers", f"{list(layers)} names layers outside 0 .. "
+             f"{m.n_layers - 1}", f"name layers below model.n_layers = {m.n_layers}")
+    if m.sliding_window and 0 < len(set(layers)) < m.n_layers:
+        # each layer's window is data of the scanned layer stack, which a pipeline cuts apart
+        _require(c.parallel.pp == 1, "model.full_attention_layers",
+                 f"{list(layers)} attend fully and the other layers through "
+                 f"model.sliding_window = {m.sliding_window}; such mixed layers run only with "
+                 f"the whole layer stack in one program, but parallel.pp = {c.parallel.pp}",
+                 "set --config.parallel.pp=1")
     _require(c.train.seq_len <= m.max_seq_len, "train.seq_len",
              f"{c.train.seq_len} is longer than the model takes (model.max_seq_len = "
              f"{m.max_seq_len})", f"lower train.seq_len or raise model.max_seq_len to >= "
@@ -185,6 +196,14 @@ def _validate_layout(c) -> None:
         zero=ZeroFactors(*factors) if z.preset == "custom" else None), ConfigError)
     if p.tp:
         raise_first(tp_problems(p.tp, m), ConfigError)
+    if p.ep > 1:
+        _require(m.n_experts > 0, "parallel.ep", f"= {p.ep}, but the model has no experts "
+                 "(model.n_experts = 0)", "set --config.parallel.ep=1, or give the model "
+                 "experts (model.n_experts)")
+        _require(m.n_experts % p.ep == 0, "parallel.ep",
+                 f"{p.ep} does not divide model.n_experts = {m.n_experts}",
+                 f"choose ep from the divisors of {m.n_experts}: "
+                 f"{[d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0]}")
     _validate_stage_degrees(c)
 
 

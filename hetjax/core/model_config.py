@@ -1,10 +1,12 @@
 """The model's hyper-parameters as a frozen dataclass, with its parameter and FLOP counts.
 
-The fields cover the LLaMA family as HuggingFace's `LlamaForCausalLM`, `MistralForCausalLM` and
-`Qwen2ForCausalLM` define it: grouped key/value heads, a head width that need not be
-d_model / n_heads (`head_dim`), RoPE scaling (`rope_type` 'linear' or 'llama3', with the
-parameters transformers reads from `rope_scaling`), q/k/v projection biases (Qwen2) and a tied
-or untied output head.
+The fields cover the LLaMA family as HuggingFace's `LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM` and `Qwen3ForCausalLM` define it: grouped key/value heads, a head width that
+need not be d_model / n_heads (`head_dim`), RoPE scaling (`rope_type` 'linear' or 'llama3', with
+the parameters transformers reads from `rope_scaling`), q/k/v projection biases (Qwen2),
+sliding-window attention on every layer or on some (`sliding_window`, `full_attention_layers`),
+QK-norm (`qk_norm`: per head as Qwen3, or over all heads as OLMoE) and a tied or untied output
+head.
 
 Mixture-of-Experts models (`n_experts` > 0; the layer is `layers/moe.py`) replace every block's
 feed-forward with `n_experts` SwiGLU experts of width `moe_d_ff` of which a router picks
@@ -27,6 +29,9 @@ from dataclasses import dataclass
 # turns an attention request into a kernel.
 REMAT_POLICIES = ("auto", "none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+# RMSNorm of the queries and keys before RoPE: 'head' normalises each head's vector (scale
+# [head_dim], Qwen3), 'all_heads' the projection's whole output (scale [heads * head_dim], OLMoE).
+QK_NORMS = ("none", "head", "all_heads")
 # How an MoE layer sends tokens to experts (layers/moe.py): dense (every expert on every token,
 # the reference), dropless (sorted, grouped matmuls), capacity (fixed slots per expert, overflow
 # dropped and counted); auto: dropless.
@@ -79,6 +84,12 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False
+    # A query attends to at most the `sliding_window` latest positions, itself included (HF's
+    # sliding_window); 0: full causal attention. The layers in `full_attention_layers` attend
+    # fully all the same (HF's layer_types 'full_attention').
+    sliding_window: int = 0
+    full_attention_layers: tuple = ()
+    qk_norm: str = "none"  # QK_NORMS
     # Rows of the embedding and the output head: `vocab_size` (0), or more so that tensor
     # parallelism splits them evenly (`vocab_rows`); the extra rows start at zero, their
     # logits are masked out of the softmax, and exports leave them out.
@@ -102,8 +113,26 @@ class ModelConfig:
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        object.__setattr__(self, "full_attention_layers",
+                           tuple(sorted(int(i) for i in self.full_attention_layers)))
         if not self.vocab_rows:
             object.__setattr__(self, "vocab_rows", self.vocab_size)
+
+    def window_flags(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through the sliding window."""
+        return tuple(bool(self.sliding_window) and i not in self.full_attention_layers
+                     for i in range(self.n_layers))
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers attend through the window and others fully: each layer's flag is then
+        data of the layer stack (`window_flags`), not one constant of the model."""
+        return len(set(self.window_flags())) > 1
+
+    @property
+    def window(self) -> int:
+        """The window every layer attends through, when they agree (0: full attention)."""
+        return self.sliding_window if all(self.window_flags()) else 0
 
     @staticmethod
     def from_config(m, vocab_size: int | None = None, shards: int = 1) -> "ModelConfig":
@@ -124,6 +153,8 @@ class ModelConfig:
             rope_factor=m.rope_factor, rope_low_freq_factor=m.rope_low_freq_factor,
             rope_high_freq_factor=m.rope_high_freq_factor,
             rope_original_max_len=m.rope_original_max_len, qkv_bias=m.qkv_bias,
+            sliding_window=m.sliding_window,
+            full_attention_layers=tuple(m.full_attention_layers), qk_norm=m.qk_norm,
             **{f: m[f] for f in MOE_FIELDS})
 
     # --- Mixture-of-Experts ----------------------------------------------------------------
@@ -134,6 +165,14 @@ class ModelConfig:
     @property
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
+
+    @property
+    def active_d_ff(self) -> int:
+        """The feed-forward width one token passes: d_ff, or in an MoE layer its k experts'
+        and the shared expert's (what the planner's compute and activations follow)."""
+        if not self.is_moe:
+            return self.d_ff
+        return self.experts_per_token * self.expert_d_ff + self.shared_expert_d_ff
 
     def moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) is an MoE layer."""
@@ -159,6 +198,21 @@ class ModelConfig:
             shared += d
         return d * self.n_experts + experts * 3 * d * self.expert_d_ff + shared
 
+    def expert_slots(self, tokens: int) -> int:
+        """Rows per expert in the buffers of an expert-parallel exchange of `tokens` tokens
+        per device (layers/moe.py): the capacity under `capacity` dispatch, else `tokens` (a
+        token picks an expert at most once, so no queue overflows)."""
+        if self.moe_dispatch == "capacity":
+            return capacity_slots(tokens, self.experts_per_token, self.n_experts,
+                                  self.moe_capacity_factor)
+        return tokens
+
+    def all_to_all_bytes(self, tokens: int, value_bytes: int) -> int:
+        """V of one token exchange of an MoE layer under expert parallelism: the [ep, E / ep,
+        slots, d_model] buffer each device sends and receives (what the HLO's all-to-all
+        moves; forward dispatch and combine, and the two of the backward, are each one)."""
+        return self.n_experts * self.expert_slots(tokens) * self.d_model * value_bytes
+
     @property
     def expert_params(self) -> int:
         """Routed experts' parameters of one MoE layer (what expert parallelism splits)."""
@@ -171,6 +225,8 @@ class ModelConfig:
         attn = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
         if self.qkv_bias:
             attn += (self.n_heads + 2 * self.n_kv_heads) * h
+        attn += {"none": 0, "head": 2 * h, "all_heads": (self.n_heads + self.n_kv_heads) * h}[
+            self.qk_norm]
         return attn + self._ffn_params(active=False) + 2 * d
 
     @property
@@ -212,6 +268,12 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 x forward), without recompute."""
         return 3 * (self.n_layers * self.layer_flops(seq_len) + self.head_flops())
+
+
+def capacity_slots(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Slots per expert under capacity dispatch: ceil(factor * tokens * k / E), at least 1 and
+    at most `tokens` (a token picks an expert at most once)."""
+    return max(1, min(tokens, math.ceil(factor * tokens * k / n_experts)))
 
 
 # The ModelConfig fields of an MoE model, as the config's `model.*` fields of the same names.

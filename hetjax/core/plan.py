@@ -35,10 +35,15 @@ from hetjax.core.schedules import SCHEDULES, Schedule, folded, make_schedule, sp
 from hetjax.core.registry import EXECUTORS  # the pipeline executors a Plan can name
 
 # The mesh a Plan lays its devices on, slowest axis first (parallel/mesh.py builds it): the
-# data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p') for ZeRO, with
-# sizes dp / s_os, s_os / s_p and s_p. Anything meaning "all data-parallel devices" uses DP_AXES.
-MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "tp")
+# data-parallel devices of a stage are factored into ('dp', 'dp_os', 'dp_p', 'expert'), with
+# sizes dp / (s_os ep), s_os / s_p, s_p and ep. 'expert' (expert parallelism, an MoE model's
+# experts split over it) is the innermost: an expert-parallel group is ep neighbouring
+# data-parallel devices, on the fastest links after tensor parallelism. The batch is split over
+# all four; DP_AXES names the replicas every parameter but the experts is reduced over
+# (the experts' own data-parallel group); with ep = 1 they are all data-parallel devices.
+MESH_AXES = ("pp", "dp", "dp_os", "dp_p", "expert", "tp")
 DP_AXES = ("dp", "dp_os", "dp_p")
+EXPERT_AXIS = "expert"
 
 
 # The key of `Plan.predicted` that says why the planner left devices out: {rank (a string in
@@ -111,6 +116,9 @@ class Plan:
     # Default: the first `num_devices` ranks in rank order.
     device_order: tuple[int, ...] = ()
     source: str = "config"  # "config" (fixed by the user) or "planner"
+    # Expert parallelism (MoE models): the dp data-parallel devices of a stage form dp / ep
+    # groups of ep neighbours, each group holding all experts, each device n_experts / ep.
+    ep: int = 1
     predicted: dict[str, Any] = field(default_factory=dict, compare=False)
     # Each stage's (dp_s, tp_s) when the stages' shapes differ (only the MPMD executor runs
     # that: `stage_shape_problems`); empty: every stage (dp, tp). Then `dp` and `tp` are stage
@@ -166,7 +174,8 @@ class Plan:
             stage_layers=self.stage_layers, n_layers=n_layers, microbatches=self.microbatches,
             global_batch=self.global_batch, executor=self.executor, placement=self.placement,
             # one stage runs as one program, whatever schedule it names (make_executor)
-            schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False)
+            schedule=self.schedule if self.pp > 1 else "", zero=self.zero, allow_auto=False,
+            ep=self.ep)
         if model is not None:
             for tp in sorted({t for _, t in self.shapes()}):
                 out += tp_problems(tp, model)
@@ -221,6 +230,12 @@ class Plan:
     def max_stage_layers(self) -> int:
         return max(self.stage_layers)
 
+    def ep_replicas(self, s: int = 0) -> int:
+        """Stage s's data-parallel devices as the executors split the batch for their
+        per-device loss: dp_s / ep groups (an expert-parallel group shares its rows' loss;
+        dp_s without expert parallelism)."""
+        return self.stage_shape(s)[0] // self.ep
+
     @property
     def microbatch_size(self) -> int:
         """Sequences per micro-batch over the whole data-parallel group."""
@@ -243,6 +258,16 @@ class Plan:
 
     def dp_groups(self) -> list[list[int]]:
         return [col.tolist() for s in range(self.pp) for col in self.stage_mesh(s).T]
+
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: ep neighbouring data-parallel devices (the innermost data
+        axis) of each stage and tensor shard."""
+        out = []
+        for s in range(self.pp):
+            m = self.stage_mesh(s)
+            out += [m[d:d + self.ep, t].tolist() for d in range(0, m.shape[0], self.ep)
+                    for t in range(m.shape[1])]
+        return out
 
     def pp_groups(self) -> list[list[int]]:
         """The ranks that pass activations on: with one shape, each (replica, shard)
@@ -316,7 +341,7 @@ class Plan:
         traffic and are left out)."""
         lines = []
         for what, groups in (("tp", self.tp_groups()), ("dp", self.dp_groups()),
-                             ("pp", self.pp_groups())):
+                             ("ep", self.ep_groups()), ("pp", self.pp_groups())):
             groups = [g for g in groups if len(g) > 1]
             if groups:
                 sizes = sorted({len(g) for g in groups})
@@ -351,9 +376,12 @@ class Plan:
                 f"{pr['tokens_per_s']:,.0f} tokens/s, MFU {percent(pr['mfu'])}, "
                 f"bubble {percent(pr['bubble'], 3)}{fits}")
         if pr.get("stage_reserve_gib") and max(pr["stage_reserve_gib"]) > 0:
-            line += (f"\n  memory kept aside per device: runtime reserve "
-                     f"{gib(max(pr['stage_reserve_gib']) * 2**30)} (context, collective "
-                     f"buffers, workspace, fragmentation), then a margin of "
+            held = [m + r for m, r in zip(pr["stage_memory_gib"], pr["stage_reserve_gib"])]
+            s = max(range(len(held)), key=held.__getitem__)
+            line += (f"\n  a device holds up to {gib(held[s] * 2**30)}: the step's "
+                     f"{gib(pr['stage_memory_gib'][s] * 2**30)} and the runtime reserve "
+                     f"{gib(pr['stage_reserve_gib'][s] * 2**30)} (context, collective "
+                     f"buffers, workspace, fragmentation), within a margin of "
                      f"{percent(pr.get('memory_margin', 0.0))}")
         return line
 
@@ -369,7 +397,8 @@ class Plan:
         executor = f"  executor={self.executor}" if self.pp > 1 else ""
         executor += f"  placement={self.placement}" if self.placement != "looped" else ""
         executor += f"  remat={self.remat}" if self.remat else ""
-        return (f"plan ({self.source}): pp={self.pp} {self.degrees()}  "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"plan ({self.source}): pp={self.pp} {self.degrees()}{ep}  "
                 f"schedule={self.schedule}{executor}  micro-batches={self.microbatches} x "
                 f"{self.microbatch_size} seq  zero={z.name} (s_p={z.s_p}, s_g={z.s_g}, "
                 f"s_os={z.s_os})")
@@ -406,6 +435,8 @@ class Plan:
         d = dataclasses.asdict(self)
         if not self.stage_shapes:  # one shape: the JSON of a plan without per-stage shapes
             del d["stage_shapes"]
+        if self.ep == 1:  # no expert parallelism: the JSON of a plan without it
+            del d["ep"]
         return d
 
     def to_json(self, **kw) -> str:
@@ -541,6 +572,10 @@ def tp_problems(tp: int, model: Any, field: str = "parallel.tp") -> list[Problem
     parallel.stage_tp with it, `Plan.problems` every stage's tp."""
     dims = {"model.n_heads": model.n_heads, "model.n_kv_heads": model.n_kv_heads,
             "model.d_ff": model.d_ff}
+    if getattr(model, "n_experts", 0):  # an MoE model's experts are split alike
+        dims["model.moe_d_ff"] = model.moe_d_ff or model.d_ff
+        if model.shared_expert_d_ff:
+            dims["model.shared_expert_d_ff"] = model.shared_expert_d_ff
     common = _divisors(math.gcd(*dims.values()))
     return [Problem(field, f"tp = {tp} does not divide {f} = {v}; tensor parallelism splits it",
                     f"choose tp from the common divisors of n_heads, n_kv_heads and d_ff: "
@@ -638,7 +673,7 @@ def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
                     topology_name: str = "", stage_layers=(), n_layers: int = 0,
                     microbatches: int = 0, global_batch: int = 0, schedule: str = "",
                     executor: str = "", placement: str = "", zero: ZeroFactors | None = None,
-                    allow_auto: bool = True, stage_shapes=()) -> list[Problem]:
+                    allow_auto: bool = True, stage_shapes=(), ep: int = 1) -> list[Problem]:
     """Everything wrong with a (possibly partial) layout, as data, in the order a user should
     fix it. The one definition of each layout rule: `Plan.problems` passes a whole plan, config
     validation the fields a config fixes before a topology is known, config -> Plan the degrees
@@ -673,6 +708,16 @@ def layout_problems(*, pp: int = 0, dp: int = 0, tp: int = 0, devices: int = 0,
             common = [d for d in _divisors(min(dps)) if all(x % d == 0 for x in dps)]
             add(Problem("zero.s_os", f"s_os = {zero.s_os} does not divide every stage's dp "
                         f"{dps}", f"choose s_os from their common divisors: {common}"))
+    if ep > 1 and dps:
+        # expert-parallel groups are made of each stage's data-parallel devices, beside the
+        # ZeRO sub-groups (parallel/mesh.py: dp_s = replicas x s_os x ep)
+        s_os = zero.s_os if zero is not None else 1
+        if any(d % (ep * s_os) for d in dps):
+            ok = [e for e in _divisors(min(dps)) if all(d % (e * s_os) == 0 for d in dps)]
+            add(Problem("parallel.ep", f"ep = {ep}{f' x zero.s_os = {s_os}' if s_os > 1 else ''}"
+                        f" does not divide {'dp' if len(dps) == 1 else 'every stage dp'} = "
+                        f"{dps[0] if len(dps) == 1 else dps}; expert-parallel groups are made "
+                        "of a stage's data-parallel devices", f"choose ep from {ok}"))
     # micro-batches
     if global_batch and microbatches:
         split = batch_split_problem(global_batch, microbatches, math.lcm(*dps) if dps else 1,

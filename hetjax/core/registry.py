@@ -26,7 +26,8 @@ class ExecutorKind:
 
     `build` is the Executor subclass (as "module:Class") that runs a pipeline plan (pp > 1);
     `worlds` the one that runs one world of a multi-world job, "" when this executor cannot.
-    `priced_as` is the cost model's executor (`hetjax.planner.cost.EXECUTORS`) that prices it;
+    `priced_as` is the cost model's executor (`hetjax.planner.cost.PRICED_EXECUTORS`) that prices
+    it (hetjax's own executors: their own name);
     `tick_grid_only`: it runs only the schedules of the SPMD tick grid
     (`hetjax.core.schedules.spmd_schedules`); `document_masks`: it passes the packer's segment
     ids to its stages (`data.document_mask`); `stage_shapes`: it runs each stage on its own
@@ -66,7 +67,7 @@ def register(kind: ExecutorKind) -> ExecutorKind:
 
 register(ExecutorKind(
     "spmd", "hetjax.parallel.executor:SpmdPipelineExecutor",
-    "one shard_map program, stages in lockstep ticks", priced_as="hetjax",
+    "one shard_map program, stages in lockstep ticks", priced_as="spmd",
     tick_grid_only=True, document_masks=True))
 register(ExecutorKind(
     "mpmd", "hetjax.parallel.mpmd:MpmdExecutor",

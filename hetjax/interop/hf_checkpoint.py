@@ -33,16 +33,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @dataclass(frozen=True)
 class _Leaf:
-    """hetjax leaf (per layer) = transpose(reshape(HF tensor, split), perm)."""
+    """hetjax leaf (per layer) = transpose(reshape(HF tensor, split), perm); with `experts` > 0
+    the leaf (per layer) is [experts, ...] and expert e is that of the HF tensor named with e
+    (checkpoints store each expert's matrices apart)."""
 
-    hf: str           # HF name; '{i}' is the layer index for block leaves
+    hf: str           # HF name; '{i}' is the layer index for block leaves, '{e}' the expert's
     split: tuple      # the HF tensor's shape viewed as these dims (symbolic: see _dims)
     perm: tuple       # hetjax dim k is split dim perm[k]
     groups: tuple     # HF dim j covers split dims groups[j] (consecutive)
+    experts: int = 0  # > 0: a stacked-experts leaf of this many HF tensors per layer
 
 
-def _leaves(m, has_head: bool) -> dict[tuple, _Leaf]:
-    """hetjax path (tuple of keys) -> _Leaf, for ModelConfig `m`."""
+# Where each mixture-of-experts family keeps its feed-forward: the MoE block's prefix, and the
+# names of an expert's gate, up and down projections (transformers' on-disk names).
+_MOE_NAMES = {"mixtral": ("block_sparse_moe.", "w1", "w3", "w2")}
+_MOE_DEFAULT_NAMES = ("mlp.", "gate_proj", "up_proj", "down_proj")
+
+
+def _leaves(m, has_head: bool, mtype: str | None = None) -> dict[tuple, _Leaf]:
+    """hetjax path (tuple of keys) -> _Leaf, for ModelConfig `m` stored as transformers'
+    `mtype` (default: the one hetjax exports it as)."""
     H, K, hd, D, F = m.n_heads, m.n_kv_heads, m.head_dim, m.d_model, m.d_ff
     a, blk = "model.layers.{i}.self_attn.", ("layers", "block")
     out = {
@@ -59,17 +69,22 @@ def _leaves(m, has_head: bool) -> dict[tuple, _Leaf]:
                                             (0,), ((0,),)),
         blk + ("mlp_norm", "scale"): _Leaf("model.layers.{i}.post_attention_layernorm.weight",
                                            (D,), (0,), ((0,),)),
-        blk + ("mlp", "gate", "kernel"): _Leaf("model.layers.{i}.mlp.gate_proj.weight", (F, D),
-                                               (1, 0), ((0,), (1,))),
-        blk + ("mlp", "up", "kernel"): _Leaf("model.layers.{i}.mlp.up_proj.weight", (F, D),
-                                             (1, 0), ((0,), (1,))),
-        blk + ("mlp", "down", "kernel"): _Leaf("model.layers.{i}.mlp.down_proj.weight", (D, F),
-                                               (1, 0), ((0,), (1,))),
     }
+    if m.n_experts:
+        out.update(_moe_leaves(m, mtype or hf_config.export_type(m)))
+    else:
+        out.update(_mlp_leaves(blk + ("mlp",), "model.layers.{i}.mlp.", F, D))
     if m.qkv_bias:
         for name, heads in (("query", H), ("key", K), ("value", K)):
             out[blk + ("attn", f"{name}_bias")] = _Leaf(
                 a + f"{name[0]}_proj.bias", (heads, hd), (0, 1), ((0, 1),))
+    for name, heads in (("query", H), ("key", K)):
+        if m.qk_norm == "head":  # Qwen3: one scale per head_dim entry, shared by the heads
+            out[blk + ("attn", f"{name}_norm", "scale")] = _Leaf(
+                a + f"{name[0]}_norm.weight", (hd,), (0,), ((0,),))
+        elif m.qk_norm == "all_heads":  # OLMoE: the projection's whole width
+            out[blk + ("attn", f"{name}_norm", "scale")] = _Leaf(
+                a + f"{name[0]}_norm.weight", (heads, hd), (0, 1), ((0, 1),))
     if has_head:
         out[("lm_head", "kernel")] = _Leaf("lm_head.weight", (m.vocab_size, D), (1, 0),
                                            ((0,), (1,)))
@@ -80,13 +95,58 @@ def _leaves(m, has_head: bool) -> dict[tuple, _Leaf]:
 VOCAB_LEAVES = (("embedder", "embedding"), ("lm_head", "kernel"))
 
 
+def _mlp_leaves(path: tuple, prefix: str, F: int, D: int) -> dict[tuple, _Leaf]:
+    """A dense SwiGLU (`MLP`) of width F stored as HF's gate_proj / up_proj / down_proj."""
+    return {
+        path + ("gate", "kernel"): _Leaf(prefix + "gate_proj.weight", (F, D), (1, 0),
+                                         ((0,), (1,))),
+        path + ("up", "kernel"): _Leaf(prefix + "up_proj.weight", (F, D), (1, 0), ((0,), (1,))),
+        path + ("down", "kernel"): _Leaf(prefix + "down_proj.weight", (D, F), (1, 0),
+                                         ((0,), (1,))),
+    }
+
+
+def _moe_leaves(m, mtype: str) -> dict[tuple, _Leaf]:
+    """The MoE feed-forward (hetjax.layers.moe's tree) as `mtype` stores it: the router
+    `gate` [E, d], each expert's projections apart ([f, d], [f, d], [d, f]), Qwen2-MoE's shared
+    expert and its gate [1, d]."""
+    E, D, F = m.n_experts, m.d_model, m.expert_d_ff
+    moe, blk = ("layers", "block", "moe"), "model.layers.{i}."
+    prefix, gate, up, down = _MOE_NAMES.get(mtype, _MOE_DEFAULT_NAMES)
+    p = blk + prefix
+    out = {
+        moe + ("router", "kernel"): _Leaf(p + "gate.weight", (E, D), (1, 0), ((0,), (1,))),
+        moe + ("experts", "gate"): _Leaf(p + f"experts.{{e}}.{gate}.weight", (F, D), (1, 0),
+                                         ((0,), (1,)), E),
+        moe + ("experts", "up"): _Leaf(p + f"experts.{{e}}.{up}.weight", (F, D), (1, 0),
+                                       ((0,), (1,)), E),
+        moe + ("experts", "down"): _Leaf(p + f"experts.{{e}}.{down}.weight", (D, F), (1, 0),
+                                         ((0,), (1,)), E),
+    }
+    if m.shared_expert_d_ff:
+        out.update(_mlp_leaves(moe + ("shared",), p + "shared_expert.", m.shared_expert_d_ff, D))
+        if m.moe_shared_expert_gate:
+            out[moe + ("shared_gate", "kernel")] = _Leaf(p + "shared_expert_gate.weight",
+                                                         (1, D), (1, 0), ((0,), (1,)))
+    return out
+
+
 def _path(keypath) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", k)) for k in keypath)
 
 
 def _read_leaf(st: SafetensorsDir, leaf: _Leaf, layer: int | None, index: tuple) -> np.ndarray:
-    """The hetjax per-layer slice `index` of `leaf`, reading only the HF rows/columns it needs."""
-    name = leaf.hf.format(i=layer)
+    """The hetjax per-layer slice `index` of `leaf`, reading only the HF rows/columns it needs
+    (of a stacked-experts leaf, only the experts the slice covers)."""
+    if leaf.experts:
+        experts = range(*index[0].indices(leaf.experts))
+        return np.stack([_read_tensor(st, leaf, leaf.hf.format(i=layer, e=e), index[1:])
+                         for e in experts])
+    return _read_tensor(st, leaf, leaf.hf.format(i=layer), index)
+
+
+def _read_tensor(st: SafetensorsDir, leaf: _Leaf, name: str, index: tuple) -> np.ndarray:
+    """`_read_leaf` of one HF tensor."""
     ranges = [slice(*s.indices(leaf.split[leaf.perm[k]])[:2]) for k, s in enumerate(index)]
     want = [None] * len(leaf.split)  # the range wanted on each split dim
     for k, r in enumerate(ranges):
@@ -126,14 +186,18 @@ def load_params(directory: str, m, target, stages=None) -> tuple[dict, Safetenso
     if has_head and "lm_head.weight" not in st.entries:
         raise HetjaxError(f"{directory} has no lm_head.weight, but hetjax's model has an untied "
                           "head; fix: set tie_word_embeddings in its config.json as it was saved")
-    spec = _leaves(m, has_head)
+    mtype = None
+    if os.path.isfile(os.path.join(directory, "config.json")):  # the names it was saved under
+        mtype = hf_config.read_config_json(directory).get("model_type")
+    spec = _leaves(m, has_head, mtype if mtype in hf_config.MODEL_TYPES else None)
     paths = {_path(p): p for p, _ in jax.tree_util.tree_leaves_with_path(target)}
     missing = sorted(set(paths) - set(spec))
     if missing:
         raise HetjaxError(f"hetjax parameters {['/'.join(p) for p in missing]} have no HF "
                           "counterpart in hetjax.interop.hf_checkpoint")
-    used = {leaf.hf.format(i=i) for leaf in spec.values()
-            for i in (range(m.n_layers) if "{i}" in leaf.hf else [None])}
+    used = {leaf.hf.format(i=i, e=e) for leaf in spec.values()
+            for i in (range(m.n_layers) if "{i}" in leaf.hf else [None])
+            for e in range(max(1, leaf.experts))}
     st.unused = sorted(set(st.entries) - used)  # named by the caller, never dropped silently
 
     def build(keypath, t):
@@ -227,7 +291,9 @@ def hf_tensors(params, m) -> dict[str, np.ndarray]:
         inverse = np.argsort(leaf.perm)
         shape = tuple(math.prod(leaf.split[d] for d in g) for g in leaf.groups)
         for i, x in enumerate(a if path[:2] == ("layers", "block") else [a]):
-            out[leaf.hf.format(i=i)] = np.ascontiguousarray(x.transpose(inverse).reshape(shape))
+            for e, y in enumerate(x if leaf.experts else [x]):
+                out[leaf.hf.format(i=i, e=e)] = np.ascontiguousarray(
+                    y.transpose(inverse).reshape(shape))
     return out
 
 

@@ -65,7 +65,8 @@ class SafetensorsDir:
                 if name != "__metadata__":
                     self.entries[name] = (path, entry, start)
         for name, file in (weight_map or {}).items():
-            if name not in self.entries or self.entries[name][0] != inside(directory, file, index, FIX):
+            shard = inside(directory, file, index, FIX)
+            if name not in self.entries or self.entries[name][0] != shard:
                 raise HetjaxError(f"{index}: names {file} for tensor {name!r}, which that file "
                                   f"does not hold; {FIX}")
 

@@ -6,15 +6,17 @@
     result.runners_up    # the next best Plans
 
 Modules: `cost` (the cost model: compute, communication, memory, per stage), `layout` (a Plan
-before its layer split), `network` (collectives and transfers over rank groups),
-`collectives` (NCCL's ring and tree algorithms), `compute` (compute by operation kind),
-`memory` (activation and runtime memory terms), `simulate` (the schedule simulator),
-`partition` (layers per stage: Holmes, HetHub, exact), `assign` (DT-FM's device assignment on
-slow networks), `zero_factors` (AMSP's sharding factors: presets, rules, collectives),
-`placement` (where TP groups and stages may sit), `search` (the outer search), `config_plan`
-(config -> (ModelConfig, Plan, runners-up): `plan_job`, the one path every command takes), `calibrate` (`hetjax calibrate`'s file), `reference_runs`
-(published runs and the fits on them), `fit_range` (the plausibility guard), `scoring`
-(predicted against measured), `formulas` (the papers' metric formulas). Pure Python + numpy: importing the planner does not start JAX.
+before its layer split), `network` (collectives and transfers over rank groups), `collectives`
+(NCCL's ring and tree algorithms), `compute` (compute by operation kind), `memory` (activation
+and runtime memory terms), `simulate` (the schedule simulator), `partition` (layers per stage:
+Holmes, HetHub, exact), `assign` (DT-FM's device assignment on slow networks), `zero_factors`
+(AMSP's sharding factors: presets, rules, collectives), `placement` (where TP groups and stages
+may sit), `search` (the outer search), `config_plan` (config ->
+(ModelConfig, Plan, runners-up): `plan_job`, the one path every command takes),
+`calibrate` (`hetjax calibrate`'s file), `reference_runs` (published runs and the fits on
+them), `fit_range` (the plausibility guard), `scoring` (predicted against measured), `breakdown`
+(what a predicted step is made of, and its what-ifs), `formulas`
+(the papers' metric formulas). Pure Python + numpy: importing the planner does not start JAX.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """A band, not a point: how far a prediction may be off, from what priced it.
 
 A step time predicted from a measured compute profile carries the error such predictions made
-on measured steps they were not fitted on, the measurements' spread, and grows with how far
-the profile was extrapolated (per doubling beyond the measured sizes or TP degrees); one
-predicted by the flat model (no profile) carries the flat model's error on measured runs it
-was not fitted on. Memory predicted by the fitted terms carries their error against XLA's
+on measured steps they were not fitted on, the measurements' spread, and grows with how far the
+profile was extrapolated (per doubling beyond the measured sizes or TP degrees); one predicted
+by the flat model (no profile) carries the flat model's error on measured runs it was not
+fitted on. Memory predicted by the fitted terms carries their error against XLA's
 `memory_analysis()` grid; measured peak bytes their spread. Each constant below is a
-measurement of scripts/bench/predict.py. The relative parts add in quadrature: `step_band(...)` and `memory_band(...)` return the relative half-width.
+measurement of scripts/bench/predict.py. The relative parts add in quadrature: `step_band(...)`
+and `memory_band(...)` return the relative half-width.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ stage costs as `CostModel.predict`):
 - optimizer update (priced only when measured, or with compute "kinds");
 - boundary transfers: activations and their gradients between stages;
 - tensor-parallel all-reduces;
+- expert all-to-alls (MoE under expert parallelism: the token exchanges and the EP group's
+  all-reduce of the shared parameters' gradients);
 - recompute: the forwards the backward repeats under the plan's recompute policy;
 - what is left is the pipeline of pure compute: `compute` (the mean stage's busy time),
   `stage imbalance` (the busiest stage beyond the mean) and `bubble` (the rest: fill, drain,
@@ -37,7 +39,8 @@ from hetjax.units import percent, seconds
 # The parts, in the order they are taken away (see the module doc); the last three are the
 # pure compute pipeline's.
 PARTS = ("exposed DP/ZeRO sync", "optimizer update", "boundary transfers",
-         "tensor-parallel all-reduces", "recompute", "bubble", "stage imbalance", "compute")
+         "tensor-parallel all-reduces", "expert all-to-alls", "recompute", "bubble",
+         "stage imbalance", "compute")
 # Always shown; the others only when the plan has them.
 SHOWN = ("compute", "bubble", "stage imbalance", "exposed DP/ZeRO sync", "boundary transfers",
          "recompute")
@@ -63,6 +66,8 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     tpb = [c.comm_layer[1] * n for c, n in zip(stages, layers)]
     zf = [c.comm_layer[2] * n for c, n in zip(stages, layers)]
     zb = [c.comm_layer[3] * n for c, n in zip(stages, layers)]
+    af = [c.comm_layer[4] * n for c, n in zip(stages, layers)]
+    ab = [c.comm_layer[5] * n for c, n in zip(stages, layers)]
     down = cm.down_share(stages, layers) if layout.folded else ()
     zeros, quiet = [0.0] * plan.pp, [0.0] * len(send)
 
@@ -82,9 +87,11 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     steps.append(play(f1, b1, quiet, zeros, zeros))  # and the boundaries
     f2, b2 = minus(f1, tpf), minus(b1, tpb)
     steps.append(play(f2, b2, quiet, zeros, zeros))  # and tensor parallelism
+    f2, b2 = minus(f2, af), minus(b2, ab)
+    steps.append(play(f2, b2, quiet, zeros, zeros))  # and the expert all-to-alls
     # the backward without recompute: the stage costs under remat 'none', communication out
-    f3 = [c.fwd(n) - (c.comm_layer[0] + c.comm_layer[2]) * n for c, n in zip(bare, layers)]
-    b3 = [c.bwd(n) - (c.comm_layer[1] + c.comm_layer[3]) * n for c, n in zip(bare, layers)]
+    f3 = [c.fwd(n) - sum(c.comm_layer[0::2]) * n for c, n in zip(bare, layers)]
+    b3 = [c.bwd(n) - sum(c.comm_layer[1::2]) * n for c, n in zip(bare, layers)]
     recompute = sum(b - b0 for b, b0 in zip(b2, b3)) > 0
     f3, b3 = (f3, b3) if recompute else (f2, b2)
     steps.append(play(f3, b3, quiet, zeros, zeros))
@@ -93,8 +100,8 @@ def step_breakdown(cm: CostModel, plan: Plan) -> dict[str, float]:
     s = steps
     return {"exposed DP/ZeRO sync": s[0] - s[2], "optimizer update": s[2] - s[3],
             "boundary transfers": s[3] - s[4], "tensor-parallel all-reduces": s[4] - s[5],
-            "recompute": s[5] - s[6], "bubble": s[6] - most, "stage imbalance": most - mean,
-            "compute": mean}
+            "expert all-to-alls": s[5] - s[6], "recompute": s[6] - s[7], "bubble": s[7] - most,
+            "stage imbalance": most - mean, "compute": mean}
 
 
 def breakdown_lines(parts: dict[str, float]) -> list[str]:

@@ -58,6 +58,11 @@ class ComputeRow:
     part: str = "block"
     params: int = 0
     spread: float = 0.0
+    # "staged:<policy>": bytes per device the forward keeps for the backward, and the
+    # backward's peak beyond the parameters (kept + incoming gradient + temporaries); 0: not
+    # measured
+    kept_bytes: float = 0.0
+    peak_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,7 @@ class Calibration:
                 accelerator=r.kind, piece="head" if r.part == "head" else "layer", tp=1,
                 tokens=r.batch * r.seq_len, seq_len=r.seq_len, fwd_s=r.fwd_s, bwd_s=r.bwd_s,
                 recompute=r.part[len(STAGED):] if staged else "none", spread=r.spread,
-                pipelined=staged))
+                pipelined=staged, kept_bytes=r.kept_bytes, peak_bytes=r.peak_bytes))
         if not rows:
             return None
         return ComputeProfile(tuple(rows), ComputeProfile.of_model(self.model),
@@ -475,6 +480,8 @@ def _checked(d: dict, n_devices: int) -> dict:
         for key in ("batch", "seq_len"):
             _whole(r.get(key), f"{where}.{key}", positive=shaped)
         _whole(r.get("params", 0), f"{where}.params", positive=sized)
+        for key in ("spread", "kept_bytes", "peak_bytes"):
+            _number(r.get(key, 0.0), f"{where}.{key}", positive=False)
     for i, r in enumerate(_list(d, "links")):
         where = f"links[{i}]"
         r = _fields(r, where, LinkRow)

@@ -150,7 +150,7 @@ def _gemms(m: "ModelConfig", tokens: float, tp: int) -> list[float]:
     d, hd = m.d_model, m.head_dim
     qkv = (m.n_heads + 2 * m.n_kv_heads) * hd
     return [2 * tokens * d * qkv / tp, 2 * tokens * m.n_heads * hd * d / tp,
-            2 * tokens * d * 2 * m.d_ff / tp, 2 * tokens * m.d_ff * d / tp]
+            2 * tokens * d * 2 * m.active_d_ff / tp, 2 * tokens * m.active_d_ff * d / tp]
 
 
 def _matmul_time(rates: KernelRates, peak: float, flops: list[float]) -> float:
@@ -185,7 +185,7 @@ def layer_work(m: "ModelConfig", acc: Accelerator, rates: KernelRates, tokens: f
     # Streaming work per token: two norms (read + write d) and two residual adds (read 2d,
     # write d), replicated over tp; RoPE on q and k and the MLP activation, split over tp.
     per_token = 10 * m.d_model + (2 * (m.n_heads + m.n_kv_heads) * m.head_dim
-                                  + 3 * m.d_ff) / tp
+                                  + 3 * m.active_d_ff) / tp
     mem_f = tokens * per_token * act_bytes / bw
     fwd = Work(mm_f, at_f, mem_f)
     bwd = Work(2 * mm_f, at_b, 2 * mem_f)

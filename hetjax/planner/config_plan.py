@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hetjax.errors import ConfigError, HetjaxError
-from hetjax.core.plan import (Plan, ZeroFactors, even_split, layout_problems, raise_first,
-                              stage_shape_problem, vocab_shards)
+from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, even_split, layout_problems,
+                              raise_first, stage_shape_problem, vocab_shards)
 from hetjax.core.schedules import SCHEDULES
 from hetjax.planner import zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, runs_schedule
@@ -210,8 +210,10 @@ def plausibility_lines(c, plan_: Plan, topology: Topology) -> list[str]:
     source = plan_.predicted.get("compute_source", "flat")
     if "profile" in source:
         out.insert(0, f"compute priced from a measured profile ({source}); the band "
-                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s is its spread and "
-                   f"extrapolation (x{plan_.predicted.get('extrapolation', 1.0):.3g})")
+                   f"± {plan_.predicted.get('step_band_s', 0.0):.3g} s: such predictions' "
+                   "error on measured steps, the profile's spread and how far it was "
+                   f"extrapolated (x{plan_.predicted.get('extrapolation', 1.0):.3g})"
+                   + "".join(f"; {n}" for n in plan_.predicted.get("compute_notes", ())))
     return out
 
 
@@ -274,7 +276,8 @@ def searches_layout(c) -> bool:
         return False
     return (layout_searched(c) or not resolve_microbatches(c)
             or any(_get(c, f) == "auto"
-                   for f in ("pipeline.schedule", "pipeline.placement", "zero.preset")))
+                   for f in ("pipeline.schedule", "pipeline.placement", "zero.preset"))
+            or (p.get("ep", 1) == 0 and c.model.n_experts > 0))
 
 
 def plan_job(c, topology: Topology, *, explain: bool = False, top: int = 5,
@@ -367,7 +370,7 @@ def _search(c, topology: Topology, model, options: CostOptions, top: int) -> Pla
                      stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                      allow_straddle=c.parallel.allow_straddle,
                      placement=c.pipeline.placement, distinct=True, subsets=True,
-                     stage_degrees=True, ceiling=ceiling)
+                     stage_degrees=True, ceiling=ceiling, ep=c.parallel.ep)
         except BelowNothing:
             skipped[executor] = ceiling
             continue
@@ -441,17 +444,20 @@ def _fixed(c, topology: Topology, model, options: CostOptions) -> Plan:
     mb = resolve_microbatches(c)
     raise_first(layout_problems(pp=pp, dp=dp, tp=tp, devices=n, topology_name=topology.name,
                                 microbatches=mb, global_batch=c.train.batch_size,
-                                stage_shapes=shapes), ConfigError)
+                                stage_shapes=shapes, ep=p.ep or 1), ConfigError)
     stage_layers = tuple(c.pipeline.stage_layers) or even_split(c.model.n_layers, pp)
     plan_ = Plan(pp=pp, dp=dp, tp=tp, stage_layers=stage_layers, microbatches=mb,
                  global_batch=c.train.batch_size, seq_len=c.train.seq_len,
                  schedule=c.pipeline.schedule, zero=ZeroFactors(), source="config",
                  placement=c.pipeline.placement if pp > 1 else "looped",
-                 device_order=tuple(ranks), stage_shapes=shapes)
+                 device_order=tuple(ranks), stage_shapes=shapes, ep=p.ep or 1)
     if not p.allow_straddle:  # the search keeps this rule; a fixed layout must too
         refuse_straddle(placement_problems(plan_, topology))
     # The ZeRO factors depend on dp and on where the plan puts each replica (node rules).
     plan_ = dataclasses.replace(plan_, zero=zr.factors_from_config(c.zero, plan_, topology))
+    if len(ranks) < topology.num_devices:  # why each device is idle (describe() shows it)
+        plan_.predicted[UNUSED_KEY] = {str(r): "left out by parallel.exclude"
+                                       for r in plan_.unused_ranks(topology)}
     executors = _executors(c) if plan_.pp > 1 else (c.pipeline.executor,)
     if not plan_.uniform:  # per-stage shapes: only the executors that run them, unpriced
         runnable = [e for e in executors
@@ -460,7 +466,7 @@ def _fixed(c, topology: Topology, model, options: CostOptions) -> Plan:
     priced = []
     for executor in executors:
         named = executor if executor != "auto" else plan_.executor
-        p_ = dataclasses.replace(plan_, executor=named, predicted={})
+        p_ = dataclasses.replace(plan_, executor=named, predicted=dict(plan_.predicted))
         cm = CostModel(topology, model, dataclasses.replace(
             options, executor=PLAN_EXECUTORS[named]))
         p_.predicted.update(cm.predict(p_).as_dict())

@@ -1,20 +1,27 @@
 """The cost model: compute, communication and memory of a layout, per pipeline stage.
 
 One place prices everything the planner compares:
-- compute per layer per accelerator kind: FLOPs from `ModelConfig` (the one FLOPs formula) at
-  the micro-batch's tokens, over peak x an efficiency factor, or a measured per-layer profile
-  when the user supplies one (HetHub: profiles beat ratios); recompute per `model.remat`; the
-  output projection on the last stage (the embedding lookup has no FLOPs, only memory);
+- compute per layer per accelerator kind: a measured compute profile first (per TP degree,
+  micro-batch tokens and recompute policy: hetjax/planner/compute_profile.py; HetHub: profiles
+  beat ratios), else FLOPs from `ModelConfig` (the one FLOPs formula) at the micro-batch's
+  tokens over peak x an efficiency factor (a measured curve, or priced by operation kind:
+  hetjax/planner/compute.py), the flat model, which the prediction then names; recompute per
+  `model.remat`; the output projection on the last stage;
 - communication through its `Network` (hetjax/planner/network.py): collectives and
   point-to-point transfers on the links the groups cross; ZeRO's collectives as this executor
   runs them (hetjax/planner/zero_factors.py);
+- overlap as scheduled: ZeRO's traffic layer by layer, the gradient sync in per-layer buckets
+  behind the last backward (`exposed_sync`), nothing on CPU; TP on the node's own link;
 - memory per device: model states under the ZeRO factors (padded to the longest stage, as the
   executor stacks stage parameters), activations for the micro-batches the schedule keeps in
-  flight, embedding / head states and the last stage's logits.
+  flight, embedding / head states and the last stage's logits, and the runtime's reserve
+  (hetjax/planner/memory.py) within the usable share;
+- a band on each prediction (hetjax/planner/band.py).
 
 `CostModel.stage_costs(layout)` (a `Layout`: a Plan before its layer split) returns a
-`StageCost` per pipeline position whose times and memory are linear in the stage's layer
-count, so the partition search can place layers exactly; `CostModel.predict(plan)` prices a finished Plan with the event simulator.
+`StageCost` per pipeline position whose times and memory are linear in the stage's layer count,
+so the partition search can place layers exactly; `CostModel.predict(plan)` prices a finished
+Plan with the event simulator.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ DEFAULT_EFFICIENCY = 0.72
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# How a pipeline (pp > 1) is executed, which changes its time and memory:
-# - "hetjax": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep;
+# How a pipeline (pp > 1) is executed, which changes its time and memory. The names of hetjax's
+# own executors are the executor registry's (hetjax.core.registry.EXECUTORS); "megatron" is the
+# papers' baseline, priced but not run:
+# - "spmd": parallel/pipeline.py's shard_map executor. The tick grid runs in lockstep;
 #   recompute follows model.remat ('auto': every layer recomputed) and a stage stashes each
 #   layer slot's residuals (its input under 'full'), max_layers + 1 activations per micro-batch
 #   in flight under 'full'; embedding, final norm
@@ -59,13 +68,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # - "megatron": Megatron-LM as the papers ran it. Stages run asynchronously, recompute follows
 #   model.remat, the embedding lives on the first stage and the head on the last (a tied
 #   embedding's gradient is all-reduced between the two), the sync may overlap the backward.
-EXECUTORS = ("hetjax", "mpmd", "megatron")
+PRICED_EXECUTORS = ("spmd", "mpmd", "megatron")
 
 
 class _PricedAs(Mapping):
     """Each pipeline executor a Plan can name (`hetjax.core.registry.EXECUTORS`) -> the cost
-    model's executor that prices it (`ExecutorKind.priced_as`: the SPMD executor is priced as
-    "hetjax"), read from the registry at each use, so a registered executor is priced too."""
+    model's executor that prices it (`ExecutorKind.priced_as`: each of hetjax's executors under
+    its own name), read from the registry at each use, so a registered executor is priced too."""
 
     def __getitem__(self, name: str) -> str:
         return REGISTERED[name].priced_as
@@ -83,8 +92,7 @@ PLAN_EXECUTORS: Mapping[str, str] = _PricedAs()
 def runs_schedule(executor: str, schedule: str) -> bool:
     """Whether a pipeline executor (a Plan's or the cost model's name) can run the named
     schedule: the Plan's rule (`hetjax.core.plan.schedule_problem`) for the executor, or for a cost
-    model name for every registered executor it prices (the SPMD executor is priced as
-    "hetjax")."""
+    model name for every registered executor it prices."""
     names = [executor] if executor in REGISTERED else [
         k.name for k in REGISTERED.values() if k.priced_as == executor]
     return all(schedule_problem(n, schedule) is None for n in names)
@@ -148,7 +156,7 @@ class CostOptions:
     across gloo processes); memory_fraction: share of device memory the plan may use (after
     the runtime's reserve); share_nics:
     concurrent groups leaving a node split its NIC bandwidth; executor: how the pipeline runs
-    (see EXECUTORS); lockstep: whether hetjax's executor plays its tick grid in lockstep. It
+    (see PRICED_EXECUTORS); lockstep: whether the SPMD executor plays its tick grid in lockstep. It
     does in one process, where every collective-permute is a rendezvous of all devices; across
     processes (gloo) a stage's sends do not wait for the receiver, so stages drift apart as in
     the asynchronous timeline -- the emulated cluster measures this (scripts/bench/hetnet.py)
@@ -169,7 +177,7 @@ class CostOptions:
     overlap: float = 1.0
     memory_fraction: float = 0.9
     share_nics: bool = True
-    executor: str = "hetjax"
+    executor: str = "spmd"
     lockstep: bool = True
     collectives: str = "nccl"
     link_fits: dict[str, dict[str, LinkFit]] = field(default_factory=dict)
@@ -194,17 +202,17 @@ class CostOptions:
     # piece, TP degree, tokens and recompute policy): used before everything above for the
     # accelerator kinds it has rows of; its layer times include their TP collectives.
     profile: ComputeProfile | None = None
-    # Bytes per device the runtime spends outside the step, by accelerator name, instead of
-    # the vendor's reserve (hetjax/planner/memory.py RESERVES).
-    reserve_bytes: dict[str, float] = field(default_factory=dict)
+    # The runtime's reserve by accelerator name (hetjax/planner/memory.py RuntimeReserve),
+    # instead of the vendor's (memory.RESERVES).
+    reserve: dict[str, mem.RuntimeReserve] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.compute not in COMPUTE_MODELS:
             raise PlanError(f"cost option compute = {self.compute!r}; choose one of "
                             f"{', '.join(COMPUTE_MODELS)}")
-        if self.executor not in EXECUTORS:
+        if self.executor not in PRICED_EXECUTORS:
             raise PlanError(f"cost option executor = {self.executor!r}; choose one of "
-                            f"{', '.join(EXECUTORS)}")
+                            f"{', '.join(PRICED_EXECUTORS)}")
         if self.collectives not in COLLECTIVE_MODELS:
             raise PlanError(f"cost option collectives = {self.collectives!r}; choose one of "
                             f"{', '.join(COLLECTIVE_MODELS)}")
@@ -236,7 +244,9 @@ class StageCost:
     padded: bool = True  # states priced for max(l) layer slots, or only its own (mpmd)
     update_slot: float = 0.0  # optimizer update per layer slot, once per step (after sync)
     update_fixed: float = 0.0
-    reserve: float = 0.0  # the runtime's bytes per device (outside `memory`, off capacity)
+    # the runtime's reserve of the stage's devices: `memory` is the step's bytes, what a device
+    # holds is reserve.device_bytes(memory); `capacity` is the step's share of the usable
+    reserve: mem.RuntimeReserve = mem.RuntimeReserve()
     refresh_layer: float = 0.0  # ZeRO's parameter refresh after the update, per layer
     refresh_fixed: float = 0.0
     overlap: float = 0.0  # share of overlappable traffic that hides (0 on CPU)
@@ -249,8 +259,10 @@ class StageCost:
     stash_slot: float = 0.0
     stash_fixed: float = 0.0
     # Of fwd_layer / bwd_layer, the communication (for the step's breakdown): the TP
-    # all-reduces of the forward and of the backward, and the exposed ZeRO traffic of each.
-    comm_layer: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # all-reduces of the forward and of the backward, the exposed ZeRO traffic of each, and
+    # the expert all-to-alls of each.
+    comm_layer: tuple[float, ...] = (0.0,) * 6
+    notes: tuple[str, ...] = ()  # what the profile derived, scaled or extrapolated
 
     def fwd(self, layers: int) -> float:
         return self.fwd_layer * layers + self.fwd_fixed
@@ -286,8 +298,8 @@ class _Slot:
     bwd_layer: float
     sync_layer: float
     mem_slot: float  # model-state bytes per layer slot
-    stash: float  # bytes per padded layer slot per micro-batch in flight (hetjax executor)
-    stash_out: float  # bytes of the stage output per micro-batch in flight (hetjax executor)
+    stash: float  # bytes per padded layer slot per micro-batch in flight (SPMD executor)
+    stash_out: float  # bytes of the stage output per micro-batch in flight (SPMD executor)
     act_layer: float  # activation bytes per layer per micro-batch in flight
     mem_base: float
     head_fwd: float
@@ -297,9 +309,9 @@ class _Slot:
     head_sync: float
     head_mem: float
     logits: float
-    shared_everywhere: bool  # embedding and head on every stage (hetjax executor)
+    shared_everywhere: bool  # embedding and head on every stage (SPMD executor)
     capacity: float
-    reserve: float  # the runtime's bytes, taken off the device's memory before capacity
+    reserve: mem.RuntimeReserve  # the devices' runtime reserve (see StageCost.reserve)
     label: str
     update_layer: float = 0.0  # optimizer update of one layer slot's parameter shard
     update_embed: float = 0.0
@@ -319,8 +331,9 @@ class _Slot:
     source: str = "flat"
     spread: float = 0.0
     distance: float = 1.0
+    notes: tuple[str, ...] = ()  # what the profile derived, scaled or extrapolated
     mem_measured: bool = False
-    comm_layer: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # StageCost's
+    comm_layer: tuple[float, ...] = (0.0,) * 6  # StageCost's
 
 
 @dataclass(frozen=True)
@@ -345,8 +358,11 @@ class Prediction:
     memory_band: float = 0.0
     compute_source: str = "flat"
     extrapolation: float = 1.0
-    stage_reserve: tuple[float, ...] = ()  # the runtime's bytes per device, off capacity
-    memory_margin: float = 0.0  # share of what remains after the reserve left free
+    compute_notes: tuple[str, ...] = ()  # what a profile derived, scaled or extrapolated
+    # what a device holds beyond the step's bytes (the runtime's reserve: context, collective
+    # buffers, workspaces, fragmentation), and the share of device memory left free
+    stage_reserve: tuple[float, ...] = ()
+    memory_margin: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -365,6 +381,7 @@ class Prediction:
             "dp_links": list(self.dp_links), "pp_links": list(self.pp_links),
             "fits": self.fits, "step_band_s": self.step_band, "memory_band": self.memory_band,
             "compute_source": self.compute_source, "extrapolation": self.extrapolation,
+            "compute_notes": list(self.compute_notes),
             "stage_reserve_gib": [r / gib for r in self.stage_reserve],
             "memory_margin": self.memory_margin,
         }
@@ -406,6 +423,7 @@ class CostModel:
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._stage_slot_cache: dict[tuple, _Slot] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
+        self._a2a: dict[tuple, tuple] = {}  # MoE exchanges by (EP groups, bytes)
 
     # --- compute -------------------------------------------------------------------------------
     def _rate(self, acc: Accelerator) -> float:
@@ -553,12 +571,12 @@ class CostModel:
             self.model, seq_len, tp, remat or effective_remat(self.model.remat),
             self.attention, 4.0 if cpu else self.act_bytes, cpu=cpu)
 
-    def reserve_bytes(self, acc: Accelerator, memory_bytes: float) -> float:
-        """What the runtime spends on a device of `acc` outside the step (CostOptions.
-        reserve_bytes, else the vendor's `memory.RuntimeReserve`)."""
-        if acc.name in self.options.reserve_bytes:
-            return float(self.options.reserve_bytes[acc.name])
-        return mem.runtime_reserve(acc.vendor).bytes(memory_bytes)
+    def runtime_reserve(self, acc: Accelerator) -> mem.RuntimeReserve:
+        """The runtime's reserve on a device of `acc` (CostOptions.reserve, else the
+        vendor's `memory.RESERVES`)."""
+        if acc.name in self.options.reserve:
+            return self.options.reserve[acc.name]
+        return mem.runtime_reserve(acc.vendor)
 
     def temporary_bytes(self, layout: Layout, remat: str, cpu: bool = False) -> float:
         """Transient bytes per device beyond states and kept activations: the buffers of the
@@ -568,6 +586,54 @@ class CostModel:
         return mem.transient_bytes_per_token(  # in the compute dtype, on CPU too (measured)
             self.model, layout.seq_len, layout.tp, remat, self.attention,
             self.act_bytes) * layout.tokens_per_device()
+
+    # --- Mixture-of-Experts ------------------------------------------------------------------
+    def expert_groups(self, layout: Layout, s: int) -> np.ndarray:
+        """Stage s's expert-parallel groups [dp / ep x tp, ep]: ep neighbours of its
+        data-parallel devices (parallel/mesh.py puts 'expert' innermost among the data axes)."""
+        m = layout.mesh()[s]  # [dp, tp]
+        return m.reshape(layout.dp // layout.ep, layout.ep, layout.tp).transpose(0, 2, 1
+                                                                                ).reshape(-1, layout.ep)
+
+    def expert_all_to_alls(self, layout: Layout) -> list[tuple[int, int, int]]:
+        """The all-to-alls one step of an MoE model runs under expert parallelism, per device:
+        (bytes V of the buffer each device sends and receives, group size ep, executions per
+        step). Per MoE layer and micro-batch: dispatch and combine in the forward and their
+        transposes in the backward (and the forward's again when 'full' recompute reruns it),
+        each [ep, E / ep, slots, d] (`ModelConfig.all_to_all_bytes`); dropless dispatch also
+        sends each expert's row count (int32 [ep, E / ep]) once per forward. What the HLO audit
+        reads from the compiled step."""
+        m = self.model
+        if not m.is_moe or layout.ep <= 1:
+            return []
+        per_layer = m.n_moe_layers / layout.pp * layout.microbatches
+        forwards = 2 if self.remat_of(layout) == "full" else 1
+        tok = int(layout.tokens_per_device() * layout.ep)  # an EP group's rows, split by ep
+        out = [(m.all_to_all_bytes(tok // layout.ep, self.act_bytes), layout.ep,
+                int(per_layer * (2 * forwards + 2)))]
+        if m.moe_dispatch != "capacity":
+            out.append((m.n_experts * 4, layout.ep, int(per_layer * forwards)))
+        return out
+
+    def expert_exchange(self, layout: Layout, s: int) -> tuple[float, dict[str, int]]:
+        """Seconds of one MoE token exchange (an all-to-all of `all_to_all_bytes`) on stage
+        s's expert-parallel groups, priced on the links they cross (`Network.all_to_all`), and
+        a member's peers per link kind. Zero without expert parallelism."""
+        m = self.model
+        if not m.is_moe or layout.ep <= 1:
+            return 0.0, {}
+        groups = self.expert_groups(layout, s)
+        nbytes = m.all_to_all_bytes(int(layout.tokens_per_device()), self.act_bytes)
+        key = (groups.shape, groups.tobytes(), nbytes)
+        if key not in self._a2a:
+            self._a2a[key] = self.network.all_to_all(nbytes, groups)
+        return self._a2a[key]
+
+    def layer_params_per_device(self, layout: Layout) -> float:
+        """One layer's parameters a device holds: 1 / tp of each, and of an MoE layer's routed
+        experts only its E / ep."""
+        m = self.model
+        return (m.layer_params - m.expert_params * (1 - 1 / layout.ep)) / layout.tp
 
     # --- stages ----------------------------------------------------------------------------------
     def _slots(self, layout: Layout) -> list["_Slot"]:
@@ -642,14 +708,14 @@ class CostModel:
         per_layer = min(alone(a) for a in set(self._cluster_accel))
         return per_layer * max(M * N / layout.pp, N + M - 1)
 
-    def pipelined_by_hetjax(self, layout: Layout) -> bool:
-        """Whether hetjax's pipeline executor runs this layout (see EXECUTORS)."""
-        return self.options.executor == "hetjax" and layout.pp > 1
+    def pipelined_by_spmd(self, layout: Layout) -> bool:
+        """Whether the SPMD pipeline executor runs this layout (see PRICED_EXECUTORS)."""
+        return self.options.executor == "spmd" and layout.pp > 1
 
     def runs_staged(self, layout: Layout) -> bool:
         """Whether one of hetjax's pipeline executors (SPMD or MPMD) runs this layout, each
         layer's forward and backward in separate programs (`hetjax.parallel.residuals`)."""
-        return self.options.executor in ("hetjax", "mpmd") and layout.pp > 1
+        return self.options.executor in ("spmd", "mpmd") and layout.pp > 1
 
     def remat_choices(self, pp: int) -> tuple[str, ...]:
         """The recompute policies the planner weighs for `model.remat` = 'auto' at `pp` stages
@@ -660,18 +726,18 @@ class CostModel:
         are negligible; under 'none' it holds every intermediate, attention probabilities
         included (bench_hetaccel, 4 cpu_half stages: 7.23 s a step measured against 4.81 s
         priced, while the MPMD executor, which stashes in place, ran the same plan in 4.77 s)."""
-        if self.options.executor == "hetjax" and pp > 1:
+        if self.options.executor == "spmd" and pp > 1:
             return ("full",)
         return ("none", "dots", "full")
 
     def remat_of(self, layout: Layout) -> str:
         """The recompute policy a layout runs with: its own (the planner's choice), else the
         model's, 'auto' resolved per executor."""
-        return effective_remat(layout.remat or self.model.remat, self.pipelined_by_hetjax(layout))
+        return effective_remat(layout.remat or self.model.remat, self.pipelined_by_spmd(layout))
 
     def runs_in_lockstep(self, layout: Layout) -> bool:
         """Whether the pipeline's ticks are priced in lockstep (see CostOptions.lockstep)."""
-        return self.pipelined_by_hetjax(layout) and self.options.lockstep
+        return self.pipelined_by_spmd(layout) and self.options.lockstep
 
     def profile_estimate(self, acc: Accelerator, layout: Layout, piece: str,
                          remat: str = "none", staged: bool = False) -> Estimate | None:
@@ -735,16 +801,16 @@ class CostModel:
         zr.check(f, layout.dp)
         mesh = layout.mesh()
         tp, M, tok = layout.tp, layout.microbatches, layout.tokens_per_device()
-        hetjax = self.pipelined_by_hetjax(layout)
+        spmd = self.pipelined_by_spmd(layout)
         staged = self.runs_staged(layout)
         remat = self.remat_of(layout)
         zero_as = self.zero_style
-        layer_p = m.layer_params / tp
+        layer_p = self.layer_params_per_device(layout)
         embed_p = m.embed_params / tp
         # Megatron's last stage keeps its own copy of a tied embedding; hetjax's stages all
         # hold the embedding anyway.
         head_p = (m.head_params + (m.embed_params if m.tie_embeddings and layout.pp > 1
-                                   and not hetjax else 0)) / tp
+                                   and not spmd else 0)) / tp
         slots = []
         # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
         base = (dataclasses.replace(layout, device_order=(), schedule=""),)
@@ -772,13 +838,28 @@ class CostModel:
             embeds = [self.piece_times(a, layout, "embedding") for a in accs]
             est += [e for _, _, e in heads + embeds if e is not None]
             dp_groups = mesh[s].T  # [tp, dp]
+            # Expert parallelism: parameters are reduced over the dp / ep devices holding the
+            # same experts (a non-expert parameter's partial sums inside an EP group are
+            # all-reduced at every micro-batch); each MoE layer exchanges tokens four times.
+            ep = layout.ep
+            if ep > 1:
+                dp_groups = mesh[s].reshape(layout.dp // ep, ep, tp).transpose(1, 2, 0).reshape(
+                    ep * tp, layout.dp // ep)
+            a2a = self.expert_exchange(layout, s)[0]
+            ep_ar = self.collective("all_reduce", (layer_p - m.expert_params / ep / tp)
+                                    * self.state_bytes.g, self.expert_groups(layout, s)
+                                    ) if ep > 1 else 0.0
+            a2a_fwd, a2a_bwd = 2 * a2a, (4 if remat == "full" else 2) * a2a + ep_ar
             z, ze, zh = (self.zero_times(f, x, dp_groups) for x in (layer_p, embed_p, head_p))
             cpu = any(a.vendor == "cpu" for a in accs)  # activations in f32 (see above)
             kept = self.activation_bytes_per_token(tp, layout.seq_len, remat, cpu) * tok
             transient = self.temporary_bytes(layout, remat, cpu)
-            smallest = float(self._memory[ranks].min())
-            reserve = max(self.reserve_bytes(a, smallest) for a in accs)
-            measured = [e for _, _, e in priced if e is not None and e.peak_bytes > 0]
+            if m.is_moe and ep > 1:  # send, receive, output and return buffers of a layer
+                transient += 4 * m.all_to_all_bytes(int(tok), self.act_bytes)
+            reserve = max((self.runtime_reserve(a) for a in accs),
+                          key=lambda r: (r.fixed_bytes, r.fragmentation))
+            measured = [e for _, _, e in priced
+                        if e is not None and e.peak_bytes > 0 and e.kept_bytes > 0]
             if measured and len(measured) == len(priced):  # every device's layer measured
                 kept = max(e.kept_bytes for e in measured) or kept
                 transient = max(max(e.peak_bytes - e.kept_bytes, 0.0) for e in measured)
@@ -797,19 +878,19 @@ class CostModel:
             g_bwd = z.gather + z.scatter + z.accumulate * (M - 1) / M
             zero_fwd, zero_bwd = exposed(g_fwd, cf, h), exposed(g_bwd, cb, h)
             slots.append(_Slot(
-                fwd_layer=lf + zero_fwd, bwd_layer=lb + zero_bwd,
-                comm_layer=(lf - cf, lb - cb, zero_fwd, zero_bwd),
+                fwd_layer=lf + a2a_fwd + zero_fwd, bwd_layer=lb + a2a_bwd + zero_bwd,
+                comm_layer=(lf - cf, lb - cb, zero_fwd, zero_bwd, a2a_fwd, a2a_bwd),
                 zero_edge_fwd=min(h * g_fwd, cf) + shared,
                 zero_edge_bwd=min(h * g_bwd, cb) + shared, overlap=h,
                 sync_layer=z.sync, refresh_layer=z.refresh,
                 embed_refresh=ze.refresh, head_refresh=zh.refresh,
                 mem_slot=zr.step_state_bytes(layer_p, f, sb, zero_as),
-                # hetjax stashes each layer's residuals (its input under remat 'full') in
-                # every padded slot, plus the stage output, and with 'full' holds one layer's
-                # full activations while it recomputes.
-                stash=kept if hetjax else 0.0,
-                stash_out=tok * m.d_model * self.act_bytes if hetjax else 0.0,
-                act_layer=0.0 if hetjax else kept,
+                # the SPMD pipeline stashes each layer's residuals (its input under remat
+                # 'full') in every padded slot, plus the stage output, and with 'full' holds one
+                # layer's full activations while it recomputes.
+                stash=kept if spmd else 0.0,
+                stash_out=tok * m.d_model * self.act_bytes if spmd else 0.0,
+                act_layer=0.0 if spmd else kept,
                 # Megatron prefetches the next full layer under ZeRO-3; hetjax gathers them all
                 # (in mem_slot). Temporaries: the buffers of the layer in its backward.
                 mem_base=(2 * layer_p * sb.p if f.s_p > 1 and o.executor == "megatron"
@@ -819,6 +900,7 @@ class CostModel:
                 source=source, spread=max((e.spread for e in est), default=0.0),
                 mem_measured=bool(measured) and len(measured) == len(priced),
                 distance=max((e.distance for e in est), default=1.0),
+                notes=tuple(dict.fromkeys(n for e in est for n in e.notes)),
                 embed_sync=ze.sync,
                 embed_mem=zr.step_state_bytes(embed_p, f, sb, zero_as),
                 head_sync=zh.sync,
@@ -826,9 +908,10 @@ class CostModel:
                 # f32 logits, log-probabilities and their gradients
                 logits=tok * mem.head_bytes_per_token(m, tp, remat),
                 # folded: embedding and head only on device 0 (it runs both end chunks)
-                shared_everywhere=hetjax and not layout.folded,
+                shared_everywhere=spmd and not layout.folded,
                 reserve=reserve,
-                capacity=(float(self._memory[ranks].min()) - reserve) * o.memory_fraction,
+                capacity=reserve.usable_for_step(
+                    float(self._memory[ranks].min()) * o.memory_fraction),
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
             self._stage_slot_cache[base, stage_key] = slots[-1]
@@ -850,7 +933,7 @@ class CostModel:
                               last[np.arange(n) % len(last)]], axis=1)
             shards = min(layout.stage_shape(0)[1], layout.stage_shape(layout.pp - 1)[1])
             return self.transfer(m.embed_params / shards * g, pairs)[0]
-        if self.pipelined_by_hetjax(layout):
+        if self.pipelined_by_spmd(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
                              np.roll(mesh.reshape(layout.pp, -1), -1, axis=0)], axis=-1)
             nbytes = (m.embed_params + m.head_params) / tp * g
@@ -893,7 +976,8 @@ class CostModel:
             refresh_fixed=(slot.embed_refresh if embed else 0.0)
             + (slot.head_refresh if head else 0.0),
             reserve=slot.reserve, mem_measured=slot.mem_measured, source=slot.source,
-            spread=slot.spread, distance=slot.distance, comm_layer=slot.comm_layer)
+            spread=slot.spread, distance=slot.distance, notes=slot.notes,
+            comm_layer=slot.comm_layer)
 
     @staticmethod
     def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
@@ -1003,7 +1087,8 @@ class CostModel:
             padding_bytes=float(max(c.memory(n, lmax) - c.memory(n, n)
                                     for c, n in zip(stages, layers))),
             dp_links=tuple(self.dp_link_kinds(layout)), pp_links=tuple(pp_links),
-            stage_reserve=_floats(c.reserve for c in stages),
+            stage_reserve=_floats(c.reserve.device_bytes(c.memory(n, lmax)) - c.memory(n, lmax)
+                                  for c, n in zip(stages, layers)),
             memory_margin=1.0 - self.options.memory_fraction, **self._band(stages, step))
         return (pred, sim) if with_events else pred
 
@@ -1038,7 +1123,8 @@ class CostModel:
         measured = all(c.mem_measured for c in stages)
         return dict(step_band=step * band.step_band(source, spread, distance),
                     memory_band=band.memory_band(measured, spread), compute_source=source,
-                    extrapolation=distance)
+                    extrapolation=distance,
+                    compute_notes=tuple(dict.fromkeys(n for c in stages for n in c.notes)))
 
 
 class StageTable:
@@ -1088,5 +1174,5 @@ def _peak(topology: Topology, ranks: Sequence[int]) -> float:
 
 
 
-__all__ = ["CostModel", "CostOptions", "EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
+__all__ = ["CostModel", "CostOptions", "PRICED_EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
            "Prediction", "DEFAULT_EFFICIENCY"]

@@ -107,7 +107,7 @@ def _bytes(w: Widths, model: "ModelConfig", seq_len: int, tp: int, attention: st
     heads = model.n_heads / tp
     scores = (score_factor * w.attention * heads * seq_len if attention not in FUSED_ATTENTION
               else FUSED_STATS_BYTES * heads * (w.attention > 0))
-    return act_bytes / 4.0 * (w.width * width + w.ffn * model.d_ff / tp) + scores
+    return act_bytes / 4.0 * (w.width * width + w.ffn * model.active_d_ff / tp) + scores
 
 
 def layer_bytes_per_token(model: "ModelConfig", seq_len: int, tp: int, remat: str,
@@ -135,19 +135,28 @@ def head_bytes_per_token(model: "ModelConfig", tp: int, remat: str) -> float:
 
 @dataclass(frozen=True)
 class RuntimeReserve:
-    """Bytes a device spends outside the step's own buffers, each with its source: the
+    """Bytes a device spends beyond the step's own buffers, each with its source: the
     runtime's context (`context_gib`), the collectives library's buffers (`collectives_gib`),
     kernel libraries' workspaces (`workspace_gib`), and the allocator's fragmentation
-    (`fragmentation`: a share of what remains)."""
+    (`fragmentation`: a share of the step's bytes it holds but cannot reuse)."""
 
     context_gib: float = 0.0
     collectives_gib: float = 0.0
     workspace_gib: float = 0.0
     fragmentation: float = 0.0
 
-    def bytes(self, memory_bytes: float) -> float:
-        fixed = (self.context_gib + self.collectives_gib + self.workspace_gib) * GIB
-        return fixed + self.fragmentation * max(memory_bytes - fixed, 0.0)
+    @property
+    def fixed_bytes(self) -> float:
+        return (self.context_gib + self.collectives_gib + self.workspace_gib) * GIB
+
+    def device_bytes(self, step_bytes: float) -> float:
+        """What a device holds at the step's peak of `step_bytes`: the step's bytes, what the
+        allocator cannot reuse of them, and the fixed parts."""
+        return step_bytes * (1.0 + self.fragmentation) + self.fixed_bytes
+
+    def usable_for_step(self, usable_bytes: float) -> float:
+        """The step's bytes that fit a device of which `usable_bytes` may be used."""
+        return max(usable_bytes - self.fixed_bytes, 0.0) / (1.0 + self.fragmentation)
 
 
 # Per device vendor. NVIDIA (and AMD, the same stack): a CUDA context with cuBLAS / cuDNN
@@ -156,9 +165,11 @@ class RuntimeReserve:
 # environment documentation) per channel and direction for each peer of a communicator, about
 # 0.5 GiB for a TP and a DP communicator at 16-32 channels; cuBLASLt's and cuDNN's workspaces
 # (32 MiB for cuBLAS on Hopper, cuDNN's fused attention and XLA's autotuned GEMMs) about
-# 0.25 GiB; a caching allocator (PyTorch's, XLA's BFC) keeps about 5% of its pool in blocks it
-# cannot reuse for the next size. TPU: the runtime reserves a small program area (the HBM
-# `bytes_limit` is below the chip's nominal size, which the local preset reads); CPU: none.
+# 0.25 GiB; a caching allocator (PyTorch's, XLA's BFC) holds blocks it cannot reuse for the
+# next size: 5% of the step's bytes, an estimate no measurement here has checked (the H200's
+# recorded peaks are the allocator's bytes in use, without it). TPU: the runtime reserves a
+# small program area (the HBM `bytes_limit` is below the chip's nominal size, which the local
+# preset reads); CPU: none.
 RESERVES = {
     "nvidia": RuntimeReserve(0.75, 0.5, 0.25, 0.05),
     "amd": RuntimeReserve(0.75, 0.5, 0.25, 0.05),

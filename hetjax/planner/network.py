@@ -230,6 +230,64 @@ class Network:
         return best
 
 
+    def all_to_all(self, nbytes: float, groups: np.ndarray) -> tuple[float, dict[str, int]]:
+        """Time of an all-to-all run concurrently by every row of `groups`: each member sends
+        nbytes / p to each of its p - 1 peers, all sends in flight at once (NCCL's all-to-all,
+        one point-to-point send per peer). Priced on every link it crosses: a member's payload
+        to peers on its node over the intra-node link; to peers on other nodes through its
+        node's NIC, which carries the off-node payload of every member on that node (of all
+        groups, when `share_nics`); to peers in other clusters, in addition, over the link
+        between the clusters, shared by every such flow between them. A member takes the
+        longest of these plus the latency of the slowest link it crosses; the all-to-all
+        takes its slowest member. Also returns one member's peers per link kind (display)."""
+        groups = np.asarray(groups)
+        p = groups.shape[1]
+        if p <= 1 or nbytes <= 0:
+            return 0.0, {}
+        topo, per_peer = self.topology, nbytes / p
+        node, cluster = self.node[groups], self.cluster[groups]  # [G, p]
+        same_node = node[:, :, None] == node[:, None, :]
+        same_cluster = cluster[:, :, None] == cluster[:, None, :]
+        on_node = same_node.sum(-1) - 1  # peers of each member, by where they are
+        off_node = (~same_node).sum(-1)
+        # the load on each NIC and each cluster pair's link, summed over concurrent members
+        nic_load: dict[int, float] = {}
+        pair_load: dict[tuple[int, int], float] = {}
+        for g, i in zip(*np.nonzero(off_node)):
+            n = int(node[g, i])
+            nic_load[n] = nic_load.get(n, 0.0) + off_node[g, i] * per_peer
+            for j in np.nonzero(~same_cluster[g, i])[0]:
+                key = tuple(sorted((int(cluster[g, i]), int(cluster[g, j]))))
+                pair_load[key] = pair_load.get(key, 0.0) + per_peer
+        worst, kinds = 0.0, {}
+        for g in range(groups.shape[0]):
+            for i in range(p):
+                c, n = int(cluster[g, i]), int(node[g, i])
+                links = []  # (link, bytes it carries for this member's share of the time)
+                if on_node[g, i]:
+                    links.append((topo.clusters[c].intra_node, on_node[g, i] * per_peer))
+                if off_node[g, i]:
+                    share = nic_load[n] if self.share_nics else off_node[g, i] * per_peer
+                    links.append((topo.clusters[c].nic, share))
+                for j in np.nonzero(~same_cluster[g, i])[0]:
+                    key = tuple(sorted((c, int(cluster[g, j]))))
+                    load = pair_load[key] if self.share_nics else per_peer
+                    links.append((topo.cluster_link(*key), load))
+                times = [(b / self._achieved(lk, "p2p")[0], self._achieved(lk, "p2p")[1])
+                         for lk, b in links]
+                t = max(x for x, _ in times) + max(lat for _, lat in times)
+                if t > worst:
+                    worst = t
+                    kinds = {}
+                    for j in range(p):
+                        if j != i:
+                            lk = (topo.clusters[c].intra_node if same_node[g, i, j] else
+                                  topo.clusters[c].nic if same_cluster[g, i, j] else
+                                  topo.cluster_link(c, int(cluster[g, j])))
+                            kinds[lk.kind] = kinds.get(lk.kind, 0) + 1
+        return worst, kinds
+
+
 def unique_rows(rows: np.ndarray, return_index: bool = False, return_inverse: bool = False):
     """`np.unique(rows, axis=0, ...)` for small non-negative integer (or bool) rows, sorted
     alike: each row is read as one mixed-radix integer (first column most significant), which

@@ -3,11 +3,14 @@
 Ranks are ordered cluster -> node -> device, and the mesh is the plan's device order reshaped
 to (pp, dp, tp): a TP group is `tp` consecutive ranks (one node), a stage is `dp * tp`
 consecutive ranks (one cluster when the sizes allow), and pipeline groups stride across
-stages. Two rules follow, owned here and applied by the planner's search, by
+stages. Three rules follow, owned here and applied by the planner's search, by
 `plan_from_config` (so `hetjax plan` and `hetjax train` refuse the same layouts) and by the
-Trainer: a TP group must not straddle a node, and a stage must not straddle a cluster --
-unless the user sets parallel.allow_straddle, in which case `check_placement` warns with the
-link that traffic will use.
+Trainer: a TP group must not straddle a node, a stage must not straddle a cluster, and an
+expert-parallel group (four all-to-alls per MoE layer per micro-batch) must stay inside an
+island of fast links -- a node, or a cluster whose nodes are joined by InfiniBand -- rather than
+cross RoCE, Ethernet or a link between clusters -- unless the user sets
+parallel.allow_straddle, in which case `check_placement` warns with the link that traffic will
+use.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import warnings
 from hetjax.errors import PlanError
 from hetjax.core.plan import Plan
 from hetjax.core.topology import Topology
+
+# Links an expert-parallel group may cross: inside a node, or InfiniBand between the nodes of a
+# cluster. Anything slower (RoCE, Ethernet, the links between clusters) is left to pipeline,
+# data parallelism and DiLoCo, whose traffic is far less per layer.
+EP_ISLAND_LINKS = ("loopback", "nvlink", "pcie", "infiniband")
 
 
 def placement_problems(plan: Plan, topology: Topology) -> list[str]:
@@ -39,15 +47,26 @@ def placement_problems(plan: Plan, topology: Topology) -> list[str]:
                                 f"{sorted(topology.clusters[c].name for c in clusters)}, so its "
                                 f"DP reduction crosses {topology.group_link(ranks).kind}")
                 break
+    if plan.ep > 1:
+        for g in plan.ep_groups():
+            kind = topology.group_link(g).kind
+            if kind not in EP_ISLAND_LINKS:
+                problems.append(f"expert-parallel group {g} crosses {kind}, so every MoE "
+                                f"layer's four all-to-alls per micro-batch cross it (keep ep "
+                                f"<= the devices joined by {'/'.join(EP_ISLAND_LINKS[1:])})")
+                break
     return problems
 
 
 def refuse_straddle(problems: list[str]) -> None:
     """Raise the PlanError for placement problems (the one message train and plan give)."""
     if problems:
+        ep = any(p.startswith("expert-parallel") for p in problems)
         raise PlanError("the layout breaks hetjax's placement rules: " + "; ".join(problems) +
                         ". Fix: choose tp <= devices per node and pp so each stage fits in a "
-                        "cluster, or set --config.parallel.allow_straddle=True to accept it.")
+                        "cluster, " + ("ep so each expert-parallel group fits in a node or an "
+                                       "InfiniBand cluster, " if ep else "")
+                        + "or set --config.parallel.allow_straddle=True to accept it.")
 
 
 def check_placement(plan: Plan, topology: Topology, allow_straddle: bool = False,

@@ -61,7 +61,7 @@ class Measurement:
     model: "ModelConfig"
     plan: Plan
     samples_per_s: float
-    executor: str = "hetjax"
+    executor: str = "spmd"
 
 
 def predicted_samples_per_s(m: Measurement, options: CostOptions) -> float:

@@ -141,7 +141,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          allow_straddle: bool = False, network_aware: bool | None = None,
          assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
          prune: bool = True, distinct: bool = False, subsets: bool = False,
-         stage_degrees: bool = False, ceiling: float = math.inf) -> PlanResult:
+         stage_degrees: bool = False, ceiling: float = math.inf, ep: int = 1) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -172,7 +172,11 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     stages may differ in (dp, tp) where clusters differ in their nodes (each cluster's stages
     one shape, `stage_shape_layouts`; their model states replicated). `ceiling`: a step time
     found elsewhere that the top must beat: layouts whose floor reaches it are skipped, and
-    `BelowNothing` is raised when nothing is left."""
+    `BelowNothing` is raised when nothing is left.
+
+    `ep`: an MoE model's expert-parallel degree; 0 prices every divisor of n_experts that
+    divides dp and keeps its groups inside a node or an InfiniBand cluster (the placement
+    rule), each with its all-to-alls on the links it crosses and its experts' memory."""
     if subsets:
         return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
                              microbatches=microbatches, schedule=schedule, zero=zero,
@@ -180,7 +184,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                              allow_straddle=allow_straddle, network_aware=network_aware,
                              assign_seconds=assign_seconds, calibration=calibration,
                              placement=placement, prune=prune, distinct=distinct,
-                             stage_degrees=stage_degrees)
+                             stage_degrees=stage_degrees, ep=ep)
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -211,13 +215,14 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         places = s.placements(placement, p)
         for order, orders, tag in s.layouts(p, d, t):
             for M in s.microbatch_counts(d, microbatches):
-                for name, place, remat in itertools.product(schedules, places, remats(p)):
+                for name, place, remat, e in itertools.product(
+                        schedules, places, remats(p), s.ep_degrees(p, d, t, order, ep)):
                     if not fits_schedule(name, p, M, executor, schedules[0]) or (
                             placement_problem(place, name)):
                         continue
                     todo.append((Layout(pp=p, dp=d, tp=t, device_order=order, microbatches=M,
                                         global_batch=global_batch, seq_len=seq_len, schedule=name,
-                                        placement=place, remat=remat), orders, tag))
+                                        placement=place, remat=remat, ep=e), orders, tag))
     if stage_degrees and not (pp or dp or tp or stage_layers) and stage_shape_problem(
             {v: k for k, v in PLAN_EXECUTORS.items()}.get(executor, ""), 0, 0) is None:
         for shapes, order in stage_shape_layouts(topology, model):  # each cluster its own
@@ -289,6 +294,11 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if len(places) > 1:
         free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
                              for n in places if n != best.placement]
+    if model.is_moe and ep != 1:
+        others = [e for e in s.ep_degrees(best.pp, best.dp, best.tp, best.device_order, ep)
+                  if e != best.ep]
+        if others:
+            free["ep"] = [dataclasses.replace(Layout.of(best), ep=e) for e in others]
     if len(remats(best.pp)) > 1:
         free["remat"] = [dataclasses.replace(Layout.of(best), remat=r)
                          for r in remats(best.pp) if r != best.remat]
@@ -374,7 +384,7 @@ def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, s
     t0 = time.perf_counter()
     options = options or CostOptions()
     cm = CostModel(topology, model, options)
-    results, first_error, whole = [], None, None
+    results, first_error, whole, best_step = [], None, None, math.inf
     for keep in device_subsets(topology):
         sub, ranks = sub_topology(topology, keep)
         try:  # (the exhaustive search, prune=False, searches every subset in full)
@@ -572,7 +582,8 @@ class _Search:
                                 f"stages but pp = {pp}; give pp = {len(stage_layers)}")
             pp = len(stage_layers)
         per_node = math.gcd(*(c.devices_per_node for c in self.topology.clusters))
-        tp_ok = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, per_node)
+        tp_ok = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, per_node,
+                         *((m.expert_d_ff, m.shared_expert_d_ff) if m.is_moe else ()))
         if pp > n:
             raise PlanError(
                 f"pp = {pp} pipeline stages need at least {pp} devices (one per stage), but "
@@ -601,6 +612,29 @@ class _Search:
                 f"no pp x dp x tp equals the {n} devices of {self.topology.name!r} with "
                 f"pp = {pp or 'any'}, dp = {dp or 'any'}, tp = {tp or 'any'}; nearest feasible: "
                 f"leave one degree at 0, or choose degrees whose product is {n}")
+        return out
+
+    def ep_degrees(self, pp: int, dp: int, tp: int, order, fixed: int) -> list[int]:
+        """Expert-parallel degrees to price for an MoE model: `fixed`, or (0) every divisor of
+        n_experts dividing dp; those whose groups break the placement rule (EP inside a node or
+        an InfiniBand cluster) are refused unless straddling is allowed. [1] for a dense
+        model."""
+        m = self.model
+        if not m.is_moe:
+            return [1]
+        out = []
+        for e in [fixed] if fixed else [e for e in _divisors(m.n_experts) if dp % e == 0]:
+            if dp % e:
+                self.rejected.append(f"pp={pp} dp={dp} tp={tp}: ep = {e} does not divide dp")
+                continue
+            probe = Plan(pp=pp, dp=dp, tp=tp, stage_layers=(1,) * pp, microbatches=1,
+                         global_batch=dp, seq_len=1, device_order=tuple(order), ep=e)
+            bad = [x for x in placement_problems(probe, self.topology)
+                   if x.startswith("expert-parallel")]
+            if bad and not self.allow_straddle:
+                self.rejected.append(f"pp={pp} dp={dp} tp={tp} ep={e}: {bad[0]}")
+                continue
+            out.append(e)
         return out
 
     def microbatch_counts(self, dp: int, fixed: int) -> list[int]:
@@ -654,18 +688,23 @@ class _Search:
                 zero.s_p, zero.s_g, zero.s_os) == (1, 1, 1))
             return [ddp] if ok else []
         mesh = layout.mesh()
-        key = (layout.device_order, layout.pp, layout.dp, layout.tp)
+        key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.ep)
         nodes = self.dp_nodes(layout)
         if isinstance(zero, ZeroFactors):
             zr.check(zero, layout.dp)
+            if layout.dp % (zero.s_os * layout.ep):
+                raise PlanError(f"ZeRO s_os = {zero.s_os} x ep = {layout.ep} does not divide "
+                                f"dp = {layout.dp}: expert-parallel groups sit beside the ZeRO "
+                                "sub-groups")
             if {zero.s_p, zero.s_g, zero.s_os} - set(zr.valid_factors(nodes)):
                 raise PlanError(f"ZeRO factors {zero} break the node rule on this placement; "
                                 f"valid factors: {zr.valid_factors(nodes)}")
             return [zero]
-        if zero != "auto":
-            return [zr.named(zero, layout.dp, zr.node_local_factor(nodes))]
+        if zero != "auto":  # a preset over the replicas of the experts (dp / ep of them)
+            return [zr.named(zero, layout.dp // layout.ep, zr.node_local_factor(nodes)
+                             if layout.ep == 1 else 1)]
         m, sb = self.model, self.cm.state_bytes
-        layer_p = m.layer_params / layout.tp
+        layer_p = self.cm.layer_params_per_device(layout)
         if key not in self._zero_cache:  # the points, and their terms on every distinct stage
             stages = list(dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values())
             self._zero_cache[key] = (stages, zr.space(nodes), {})
@@ -688,7 +727,8 @@ class _Search:
         need = {f: zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L + acts
                 for f in space}
         points = [(max(z.per_step(layers, layout.microbatches) for z in zero_terms(f)), i, f)
-                  for i, f in enumerate(space) if need[f] <= self.max_capacity]
+                  for i, f in enumerate(space) if need[f] <= self.max_capacity
+                  and layout.dp % (f.s_os * layout.ep) == 0]
         if not points:
             f = min(need, key=need.get)
             self._note(need[f] / self.max_capacity, (

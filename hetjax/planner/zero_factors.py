@@ -338,6 +338,8 @@ def factors_from_config(zc, plan: Plan, topology: Topology) -> ZeroFactors:
                           "build the plan with hetjax.planner.plan_from_config")
     if zc.preset == "custom":
         z = ZeroFactors(zc.s_p, zc.s_g, zc.s_os, name="custom")
+    elif plan.uniform and plan.ep > 1:  # a preset over the replicas of the experts
+        z = named(zc.preset, plan.dp // plan.ep, 1)
     elif plan.uniform:
         z = named(zc.preset, plan.dp, node_local_factor(replica_nodes(plan, topology)))
     else:  # per-stage shapes: one point, valid on every stage

@@ -2,7 +2,10 @@
 Flax model (XLA attention, and the fused kernel `model.attention=auto` takes), and, where torch
 and transformers import, HuggingFace's `LlamaForCausalLM` of the same shape (eager and
 `torch.compile`, bf16 autocast, fused AdamW); with the device name, tokens/s, MFU, peak memory
-and `hetjax plan`'s predicted step time and memory for the same job.
+and `hetjax plan`'s predicted step time and memory for the same job. The `trainer-moe` row
+trains the Mixture-of-Experts model of the same active parameters (each SwiGLU replaced by 8
+experts of width d_ff / 2, top-2, dropless dispatch: grouped matmuls), so its MFU counts the
+same FLOPs per token; it holds 4x the feed-forward parameters.
 
     python scripts/bench/gpu.py --out runs/bench_gpu.json          # TinyLlama-1.1B, 8 x 2048
     python scripts/bench/gpu.py --smoke                            # a tiny shape, seconds
@@ -36,8 +39,10 @@ if __package__:  # python -m scripts.bench.gpu, or imported by the suite
 else:  # python scripts/bench/gpu.py: Python puts scripts/bench/ first on sys.path
     from experiments import harness
 
-ROWS = ("trainer", "jit-xla", "jit-fused", "hf-eager", "hf-compile")
-LABELS = {"trainer": "hetjax Trainer", "jit-xla": "jax.jit step, XLA attention",
+ROWS = ("trainer", "trainer-moe", "jit-xla", "jit-fused", "hf-eager", "hf-compile")
+LABELS = {"trainer": "hetjax Trainer",
+          "trainer-moe": "hetjax Trainer, MoE: 8 experts of d_ff / 2, top-2 (same active)",
+          "jit-xla": "jax.jit step, XLA attention",
           "jit-fused": "jax.jit step, fused attention",
           "hf-eager": "HF LlamaForCausalLM, torch eager (SDPA)",
           "hf-compile": "HF LlamaForCausalLM, torch.compile"}
@@ -70,8 +75,9 @@ SMOKE = Shape(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab=5
 
 
 def hetjax_config(shape: Shape, steps: int, workdir: str, attention: str = "auto",
-                  loss_chunk_tokens: int = 0):
-    """The hetjax config of the benchmarked job (one device, synthetic data)."""
+                  loss_chunk_tokens: int = 0, moe: bool = False):
+    """The hetjax config of the benchmarked job (one device, synthetic data); `moe`: its
+    Mixture-of-Experts twin of equal active parameters (8 experts of d_ff / 2, top-2)."""
     from hetjax.config import base_config
 
     c = base_config()
@@ -81,6 +87,9 @@ def hetjax_config(shape: Shape, steps: int, workdir: str, attention: str = "auto
     m.d_ff, m.vocab_size, m.max_seq_len = shape.d_ff, shape.vocab, shape.seq
     m.tie_embeddings, m.dtype, m.param_dtype, m.remat = False, "bfloat16", "float32", "none"
     m.attention, m.loss_chunk_tokens = attention, loss_chunk_tokens
+    if moe:
+        m.n_experts, m.experts_per_token, m.moe_d_ff = 8, 2, shape.d_ff // 2
+        m.moe_dispatch = "dropless"
     c.topology.preset, c.topology.nodes, c.topology.devices_per_node = "cpu_single", 1, 1
     c.parallel.pp, c.parallel.dp, c.parallel.tp = 1, 1, 1
     t = c.train
@@ -131,7 +140,7 @@ def _program_bytes(compiled) -> int | None:
 
 
 def run_trainer(shape: Shape, warmup: int, steps: int, peak: float,
-                loss_chunk_tokens: int = 0) -> dict:
+                loss_chunk_tokens: int = 0, moe: bool = False) -> dict:
     """hetjax's Trainer over warmup + steps steps; tokens/s of the timed steps."""
     import jax
 
@@ -139,7 +148,7 @@ def run_trainer(shape: Shape, warmup: int, steps: int, peak: float,
 
     with tempfile.TemporaryDirectory() as workdir:
         cfg = hetjax_config(shape, warmup + steps, workdir,
-                            loss_chunk_tokens=loss_chunk_tokens)
+                            loss_chunk_tokens=loss_chunk_tokens, moe=moe)
         topo = device_topology(peak)
         trainer = Trainer(cfg, topology=topo, quiet=True)
         for _ in range(warmup):
@@ -262,8 +271,9 @@ def run_row(row: str, shape: Shape, warmup: int, steps: int, peak: float,
             loss_chunk_tokens: int = 0) -> dict:
     """One row's measurement; an error (out of memory, a missing package) is the row's note."""
     try:
-        if row == "trainer":
-            out = run_trainer(shape, warmup, steps, peak, loss_chunk_tokens)
+        if row in ("trainer", "trainer-moe"):
+            out = run_trainer(shape, warmup, steps, peak, loss_chunk_tokens,
+                              moe=row == "trainer-moe")
         elif row == "jit-xla":
             out = run_jit(shape, warmup, steps, "xla")
         elif row == "jit-fused":

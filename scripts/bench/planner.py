@@ -6,8 +6,8 @@
     python scripts/bench/planner.py amsp           # AMSP's ZeRO choice, LLaMA 7/13/30B, 1,024 A800
     python scripts/bench/planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench/planner.py speed          # outer search on 64 .. 4,096 devices
-    python scripts/bench/planner.py speed --devices 4096 --executor hetjax mpmd
-    python scripts/bench/planner.py speed --devices 4096 --executor hetjax mpmd --subsets
+    python scripts/bench/planner.py speed --devices 4096 --executor spmd mpmd
+    python scripts/bench/planner.py speed --devices 4096 --executor spmd mpmd --subsets
     python scripts/bench/planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench/planner.py executors      # Holmes' hybrid layouts under each executor
     python scripts/bench/planner.py scenario       # docs/planner.md's cluster: the plan against
@@ -276,7 +276,7 @@ def executors(_args) -> None:
                           microbatches=batch // dp, global_batch=batch, seq_len=2048,
                           schedule="1f1b", zero=zr.named("zero1", dp, 8))
             step = {ex: CostModel(t, model, CostOptions(executor=ex)).predict(holmes).step_time
-                    for ex in ("hetjax", "mpmd", "megatron")}
+                    for ex in ("spmd", "mpmd", "megatron")}
             # the SPMD pipeline keeping every layer's residuals (model.remat = none)
             keep = dataclasses.replace(model, remat="none")
             step["keep"] = CostModel(t, keep).predict(holmes).step_time
@@ -284,7 +284,7 @@ def executors(_args) -> None:
             step["strands"] = CostModel(t, keep).predict(
                 dataclasses.replace(holmes, schedule="strands")).step_time
             rows.append([size, str(devices), str(batch), f"pp=2 dp={dp} M={batch // dp}",
-                         f"{step['hetjax']:.2f} ({step['hetjax'] / step['megatron']:.2f}x)",
+                         f"{step['spmd']:.2f} ({step['spmd'] / step['megatron']:.2f}x)",
                          f"{step['keep']:.2f} ({step['keep'] / step['megatron']:.2f}x)",
                          f"{step['strands']:.2f} ({step['strands'] / step['megatron']:.2f}x)",
                          f"{step['mpmd']:.2f} ({step['mpmd'] / step['megatron']:.2f}x)",
@@ -294,7 +294,7 @@ def executors(_args) -> None:
             t = preset("holmes_hybrid", nodes=2, devices_per_node=8)
             t = dataclasses.replace(t, inter_cluster=dataclasses.replace(
                 t.inter_cluster, bandwidth_gbps=gbps))
-            for ex, name in (("hetjax", "spmd"), ("mpmd", "mpmd")):
+            for ex, name in (("spmd", "spmd"), ("mpmd", "mpmd")):
                 best = plan(t, model, 768, 2048, options=CostOptions(executor=ex),
                             zero="auto").plan
                 chosen.append([size, f"{gbps} Gb/s", name,
@@ -536,9 +536,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--subsets", action="store_true",
                         help="speed: the search as `hetjax plan` runs it: the devices used "
                         "and per-stage degrees a choice too, the runners-up distinct layouts")
-    parser.add_argument("--executor", choices=["hetjax", "mpmd", "megatron"], nargs="+",
-                        default=["hetjax"], help="speed: how the plans are priced (see "
-                        "cost.EXECUTORS); several: one row each, in one table")
+    parser.add_argument("--executor", choices=["spmd", "mpmd", "megatron"], nargs="+",
+                        default=["spmd"], help="speed: how the plans are priced (see "
+                        "cost.PRICED_EXECUTORS); several: one row each, in one table")
     args = parser.parse_args(argv)
     if args.smoke == bool(args.what):
         parser.error("give one benchmark (see above) or --smoke")

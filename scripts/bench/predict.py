@@ -19,9 +19,9 @@ validation):
   micro-batch size from its other sizes (what the band's per-doubling term rests on);
 - published tables: Megatron-LM's Table 1 (TFLOP/s per GPU; rows 1.7B and 310.1B fitted the
   per-kind rates, the other eight held out; and every row priced by the flat model, whose
-  efficiency was fitted on Holmes: what the band of a flat prediction rests on), AMSP's MFU at 1,024 GPUs (held out), Holmes'
-  Table 1 (samples/s; all three rows fitted the flat efficiency and the fabric efficiencies:
-  shown, not scored);
+  efficiency was fitted on Holmes: what the band of a flat prediction rests on), AMSP's MFU at
+  1,024 GPUs (held out), Holmes' Table 1 (samples/s; all three rows fitted the flat efficiency
+  and the fabric efficiencies: shown, not scored);
 - one H200: the peak memory of a TinyLlama-shaped step recorded on the GPU (tests/
   test_memory.py; remat 'none' set the GPU score factor, 'dots' and 'full' held out).
 """
@@ -40,10 +40,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import numpy as np  # noqa: E402
 
 if __package__:  # python -m scripts.bench.predict
-    from .experiments.harness import table
+    from .experiments.harness import check_outputs, table
     from .experiments.repredict import Run, repredict
 else:  # python scripts/bench/predict.py: Python puts scripts/bench/ first on sys.path
-    from experiments.harness import table
+    from experiments.harness import check_outputs, table
     from experiments.repredict import Run, repredict
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -252,6 +252,7 @@ def main(argv=None) -> int:
                     help=f"comma-separated, of {', '.join(SOURCES)} (default: all)")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)
+    check_outputs("bench_predict", results={"json": args.json})
     names = [n for n in args.sources.split(",") if n]
     unknown = sorted(set(names) - set(SOURCES))
     if unknown:

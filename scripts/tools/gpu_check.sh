@@ -33,12 +33,16 @@ fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
   batch=2
+  quick=(--min_sample=0 --repeats=1)  # one call a measurement: the smoke checks the path
+  cal_s=600  # compiles dominate on a shared CPU
   job=(--config.model.d_model=64 --config.model.n_layers=2 --config.model.n_heads=4
        --config.model.n_kv_heads=2 --config.model.d_ff=128 --config.model.vocab_size=512
        --config.model.max_seq_len=64 --config.train.batch_size=2 --config.train.seq_len=64)
   bench=(--smoke --steps 1 --warmup 1 --rows trainer,jit-fused)
 else
   batch=8
+  quick=()
+  cal_s=180
   job=(--config.model.preset=tinyllama_1b --config.train.batch_size=8
        --config.train.seq_len=2048)
   bench=(--steps 5 --warmup 2 --row-timeout 75 --rows trainer,jit-fused,hf-eager,hf-compile)
@@ -50,7 +54,7 @@ job+=(--config.topology.preset=local --config.model.dtype=bfloat16
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 "$py" -c "import jax; print('jax', jax.__version__, jax.devices())"
 echo "== 1. hetjax calibrate --quick (and the compute profile: micro-batches of 1 and of the job)"
-timeout 180 "$py" -m hetjax calibrate --quick "${job[@]}" --batches="1,$batch" \
+timeout $cal_s "$py" -m hetjax calibrate --quick "${quick[@]}" "${job[@]}" --batches="1,$batch" \
   --out="$out/calibration.json" --profile="$out/profile.json" \
   > "$out/calibrate.log" 2>&1; echo "exit $?"; tail -n 25 "$out/calibrate.log"
 cal=()
