@@ -48,8 +48,8 @@ _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 def storage_error(e: BaseException, directory: str) -> OSError | None:
     """The OSError a failed checkpoint write stands for (on `directory`, the disk the user
     chose), or None when `e` is not one."""
-    if isinstance(e, OSError):
-        return e
+    if isinstance(e, OSError):  # orbax's writer threads raise some without the file's name
+        return e if e.filename is not None else OSError(e.errno, e.strerror or str(e), directory)
     m = _OS_ERROR_CODE.search(str(e))
     if not m:
         return None

@@ -195,7 +195,8 @@ def measure_tp_layers(model: "ModelConfig", devices: Sequence, kind: str,
     rows = []
     for tp in degrees:
         n = len(devices) // tp * tp
-        mesh = Mesh(np.asarray(devices[:n]).reshape(1, n // tp, 1, 1, tp), MESH_AXES)
+        shape = {axis: 1 for axis in MESH_AXES} | {"dp": n // tp, "tp": tp}
+        mesh = Mesh(np.asarray(devices[:n]).reshape(tuple(shape.values())), MESH_AXES)
         boxed = jax.eval_shape(lambda: block.init(jax.random.PRNGKey(0),
                                                   jnp.zeros((1, 8, model.d_model), dtype)))
         shardings = named(mesh, param_specs(boxed["params"]))

@@ -249,7 +249,7 @@ def test_measured_stash_and_peak_replace_the_fitted_activation_terms():
     tok = int(lay.tokens_per_device())
     rows = [_row(tok, 1e-3, 3e-3, recompute="full", pipelined=True, kept_bytes=1e5,
                  peak_bytes=4e5)]
-    for executor in ("mpmd", "hetjax"):
+    for executor in ("mpmd", "spmd"):
         plain = CostModel(t, model, CostOptions(executor=executor))
         measured = CostModel(t, model, CostOptions(executor=executor, profile=_profile(*rows)))
         a, b = plain.stage_costs(lay)[0], measured.stage_costs(lay)[0]

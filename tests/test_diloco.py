@@ -259,6 +259,7 @@ def test_launched_sites_match_one_process_and_resume_mid_round(tmp_path):
     assert straight[4] != straight[5]
 
 
+@pytest.mark.slow  # the overlapped-exchange test below is the default tier's
 def test_streamed_fragments_follow_a_plain_reference_and_the_planners_bytes(tmp_path):
     """Streaming DiLoCo: H = 2, 2 sites, inner SGD, outer Nesterov, no codec; with F = 2
     fragment 1 is exchanged at steps 1, 3 and fragment 0 at 2, 4, each with its own outer
@@ -322,7 +323,7 @@ def test_streamed_fragments_follow_a_plain_reference_and_the_planners_bytes(tmp_
 
 
 @pytest.mark.parametrize("H,fragments,tau,mix,steps",
-                         [(4, 2, 1, 0.5, 8),
+                         [pytest.param(4, 2, 1, 0.5, 8, marks=pytest.mark.slow),
                           pytest.param(3, 1, 2, 0.0, 9, marks=pytest.mark.slow)])
 def test_overlapped_exchanges_land_tau_steps_later_as_a_plain_reference(tmp_path, H, fragments,
                                                                          tau, mix, steps):

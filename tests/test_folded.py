@@ -141,6 +141,7 @@ def test_folded_orders_come_from_the_virtual_grid_and_play_without_deadlock(name
         sch.folded("interleaved", p, m)
 
 
+@pytest.mark.slow  # the SPMD executor's folded runs above are the default tier's
 def test_folded_on_the_mpmd_executor_equals_the_plain_model():
     from test_mpmd import check_against_reference as mpmd_check, mpmd_config
 

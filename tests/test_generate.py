@@ -101,6 +101,7 @@ def test_top_k_1_equals_greedy():
     assert generate(model, params, PROMPTS, 6, temperature=1.5, top_k=1, seed=3) == greedy
 
 
+@pytest.mark.slow  # many draws; the greedy tests are the default tier's
 def test_sampling_draws_only_allowed_tokens():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.1, 0.06, 0.04]]))
     # top_p = 0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it -> tokens 0 and 1

@@ -85,10 +85,11 @@ def launched_losses(tmp_path, launch_args, overrides) -> tuple[list[float], str]
     return losses(workdir / "metrics.jsonl"), run.stdout
 
 
-# (2, 2): two launched processes with a pipeline in the default tier; the other counts are slow.
+# All slow (about 50 s each on two cores): the default tier launches processes in
+# test_launch_recovery.py and test_reliability_launch.py.
 @pytest.mark.parametrize("processes, pp", [
     pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(4, 1, marks=pytest.mark.slow),
-    (2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+    pytest.param(2, 2, marks=pytest.mark.slow), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_local_launch_matches_single_process(tmp_path, single_process, processes, pp):
     if pp > 1:
         pytest.importorskip("hetjax.parallel.pipeline",
@@ -157,6 +158,7 @@ def test_killing_one_of_four_processes_stops_the_job(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow  # waits out a launch timeout
 def test_a_process_that_never_starts_is_named_within_the_timeout():
     spec = {"HETJAX_COORDINATOR": f"127.0.0.1:{free_port()}", "HETJAX_NUM_PROCESSES": "4",
             "HETJAX_INIT_TIMEOUT": "10"}

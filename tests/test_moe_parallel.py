@@ -93,6 +93,7 @@ def test_expert_parallelism_under_zero3_equals_ep1():
     assert_same_run(got, run(4, **layout))
 
 
+@pytest.mark.slow  # a training run; test_metrics.py is the default tier's
 def test_moe_metrics_reach_the_file_tensorboard_and_progress_line(tmp_path, capsys):
     """Per-layer expert load and drops, the balance and z losses and the auxiliary term in
     metrics.jsonl and TensorBoard, and the balance and drop fraction on the progress line."""

@@ -26,6 +26,7 @@ def check_against_reference(config):
 
 
 # (schedule, layers per stage, dp, tp, micro-batches, extra config)
+# The default tier runs the first; the others are the slow tier's (SLOW_CASES).
 CASES = [
     ("1f1b", (1, 3), 2, 2, 4, {}),
     ("gpipe", (3, 1), 4, 1, 4, {"model.remat": "dots", "zero.preset": "zero1"}),
@@ -36,11 +37,13 @@ CASES = [
     ("zb-h1", (3, 1), 4, 1, 4, {"model.remat": "none"}),  # the backward split into I and W
     ("strands", (2, 1, 3, 1), 2, 1, 8, {}),  # the planner may choose it for the MPMD executor
 ]
+SLOW_CASES = range(1, len(CASES))
 
 
-@pytest.mark.parametrize("schedule, split, dp, tp, mb, extra", CASES,
-                         ids=[f"{c[0]}-{'.'.join(map(str, c[1]))}-dp{c[2]}-tp{c[3]}-m{c[4]}"
-                              + "".join(f"-{v}" for v in c[5].values()) for c in CASES])
+@pytest.mark.parametrize("schedule, split, dp, tp, mb, extra", [
+    pytest.param(*c, marks=[pytest.mark.slow] if i in SLOW_CASES else [],
+                 id=f"{c[0]}-{'.'.join(map(str, c[1]))}-dp{c[2]}-tp{c[3]}-m{c[4]}"
+                 + "".join(f"-{v}" for v in c[5].values())) for i, c in enumerate(CASES)])
 def test_loss_and_every_gradient_equal_the_plain_model(schedule, split, dp, tp, mb, extra):
     trainer = check_against_reference(mpmd_config(split, schedule, dp, tp, mb, **extra))
     assert len(trainer.executor.stages) == len(split)
@@ -61,6 +64,7 @@ def three_steps(config):
     return losses, jax.device_get(trainer.params)
 
 
+@pytest.mark.slow  # three runs; the loss-and-gradient equivalences below are the default's
 def test_three_training_steps_equal_the_spmd_executor_and_one_device():
     split = (1, 3)
     mpmd = three_steps(mpmd_config(split))
@@ -140,7 +144,8 @@ def staged_config(stage_dp, stage_tp, microbatches=2, **extra):
 # (stage_dp, stage_tp, extra): (tp, dp) = (2, 1) then (1, 2) on four of the eight devices (two
 # ib and two roce ones left out); (2, 2) then (1, 4) on all eight
 STAGED = [
-    pytest.param((1, 2), (2, 1), {"parallel.exclude": (2, 3, 6, 7)}, id="tp2dp1-tp1dp2-subset"),
+    pytest.param((1, 2), (2, 1), {"parallel.exclude": (2, 3, 6, 7)}, id="tp2dp1-tp1dp2-subset",
+                 marks=pytest.mark.slow),  # each about 16 s: the slow tier's
     pytest.param((2, 4), (2, 1), {}, id="tp2dp2-tp1dp4", marks=pytest.mark.slow),
     # optimizer states sharded over 2 of each stage's replicas (a factor of both stages' dp)
     pytest.param((2, 2), (1, 2), {"topology.preset": "cpu_single", "parallel.exclude": (6, 7),

@@ -24,7 +24,8 @@ STEPS = 3
 # (pipeline config, processes): one process per world (each world's stages on its every
 # process), or one per node, so each world's two stages sit on different processes and cross
 # between them over the bridge too
-CASES = [pytest.param(((1, 3), "1f1b", 2, 2, 4), 0, id="process-per-world"),
+CASES = [pytest.param(((1, 3), "1f1b", 2, 2, 4), 0, id="process-per-world",
+                      marks=pytest.mark.slow),  # all slow; test_bridge.py is the default tier's
          pytest.param(((1, 1, 1, 1), "1f1b", 2, 1, 4), 4, id="stage-per-process",
                       marks=pytest.mark.slow),
          # half of each cluster left out: a world's job holds only its used ranks (one

@@ -505,6 +505,7 @@ OUTER_BLOWUPS = [
                  "checkpoint was saved", marks=pytest.mark.slow)]
 
 
+@pytest.mark.slow  # DiLoCo sites; test_a_diverging_run_stops... is the default tier's
 @pytest.mark.parametrize("outer_lr, stopped", OUTER_BLOWUPS, ids=["non-finite", "diverged"])
 def test_a_diloco_outer_lr_that_blows_up_is_blamed_and_leaves_no_checkpoint(tmp_path, outer_lr,
                                                                            stopped):

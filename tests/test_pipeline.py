@@ -132,9 +132,10 @@ EXECUTOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule, split, dp, tp, mb, extra", EXECUTOR_CASES,
-                         ids=[f"{c[0]}-{'.'.join(map(str, c[1]))}-dp{c[2]}-tp{c[3]}-m{c[4]}"
-                              for c in EXECUTOR_CASES])
+@pytest.mark.parametrize("schedule, split, dp, tp, mb, extra", [  # the first: default tier
+    pytest.param(*c, marks=[pytest.mark.slow] if i >= 1 else [],
+                 id=f"{c[0]}-{'.'.join(map(str, c[1]))}-dp{c[2]}-tp{c[3]}-m{c[4]}")
+    for i, c in enumerate(EXECUTOR_CASES)])
 def test_loss_and_every_gradient_equal_the_plain_model(schedule, split, dp, tp, mb, extra):
     trainer = check_against_reference(pipe_config(split, schedule, dp, tp, mb, **extra))
     assert dict(trainer.mesh.shape)["pp"] == len(split)
@@ -359,6 +360,7 @@ def strands_run():
     return trainer, batch, compiled
 
 
+@pytest.mark.slow  # test_folded.py runs strands in the default tier
 def test_strands_loss_and_every_gradient_equal_the_plain_model(strands_run):
     trainer, batch, compiled = strands_run
     assert trainer.pipeline.program.paired  # some tick runs an F and a B
@@ -384,6 +386,7 @@ def strands_in(lines: list[str]) -> set[str]:
     return out
 
 
+@pytest.mark.slow  # test_folded.py runs strands in the default tier
 def test_a_strands_tick_puts_both_strands_collectives_in_one_computation(strands_run):
     """The condition for XLA's scheduler to overlap one strand's communication with the
     other's compute: the layers' tp all-reduces of the forward and of the backward sit in one
@@ -403,6 +406,7 @@ def temp_bytes(schedule, microbatches):
     return trainer.compiled_step().memory_analysis().temp_size_in_bytes, trainer
 
 
+@pytest.mark.slow  # compiles eight programs; test_memory.py checks memory against XLA's
 def test_1f1b_memory_stays_flat_while_gpipe_grows():
     (g2, tg), (g6, _) = temp_bytes("gpipe", 2), temp_bytes("gpipe", 6)
     (o2, to), (o6, _) = temp_bytes("1f1b", 2), temp_bytes("1f1b", 6)

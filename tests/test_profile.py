@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny_config
 
 
+@pytest.mark.slow  # a profiled training run
 def test_profiled_steps_are_traced_and_summarised(tmp_path, capsys):
     from hetjax.train import Trainer
 

@@ -101,6 +101,7 @@ def test_a_script_imports_no_private_name(path):
     assert not private, f"{path} imports private names {private}"
 
 
+@pytest.mark.slow  # every schedule's plot
 def test_bench_pipeline_smoke(capsys):
     from scripts.bench import pipeline as bench_pipeline
 
@@ -113,6 +114,7 @@ def test_bench_pipeline_smoke(capsys):
     assert out.count("wrote ") == len(bench_pipeline.sch.SCHEDULES)
 
 
+@pytest.mark.slow  # every ZeRO point compiled; test_zero.py is the default's
 def test_bench_zero_smoke(capsys):
     from scripts.bench import zero as bench_zero
 

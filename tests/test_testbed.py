@@ -362,8 +362,9 @@ def test_two_hosts_run_a_psum_across_the_shaped_link_and_leave_nothing():
 
 @pytest.mark.root
 @needs_testbed
-# mpmd (one world per cluster across the shaped link) is the slow tier's; spmd stays default.
-@pytest.mark.parametrize("executor", ["spmd", pytest.param("mpmd", marks=pytest.mark.slow)])
+# Both slow (a two-process training each); the default tier brings the testbed up and down.
+@pytest.mark.parametrize("executor", [pytest.param("spmd", marks=pytest.mark.slow),
+                                      pytest.param("mpmd", marks=pytest.mark.slow)])
 def test_a_two_process_training_runs_through_the_launcher_across_the_shaped_link(tmp_path,
                                                                                  executor):
     """`hetjax launch` with one `hetjax train` worker per emulated host: a tiny pp = 2 job

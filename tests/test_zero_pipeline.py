@@ -89,7 +89,9 @@ def executed(ops: list[hlo.Collective], ticks: int) -> list[hlo.Collective]:
     return hlo.with_branch_runs(ops, ticks, MICRO, DP_AXES)
 
 
-@pytest.mark.parametrize("name", POINTS)
+# zero3: the default tier's; the other points are the slow tier's
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("zero3",) else
+                                               [pytest.mark.slow]) for n in POINTS])
 def test_zero_in_stages_equals_single_device_with_sharded_bytes_and_audited_collectives(
         reference, name):
     trainer, compiled, losses = trained(name)
