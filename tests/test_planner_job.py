@@ -110,7 +110,7 @@ def test_a_32k_tokenizer_gives_the_plan_its_vocabulary_memory_and_flops(tmp_path
     assert job.model.vocab_size == 32000  # (a multiple of 128 already)
     assert job.model == model_from_config(c, t, job.plan)  # what the Trainer builds
     byte = dataclasses.replace(job.model, vocab_size=384)  # the byte tokenizer's, padded
-    options = dataclasses.replace(options_from_config(c, t), executor="hetjax")
+    options = dataclasses.replace(options_from_config(c, t), executor="spmd")
     priced = CostModel(t, job.model, options).predict(job.plan)
     assert job.plan.predicted["stage_memory_gib"] == pytest.approx(
         [m / 2**30 for m in priced.stage_memory])
@@ -122,8 +122,8 @@ def test_a_32k_tokenizer_gives_the_plan_its_vocabulary_memory_and_flops(tmp_path
 
 # --- what the step is made of ---------------------------------------------------------------------
 @pytest.mark.parametrize("executor,placement,pp,topology", [
-    ("hetjax", "looped", 3, "mixed"), ("mpmd", "looped", 3, "mixed"),
-    ("hetjax", "folded", 2, "holmes"), ("mpmd", "looped", 1, "holmes")])
+    ("spmd", "looped", 3, "mixed"), ("mpmd", "looped", 3, "mixed"),
+    ("spmd", "folded", 2, "holmes"), ("mpmd", "looped", 1, "holmes")])
 def test_the_breakdown_sums_to_the_step(executor, placement, pp, topology):
     t = two_kinds() if topology == "mixed" else preset("holmes_hybrid", nodes=1,
                                                         devices_per_node=2)
@@ -268,7 +268,7 @@ def test_the_memory_message_counts_the_activations_the_spmd_pipeline_stashes():
     with pytest.raises(PlanError, match="does not fit in memory") as e:
         plan(t, gpu_model(n_layers=6, d_model=4096, n_heads=32, d_ff=11008, max_seq_len=8192),
              256, 8192, microbatches=2, schedule="1f1b", zero="ddp",
-             options=CostOptions(executor="hetjax"))
+             options=CostOptions(executor="spmd"))
     acts = float(re.search(r"activations ([\d.]+)", str(e.value)).group(1))
     assert acts > 1.0
 
