@@ -111,12 +111,13 @@ def _parse(command: str, argv: list[str], extra: str = "", search_without_config
     from hetjax import config as hconfig
 
     path, overrides = _split_config_args(command, argv)
-    if search_without_config and not any(a.startswith("--config=") for a in argv):
+    default_job = not any(a.startswith("--config=") for a in argv)
+    if search_without_config and default_job:
         overrides = [*PLAN_SEARCH_OVERRIDES, *overrides]
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(command, path, overrides, extra))
         raise SystemExit(0)
-    cfg = hconfig.load_config(path, overrides)
+    cfg = hconfig.load_config(path, overrides, default_job=default_job)
     hconfig.validate(cfg)
     return cfg
 
@@ -374,35 +375,30 @@ def _attention_lines(model, topology, seq_len: int) -> list[str]:
 def cmd_plan(argv: list[str]) -> int:
     """Print (and optionally save and draw) the Plan `hetjax train` would use, and the
     runners-up when the planner chose it."""
-    import dataclasses
-
     from hetjax import config as hconfig
     from hetjax.core.plan import comparison_table
-    from hetjax.planner import model_from_config, plan_from_config
-    from hetjax.planner.config_plan import (plan_for_config, predict_for_config,
-                                            searches_layout, validate_layout)
+    from hetjax.planner.config_plan import plan_job
 
     opts, rest = take_options(argv, ("json", "plot"))
     for name, path in opts.items():  # checked before the plan is computed
         check_output_path(name, path, PLOT_FORMATS if name == "plot" else ())
     cfg = _parse("plan", rest, " [--json PATH] [--plot PATH]", search_without_config=True)
     topology = hconfig.build_topology(cfg)
-    runners_up = ()
-    if searches_layout(cfg):
-        validate_layout(cfg, topology)  # what plan_from_config checks first
-        result = plan_for_config(cfg, topology)  # the same search, keeping the runners-up
-        plan, runners_up = result.plan, result.runners_up
-    else:
-        plan = plan_from_config(cfg, topology)
-    model = model_from_config(cfg, topology=topology)
-    if "step_time_s" not in plan.predicted and plan.uniform:  # a fixed layout: price it too
-        plan = dataclasses.replace(plan, predicted={**plan.predicted, **predict_for_config(
-            cfg, plan, topology).as_dict()})
+    job = plan_job(cfg, topology, explain=True)
+    plan, runners_up, model = job.plan, job.runners_up, job.model
     print(topology.describe())
     print(plan.describe(topology))
     if "step_time_s" not in plan.predicted:
         print("  predicted: not priced (the cost model prices stages that share one (dp, tp) "
               "shape)")
+    from hetjax.planner.breakdown import breakdown_lines
+
+    for line in breakdown_lines(job.breakdown):  # what the step is made of
+        print(line)
+    if job.what_if_lines:
+        print("what if (the planner on the changed cluster):")
+        for line in job.what_if_lines:
+            print("  " + line)
     from hetjax.planner.config_plan import plausibility_lines
 
     for line in plausibility_lines(cfg, plan, topology):  # MFU beside the fitted range
@@ -425,6 +421,8 @@ def cmd_plan(argv: list[str]) -> int:
     from hetjax.planner.search import bound_lines
 
     for line in bound_lines(plan):
+        print(line)
+    for line in job.fixed_lines:  # what leaving each field the user fixed to the planner gives
         print(line)
     from hetjax.planner.diloco_pricing import plan_lines
 

@@ -273,9 +273,10 @@ def main(argv: list[str]) -> int:
     for name in ("init_timeout", "heartbeat_timeout"):
         if getattr(args, name) <= 0:
             raise HetjaxError(f"--{name.replace('_', '-')} must be a positive number of seconds")
-    cfg = hconfig.load_config(next((a.split("=", 1)[1] for a in config_args
-                                    if a.startswith("--config=")), None) or default_job_path(),
-                              [a for a in config_args if a.startswith("--config.")])
+    given = next((a.split("=", 1)[1] for a in config_args if a.startswith("--config=")), None)
+    cfg = hconfig.load_config(given or default_job_path(),
+                              [a for a in config_args if a.startswith("--config.")],
+                              default_job=given is None)
     hconfig.validate(cfg)
     check_corpus_size(cfg)  # a corpus too small fails here too, not once per worker
     topology = hconfig.build_topology(cfg)

@@ -33,7 +33,6 @@ disk) becomes one error naming the path, after the checkpoint in flight is drain
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -48,7 +47,7 @@ import optax
 from hetjax import __version__, config as hconfig
 from hetjax import checkpoint as hckpt
 from hetjax.corpus_size import check_corpus_size, source_line
-from hetjax.data import make_loader, padded_vocab
+from hetjax.data import make_loader
 from hetjax.errors import (ConfigError, HetjaxError, Interrupted, PlanError, Preempted,
                            os_error_message)
 from hetjax.hooks import Checkpointing, Hook, StepInfo, Timing
@@ -58,7 +57,7 @@ from hetjax.files import replace_file
 from hetjax.metrics import MetricsWriter, Progress, rebuild_tensorboard, truncate_metrics
 from hetjax.core.plan import Plan, vocab_shards
 from hetjax.core.local_preset import describe_jax_devices, device_mismatch
-from hetjax.planner import check_placement, plan_from_config
+from hetjax.planner import check_placement, model_from_config, plan_job
 from hetjax.planner.config_plan import predict_for_config
 from hetjax.planner.diloco_pricing import plan_to_run
 from hetjax.planner.memory import asked_bytes, fit_problem, is_out_of_memory, oom_message
@@ -156,18 +155,20 @@ class TrainerParts:
         hconfig.validate(config, reading)  # reading: only restores (eval, sample)
         check_corpus_size(config)  # from the files alone, before anything is built
         topology = topology or hconfig.build_topology(config)
-        plan = plan or plan_from_config(config, topology)
+        # the one path from config to (model, plan): the model the planner priced is this one
+        if plan is None:
+            job = plan_job(config, topology)
+            plan, model_cfg = job.plan, job.model
+        else:
+            model_cfg = model_from_config(config, topology, plan)
         notes = check_placement(plan, topology, config.parallel.allow_straddle,
                                 sites=bool(config.diloco.inner_steps))
         tokenizer = tokenizer_from_config(config.data)
-        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan
+        # the plan, or under DiLoCo (sites training alone between exchanges) the sites' plan;
+        # the model's embedding and head are padded for the tensor parallelism it runs with
         run_plan = plan_to_run(config, topology, plan)
-        model_cfg = dataclasses.replace(
-            ModelConfig.from_config(config.model, padded_vocab(tokenizer.vocab_size),
-                                    vocab_shards(run_plan)),
-            dtype=hconfig.compute_dtype(config, topology))
-        if plan.remat:  # the planner chose the recompute policy (model.remat = 'auto')
-            model_cfg = dataclasses.replace(model_cfg, remat=plan.remat)
+        if vocab_shards(run_plan) != vocab_shards(plan):
+            model_cfg = model_from_config(config, topology, plan, shards=vocab_shards(run_plan))
         if (config.data.document_mask and plan.pp > 1
                 and not EXECUTORS[plan.executor].document_masks):
             masks = [k.name for k in EXECUTORS.values() if k.document_masks]

@@ -141,6 +141,48 @@ def test_plan_prints_runners_up_in_human_units_and_plots(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+MIXED_CLUSTER = {  # four A100 on NVLink and two L40S on PCIe, 25 Gb/s between
+    "name": "mixed",
+    "clusters": [{"name": "a100ib", "nodes": 1, "devices_per_node": 4, "accelerator": "a100_80gb",
+                  "intra_node": "nvlink3"},
+                 {"name": "l40s", "nodes": 1, "devices_per_node": 2, "accelerator": "l40s",
+                  "intra_node": "pcie4"}],
+    "inter_cluster": "eth_25g"}
+
+
+@pytest.mark.slow  # (four searches: the plan and three what-ifs)
+def test_plan_says_what_the_step_is_made_of_and_what_if(capsys, tmp_path):
+    """On a user's mixed cluster `hetjax plan` splits the step into its parts (naming the
+    largest), prices a faster slow link and better devices with the planner, lists the devices
+    it leaves out and why, and its runners-up are distinct layouts."""
+    import json
+
+    from hetjax import cli
+
+    topo = tmp_path / "mixed.json"
+    topo.write_text(json.dumps(MIXED_CLUSTER))
+    assert cli.main(["hetjax", "plan", f"--config.topology.file={topo}",
+                     "--config.model.vocab_size=32000",
+                     "--config.model.d_model=2048", "--config.model.n_heads=16",
+                     "--config.model.n_kv_heads=8", "--config.model.d_ff=5632",
+                     "--config.model.max_seq_len=1024", "--config.train.batch_size=8",
+                     "--config.train.seq_len=1024"]) == 0
+    out = capsys.readouterr().out
+    step = out.split("predicted (rank order): step ")[1].split(",")[0]
+    assert f"the predicted step ({step}) is made of:" in out
+    parts = out.split("is made of:\n")[1].split("\nwhat if")[0].splitlines()
+    for name in ("compute", "bubble", "stage imbalance", "exposed DP/ZeRO sync",
+                 "boundary transfers", "recompute"):
+        assert any(line.strip().startswith(name) for line in parts), name
+    assert sum("<- largest" in line for line in parts) == 1
+    assert "  the 25 Gb/s ethernet link between a100ib and l40s at 100 Gb/s: step " in out
+    assert "  the 4 a100_80gb devices at 362 TFLOP/s: step " in out
+    assert "unused: ranks 4-5 (l40s): behind a 25 Gb/s ethernet link" in out
+    table = out.split("runners-up:\n")[1].splitlines()[1:]
+    layouts = [" ".join(row.split()[1:6]) for row in table if row.strip()[:1].isdigit()]
+    assert len(layouts) >= 2 and len(set(layouts)) == len(layouts)
+
+
 def test_a_64_device_topology_prints_compactly():
     from hetjax.core.topology import preset
 

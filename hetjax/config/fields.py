@@ -245,7 +245,8 @@ def _layout_name(kind: str):
 def _schedule_help() -> str:
     grid = [k.name for k in EXECUTORS.values() if k.tick_grid_only]
     return (f"{' | '.join(SCHEDULES)} (executor {' and '.join(grid)} runs "
-            f"{', '.join(spmd_schedules())}; strands: two strands per tick)")
+            f"{', '.join(spmd_schedules())}; strands: two strands per tick) | auto: the "
+            "planner chooses")
 
 
 def _model_presets() -> str:
@@ -429,8 +430,9 @@ FIELDS: tuple[Field, ...] = (
     Field("train.steps", 300, "optimizer steps of the run", positive_int()),
     Field("train.batch_size", 32, "global batch, in sequences", positive_int()),
     Field("train.seq_len", 128, "tokens per sequence", positive_int()),
-    Field("train.microbatches", 1, "the batch is split into this many micro-batches per step",
-          positive_int()),
+    Field("train.microbatches", 1, "the batch is split into this many micro-batches per step; "
+          "0: the planner chooses", Bound(lo=0, integer=True, fix="set --config.{field}=1, or 0 "
+                                          "to let the planner choose")),
     Field("train.lr", 3e-3, "peak learning rate (AdamW)", Bound(
         lo=0, lo_open=True, problem="the learning rate must be positive, got {value}",
         fix="set --config.train.lr to a value > 0, e.g. 3e-4")),

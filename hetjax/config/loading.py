@@ -16,14 +16,22 @@ import re
 
 import ml_collections
 
-from hetjax.config.fields import PATH_FIELDS, base_config, field_value
+from hetjax.config.fields import FIELDS, PATH_FIELDS, base_config, field_value
+from hetjax.planner.config_plan import free_unset
 from hetjax.errors import ConfigError, HetjaxError
 
 
 def load_config(path: str | None = None, overrides=(),
-                base: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+                base: ml_collections.ConfigDict | None = None,
+                default_job: bool = False) -> ml_collections.ConfigDict:
     """Load a `get_config()` file (or `base`, default the defaults) and apply `--config.x.y=v`
     overrides.
+
+    When the layout is left to the planner (parallel.pp or parallel.tp 0), the layout fields
+    the planner searches (`hetjax.planner.config_plan.SEARCHED`: executor, schedule,
+    placement, micro-batches, recompute, ZeRO) that neither an override nor the file set are
+    left to it too (`free_unset`). `default_job`: `path` is the default job standing in for a
+    --config the user did not give, so its values do not count as the user's.
 
     Every way the file or an override can be wrong (missing file, not Python, a syntax error,
     get_config failing or returning something else, an unknown field, a value of the wrong
@@ -63,6 +71,10 @@ def load_config(path: str | None = None, overrides=(),
     base = base_config().model
     keep = set(latest) | {f"model.{k}" for k in base.keys() if cfg.model[k] != base[k]}
     apply_model_source(fv.config, keep)
+    defaults = base_config()
+    changed = () if default_job else [f.name for f in FIELDS if field_value(
+        cfg, f.name) != field_value(defaults, f.name)]
+    free_unset(fv.config, {*latest, *changed})
     return fv.config
 
 

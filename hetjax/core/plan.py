@@ -466,10 +466,11 @@ def _fmt_ranks(ranks: list[int]) -> str:
 
 def comparison_rows(plans: list["Plan"]) -> list[dict[str, str]]:
     """One row per plan (e.g. the planner's choice and its runners-up): layout and prediction.
-    Recompute, placement and device order get a column only where the plans differ in them,
-    so two rows never look alike while their predictions differ."""
+    Recompute, placement, the number of devices used and device order get a column only where
+    the plans differ in them, so two rows never look alike while their predictions differ."""
     extra = {"remat": lambda p: p.remat or "model's",
              "placement": lambda p: p.placement,
+             "used": lambda p: f"{p.num_devices} devices",
              "devices": lambda p: p.predicted.get("layout") or (
                  "rank order" if p.device_order == tuple(range(len(p.device_order)))
                  else "reordered")}
@@ -652,7 +653,7 @@ def name_problems(executor: str = "", schedule: str = "", placement: str = "",
     out = []
     for name, value, names, what in (
             ("pipeline.executor", executor, (*EXECUTORS, *auto), "executor"),
-            ("pipeline.schedule", schedule, tuple(SCHEDULES), "schedule"),
+            ("pipeline.schedule", schedule, (*SCHEDULES, *auto), "schedule"),
             ("pipeline.placement", placement, (*PLACEMENTS, *auto), "placement")):
         if value and value not in names:
             out.append(Problem(name, f"unknown {what} {value!r}",

@@ -11,9 +11,11 @@ before its layer split), `network` (collectives and transfers over rank groups),
 and runtime memory terms), `simulate` (the schedule simulator), `partition` (layers per stage:
 Holmes, HetHub, exact), `assign` (DT-FM's device assignment on slow networks), `zero_factors`
 (AMSP's sharding factors: presets, rules, collectives), `placement` (where TP groups and stages
-may sit), `search` (the outer search), `config_plan` (config -> ModelConfig and Plan),
+may sit), `search` (the outer search), `config_plan` (config ->
+(ModelConfig, Plan, runners-up): `plan_job`, the one path every command takes),
 `calibrate` (`hetjax calibrate`'s file), `reference_runs` (published runs and the fits on
-them), `fit_range` (the plausibility guard), `scoring` (predicted against measured), `formulas`
+them), `fit_range` (the plausibility guard), `scoring` (predicted against measured), `breakdown`
+(what a predicted step is made of, and its what-ifs), `formulas`
 (the papers' metric formulas). Pure Python + numpy: importing the planner does not start JAX.
 """
 
@@ -23,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from hetjax.core.plan import Plan
 from hetjax.planner.cost import CostModel, CostOptions, LayerProfile, Prediction
-from hetjax.planner.config_plan import (model_from_config, options_from_config, plan_for_config,
-                                        plan_from_config)
+from hetjax.planner.config_plan import (JobPlan, model_from_config, options_from_config,
+                                        plan_from_config, plan_job)
 from hetjax.planner.placement import check_placement, placement_problems
 from hetjax.planner.search import PlanResult, plan
 from hetjax.core.topology import Topology
@@ -39,6 +41,6 @@ def predict(plan_: Plan, topology: Topology, model: "ModelConfig",
     return CostModel(topology, model, options).predict(plan_)
 
 
-__all__ = ["plan", "plan_for_config", "plan_from_config", "options_from_config", "check_placement",
+__all__ = ["plan", "plan_job", "JobPlan", "plan_from_config", "options_from_config", "check_placement",
            "placement_problems", "predict", "PlanResult", "CostModel", "CostOptions",
            "LayerProfile", "Prediction", "model_from_config"]

@@ -254,6 +254,14 @@ class StageCost:
     source: str = "flat"  # what priced its compute (see _Slot)
     spread: float = 0.0
     distance: float = 1.0
+    # Of mem_slot and mem_fixed, the activations hetjax's SPMD pipeline stashes (per layer
+    # slot, and its stage output), for messages that split memory into its kinds
+    stash_slot: float = 0.0
+    stash_fixed: float = 0.0
+    # Of fwd_layer / bwd_layer, the communication (for the step's breakdown): the TP
+    # all-reduces of the forward and of the backward, the exposed ZeRO traffic of each, and
+    # the expert all-to-alls of each.
+    comm_layer: tuple[float, ...] = (0.0,) * 6
     notes: tuple[str, ...] = ()  # what the profile derived, scaled or extrapolated
 
     def fwd(self, layers: int) -> float:
@@ -325,6 +333,7 @@ class _Slot:
     distance: float = 1.0
     notes: tuple[str, ...] = ()  # what the profile derived, scaled or extrapolated
     mem_measured: bool = False
+    comm_layer: tuple[float, ...] = (0.0,) * 6  # StageCost's
 
 
 @dataclass(frozen=True)
@@ -629,17 +638,39 @@ class CostModel:
     # --- stages ----------------------------------------------------------------------------------
     def _slots(self, layout: Layout) -> list["_Slot"]:
         """Costs of each mesh row's devices that do not depend on where the stage sits
-        (cached: they do not depend on the schedule either)."""
+        (cached: they do not depend on the schedule either). Stages of different (dp, tp)
+        shapes are priced each as a stage of its own shape (`stage_view`)."""
         key = dataclasses.replace(layout, schedule="")
         if key not in self._slot_cache:
-            self._slot_cache[key] = self._price_slots(layout)
+            self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
+                self._slots(self.stage_view(layout, s))[s] for s in range(layout.pp)]
         return self._slot_cache[key]
+
+    @staticmethod
+    def stage_view(layout: Layout, s: int) -> Layout:
+        """Stage s of a layout whose stages differ in (dp, tp), as a layout of pp stages of its
+        shape that all hold its devices: what the stage's own costs depend on (its micro-batch
+        per device, its TP and DP groups on its links), priced as the uniform stages are."""
+        dp, tp = layout.stage_shape(s)
+        ranks = tuple(int(r) for r in layout.stage_mesh(s).ravel())
+        return dataclasses.replace(layout, dp=dp, tp=tp, stage_shapes=(),
+                                   device_order=ranks * layout.pp)
+
+    def stage_meshes(self, layout: Layout) -> list[np.ndarray]:
+        """Each stage's [dp, tp] ranks."""
+        if layout.uniform:
+            return list(layout.mesh())
+        return [layout.stage_mesh(s) for s in range(layout.pp)]
 
     def stage_keys(self, layout: Layout) -> list[bytes]:
         """One key per mesh row (stage) that is equal for two stages exactly when their devices
         have the same clusters in the same positions and share nodes in the same pattern: such
         stages cost the same, since nodes of one cluster are alike (cached per device order)."""
-        key = (layout.device_order, layout.pp, layout.dp, layout.tp)
+        key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.stage_shapes)
+        if key not in self._stage_keys and not layout.uniform:  # each shape's own key
+            self._stage_keys[key] = [
+                bytes(np.asarray(layout.stage_shape(s), dtype=np.int64).tobytes())
+                + self.stage_keys(self.stage_view(layout, s))[s] for s in range(layout.pp)]
         if key not in self._stage_keys:
             mesh = layout.mesh().reshape(layout.pp, -1)
             nodes = self._node[mesh]
@@ -659,6 +690,11 @@ class CostModel:
         accelerator of the topology, t; the longest stage runs M micro-batches of at least
         N / pp layers, and the last stage waits for the N - n_last layers ahead of it:
         t * max(M N / pp, N + M - 1). The search skips layouts whose floor cannot enter the top."""
+        if not layout.uniform:  # a stage of each shape: the fastest layer of any of them
+            M, N = layout.microbatches, self.model.n_layers
+            return min(self.step_floor(self.stage_view(layout, s)) / max(
+                M * N / layout.pp, N + M - 1) for s in range(layout.pp)) * max(
+                M * N / layout.pp, N + M - 1)
         tok, tp, M, N = (layout.tokens_per_device(), layout.tp, layout.microbatches,
                          self.model.n_layers)
         remat, staged = self.remat_of(layout), self.runs_staged(layout)
@@ -840,9 +876,10 @@ class CostModel:
             h = 0.0 if cpu else o.overlap
             g_fwd = z.gather
             g_bwd = z.gather + z.scatter + z.accumulate * (M - 1) / M
+            zero_fwd, zero_bwd = exposed(g_fwd, cf, h), exposed(g_bwd, cb, h)
             slots.append(_Slot(
-                fwd_layer=lf + a2a_fwd + exposed(g_fwd, cf, h),
-                bwd_layer=lb + a2a_bwd + exposed(g_bwd, cb, h),
+                fwd_layer=lf + a2a_fwd + zero_fwd, bwd_layer=lb + a2a_bwd + zero_bwd,
+                comm_layer=(lf - cf, lb - cb, zero_fwd, zero_bwd, a2a_fwd, a2a_bwd),
                 zero_edge_fwd=min(h * g_fwd, cf) + shared,
                 zero_edge_bwd=min(h * g_bwd, cb) + shared, overlap=h,
                 sync_layer=z.sync, refresh_layer=z.refresh,
@@ -887,6 +924,15 @@ class CostModel:
         m, tp, g = self.model, layout.tp, self.state_bytes.g
         if layout.pp == 1 or layout.folded:  # folded: both ends on device 0, nothing moves
             return 0.0
+        if not layout.uniform:  # (only the MPMD executor runs stages of different shapes)
+            if not m.tie_embeddings:
+                return 0.0
+            first, last = (layout.stage_mesh(s).ravel() for s in (0, layout.pp - 1))
+            n = max(len(first), len(last))
+            pairs = np.stack([first[np.arange(n) % len(first)],
+                              last[np.arange(n) % len(last)]], axis=1)
+            shards = min(layout.stage_shape(0)[1], layout.stage_shape(layout.pp - 1)[1])
+            return self.transfer(m.embed_params / shards * g, pairs)[0]
         if self.pipelined_by_spmd(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
                              np.roll(mesh.reshape(layout.pp, -1), -1, axis=0)], axis=-1)
@@ -918,6 +964,7 @@ class CostModel:
             sync_fixed=(slot.embed_sync if embed else 0.0) + (slot.head_sync if head else 0.0)
             + (shared if slot.shared_everywhere or first or last else 0.0),
             mem_slot=slot.mem_slot + slot.stash * live, mem_layer=slot.act_layer * live,
+            stash_slot=slot.stash * live, stash_fixed=slot.stash_out * live,
             mem_fixed=slot.mem_base + slot.stash_out * live + (slot.embed_mem if embed else 0.0)
             + (slot.head_mem if head else 0.0) + (slot.logits if last else 0.0),
             capacity=slot.capacity, label=slot.label,
@@ -929,7 +976,8 @@ class CostModel:
             refresh_fixed=(slot.embed_refresh if embed else 0.0)
             + (slot.head_refresh if head else 0.0),
             reserve=slot.reserve, mem_measured=slot.mem_measured, source=slot.source,
-            spread=slot.spread, distance=slot.distance, notes=slot.notes)
+            spread=slot.spread, distance=slot.distance, notes=slot.notes,
+            comm_layer=slot.comm_layer)
 
     @staticmethod
     def down_share(stages: Sequence[StageCost], layers: Sequence[int]) -> list[float]:
@@ -940,19 +988,21 @@ class CostModel:
 
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
-        shared = self._shared_sync(layout, layout.mesh())
+        shared = self._shared_sync(layout, layout.mesh() if layout.uniform else None)
         return [self._place(slot, s, layout, shared)
                 for s, slot in enumerate(self._slots(layout))]
 
     def stage_table(self, layout: Layout) -> "StageTable":
         """table[i][p]: mesh row i's stage placed at pipeline position p (for reordering
         stages; the shared gradients' sync is priced on the layout's own order)."""
-        return StageTable(self, layout, self._slots(layout),
-                          self._shared_sync(layout, layout.mesh()))
+        return StageTable(self, layout, self._slots(layout), self._shared_sync(
+            layout, layout.mesh() if layout.uniform else None))
 
     def boundary_times(self, layout: Layout) -> tuple[list[float], list[str]]:
         """Seconds to move one micro-batch's activation (or its gradient) across each stage
         boundary, and the link it crosses."""
+        if not layout.uniform:
+            return self._reshard_times(layout)
         mesh = layout.mesh()
         row = self.model.d_model / layout.tp
         nbytes = layout.tokens_per_device() * self.model.d_model * self.act_bytes / layout.tp
@@ -974,10 +1024,29 @@ class CostModel:
             kinds.append(lk.kind)
         return times, kinds
 
+    def _reshard_times(self, layout: Layout) -> tuple[list[float], list[str]]:
+        """`boundary_times` between stages of different (dp, tp) shapes: a micro-batch's
+        activation (B / M sequences) is cut anew for the next stage's devices, each sender
+        sending its share to the receivers paired with it in turn (the more numerous side's
+        devices each in one pair), all pairs at once."""
+        M, d = layout.microbatches, self.model.d_model
+        rows = layout.global_batch / M * layout.seq_len
+        times, kinds = [], []
+        for s in range(layout.pp - 1):
+            a, b = (layout.stage_mesh(x).ravel() for x in (s, s + 1))
+            n = max(len(a), len(b))
+            pairs = np.stack([a[np.arange(n) % len(a)], b[np.arange(n) % len(b)]], axis=1)
+            crosses = (self.options.boundary_codec == "int8" and bool(
+                (self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
+            nbytes = rows * ((d + 4) if crosses else d * self.act_bytes) / n
+            t, lk = self.transfer(nbytes, pairs)
+            times.append(t)
+            kinds.append(lk.kind)
+        return times, kinds
+
     def dp_link_kinds(self, layout: Layout) -> list[str]:
-        mesh = layout.mesh()
-        return [min(self.group_links(mesh[s].T), key=lambda lk: lk.bandwidth_gbps).kind
-                if layout.dp > 1 else "-" for s in range(layout.pp)]
+        return [min(self.group_links(m.T), key=lambda lk: lk.bandwidth_gbps).kind
+                if m.shape[0] > 1 else "-" for m in self.stage_meshes(layout)]
 
     def _label(self, ranks) -> str:
         clusters = np.unique(self._cluster[ranks])

@@ -42,9 +42,6 @@ class Layout(Plan):
     @staticmethod
     def of(plan: Plan) -> "Layout":
         """The layout of `plan` (its fields, less the split and the predictions)."""
-        if not plan.uniform:  # one (dp, tp) for every stage: pricing stage 0's would mislead
-            raise PlanError(f"the cost model prices plans whose stages share one (dp, tp) "
-                            f"shape, not the per-stage shapes {list(plan.stage_shapes)}")
         return Layout(**{f.name: getattr(plan, f.name) for f in fields(Plan)
                          if f.init and f.name not in _NOT_LAYOUT})
 

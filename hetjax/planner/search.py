@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.core.plan import (Plan, ZeroFactors, batch_split_problem, even_split, name_problems,
-                         placement_problem, raise_first)
+from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, batch_split_problem, even_split,
+                              name_problems, placement_problem, raise_first, stage_shape_problem)
 from hetjax.planner import assign, partition, zero_factors as zr
 from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCost, runs_schedule
 from hetjax.planner.layout import Layout
@@ -140,7 +140,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          stage_layers: Sequence[int] = (), options: CostOptions | None = None, top: int = 5,
          allow_straddle: bool = False, network_aware: bool | None = None,
          assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
-         prune: bool = True, ep: int = 1) -> PlanResult:
+         prune: bool = True, distinct: bool = False, subsets: bool = False,
+         stage_degrees: bool = False, ceiling: float = math.inf, ep: int = 1) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -160,9 +161,30 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     simulated for a few promising layouts first: their candidates could not enter the top, so
     the plan and runners-up are those of the exhaustive search (`prune=False`), found faster.
 
+    `distinct`: the runners-up are the best plans of other layouts (`layout_key`: degrees,
+    devices), not the chosen layout with another micro-batch count, schedule or
+    ZeRO point.
+
+    `subsets`: the devices used are a choice too (`device_subsets`: whole clusters left out
+    when that prices faster; a smaller set is searched for a plan better than the best so far,
+    so the runners-up of a smaller set beat that too); the plan's `predicted["unused"]` says
+    why each idle device is idle. `stage_degrees`: under an executor that runs them (MPMD),
+    stages may differ in (dp, tp) where clusters differ in their nodes (each cluster's stages
+    one shape, `stage_shape_layouts`; their model states replicated). `ceiling`: a step time
+    found elsewhere that the top must beat: layouts whose floor reaches it are skipped, and
+    `BelowNothing` is raised when nothing is left.
+
     `ep`: an MoE model's expert-parallel degree; 0 prices every divisor of n_experts that
     divides dp and keeps its groups inside a node or an InfiniBand cluster (the placement
     rule), each with its all-to-alls on the links it crosses and its experts' memory."""
+    if subsets:
+        return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
+                             microbatches=microbatches, schedule=schedule, zero=zero,
+                             stage_layers=stage_layers, options=options, top=top,
+                             allow_straddle=allow_straddle, network_aware=network_aware,
+                             assign_seconds=assign_seconds, calibration=calibration,
+                             placement=placement, prune=prune, distinct=distinct,
+                             stage_degrees=stage_degrees, ep=ep)
     t0 = time.perf_counter()
     if calibration is not None:
         from hetjax.planner.calibrate import load_calibration
@@ -174,6 +196,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     s = _Search(topology, model, global_batch, seq_len, options or CostOptions(),
                 allow_straddle, network_aware, assign_seconds)
+    s.distinct = distinct
     s.fixed_layers = bool(stage_layers)
     schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
     for name in schedules:
@@ -200,12 +223,28 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                     todo.append((Layout(pp=p, dp=d, tp=t, device_order=order, microbatches=M,
                                         global_batch=global_batch, seq_len=seq_len, schedule=name,
                                         placement=place, remat=remat, ep=e), orders, tag))
+    if stage_degrees and not (pp or dp or tp or stage_layers) and stage_shape_problem(
+            {v: k for k, v in PLAN_EXECUTORS.items()}.get(executor, ""), 0, 0) is None:
+        for shapes, order in stage_shape_layouts(topology, model):  # each cluster its own
+            P, dps = len(shapes), {d for d, _ in shapes}
+            for M in s.microbatch_counts(math.lcm(*dps), microbatches):
+                for name, remat in itertools.product(schedules, remats(P)):
+                    if fits_schedule(name, P, M, executor, schedules[0]):
+                        todo.append((Layout(
+                            pp=P, dp=shapes[0][0], tp=shapes[0][1], stage_shapes=shapes,
+                            device_order=order, microbatches=M, global_batch=global_batch,
+                            seq_len=seq_len, schedule=name, remat=remat), None,
+                            "per-stage degrees"))
     floors = [s.cm.step_floor(lay) for lay, _, _ in todo]
-    ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top) if prune else math.inf
+    if not (floors and min(floors) < ceiling):
+        if todo:  # a better plan was found elsewhere
+            raise BelowNothing(f"no layout of {topology.name!r} can beat {ceiling:.4g} s")
+    elif prune and ceiling == math.inf:  # (a ceiling from elsewhere already prunes)
+        ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top)
     cands, broken = [], set()
     for i, ((lay, orders, tag), floor) in enumerate(zip(todo, floors)):
-        if floor >= ceiling:  # no candidate of this layout can enter the top
-            s.pruned += 1
+        if floor >= min(ceiling, s.key_ceiling.get(layout_key(lay), math.inf)):
+            s.pruned += 1  # no candidate of this layout can enter the top
             continue
         key = (lay.pp, lay.dp, lay.tp, lay.device_order, lay.microbatches)
         if key in broken:
@@ -219,6 +258,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         elif c is not None:
             cands.append(c)
     if not cands:
+        if s.pruned and ceiling < math.inf:
+            raise BelowNothing(f"no layout of {topology.name!r} can beat {ceiling:.4g} s")
         raise s.infeasible()
     ranked = s.confirm(cands, top)
     best = ranked[0]
@@ -230,16 +271,18 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         if c is not None and c.layout.zero != best.zero:
             alt = s.confirm([c], 1)[0]
             if alt.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
-                ranked = [alt] + [p for p in ranked if p != alt][:top - 1]
+                ranked = [alt] + [p for p in ranked if p != alt and not (
+                    distinct and layout_key(p) == layout_key(alt))][:top - 1]
                 best = alt
     free = {}
-    if zero == "auto":
+    if zero == "auto" and best.uniform:  # (stages of different dp: replicated states only)
         free["zero"] = [dataclasses.replace(Layout.of(best), zero=f)
                         for f in zr.space(s.dp_nodes(Layout.of(best)))
                         if f != best.zero]
     if not microbatches:
         free["microbatches"] = [dataclasses.replace(Layout.of(best), microbatches=M)
-                                for M in s.microbatch_counts(best.dp, 0)
+                                for M in s.microbatch_counts(
+                                    math.lcm(*(d for d, _ in best.shapes())), 0)
                                 if M != best.microbatches
                                 and _schedule_runs(best.schedule, best.pp, M)]
     if len(schedules) > 1 and best.pp > 1:
@@ -247,7 +290,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
                             for n in schedules if n != best.schedule
                             and _schedule_runs(n, best.pp, best.microbatches)]
     places = [n for n in s.placements(placement, best.pp)
-              if placement_problem(n, best.schedule) is None]
+              if placement_problem(n, best.schedule) is None and (best.uniform or n == "looped")]
     if len(places) > 1:
         free["placement"] = [dataclasses.replace(Layout.of(best), placement=n)
                              for n in places if n != best.placement]
@@ -272,6 +315,211 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
              for p in ranked]
     return PlanResult(plans[0], tuple(plans[1:]), len(cands), s.simulated,
                       time.perf_counter() - t0, s.pruned)
+
+
+class BelowNothing(PlanError):
+    """No layout of this search can beat the ceiling it was given (a better plan exists)."""
+
+
+# More clusters than this: the subsets tried are prefixes of the clusters ordered by how well
+# they are connected and how fast they are, and each cluster left out alone (not all 2^C).
+ALL_SUBSETS_UP_TO = 4
+
+
+def device_subsets(topology: Topology) -> list[tuple[int, ...]]:
+    """The sets of clusters (indices) whose devices a plan may use, every cluster first: all
+    connected sets for up to ALL_SUBSETS_UP_TO clusters; beyond, the prefixes of the clusters
+    ordered best connected and fastest first, and every cluster left out alone. A cluster's
+    nodes are alike, so a subset is whole clusters (leaving a node of a cluster out never
+    makes the others faster)."""
+    C = len(topology.clusters)
+    if C == 1:
+        return [(0,)]
+
+    def connected(keep) -> bool:
+        seen, todo = {keep[0]}, [keep[0]]
+        while todo:
+            a = todo.pop()
+            for b in keep:
+                if b not in seen and topology.has_link(a, b):
+                    seen.add(b)
+                    todo.append(b)
+        return len(seen) == len(keep)
+
+    if C <= ALL_SUBSETS_UP_TO:
+        out = [keep for k in range(C, 0, -1) for keep in itertools.combinations(range(C), k)]
+    else:
+        def best_link(a):
+            return max((topology.cluster_link(a, b).bandwidth_gbps for b in range(C)
+                        if b != a and topology.has_link(a, b)), default=0.0)
+
+        order = sorted(range(C), key=lambda a: (-best_link(a),
+                                                -topology.clusters[a].accelerator.peak_tflops))
+        out = [tuple(range(C))] + [tuple(sorted(order[:k])) for k in range(C - 1, 0, -1)]
+        out += [tuple(b for b in range(C) if b != a) for a in range(C)]
+    return [keep for keep in dict.fromkeys(out) if connected(keep)]
+
+
+def sub_topology(topology: Topology, keep: Sequence[int]) -> tuple[Topology, list[int]]:
+    """The topology of the clusters `keep`, and the rank in `topology` of each of its ranks."""
+    if len(keep) == len(topology.clusters):
+        return topology, list(range(topology.num_devices))
+    gone = [n for i in range(len(topology.clusters)) if i not in keep
+            for n in _cluster_nodes(topology, i)]
+    ranks = [r for i in keep for r in topology.cluster_ranks(i)]
+    return topology.without_nodes(gone), ranks
+
+
+def _cluster_nodes(topology: Topology, cluster: int) -> range:
+    first = sum(c.nodes for c in topology.clusters[:cluster])
+    return range(first, first + topology.clusters[cluster].nodes)
+
+
+def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: int,
+                  ceiling: float, top: int, options: CostOptions | None, **kw) -> PlanResult:
+    """`plan` over the device subsets (`device_subsets`), all devices first: each later
+    subset's search skips what cannot beat the best plan found so far; the plans are priced on
+    the whole topology (idle devices carry no traffic, so the prices are the subset's), the
+    fastest kept, and the plan says why each device it leaves idle is idle."""
+    t0 = time.perf_counter()
+    options = options or CostOptions()
+    cm = CostModel(topology, model, options)
+    results, first_error, whole, best_step = [], None, None, math.inf
+    for keep in device_subsets(topology):
+        sub, ranks = sub_topology(topology, keep)
+        try:  # (the exhaustive search, prune=False, searches every subset in full)
+            r = plan(sub, model, global_batch, seq_len, top=top, options=options,
+                     ceiling=ceiling if kw.get("prune", True) else math.inf, **kw)
+        except BelowNothing:
+            continue
+        except PlanError as e:  # e.g. nothing fits: say the whole topology's reason
+            first_error = first_error or e
+            continue
+        r = _on_topology(r, ranks, cm, keep == tuple(range(len(topology.clusters))))
+        if results:  # a smaller set is searched for a better plan, not for runners-up: its
+            # plans count only when they beat the best so far (as the pruned search finds them)
+            beat = [p for p in (r.plan, *r.runners_up) if p.predicted["step_time_s"] < best_step]
+            if not beat:
+                continue
+            r = dataclasses.replace(r, plan=beat[0], runners_up=tuple(beat[1:]))
+        whole = r if len(keep) == len(topology.clusters) else whole
+        results.append(r)
+        best_step = min(p.plan.predicted["step_time_s"] for p in results)
+        ceiling = min(ceiling, best_step)
+    if not results:
+        raise first_error or BelowNothing(f"no plan on {topology.name!r} beats {ceiling:.4g} s")
+    ranked = sorted((p for r in results for p in (r.plan, *r.runners_up)),
+                    key=lambda p: p.predicted["step_time_s"])
+    fastest = ranked[0].predicted["step_time_s"]
+    # a simpler plan (all devices, then fewer stages, ...) first when within TIE
+    best_r = min(results, key=lambda r: (r.plan.predicted["step_time_s"] > fastest * (1 + TIE),
+                                         -len(r.plan.device_order),
+                                         r.plan.predicted["step_time_s"]))
+    best = best_r.plan
+    seen, out = {layout_key(best)}, [best]
+    for p in ranked:
+        if len(out) < top and (layout_key(p) not in seen or not kw.get("distinct")):
+            if p is not best:
+                seen.add(layout_key(p))
+                out.append(p)
+    unused = unused_reasons(topology, best, whole)
+    if unused:
+        best.predicted[UNUSED_KEY] = unused
+    return dataclasses.replace(
+        best_r, plan=best, runners_up=tuple(out[1:]),
+        candidates=sum(r.candidates for r in results),
+        simulated=sum(r.simulated for r in results), pruned=sum(r.pruned for r in results),
+        seconds=time.perf_counter() - t0)
+
+
+def _on_topology(r: PlanResult, ranks: list[int], cm: CostModel, whole: bool) -> PlanResult:
+    """A subset's result with its plans on the whole topology's ranks, priced there."""
+    if whole:
+        return r
+
+    def moved(p: Plan) -> Plan:
+        q = dataclasses.replace(p, device_order=tuple(ranks[i] for i in p.device_order),
+                                predicted={})
+        keep = {k: v for k, v in p.predicted.items() if k in ("layout", "bound")}
+        q.predicted.update({**cm.predict(q).as_dict(), **keep})
+        return q
+
+    return dataclasses.replace(r, plan=moved(r.plan),
+                               runners_up=tuple(moved(p) for p in r.runners_up))
+
+
+def unused_reasons(topology: Topology, best: Plan, whole: PlanResult | None) -> dict[str, str]:
+    """Why `best` leaves each idle device out (rank, as a string for JSON -> why), by
+    cluster: the link that joins it to the used ones when slower than theirs, else its
+    devices slower or smaller than the used ones', and the best step priced with every
+    device (or that no plan with every device fits or could beat it)."""
+    used = set(best.device_order)
+    if len(used) == topology.num_devices:
+        return {}
+    used_clusters = sorted({topology.devices[r].cluster for r in used})
+    nics = [topology.clusters[c].nic.bandwidth_gbps for c in used_clusters
+            if topology.clusters[c].nodes > 1]
+    peak = min(topology.clusters[c].accelerator.peak_tflops for c in used_clusters)
+    mem = min(topology.clusters[c].accelerator.memory_gib for c in used_clusters)
+    step = best.predicted["step_time_s"]
+    if whole is None:
+        alone = "no plan with every device beats it"
+    else:
+        alone = ("with every device the best plan is predicted "
+                 f"{whole.plan.predicted['step_time_s']:.3g} s")
+    out = {}
+    for c, cluster in enumerate(topology.clusters):
+        if c in used_clusters:
+            continue
+        links = [topology.cluster_link(c, u) for u in used_clusters if topology.has_link(c, u)]
+        link = max(links, key=lambda lk: lk.bandwidth_gbps) if links else None
+        acc = cluster.accelerator
+        if link is None:
+            why = "no link to the devices used"
+        elif link.bandwidth_gbps < min(nics, default=link.bandwidth_gbps * 2):
+            why = f"behind a {link.bandwidth_gbps:g} Gb/s {link.kind} link"
+        elif acc.peak_tflops < peak:
+            why = f"slower ({acc.name}: {acc.peak_tflops:g} TFLOP/s against {peak:g})"
+        elif acc.memory_gib < mem:
+            why = f"smaller ({acc.name}: {acc.memory_gib:g} GiB against {mem:g})"
+        else:
+            why = "the step is faster without them"
+        text = f"{why}; without them {step:.3g} s, {alone}"
+        out.update({str(r): text for r in topology.cluster_ranks(c)})
+    return out
+
+
+def stage_shape_layouts(topology: Topology, model: "ModelConfig"
+                    ) -> list[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]]:
+    """Layouts whose stages differ in (dp, tp), where clusters differ in their nodes
+    (accelerator, devices per node or the link inside a node): every cluster split into
+    stages of its own (dp, tp) (tp dividing heads, kv heads, d_ff and the cluster's node,
+    stages of consecutive ranks, so TP groups stay in a node and stages in the cluster);
+    (stage shapes, device order) for each combination whose shapes are not all alike."""
+    t, m = topology, model
+    kinds = {(c.accelerator, c.devices_per_node, c.intra_node) for c in t.clusters}
+    if len(kinds) < 2:
+        return []
+    per_cluster = []
+    for c in t.clusters:
+        n, ok = c.num_devices, math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, c.devices_per_node)
+        per_cluster.append([(p, n // (p * d), d) for d in _divisors(ok)
+                            for p in _divisors(n // d) if p <= m.n_layers])
+    out = []
+    for choice in itertools.product(*per_cluster):
+        shapes = tuple((dp, tp) for p, dp, tp in choice for _ in range(p))
+        if len(set(shapes)) > 1 and len(shapes) <= m.n_layers:
+            out.append((shapes, tuple(range(t.num_devices))))
+    return out
+
+
+def layout_key(p: "Plan | Layout") -> tuple:
+    """What makes two plans different layouts rather than variants of one: the executor of a
+    pipeline, the degrees and the set of devices used (not the micro-batch count, schedule,
+    placement, ZeRO point, recompute policy or layer split)."""
+    executor = getattr(p, "executor", "") if p.pp > 1 else ""
+    shapes = getattr(p, "stage_shapes", ()) or ()
+    return (executor, p.pp, p.dp, p.tp, tuple(shapes), frozenset(p.device_order))
 
 
 def zero_points_by_traffic(topology: Topology, model: "ModelConfig", global_batch: int,
@@ -309,6 +557,8 @@ class _Search:
         self.refused_best: tuple[float, Layout, float, float] | None = None
         self.pruned = 0
         self.probed: dict[int, tuple] = {}  # layout index -> evaluate_noted's result
+        self.distinct = False  # one plan per layout in the top (see `plan`)
+        self.key_ceiling: dict[tuple, float] = {}  # distinct: each probed layout's step
         self._predictions: dict[tuple[Layout, tuple[int, ...]], Plan] = {}
 
     # --- the choices ---------------------------------------------------------------------------
@@ -432,6 +682,11 @@ class _Search:
         """The ZeRO points to try: AMSP's enumeration of the points whose model states can
         fit at all, sorted by AMSP's communication time (so equal step times keep the point
         with less traffic); or the one point asked."""
+        if not layout.uniform:  # stages of different dp: replicated states (ddp) only
+            ddp = ZeroFactors()
+            ok = zero in ("auto", "ddp") or (isinstance(zero, ZeroFactors) and (
+                zero.s_p, zero.s_g, zero.s_os) == (1, 1, 1))
+            return [ddp] if ok else []
         mesh = layout.mesh()
         key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.ep)
         nodes = self.dp_nodes(layout)
@@ -538,6 +793,12 @@ class _Search:
         if split is None:
             self._note_shortfall(lay, table)
             return None
+        if not lay.uniform:  # the stages move with their shapes
+            order = tuple(int(r) for i in split.order for r in lay.stage_mesh(i).ravel())
+            lay = dataclasses.replace(lay, stage_shapes=tuple(
+                lay.stage_shapes[i] for i in split.order), device_order=order,
+                dp=lay.stage_shapes[split.order[0]][0], tp=lay.stage_shapes[split.order[0]][1])
+            return self._price(lay, split.layers, tag)
         mesh = lay.mesh()
         order = tuple(mesh[list(split.order)].ravel().tolist())
         return self._price(dataclasses.replace(lay, device_order=order), split.layers, tag)
@@ -577,12 +838,15 @@ class _Search:
         worst, need = self._even_need(layout, table)
         layers = even_split(self.model.n_layers, layout.pp)
         c, n, lmax = table[worst][worst], layers[worst], max(layers)
+        slots = lmax if c.padded else n  # (as StageCost.memory counts them)
         self._note(need / c.capacity, (
             f"pp={layout.pp} dp={layout.dp} tp={layout.tp} zero={layout.zero.name} "
             f"M={layout.microbatches} {layout.schedule}: stage {worst} ({c.label}) needs "
-            f"{need / GIB:.2f} GiB per device (model states {c.mem_slot * lmax / GIB:.2f}, "
-            f"activations {c.mem_layer * n / GIB:.2f}, embedding/head/buffers "
-            f"{c.mem_fixed / GIB:.2f}) but has {c.capacity / GIB:.2f} GiB usable"))
+            f"{need / GIB:.2f} GiB per device (model states "
+            f"{(c.mem_slot - c.stash_slot) * slots / GIB:.2f}, activations "
+            f"{(c.mem_layer * n + c.stash_slot * slots + c.stash_fixed) / GIB:.2f}, "
+            f"embedding/head/buffers {(c.mem_fixed - c.stash_fixed) / GIB:.2f}) but has "
+            f"{c.capacity / GIB:.2f} GiB usable"))
 
     # --- why the choices were made ---------------------------------------------------------------
     def explain(self, plan: Plan, choices: dict[str, list[Layout]],
@@ -655,11 +919,27 @@ class _Search:
         `probed` for the search, which replays their notes in its own order. inf if fewer than
         `top` fit."""
         found = []
-        for i in sorted(range(len(todo)), key=floors.__getitem__)[:most]:
+        order = sorted(range(len(todo)), key=floors.__getitem__)
+        if self.distinct:  # the top needs `top` layouts: probe each one's lowest floor first
+            firsts = sorted({layout_key(todo[i][0]): i for i in reversed(order)}.values(),
+                            key=floors.__getitem__)
+            order = firsts + [i for i in order if i not in set(firsts)]
+        keys = set()
+        for n, i in enumerate(order):
+            # distinct: go on until `top` layouts fit (many may not), else no ceiling
+            if n >= most and not (self.distinct and len(keys) < top and n < 4 * most):
+                break
             lay, orders, tag = todo[i]
             self.probed[i] = self.evaluate_noted(lay, orders, tag, zero, stage_layers)
             if isinstance(self.probed[i][0], _Candidate):
                 found.append(self.probed[i][0])
+                keys.add(layout_key(lay))
+        if self.distinct:  # each layout's best-estimated candidate stands for it
+            found = list({layout_key(c.layout): c for c in
+                          sorted(found, key=lambda c: -c.estimate)}.values())
+            # a candidate no better than its own layout's probed step cannot improve it
+            self.key_ceiling = {layout_key(c.layout): self.simulate(c).predicted["step_time_s"]
+                                for c in found}
         if len(found) < top:
             return math.inf
         best = sorted(found, key=lambda c: c.estimate)[:top]
@@ -704,7 +984,10 @@ class _Search:
 
     def confirm(self, cands: list[_Candidate], top: int) -> list[Plan]:
         """Simulate candidates best estimate first until no lower bound can enter the top.
-        Equal step times rank the simpler plan first (fewer stages, micro-batches, shards)."""
+        Equal step times rank the simpler plan first (fewer stages, micro-batches, shards).
+        With `distinct`, the top holds one plan per layout (`layout_key`)."""
+        if self.distinct:
+            return self._confirm_distinct(cands, top)
         best: list[tuple[float, int, Plan]] = []  # max-heap on step time via negation
         for i, c in enumerate(sorted(cands, key=lambda c: c.estimate)):
             if len(best) >= top and c.bound >= -best[0][0]:
@@ -720,6 +1003,33 @@ class _Search:
             return (round(-t / fastest, 9), p.pp, p.microbatches, p.tp, p.zero.s_os, p.zero.s_p)
 
         return [p for _, _, p in sorted(best, key=rank)]
+
+    def _confirm_distinct(self, cands: list[_Candidate], top: int) -> list[Plan]:
+        """`confirm` keeping the best plan of each layout: a candidate whose lower bound is no
+        better than the top-th layout's step cannot improve its own layout (already in the
+        top, at or below that step) nor bring a new one in."""
+        def simpler(p: Plan) -> tuple:
+            return (p.pp, p.microbatches, p.tp, p.zero.s_os, p.zero.s_p)
+
+        best: dict[tuple, Plan] = {}
+        for c in sorted(cands, key=lambda c: c.estimate):
+            if len(best) >= top and c.bound >= max(p.predicted["step_time_s"]
+                                                   for p in best.values()):
+                continue
+            plan = self.simulate(c)
+            key, t = layout_key(c.layout), plan.predicted["step_time_s"]
+            old = best.get(key)
+            if old is not None:
+                t_old = old.predicted["step_time_s"]
+                if t > t_old * (1 + 1e-9) or (t >= t_old * (1 - 1e-9)
+                                               and simpler(plan) >= simpler(old)):
+                    continue
+            best[key] = plan
+            if len(best) > top:
+                del best[max(best, key=lambda k: best[k].predicted["step_time_s"])]
+        fastest = min(p.predicted["step_time_s"] for p in best.values())
+        return sorted(best.values(), key=lambda p: (
+            round(p.predicted["step_time_s"] / fastest, 9), *simpler(p)))
 
     def infeasible(self) -> PlanError:
         n = self.topology.num_devices
@@ -753,4 +1063,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["PlanResult", "plan", "bound_lines", "zero_points_by_traffic"]
+__all__ = ["PlanResult", "plan", "bound_lines", "layout_key", "zero_points_by_traffic", "TIE",
+           "BelowNothing", "device_subsets", "sub_topology", "unused_reasons",
+           "stage_shape_layouts"]

@@ -7,8 +7,11 @@
     python scripts/bench/planner.py dtfm           # DT-FM's five scenarios: cost, ratio, time
     python scripts/bench/planner.py speed          # outer search on 64 .. 4,096 devices
     python scripts/bench/planner.py speed --devices 4096 --executor spmd mpmd
+    python scripts/bench/planner.py speed --devices 4096 --executor spmd mpmd --subsets
     python scripts/bench/planner.py assign-speed   # DT-FM assignment on 64 .. 1,024 devices
     python scripts/bench/planner.py executors      # Holmes' hybrid layouts under each executor
+    python scripts/bench/planner.py scenario       # docs/planner.md's cluster: the plan against
+                                                   # the best priced without the search
     python scripts/bench/planner.py all
     python scripts/bench/planner.py --smoke        # seconds: calibrate and allreduce
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import time
 
 import numpy as np
@@ -188,24 +192,28 @@ def speed(args) -> None:
                 cached.cache_clear()  # each search builds its schedule tables afresh
             partition.split_cache_clear()  # ... and finds its layer splits afresh
             t0 = time.process_time()  # CPU seconds: the machines this runs on are shared
-            runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune),
+            runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune,
+                                subsets=args.subsets, distinct=args.subsets,
+                                stage_degrees=args.subsets),
                            time.process_time() - t0)
         (result, seconds), (full, full_seconds) = runs[True], runs[False]
-        same = [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
-                for p in (result.plan, *result.runners_up)] == \
-            [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers)
-             for p in (full.plan, *full.runners_up)]
+        same = [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers,
+                 p.device_order) for p in (result.plan, *result.runners_up)] == \
+            [(p.pp, p.dp, p.tp, p.microbatches, p.schedule, p.zero, p.stage_layers,
+              p.device_order) for p in (full.plan, *full.runners_up)]
         p, pr = result.plan, result.plan.predicted
         rows.append([str(n), executor, f"{seconds:.1f}", f"{full_seconds:.1f}",
                      f"{result.candidates} + {result.pruned} skipped", str(full.candidates),
                      "yes" if same else "NO",
                      f"pp={p.pp} dp={p.dp} tp={p.tp} M={p.microbatches} {p.schedule} "
-                     f"{p.zero.name}", f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
+                     f"{p.zero.name}" + (f", {p.num_devices} devices" if args.subsets else ""),
+                     f"{pr['step_time_s']:.2f}", f"{pr['mfu']:.1%}"])
     print("Outer search speed: 70B-class model (80 layers, d 8192, GQA 64/8), batch 2048 x "
           "4096 tokens, on holmes_hybrid (InfiniBand + RoCE clusters of 8-A100 nodes, "
           f"Ethernet between), priced for each executor, compute "
           f"{args.compute}; the search with its lower-bound pruning beside the exhaustive "
-          "one (prune=False)\n")
+          "one (prune=False)" + ("; the devices used searched too (whole clusters left out), "
+                                 "runners-up distinct layouts" if args.subsets else "") + "\n")
     print(table(["devices", "executor", "CPU s", "exhaustive CPU s", "layouts priced",
                  "exhaustive priced", "same plans", "chosen", "step s", "MFU"], rows))
 
@@ -305,11 +313,217 @@ def executors(_args) -> None:
     print(table(["model", "between clusters", "executor", "chosen", "step s"], chosen))
 
 
+def _compositions(n: int, parts: int):
+    """Every way to give `parts` stages at least one of `n` layers each, in order."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, n)))
+
+
+# Stage arrangements `exhaustive_best` enumerates per layout before it takes the search's own
+# orders instead (slot order, slowest first, fastest first: `partition.candidate_orders`).
+ARRANGEMENTS = 2000
+
+
+def arrangements(kinds: list, most: int = ARRANGEMENTS) -> list[tuple[int, ...]]:
+    """Stage orders that differ in the sequence of stage kinds (stages of one kind cost the
+    same), every one when there are at most `most`, else []."""
+    labels = sorted(set(kinds), key=kinds.index)
+    pools = {k: [i for i, x in enumerate(kinds) if x == k] for k in labels}
+    counts = [len(pools[k]) for k in labels]
+    total = math.factorial(len(kinds)) // math.prod(math.factorial(c) for c in counts)
+    if total > most:
+        return []
+    out = []
+
+    def walk(prefix, left):
+        if not any(left):
+            used = {k: iter(pools[k]) for k in labels}
+            out.append(tuple(next(used[labels[j]]) for j in prefix))
+            return
+        for j, c in enumerate(left):
+            if c:
+                left[j] -= 1
+                walk(prefix + [j], left)
+                left[j] += 1
+
+    walk([], counts)
+    return out
+
+
+def exhaustive_best(topology, model, global_batch: int, seq_len: int,
+                    executors=("spmd", "mpmd"), all_splits: bool = True):
+    """The fastest plan the cost model can price, found without the search: every connected
+    set of clusters (`search.device_subsets`), executor, (pp, dp, tp) that uses those devices
+    and keeps the placement rules (and, for the MPMD executor, each cluster's stages of their
+    own (dp, tp) where clusters differ in their nodes, replicated states), arrangement of the
+    stages (distinct by what they cost; beyond ARRANGEMENTS of them, the search's own stage
+    orders), micro-batch count, schedule the executor runs,
+    placement, recompute policy the cost model weighs, ZeRO point, and layer split: every
+    split (`all_splits`), or for each of the rest the split the partition finds exact for its
+    pipeline-time estimate. Every candidate whose lower bound (`simulate.lower_bound`, which
+    no schedule beats) is below the best so far is simulated; returns (best Plan with its
+    prediction, candidates, simulated)."""
+    from hetjax.core.plan import Plan, batch_split_problem, placement_problem
+    from hetjax.core.schedules import SCHEDULES
+    from hetjax.planner import zero_factors as zr
+    from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, runs_schedule
+    from hetjax.planner.layout import Layout
+    from hetjax.planner.placement import placement_problems
+    from hetjax.planner.search import (device_subsets, fits_schedule, stage_shape_layouts,
+                                       sub_topology)
+    from hetjax.planner.simulate import lower_bound
+
+    def splits_of(lay, subcm):
+        if all_splits:
+            return list(_compositions(N, lay.pp))
+        found = partition.best_split(subcm.stage_table(lay), N, lay.microbatches,
+                                     [tuple(range(lay.pp))])
+        return [found.layers] if found else []
+
+    best, candidates, simulated = None, 0, 0
+    N = model.n_layers
+
+    def price(lay, splits, cm, subcm, ranks):
+        nonlocal best, candidates, simulated
+        for split in splits:
+            candidates += 1
+            stages = subcm.stage_costs(lay)
+            fwd = [c.fwd(k) for c, k in zip(stages, split)]
+            bwd = [c.bwd(k) for c, k in zip(stages, split)]
+            if not all(c.memory(k, max(split)) <= c.capacity for c, k in zip(stages, split)):
+                continue
+            send = subcm.boundary_times(lay)[0]
+            if best is not None and lower_bound(fwd, bwd, lay.microbatches, send, send) >= \
+                    best.predicted["step_time_s"]:
+                continue
+            p = lay.with_plan(split, device_order=tuple(ranks[i] for i in lay.device_order))
+            pred = cm.predict(p)
+            simulated += 1
+            if pred.fits and (best is None or pred.step_time < best.predicted["step_time_s"]):
+                best = dataclasses.replace(p, predicted=pred.as_dict())
+
+    for keep in device_subsets(topology):
+        sub, ranks = sub_topology(topology, keep)
+        n = sub.num_devices
+        per_node = math.gcd(*(c.devices_per_node for c in sub.clusters))
+        tps = [t for t in range(1, n + 1) if math.gcd(model.n_heads, model.n_kv_heads,
+                                                      model.d_ff, per_node) % t == 0]
+        for name in executors:
+            cm = CostModel(topology, model, CostOptions(executor=PLAN_EXECUTORS[name]))
+            subcm = CostModel(sub, model, CostOptions(executor=PLAN_EXECUTORS[name]))
+            for tp, pp in itertools.product(tps, range(1, N + 1)):
+                if n % (tp * pp):
+                    continue
+                dp = n // (tp * pp)
+                probe = Plan(pp=pp, dp=dp, tp=tp, stage_layers=(1,) * pp, microbatches=1,
+                             global_batch=dp, seq_len=1)
+                if placement_problems(probe, sub):
+                    continue
+                rows = np.arange(n).reshape(pp, dp * tp)
+                base = Layout(pp=pp, dp=dp, tp=tp, microbatches=1, global_batch=global_batch,
+                              seq_len=seq_len)
+                keys = subcm.stage_keys(base)
+                orders = arrangements(list(keys)) or partition.candidate_orders(
+                    subcm.stage_table(base))
+                nodes = subcm.node_of(base.mesh().transpose(0, 2, 1).reshape(-1, dp))
+                for perm, M in itertools.product(orders, range(1, global_batch + 1)):
+                    if batch_split_problem(global_batch, M, dp):
+                        continue
+                    order = tuple(int(r) for r in rows[list(perm)].ravel())
+                    for sched, remat, zero in itertools.product(
+                            SCHEDULES, subcm.remat_choices(pp), zr.space(nodes)):
+                        if not fits_schedule(sched, pp, M, PLAN_EXECUTORS[name], "1f1b") or (
+                                pp > 1 and not runs_schedule(name, sched)):
+                            continue
+                        places = ("looped", "folded") if pp > 1 else ("looped",)
+                        for place in places:
+                            if placement_problem(place, sched):
+                                continue
+                            lay = Layout(pp=pp, dp=dp, tp=tp, device_order=order,
+                                         microbatches=M, global_batch=global_batch,
+                                         seq_len=seq_len, schedule=sched, zero=zero,
+                                         placement=place, remat=remat, executor=name)
+                            price(lay, splits_of(lay, subcm), cm, subcm, ranks)
+            if name != "mpmd":  # stages of different (dp, tp): the MPMD executor's
+                continue
+            for shapes, order in stage_shape_layouts(sub, model):
+                pp = len(shapes)
+                blocks = [order[sum(d * t for d, t in shapes[:i]):
+                                sum(d * t for d, t in shapes[:i + 1])] for i in range(pp)]
+                whole = Layout(pp=pp, dp=shapes[0][0], tp=shapes[0][1], stage_shapes=shapes,
+                               device_order=order, microbatches=1,
+                               global_batch=global_batch, seq_len=seq_len)
+                kinds = [(shapes[i], subcm.stage_keys(CostModel.stage_view(whole, i))[i])
+                         for i in range(pp)]
+                perms = arrangements(kinds) or partition.candidate_orders(
+                    subcm.stage_table(whole))
+                dp = math.lcm(*(d for d, _ in shapes))
+                for perm, M in itertools.product(perms, range(1, global_batch + 1)):
+                    if batch_split_problem(global_batch, M, dp):
+                        continue
+                    for sched, remat in itertools.product(SCHEDULES, subcm.remat_choices(pp)):
+                        if not fits_schedule(sched, pp, M, "mpmd", "1f1b"):
+                            continue
+                        moved = tuple(shapes[i] for i in perm)
+                        lay = Layout(pp=pp, dp=moved[0][0], tp=moved[0][1], stage_shapes=moved,
+                                     device_order=tuple(r for i in perm for r in blocks[i]),
+                                     microbatches=M, global_batch=global_batch,
+                                     seq_len=seq_len, schedule=sched, remat=remat,
+                                     executor=name)
+                        price(lay, splits_of(lay, subcm), cm, subcm, ranks)
+    return best, candidates, simulated
+
+
+SCENARIO = {  # docs/planner.md: the cluster of a new user, as they would write it
+    "name": "lab",
+    "clusters": [
+        {"name": "a100ib", "nodes": 2, "devices_per_node": 8, "accelerator": "a100_80gb",
+         "nic": "ib_hdr_200g", "intra_node": "nvlink3"},
+        {"name": "l40s", "nodes": 1, "devices_per_node": 4, "accelerator": "l40s",
+         "nic": "eth_25g", "intra_node": "pcie4"}],
+    "inter_cluster": "eth_10g"}
+
+
+def scenario(_args) -> None:
+    """The plan `hetjax plan` gives the scenario of docs/planner.md (llama3_8b, batch 256 x
+    4096, 2 x 8 A100 on InfiniBand + 4 L40S, 10 Gb/s between) against the best the cost model
+    can price, found without the search (`exhaustive_best`, each stage order's exact split)."""
+    from hetjax.argv import default_job_path
+    from hetjax.config import load_config
+    from hetjax.core.topology_file import topology_from_dict
+    from hetjax.planner import plan_job
+
+    topology = topology_from_dict(SCENARIO)
+    c = load_config(default_job_path(), ["--config.parallel.pp=0", "--config.parallel.tp=0",
+                                         "--config.model.preset=llama3_8b",
+                                         "--config.train.batch_size=256",
+                                         "--config.train.seq_len=4096"], default_job=True)
+    t0 = time.process_time()
+    job = plan_job(c, topology)
+    planned = time.process_time() - t0
+    t0 = time.process_time()
+    best, candidates, simulated = exhaustive_best(topology, job.model, 256, 4096,
+                                                  all_splits=False)
+    every = time.process_time() - t0
+    rows = []
+    for what, p, secs in (("hetjax plan", job.plan, planned), ("exhaustive", best, every)):
+        rows.append([what, f"pp={p.pp} dp={p.dp} tp={p.tp} {p.executor} M={p.microbatches} "
+                     f"{p.schedule} {p.placement} remat={p.remat} {p.zero.name}",
+                     f"{len(p.device_order)}", f"{p.predicted['step_time_s']:.4f}",
+                     f"{secs:.1f}"])
+    gap = job.plan.predicted["step_time_s"] / best.predicted["step_time_s"] - 1
+    print(f"The scenario of docs/planner.md: the planner's plan against the fastest of "
+          f"{candidates:,} layouts priced without the search ({simulated:,} simulated); "
+          f"the plan is {gap:+.2%} from it\n")
+    print(table(["", "plan", "devices", "step s", "CPU s"], rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", choices=["calibrate", "allreduce", "amsp", "dtfm",
-                                                    "speed", "assign-speed", "executors", "all"])
+                                                    "speed", "assign-speed", "executors",
+                                                    "scenario", "all"])
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: the two pure tables (calibrate and allreduce)")
     parser.add_argument("--seconds", type=float, default=60.0,
@@ -319,6 +533,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--compute", choices=["flat", "kinds"], default="flat",
                         help="speed: compute priced flat (one efficiency) or by operation kind")
+    parser.add_argument("--subsets", action="store_true",
+                        help="speed: the search as `hetjax plan` runs it: the devices used "
+                        "and per-stage degrees a choice too, the runners-up distinct layouts")
     parser.add_argument("--executor", choices=["spmd", "mpmd", "megatron"], nargs="+",
                         default=["spmd"], help="speed: how the plans are priced (see "
                         "cost.PRICED_EXECUTORS); several: one row each, in one table")
@@ -327,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give one benchmark (see above) or --smoke")
     steps = {"calibrate": [calibrate], "allreduce": [allreduce], "amsp": [amsp], "dtfm": [dtfm],
              "speed": [speed], "assign-speed": [assign_speed], "executors": [executors],
+             "scenario": [scenario],
              "all": [calibrate, allreduce, amsp, dtfm, speed, assign_speed, executors],
              "smoke": [calibrate, allreduce]}["smoke" if args.smoke else args.what]
     for i, step in enumerate(steps):
