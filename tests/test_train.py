@@ -122,7 +122,7 @@ def test_a_trainer_runs_on_the_parts_it_is_given_and_builds_none_itself(tmp_path
     def built_again(*args, **kwargs):
         raise AssertionError("Trainer(parts) built a part")
 
-    for name in ("make_executor", "plan_from_config", "tokenizer_from_config", "make_optimizer",
+    for name in ("make_executor", "plan_job", "tokenizer_from_config", "make_optimizer",
                  "runtime_from_environ", "check_memory", "choose_local"):
         monkeypatch.setattr(train, name, built_again)
     monkeypatch.setattr(train.hconfig, "validate", built_again)

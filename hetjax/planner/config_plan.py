@@ -56,8 +56,12 @@ def _set(c, field: str, value) -> None:
 
 
 def layout_searched(c) -> bool:
-    """Whether the planner chooses the degrees (parallel.pp or parallel.tp at 0)."""
-    return not c.parallel.pp or not c.parallel.tp
+    """Whether the planner chooses the degrees (parallel.pp or parallel.tp at 0, and no
+    per-stage degrees: parallel.stage_dp / stage_tp fix them)."""
+    p = c.parallel
+    if p.get("stage_dp", ()) or p.get("stage_tp", ()):
+        return False
+    return not p.pp or not p.tp
 
 
 def free_unset(c, user_set) -> None:
