@@ -393,7 +393,7 @@ def cmd_plan(argv: list[str]) -> int:
               "shape)")
     from hetjax.planner.breakdown import breakdown_lines
 
-    for line in breakdown_lines(job.breakdown):  # what the step is made of
+    for line in breakdown_lines(job.breakdown) if job.breakdown else ():  # (priced plans)
         print(line)
     if job.what_if_lines:
         print("what if (the planner on the changed cluster):")

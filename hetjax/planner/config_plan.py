@@ -334,7 +334,7 @@ def _plan_on(c, topology: Topology, options: CostOptions, top: int) -> Plan:
     rates and memory margin."""
     model = model_from_config(c, topology)
     if searches_layout(c):
-        return _search(c, topology, model, options, top).plan
+        return _search(c, topology, model, options, top, what_if=True).plan
     return _fixed(c, topology, model, options)
 
 
@@ -358,9 +358,12 @@ def _zero(c):
     return ZeroFactors(z.s_p, z.s_g, z.s_os, "custom") if z.preset == "custom" else z.preset
 
 
-def _search(c, topology: Topology, model, options: CostOptions, top: int) -> PlanResult:
+def _search(c, topology: Topology, model, options: CostOptions, top: int,
+            what_if: bool = False) -> PlanResult:
     """The planner's search under every executor the config allows; the best plan and the
-    best distinct layouts after it (`layout_key`: degrees, executor, devices)."""
+    best distinct layouts after it (`layout_key`: degrees, executor, devices). `what_if`: a
+    search asked beside the plan (a changed topology, a field left free), without DT-FM's
+    assignment, which costs seconds per layout on topologies of many sites."""
     results, ceiling, skipped = [], math.inf, {}
     schedule = SCHEDULES if c.pipeline.schedule == "auto" else c.pipeline.schedule
     # the MPMD executor first: its asynchronous stages mostly price faster, and each search
@@ -374,7 +377,8 @@ def _search(c, topology: Topology, model, options: CostOptions, top: int) -> Pla
                      stage_layers=tuple(c.pipeline.stage_layers), options=opts, top=top,
                      allow_straddle=c.parallel.allow_straddle,
                      placement=c.pipeline.placement, distinct=True, subsets=True,
-                     stage_degrees=True, ceiling=ceiling, ep=c.parallel.ep)
+                     stage_degrees=True, ceiling=ceiling, ep=c.parallel.ep,
+                     network_aware=False if what_if else None)
         except BelowNothing:
             skipped[executor] = ceiling
             continue
@@ -498,7 +502,8 @@ def _fixed_lines(c, topology: Topology, best: Plan, options: CostOptions) -> lis
         if field == "train.microbatches":
             free.pipeline.microbatches = 0
         try:
-            other = _search(free, topology, model_from_config(free, topology), options, 1).plan
+            other = _search(free, topology, model_from_config(free, topology), options, 1,
+                            what_if=True).plan
         except HetjaxError:  # nothing fits even with it free: say nothing
             continue
         t = other.predicted["step_time_s"]

@@ -385,11 +385,16 @@ def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, s
     options = options or CostOptions()
     cm = CostModel(topology, model, options)
     results, first_error, whole, best_step = [], None, None, math.inf
+    everything = tuple(range(len(topology.clusters)))
     for keep in device_subsets(topology):
         sub, ranks = sub_topology(topology, keep)
+        # DT-FM's assignment (seconds per layout) only on all devices: on a smaller set it
+        # would multiply the search's time by the number of sets
+        aware = kw.get("network_aware") if keep == everything else False
         try:  # (the exhaustive search, prune=False, searches every subset in full)
             r = plan(sub, model, global_batch, seq_len, top=top, options=options,
-                     ceiling=ceiling if kw.get("prune", True) else math.inf, **kw)
+                     ceiling=ceiling if kw.get("prune", True) else math.inf,
+                     **{**kw, "network_aware": aware})
         except BelowNothing:
             continue
         except PlanError as e:  # e.g. nothing fits: say the whole topology's reason
