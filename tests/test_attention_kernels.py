@@ -180,6 +180,7 @@ def test_every_named_kernel_is_chosen_or_refused_with_the_fix():
         ak.choose("flash", "cpu", "float32", 64, 256)
 
 
+@pytest.mark.slow  # three searched plans (one on DT-FM's 40 sites)
 def test_hetjax_plan_shows_the_kernel_each_accelerator_takes(capsys):
     from hetjax.cli import main
 

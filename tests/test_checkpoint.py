@@ -117,7 +117,7 @@ def pp_config(workdir, root, plan):
 
 
 @pytest.mark.parametrize("plan", [
-    {"parallel.pp": 1, "parallel.dp": 8, "parallel.tp": 1},
+    pytest.param({"parallel.pp": 1, "parallel.dp": 8, "parallel.tp": 1}, marks=pytest.mark.slow),
     pytest.param({"parallel.pp": 4, "pipeline.stage_layers": (1, 1, 1, 1), "parallel.dp": 2,
                   "parallel.tp": 1}, marks=pytest.mark.slow)], ids=["pp1-dp8", "pp4-even"])
 def test_pipeline_checkpoint_restores_under_another_split(pp_runs, plan):

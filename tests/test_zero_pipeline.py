@@ -117,6 +117,7 @@ def test_zero_in_stages_equals_single_device_with_sharded_bytes_and_audited_coll
             assert c.kind == "collective-permute" or c.scalar, c.describe()
 
 
+@pytest.mark.slow  # the zero3 point above is the default tier's
 def test_tensor_parallelism_stays_real_inside_the_pipeline():
     """tp = 2 halves each device's work as dp = 2 does: per-device FLOPs of pp2 x dp2 x tp2
     are those of pp2 x dp4 x tp1 (tp replicated would double them)."""
