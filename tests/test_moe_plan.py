@@ -125,7 +125,7 @@ def test_moe_across_two_clusters_ep_inside_each_pipeline_across():
     from test_moe_parallel import assert_same_run, run
 
     from hetjax.planner import plan_from_config
-    from hetjax.planner.config_plan import plan_for_config
+    from hetjax.planner.config_plan import plan_job
 
     layout = {"parallel.pp": 2, "parallel.dp": 4, "parallel.ep": 2, "train.microbatches": 2,
               "pipeline.executor": "mpmd"}
@@ -135,6 +135,6 @@ def test_moe_across_two_clusters_ep_inside_each_pipeline_across():
     assert_same_run(got, ref)
     c = tiny_config(**{**MOE_FIELDS, "topology.preset": "cpu_hybrid", "parallel.pp": 2,
                        "parallel.tp": 1, "parallel.ep": 0, "pipeline.executor": "mpmd"})
-    result = plan_for_config(c, topo.preset("cpu_hybrid"))
+    result = plan_job(c, topo.preset("cpu_hybrid")).search
     assert result.plan.ep in (1, 2) and "ep" in result.plan.predicted["bound"]
     assert plan_from_config(c, topo.preset("cpu_hybrid")).ep == result.plan.ep

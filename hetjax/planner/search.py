@@ -885,7 +885,7 @@ class _Search:
                 est, lay, need, cap = min(faster, key=lambda r: r[0])
                 value = {"zero": lay.zero.name, "microbatches": f"M={lay.microbatches}",
                          "schedule": lay.schedule, "placement": lay.placement,
-                         "remat": f"remat={lay.remat}"}[what]
+                         "remat": f"remat={lay.remat}", "ep": f"ep={lay.ep}"}[what]
                 reasons[what] = (
                     f"memory: {value} would be {1 - est / chosen.estimate:.1%} faster but "
                     f"needs {need / GIB:.2f} GiB per device of {cap / GIB:.2f} usable "
