@@ -39,8 +39,8 @@ experts' leading axis is split over it, and the layer exchanges tokens with
 routes its own tokens, sends each (token, choice) to the device holding its expert, runs its
 E / ep experts (dropless: grouped matmuls over the rows it received; capacity: its slots) and
 sends the outputs back. `jax.lax.ragged_all_to_all` would send only the filled rows, but XLA's
-CPU backend does not implement it, so the fixed buffers are used everywhere. (Dense dispatch exchanges like
-dropless: only the experts' own tokens cross the links.)
+CPU backend does not implement it, so the fixed buffers are used everywhere. (Dense dispatch
+exchanges like dropless: only the experts' own tokens cross the links.)
 
 Auxiliary losses, recorded per layer with `self.sow('moe', ...)` (`Transformer` stacks them
 over layers; `moe_loss` sums them into the term the training loss adds, reported as a metric).

@@ -73,7 +73,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(runs):
     assert "20" in summary["checkpoints"]
 
 
-@pytest.mark.parametrize("plan", [{"parallel.dp": 8, "parallel.tp": 1},
+@pytest.mark.parametrize("plan", [pytest.param({"parallel.dp": 8, "parallel.tp": 1},
+                                               marks=pytest.mark.slow),
                                   {"parallel.dp": 4, "parallel.tp": 2}],
                          ids=["dp8", "dp4xtp2"])
 def test_checkpoint_restores_under_another_plan_and_training_continues(runs, plan):

@@ -138,7 +138,7 @@ def test_pieces_compose_to_the_whole_model():
     np.testing.assert_allclose(logits, model.apply({"params": params}, tokens), atol=1e-5)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "dots"])
 def test_remat_does_not_change_gradients(remat):
     base = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)

@@ -122,8 +122,9 @@ def check_collectives(trainer, ops: list[hlo.Collective]):
     assert in_loop == ({("reduce-scatter", g_group, MICRO)} if z.s_g > 1 else set())
 
 
-# zero3 and p2-g4-os4-tp2: the default tier's; the other points are the slow tier's
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("zero3", "p2-g4-os4-tp2") else
+# p2-g4-os4-tp2 (every factor a different width, beside tp): the default tier's; the other points
+# are the slow tier's (zero3 also in tests/test_zero_pipeline.py's default tier)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "p2-g4-os4-tp2" else
                                                [pytest.mark.slow]) for n in POINTS])
 def test_point_equals_single_device_with_sharded_bytes_and_audited_collectives(reference, name):
     overrides, factors = POINTS[name]

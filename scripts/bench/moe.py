@@ -11,10 +11,11 @@ capacity at factor 1.0 and 1.25) on one device; and dropless with expert paralle
 simulated devices (one program, the all-to-alls on fixed buffers). "FLOPs / 6NT" is XLA's
 compiled FLOPs of the step over 6 x active parameters x tokens (attention's QK^T and AV and
 the optimizer update are the rest), read from the row's one-layer twin: XLA's cost analysis
-counts a loop's body once, and the layers are a loop. Step time is the median of --steps steps after a
-warm-up; on shared CPU cores it measures contention as much as anything. XLA's CPU backend
-runs `ragged_dot` (dropless) as a dense matmul per expert, so dropless costs E / k times the
-FLOPs here; on GPUs it is a grouped matmul.
+counts a loop's body once, and the layers are a loop. Step time is the median of --steps
+steps after a warm-up; on shared CPU cores it measures contention as much as anything. XLA's
+CPU backend runs `ragged_dot` (dropless) densely, every row through every expert's weights,
+so dropless costs E times the feed-forward's active FLOPs here; on GPUs it is a grouped
+matmul.
 """
 
 from __future__ import annotations
