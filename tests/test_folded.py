@@ -80,7 +80,8 @@ def folded_run():
     return trainer, batch, reference_grads(trainer, batch)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "strands"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow),
+                                      pytest.param("strands", marks=pytest.mark.slow)])
 def test_folded_loss_and_every_gradient_equal_the_plain_model(folded_run, schedule):
     trainer, batch, (ref_loss, ref_grads) = folded_run
     pipe = pl.Pipeline(dataclasses.replace(trainer.plan, schedule=schedule), trainer.model_cfg,

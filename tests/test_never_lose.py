@@ -355,7 +355,7 @@ def test_a_second_sigint_stops_at_once_and_names_the_lost_steps(trainer, saved_r
     assert _losses(tmp_path) == reference
 
 
-@pytest.mark.parametrize("where", ["metrics", "checkpoint"])
+@pytest.mark.parametrize("where", [pytest.param("metrics", marks=pytest.mark.slow), "checkpoint"])
 def test_a_full_disk_is_one_error_and_the_rerun_loses_nothing(trainer, saved_run, tmp_path,
                                                               monkeypatch, where):
     """ENOSPC while writing a metrics row or a checkpoint (the writer patched to fail as on a

@@ -382,7 +382,7 @@ def _signature(result):
             for p in (result.plan, *result.runners_up)]
 
 
-@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+@pytest.mark.parametrize("executor", ["spmd", pytest.param("mpmd", marks=pytest.mark.slow)])
 def test_pruned_search_finds_the_exhaustive_plan_and_runners_up(executor):
     t = preset("holmes_hybrid", nodes=4, devices_per_node=8)
     model = gpt(remat="auto")
