@@ -312,6 +312,7 @@ def _train_expecting(trainer, error, hook=None):
     return str(e.value)
 
 
+@pytest.mark.slow  # (the SIGTERM save itself is the default tier's, with periodic checkpoints)
 def test_sigterm_without_periodic_checkpoints_resumes_from_its_save(trainer, saved_run, tmp_path):
     from hetjax.errors import Preempted
 

@@ -302,6 +302,7 @@ def test_an_entry_point_of_an_experiment_starts_as_a_module(name):
     assert "usage:" in res.stdout
 
 
+@pytest.mark.slow  # (test_bench_quota_smoke runs the same smoke in the default tier)
 def test_a_benchmark_that_reads_an_experiment_runs_as_a_file_from_another_directory(tmp_path):
     """`--help` stops before a benchmark reaches its experiment's code: bench_quota's smoke
     uses it (the experiment's workload and the load line), run as a file from elsewhere."""
