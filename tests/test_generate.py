@@ -70,7 +70,8 @@ def test_cached_logits_match_the_full_forward(dtype, tol):
     assert int(cache["pos"][0, 0]) == seq.shape[1]
 
 
-@pytest.mark.parametrize("full_layers", [(), (0,)], ids=["every-layer", "layer-1-only"])
+@pytest.mark.parametrize("full_layers", [(), pytest.param((0,), marks=pytest.mark.slow)],
+                         ids=["every-layer", "layer-1-only"])
 def test_cached_logits_keep_the_sliding_window(full_layers):
     """A 4-token window over 10 positions, on every layer or on layer 1 only: prefill plus
     one-token steps give the windowed full forward's logits (which differ from full attention),

@@ -63,6 +63,7 @@ def test_a_padded_model_is_the_unpadded_one():
     assert logits.shape[-1] == 128 and (logits[..., 45:] == PADDED_LOGIT).all()
 
 
+@pytest.mark.slow  # (a training; the padded model's numerics are the default tier's, above)
 def test_an_odd_vocabulary_trains_with_tp_and_its_losses_are_the_unpadded_models(tmp_path):
     """vocab 333, dp = 4 x tp = 2 (IndivisibleError before): each step's loss equals the
     unpadded model's on the same parameters and batch, and the padding rows stay exactly zero
