@@ -136,6 +136,7 @@ def test_bench_moe_smoke(capsys):
         assert row in out, out
 
 
+@pytest.mark.slow  # the loader (prefetching) is the default tier's in test_data.py and every training test
 def test_bench_data_smoke(tmp_path, capsys):
     from scripts.bench import data as bench_data
 
