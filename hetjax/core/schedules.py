@@ -511,9 +511,11 @@ def _dependencies(schedule: Schedule) -> _Dependencies:
     key = (slot * V + chunk) * width + m
     table = np.full(3 * V * width, N, dtype=np.int64)
     table[key] = np.arange(N)
-    if N and len(np.unique(key)) < N:
-        i = int(np.flatnonzero(np.bincount(key) > 1)[0])
-        raise ValueError(f"schedule {schedule.name} runs a task twice (its slot {i})")
+    twice = np.flatnonzero(table[key] != np.arange(N))  # a later task has the same key
+    if len(twice):
+        i = int(twice[0])
+        raise ValueError(f"schedule {schedule.name} runs {TASK_KINDS[kind[i]]}{mb[i]} of chunk "
+                         f"{sc[i]} twice on stage {stage[i]}")
     first, last = chunk == 0, chunk == V - 1
     prev = table[(0 * V + np.maximum(chunk - 1, 0)) * width + m]
     own_f = table[(0 * V + chunk) * width + m]
@@ -544,12 +546,13 @@ def _hop_times(deps: _Dependencies, hop: Callable[[int, int], float]) -> list:
 
 
 def _run(schedule: Schedule, deps: _Dependencies, duration: list, hops: list
-         ) -> tuple[list[float], list[float], list[int]]:
-    """Play the flattened tasks (see `play`): their starts, ends and the order they ran in."""
+         ) -> tuple[list[float], list[float], list[tuple[int, int]]]:
+    """Play the flattened tasks (see `play`): their starts and ends, and the order they ran
+    in as ranges of indices (a stage runs a range of its tasks at each visit)."""
     kind, wait, grad, never = deps.kind, deps.wait, deps.grad, deps.never
     end: list = [None] * (never + 1)
     start: list = [0.0] * never
-    ran: list[int] = []
+    ran: list[tuple[int, int]] = []
     pos, stop = deps.offsets[:-1], deps.offsets[1:]
     clock = [0.0] * len(pos)
     remaining = never
@@ -589,9 +592,9 @@ def _run(schedule: Schedule, deps: _Dependencies, duration: list, hops: list
                 start[i] = c
                 c = c + duration[i]
                 end[i] = c
-                ran.append(i)
                 i += 1
             if i > pos[s]:
+                ran.append((pos[s], i))
                 progressed = True
                 remaining -= i - pos[s]
                 pos[s], clock[s] = i, c
@@ -612,7 +615,7 @@ def play(schedule: Schedule, duration: Callable[[int, Task], float],
     stage = deps.stage.tolist()
     start, end, ran = _run(schedule, deps, [duration(s, a) for s, a in zip(stage, tasks)],
                            _hop_times(deps, hop))
-    return [Event(stage[i], tasks[i], start[i], end[i]) for i in ran]
+    return [Event(stage[i], tasks[i], start[i], end[i]) for a, b in ran for i in range(a, b)]
 
 
 def play_ends(schedule: Schedule, duration: Callable[[int, str], float],

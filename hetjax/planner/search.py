@@ -981,10 +981,9 @@ class _Search:
         key = (c.layout, c.layers)
         if key not in self._predictions:
             plan = c.layout.with_plan(c.layers)
-            pred = self.cm.predict(plan)
+            plan.predicted.update({**self.cm.predict(plan).as_dict(), "layout": c.tag})
             self.simulated += 1
-            self._predictions[key] = dataclasses.replace(
-                plan, predicted={**pred.as_dict(), "layout": c.tag})
+            self._predictions[key] = plan
         return self._predictions[key]
 
     def confirm(self, cands: list[_Candidate], top: int) -> list[Plan]:
