@@ -13,7 +13,9 @@ interleaved placement). Dependencies are implicit: F of model chunk k needs F of
 output) and its own F; W needs its own I.
 
 Adding a schedule is one `Schedule` subclass decorated with `@register`: its `build()` returns
-the orders; class attributes say how many chunks per stage it runs (`virtual`) and whether it
+the orders (or its `order_codes()` gives them as integer arrays, as the registered schedules
+do, so that the planner plays thousands of micro-batches without building Task objects); class
+attributes say how many chunks per stage it runs (`virtual`) and whether it
 splits the backward. Only schedules with one chunk per stage and a whole backward run on the
 SPMD executor's tick grid (`spmd_compatible`); every schedule runs on the MPMD executor.
 
@@ -80,7 +82,7 @@ def register(cls: type["Schedule"]) -> type["Schedule"]:
 class Schedule:
     """A pipeline schedule for `stages` stages and `microbatches` micro-batches (see the module
     docstring). Subclasses set `name`, optionally `virtual` and `splits_backward`, implement
-    `build()`, and may refuse sizes in `check()`."""
+    `build()` or `order_codes()`, and may refuse sizes in `check()`."""
 
     name: ClassVar[str] = ""
     virtual: ClassVar[int] = 1  # model chunks per stage
