@@ -319,21 +319,33 @@ def test_equal_stages_match_the_closed_form_and_bubble():
 
 
 def test_lower_bound_never_exceeds_the_simulation():
-    # every schedule of one chunk per stage and a whole backward, played either way (the
-    # search skips simulating a runner-up by this bound: search._bounded)
-    from hetjax.core.schedules import spmd_schedules
+    # every schedule and placement, played either way where it can be: the search skips
+    # simulating candidates by this bound (its fill and drain only where `chain` allows them).
+    from hetjax.core.schedules import SCHEDULES
+    from hetjax.planner.simulate import chain
 
     rng = random.Random(0)
-    for _ in range(300):
+    played = {}
+    for _ in range(600):
         S, M = rng.randint(1, 6), rng.randint(1, 10)
+        name = rng.choice(sorted(SCHEDULES))
+        grid = SCHEDULES[name].spmd_compatible  # the tick grid: lockstep and folded
+        placement = "folded" if grid and S > 1 and rng.random() < 0.3 else "looped"
+        try:
+            SCHEDULES[name].check(S * (2 if placement == "folded" else 1), M)
+        except ValueError:  # the schedule's own rule on M and S (e.g. interleaved's)
+            continue
         fwd = [rng.uniform(0.1, 2) for _ in range(S)]
         bwd = [rng.uniform(0.1, 4) for _ in range(S)]
         send = [rng.uniform(0, 0.5) for _ in range(S - 1)]
         sync = [rng.uniform(0, 3) for _ in range(S)]
-        overlap = rng.uniform(0, 1)
-        name = rng.choice(spmd_schedules())
-        sim = simulate(name, M, fwd, bwd, send, send, sync, overlap, lockstep=rng.random() < 0.5)
-        assert lower_bound(fwd, bwd, M, send, send, sim.sync_exposed) <= sim.step_time + 1e-9
+        sim = simulate(name, M, fwd, bwd, send, send, sync, rng.uniform(0, 1),
+                       lockstep=grid and rng.random() < 0.5, placement=placement)
+        fill, drain = chain(name, placement == "folded")
+        bound = lower_bound(fwd, bwd, M, send, send, sim.sync_exposed, fill=fill, drain=drain)
+        assert bound <= sim.step_time + 1e-9, (name, placement, S, M)
+        played[name, placement] = played.get((name, placement), 0) + 1
+    assert {n for n, _ in played} == set(SCHEDULES) and any(p == "folded" for _, p in played)
 
 
 def test_gradient_sync_hides_behind_the_last_backward():

@@ -1,6 +1,7 @@
 """The outer search, its errors, and how the rest of hetjax uses it (config, CLI, display)."""
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -427,16 +428,19 @@ def test_step_floor_is_below_every_candidates_lower_bound():
     from hetjax.planner.layout import Layout
 
     t = preset("holmes_hybrid", nodes=4, devices_per_node=8)
-    s = search_mod._Search(t, gpt(remat="auto"), 256, 2048, CostOptions(), False, None, 1.0)
-    checked = 0
+    s = search_mod._Search(t, gpt(remat="auto"), 256, 2048, CostOptions(executor="mpmd"), False,
+                           None, 1.0)
+    checked = {}
     for p, d, tp in s.degrees(0, 0, 0, ()):
         for order, orders, tag in s.layouts(p, d, tp):
-            for M in s.microbatch_counts(d, 0)[:4]:
+            for M, schedule in itertools.product(s.microbatch_counts(d, 0)[:4], (
+                    ("1f1b", "interleaved", "zb-h1") if p > 1 else ("gpipe",))):
+                if schedule == "interleaved" and M % p:
+                    continue
                 lay = Layout(pp=p, dp=d, tp=tp, device_order=order, microbatches=M,
-                             global_batch=256, seq_len=2048,
-                             schedule="1f1b" if p > 1 else "gpipe")
+                             global_batch=256, seq_len=2048, schedule=schedule)
                 c = s.evaluate(lay, orders, tag, "auto", ())
                 if c is not None:
-                    assert s.cm.step_floor(lay) <= c.bound * (1 + 1e-12)
-                    checked += 1
-    assert checked >= 10
+                    assert s.cm.step_floor(lay) <= c.bound * (1 + 1e-12), schedule
+                    checked[schedule] = checked.get(schedule, 0) + 1
+    assert min(checked.values()) >= 5 and len(checked) == 4, checked

@@ -39,7 +39,7 @@ from hetjax.planner import band, compute as ck, memory as mem, zero_factors as z
 from hetjax.planner.compute_profile import ComputeProfile, Estimate
 from hetjax.planner.layout import Layout
 from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network
-from hetjax.planner.simulate import exposed, in_flight, in_flight_folded, simulate
+from hetjax.planner.simulate import chain, exposed, in_flight, in_flight_folded, simulate
 from hetjax.core.topology import Accelerator, Topology
 from hetjax.core.registry import EXECUTORS as REGISTERED
 
@@ -687,27 +687,35 @@ class CostModel:
 
     def step_floor(self, layout: Layout) -> float:
         """A step time no split, ZeRO point or stage order of `layout` beats (every candidate's
-        `simulate.lower_bound` is at least this): each layer's compute alone on the fastest
-        accelerator of the topology, t; the longest stage runs M micro-batches of at least
-        N / pp layers, and the last stage waits for the N - n_last layers ahead of it:
-        t * max(M N / pp, N + M - 1). The search skips layouts whose floor cannot enter the top."""
-        if not layout.uniform:  # a stage of each shape: the fastest layer of any of them
-            M, N = layout.microbatches, self.model.n_layers
-            return min(self.step_floor(self.stage_view(layout, s)) / max(
-                M * N / layout.pp, N + M - 1) for s in range(layout.pp)) * max(
-                M * N / layout.pp, N + M - 1)
-        tok, tp, M, N = (layout.tokens_per_device(), layout.tp, layout.microbatches,
-                         self.model.n_layers)
-        remat, staged = self.remat_of(layout), self.runs_staged(layout)
-        def alone(a: Accelerator) -> float:
-            est = self.profile_estimate(a, layout, "layer", remat, staged)
-            if est is not None:
-                return est.fwd_s + est.bwd_s
-            return tok * sum(self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp,
-                                                          staged=staged, tp=tp)) / tp
+        `simulate.lower_bound` is at least this): with t (t_f) each layer's compute (forward)
+        alone on the fastest accelerator of the layout's stages, the longest stage runs M
+        micro-batches of at least N / pp layers: t M N / pp. Where `simulate.chain` allows fill
+        and drain, the last stage also waits for the N - n_last layers ahead of it, forward and
+        backward: t (N + M - 1); where it allows the fill alone, for their forwards:
+        t_f (N - 1) + t M. The search skips layouts whose floor cannot enter the top."""
+        M, N = layout.microbatches, self.model.n_layers
+        views = [layout] if layout.uniform else [self.stage_view(layout, s)
+                                                 for s in range(layout.pp)]
+        times = [self._layer_alone(v, a) for v in views for a in set(self._cluster_accel)]
+        t = min(f + b for f, b in times)
+        fill, drain = chain(layout.schedule, layout.folded)
+        if fill and drain:
+            return t * max(M * N / layout.pp, N + M - 1)
+        if fill:
+            return max(t * M * N / layout.pp, min(f for f, _ in times) * (N - 1) + t * M)
+        return t * M * N / layout.pp
 
-        per_layer = min(alone(a) for a in set(self._cluster_accel))
-        return per_layer * max(M * N / layout.pp, N + M - 1)
+    def _layer_alone(self, layout: Layout, a: Accelerator) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's micro-batch on `a` under `layout`'s
+        tokens, TP degree and recompute, communication left out (`step_floor`'s t)."""
+        remat, staged = self.remat_of(layout), self.runs_staged(layout)
+        est = self.profile_estimate(a, layout, "layer", remat, staged)
+        if est is not None:
+            return est.fwd_s, est.bwd_s
+        tok, tp = layout.tokens_per_device(), layout.tp
+        f, b = self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp, staged=staged,
+                                            tp=tp)
+        return tok * f / tp, tok * b / tp
 
     def pipelined_by_spmd(self, layout: Layout) -> bool:
         """Whether the SPMD pipeline executor runs this layout (see PRICED_EXECUTORS)."""

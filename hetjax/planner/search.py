@@ -36,8 +36,8 @@ from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCos
 from hetjax.planner.layout import Layout
 from hetjax.planner.network import MissingLinkError
 from hetjax.planner.placement import placement_problems
-from hetjax.planner.simulate import (closed_form, folded_ticks, in_flight, lockstep_ticks,
-                                     lower_bound)
+from hetjax.planner.simulate import (chain, closed_form, folded_ticks, in_flight,
+                                     lockstep_ticks, lower_bound)
 from hetjax.core.topology import Topology
 from hetjax.core.schedules import SCHEDULES, spmd_schedules
 
@@ -824,7 +824,8 @@ class _Search:
             estimate = float(lockstep_ticks(layout.schedule, M, fwd, bwd, send, send).sum())
         else:
             estimate = closed_form(fwd, bwd, M, send)
-        bound = lower_bound(fwd, bwd, M, send, send, sync)
+        fill, drain = chain(layout.schedule, layout.folded)
+        bound = lower_bound(fwd, bwd, M, send, send, sync, fill=fill, drain=drain)
         return _Candidate(estimate + max(sync), bound, layout, layers, tag)
 
     def _even_need(self, layout: Layout, table: Sequence[Sequence[StageCost]]
@@ -1023,10 +1024,8 @@ class _Search:
             key = layout_key(c.layout)
             old = best.get(key)
             # Its own layout's plan is faster than any step it can have, so the check below
-            # would drop it: skip simulating it. (`lower_bound` bounds the simulated step of
-            # one chunk per stage and a whole backward, the 1e-9 allowing for rounding; not
-            # of interleaved chunks, a split backward or the folded placement.)
-            if old is not None and _bounded(c.layout) and c.bound * (1 - 1e-9) > \
+            # would drop it: skip simulating it (the 1e-9 allowing for rounding).
+            if old is not None and c.bound * (1 - 1e-9) > \
                     old.predicted["step_time_s"] * (1 + 1e-9):
                 continue
             plan = self.simulate(c)
@@ -1057,12 +1056,6 @@ class _Search:
                 f"Nearest feasible change: {'; or '.join(fixes)}")
         reasons = "; ".join(dict.fromkeys(self.rejected)) or "no candidate layout"
         return PlanError(f"no layout satisfies the request on {self.topology.name!r}: {reasons}")
-
-
-def _bounded(layout: Layout) -> bool:
-    """Whether `simulate.lower_bound` is at most the layout's simulated step: one model chunk
-    per stage, in order, and a whole backward."""
-    return SCHEDULES[layout.schedule].spmd_compatible and not layout.folded
 
 
 def _check_connected(topology: Topology) -> None:

@@ -202,12 +202,28 @@ def closed_form(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     return sum(t) + (microbatches - 1) * max(t) + 2 * sum(send)
 
 
+def chain(schedule: str, folded: bool) -> tuple[bool, bool]:
+    """What of the pipeline's fill and drain `lower_bound` may add to a stage's work under
+    `schedule`, as (fill, drain). With one model chunk per stage, in order, stage s starts after
+    the whole forwards ahead of it (fill) and the stages ahead then run the last backward
+    (drain). A split backward (zero-bubble) drains on input gradients alone: fill only. With
+    several chunks a stage starts after only the first chunk of the stages ahead, and the
+    folded placement puts two stages on one device group: neither (the full chain overstates
+    their steps by up to 36% on random stage times)."""
+    spec = SCHEDULES[schedule]
+    if folded or spec.virtual > 1:
+        return False, False
+    return True, not spec.splits_backward
+
+
 def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
                 send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
-                sync_exposed: Sequence[float] = ()) -> float:
-    """A bound no schedule beats, asynchronous or lockstep (lockstep only adds waiting): stage
-    s cannot start before the forwards ahead of it, must run all its M forwards and backwards,
-    and the stages ahead must then run the last backward (and stage 0 its sync)."""
+                sync_exposed: Sequence[float] = (), *, fill: bool = True,
+                drain: bool = True) -> float:
+    """A bound no schedule beats, asynchronous or lockstep (lockstep only adds waiting): every
+    stage s must run all its M forwards and backwards and then its exposed sync; with `fill`
+    it cannot start before the forwards ahead of it, with `drain` the stages ahead must then
+    run the last backward (and stage 0 its sync). `chain` says which a schedule allows."""
     S = len(fwd)
     sf = list(send_fwd) or [0.0] * S
     sb = list(send_bwd) or [0.0] * S
@@ -215,12 +231,15 @@ def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     best = ahead_f = ahead_b = 0.0
     for s in range(S):
         work = microbatches * (fwd[s] + bwd[s])
-        best = max(best, ahead_f + work + max(sx[s], ahead_b + sx[0] if s else 0.0))
+        best = max(best, ahead_f + work + max(sx[s], ahead_b + sx[0] if s and drain else 0.0))
         if s < S - 1:
-            ahead_f += fwd[s] + sf[s]
-            ahead_b += bwd[s] + sb[s]
+            if fill:
+                ahead_f += fwd[s] + sf[s]
+            if drain:
+                ahead_b += bwd[s] + sb[s]
     return best
 
 
 __all__ = ["Simulation", "simulate", "lockstep_ticks", "folded_ticks", "in_flight_folded",
-           "exposed", "in_flight", "closed_form", "lower_bound", "schedule_table", "grid_codes"]
+           "exposed", "in_flight", "closed_form", "chain", "lower_bound", "schedule_table",
+           "grid_codes"]
