@@ -147,7 +147,7 @@ class Plan:
         n = self.num_devices
         if not self.device_order:
             object.__setattr__(self, "device_order", tuple(range(n)))
-        order = tuple(int(r) for r in self.device_order)
+        order = tuple(map(int, self.device_order))
         object.__setattr__(self, "device_order", order)
         if len(order) != n or len(set(order)) != n or min(order) < 0:
             raise ValueError(f"device_order must list {n} distinct topology ranks (the plan's "

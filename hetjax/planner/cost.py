@@ -409,6 +409,9 @@ class CostModel:
         self._memory = np.array([topology.clusters[c].accelerator.memory_bytes
                                  for c in self._cluster])
         self._cluster_accel = [c.accelerator for c in topology.clusters]
+        # peak FLOP/s of each rank's device (a plan's peak is their sum, in rank order)
+        self._peak_of_rank = [self._cluster_accel[c].peak_tflops * 1e12
+                              for c in self._cluster.tolist()]
         self.state_bytes = zr.state_bytes_for(model.param_dtype)
         self.act_bytes = _DTYPE_BYTES.get(model.dtype, 4)
         vendors = {c.accelerator.vendor for c in topology.clusters}
@@ -420,8 +423,12 @@ class CostModel:
         self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
+        self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
+        # (id(slot), position, pp, folded, schedule, M, shared) -> _place's StageCost: the
+        # slots are kept in _stage_slot_cache, so their ids are not reused while cached
+        self._placed: dict[tuple, StageCost] = {}
         self._slot_cache: dict[Layout, list[_Slot]] = {}
-        self._stage_slot_cache: dict[tuple, _Slot] = {}
+        self._stage_slot_cache: dict[Layout, dict[bytes, _Slot]] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
         self._a2a: dict[tuple, tuple] = {}  # MoE exchanges by (EP groups, bytes)
 
@@ -641,10 +648,11 @@ class CostModel:
         (cached: they do not depend on the schedule either). Stages of different (dp, tp)
         shapes are priced each as a stage of its own shape (`stage_view`)."""
         key = dataclasses.replace(layout, schedule="")
-        if key not in self._slot_cache:
-            self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
+        slots = self._slot_cache.get(key)  # (one lookup: hashing a layout reads its devices)
+        if slots is None:
+            slots = self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
                 self._slots(self.stage_view(layout, s))[s] for s in range(layout.pp)]
-        return self._slot_cache[key]
+        return slots
 
     @staticmethod
     def stage_view(layout: Layout, s: int) -> Layout:
@@ -813,10 +821,13 @@ class CostModel:
                                    and not spmd else 0)) / tp
         slots = []
         # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
-        base = (dataclasses.replace(layout, device_order=(), schedule=""),)
+        # (by the layout less its devices and schedule, then by stage_key: the layout is
+        # hashed once a call, not once a stage)
+        alike = self._stage_slot_cache.setdefault(
+            dataclasses.replace(layout, device_order=(), schedule=""), {})
         for s, stage_key in enumerate(self.stage_keys(layout)):
-            if (base, stage_key) in self._stage_slot_cache:
-                slots.append(self._stage_slot_cache[base, stage_key])
+            if stage_key in alike:
+                slots.append(alike[stage_key])
                 continue
             ranks = mesh[s].ravel()
             accs = sorted({self._cluster_accel[c] for c in np.unique(self._cluster[ranks])},
@@ -914,25 +925,36 @@ class CostModel:
                     float(self._memory[ranks].min()) * o.memory_fraction),
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
-            self._stage_slot_cache[base, stage_key] = slots[-1]
+            alike[stage_key] = slots[-1]
         return slots
 
     def _shared_sync(self, layout: Layout, mesh: np.ndarray) -> float:
         """Moving the shared parameters' gradients between stages: Megatron all-reduces a tied
         embedding's between the first and last stage; hetjax passes embedding and head
         gradients around the ring of stages (pp - 1 hops)."""
-        m, tp, g = self.model, layout.tp, self.state_bytes.g
+        m, g = self.model, self.state_bytes.g
         if layout.pp == 1 or layout.folded:  # folded: both ends on device 0, nothing moves
             return 0.0
-        if not layout.uniform:  # (only the MPMD executor runs stages of different shapes)
-            if not m.tie_embeddings:
-                return 0.0
-            first, last = (layout.stage_mesh(s).ravel() for s in (0, layout.pp - 1))
-            n = max(len(first), len(last))
-            pairs = np.stack([first[np.arange(n) % len(first)],
-                              last[np.arange(n) % len(last)]], axis=1)
-            shards = min(layout.stage_shape(0)[1], layout.stage_shape(layout.pp - 1)[1])
-            return self.transfer(m.embed_params / shards * g, pairs)[0]
+        if layout.uniform:
+            # a uniform layout's sync depends on its mesh alone, which layouts of every
+            # micro-batch count, schedule and ZeRO point share (the mesh is kept with the
+            # value, so its id is not reused while cached)
+            got = self._shared.get(id(mesh))
+            if got is None or got[0] is not mesh:
+                got = self._shared[id(mesh)] = (mesh, self._uniform_shared_sync(layout, mesh))
+            return got[1]
+        if not m.tie_embeddings:  # (only the MPMD executor runs stages of different shapes)
+            return 0.0
+        first, last = (layout.stage_mesh(s).ravel() for s in (0, layout.pp - 1))
+        n = max(len(first), len(last))
+        pairs = np.stack([first[np.arange(n) % len(first)],
+                          last[np.arange(n) % len(last)]], axis=1)
+        shards = min(layout.stage_shape(0)[1], layout.stage_shape(layout.pp - 1)[1])
+        return self.transfer(m.embed_params / shards * g, pairs)[0]
+
+    def _uniform_shared_sync(self, layout: Layout, mesh: np.ndarray) -> float:
+        """`_shared_sync` of a layout whose stages share one shape (pp > 1, not folded)."""
+        m, tp, g = self.model, layout.tp, self.state_bytes.g
         if self.pipelined_by_spmd(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
                              np.roll(mesh.reshape(layout.pp, -1), -1, axis=0)], axis=-1)
@@ -946,6 +968,18 @@ class CostModel:
         return self.collective("all_reduce", m.embed_params / tp * g, pairs)
 
     def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
+        """The cost of the stage `slot` at pipeline `position` (memoised: what it reads of the
+        layout is its depth, fold, schedule and micro-batch count; layouts of other ZeRO points
+        and stage orders share slots)."""
+        key = (id(slot), position, layout.pp, layout.folded, layout.schedule,
+               layout.microbatches, shared)
+        cost = self._placed.get(key)
+        if cost is None:
+            cost = self._placed[key] = self._place_new(slot, position, layout, shared)
+        return cost
+
+    def _place_new(self, slot: "_Slot", position: int, layout: Layout, shared: float
+                   ) -> StageCost:
         first, last = position == 0, position == layout.pp - 1
         if layout.folded:  # device 0 runs the first chunk and the last (the head)
             last = first
@@ -1078,7 +1112,7 @@ class CostModel:
         pred = Prediction(
             step_time=step, tokens_per_s=tokens / step,
             mfu=self.model.flops_per_token(plan.seq_len) * tokens / step /
-            _peak(self.topology, plan.device_order),
+            sum(map(self._peak_of_rank.__getitem__, plan.device_order)),
             bubble=float(sim.bubble), stage_time=_floats(c.time(n) for c, n in zip(stages, layers)),
             stage_idle=_floats(sim.stage_idle),
             stage_memory=_floats(c.memory(n, lmax) for c, n in zip(stages, layers)),
@@ -1168,8 +1202,6 @@ def _floats(xs) -> tuple[float, ...]:
     return tuple(float(x) for x in xs)
 
 
-def _peak(topology: Topology, ranks: Sequence[int]) -> float:
-    return sum(topology.accelerator_of(r).peak_tflops * 1e12 for r in ranks)
 
 
 
