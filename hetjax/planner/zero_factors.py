@@ -21,6 +21,7 @@ two ways of running the step:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -206,7 +207,8 @@ class StepCollective:
     when: str
 
 
-def step_collectives(z: ZeroFactors) -> list[StepCollective]:
+@functools.cache  # a pure function of the factors, asked once per point and stage priced
+def step_collectives(z: ZeroFactors) -> tuple[StepCollective, ...]:
     """AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per
     step (parameters are gathered before the micro-batch loop) and its reduce-scatter each
     micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
@@ -218,7 +220,7 @@ def step_collectives(z: ZeroFactors) -> list[StepCollective]:
     def ordered(ax) -> tuple[str, ...]:
         return tuple(a for a in DP_AXES if a in ax)
 
-    return [
+    return (
         StepCollective("all-gather", ordered(axes.p), "p", 1, "sync"),  # T_p: gather P
         StepCollective("reduce-scatter", ordered(axes.g), "g", 1, "microbatch"),  # T_p + T_g
         StepCollective("reduce-scatter", ordered(set(axes.os) - set(axes.g)), "g", z.s_g,
@@ -227,7 +229,7 @@ def step_collectives(z: ZeroFactors) -> list[StepCollective]:
         # the replicas, once per step
         StepCollective("all-gather", ordered(set(axes.os) - set(axes.p)), "p", z.s_p,
                        "refresh"),  # T_os1: refresh P inside the OS subgroup
-    ]
+    )
 
 
 Collective = Callable[[str, float, np.ndarray], float]
