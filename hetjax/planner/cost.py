@@ -424,9 +424,7 @@ class CostModel:
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
-        # (id(slot), position, pp, folded, schedule, M, shared) -> _place's StageCost: the
-        # slots are kept in _stage_slot_cache, so their ids are not reused while cached
-        self._placed: dict[tuple, StageCost] = {}
+        self._placed: dict[tuple, StageCost] = {}  # see _place
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._stage_slot_cache: dict[Layout, dict[bytes, _Slot]] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
@@ -548,9 +546,10 @@ class CostModel:
             gid = self._group_ids.setdefault(groups, len(self._group_ids))
 
             def over(op: str, nbytes: float, f: ZeroFactors, axes: tuple[str, ...]) -> float:
-                # the groups depend on (s_os, s_p) alone: the points of `space` share them,
-                # so their links are read once per (DP groups, s_os, s_p, axes)
-                k = (gid, f.s_os, f.s_p, axes)
+                # the groups depend on the axes' sizes and strides alone (`axis_pattern`):
+                # the points of `space` share them, so their links are read once per (DP
+                # groups, pattern), and a collective's time once per bytes moved on them
+                k = (gid, zr.axis_pattern(dp_groups.shape[1], f.s_os, f.s_p, axes))
                 if k not in self._axis_nets:
                     groups = zr.axis_groups(dp_groups, f, axes)
                     self._axis_nets[k] = (groups.shape[1], self.network.net(groups)
@@ -968,24 +967,25 @@ class CostModel:
         return self.collective("all_reduce", m.embed_params / tp * g, pairs)
 
     def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
-        """The cost of the stage `slot` at pipeline `position` (memoised: what it reads of the
-        layout is its depth, fold, schedule and micro-batch count; layouts of other ZeRO points
-        and stage orders share slots)."""
-        key = (id(slot), position, layout.pp, layout.folded, layout.schedule,
-               layout.microbatches, shared)
-        cost = self._placed.get(key)
-        if cost is None:
-            cost = self._placed[key] = self._place_new(slot, position, layout, shared)
-        return cost
-
-    def _place_new(self, slot: "_Slot", position: int, layout: Layout, shared: float
-                   ) -> StageCost:
         first, last = position == 0, position == layout.pp - 1
         if layout.folded:  # device 0 runs the first chunk and the last (the head)
             last = first
             live = in_flight_folded(layout.schedule, layout.pp, layout.microbatches)[position]
         else:
             live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
+        # A placed stage depends on its slot, whether it runs the first or the last chunk, the
+        # micro-batches it keeps in flight and the shared gradients' sync, nothing else of its
+        # position or layout: memoised on those (most positions of a deep pipeline, and other
+        # layouts' tables over the same slots, repeat them). The slots are kept in
+        # _stage_slot_cache, so their ids are not reused while cached.
+        key = (id(slot), first, last, live, shared)
+        cost = self._placed.get(key)
+        if cost is None:
+            cost = self._placed[key] = self._place_new(slot, first, last, live, shared)
+        return cost
+
+    def _place_new(self, slot: "_Slot", first: bool, last: bool, live: int, shared: float
+                   ) -> StageCost:
         embed = first or slot.shared_everywhere
         head = last or slot.shared_everywhere
         return StageCost(

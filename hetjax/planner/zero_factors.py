@@ -175,6 +175,27 @@ def axis_groups(dp_groups: np.ndarray, f: ZeroFactors, axes: tuple[str, ...]) ->
     return grid.transpose(outside + inside).reshape(-1, math.prod(grid.shape[i] for i in inside))
 
 
+@functools.cache
+def axis_pattern(dp: int, s_os: int, s_p: int, axes: tuple[str, ...]
+                 ) -> tuple[tuple[int, int], ...]:
+    """The (size, stride) in the dp axis of each mesh axis in `axes` that has more than one
+    member (`axis_groups`' layout), adjacent ones merged where they are contiguous. Points
+    with equal patterns have the same groups: a member's place on an axis of size n and
+    stride t is floor(x / t) mod n whatever the other axes are, so the group of position x
+    (the positions that differ from x only there) follows from the pattern alone."""
+    sizes = dict(zip(DP_AXES, (dp // s_os, s_os // s_p, s_p)))
+    strides = dict(zip(DP_AXES, (s_os, s_p, 1)))
+    out: list[tuple[int, int]] = []
+    for a in DP_AXES:
+        if a not in axes or sizes[a] == 1:
+            continue
+        if out and out[-1][1] == sizes[a] * strides[a]:  # contiguous with the one before
+            out[-1] = (out[-1][0] * sizes[a], strides[a])
+        else:
+            out.append((sizes[a], strides[a]))
+    return tuple(out)
+
+
 def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
     """Rank groups of each ZeRO collective, from the stage's DP groups [k, dp]:
     "p": the s_p devices sharing one parameter shard's gather / scatter;
