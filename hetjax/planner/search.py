@@ -524,7 +524,22 @@ def layout_key(p: "Plan | Layout") -> tuple:
     placement, ZeRO point, recompute policy or layer split)."""
     executor = getattr(p, "executor", "") if p.pp > 1 else ""
     shapes = getattr(p, "stage_shapes", ()) or ()
-    return (executor, p.pp, p.dp, p.tp, tuple(shapes), frozenset(p.device_order))
+    return (executor, p.pp, p.dp, p.tp, tuple(shapes), _device_set(p.device_order))
+
+
+# id(device order) -> (the order, its set): the search asks for the key of every layout, and
+# its layouts share a few orders (one tuple each, copied by reference); the order is kept with
+# its set, so its id is not reused while cached
+_DEVICE_SETS: dict[int, tuple[tuple[int, ...], frozenset]] = {}
+
+
+def _device_set(order: tuple[int, ...]) -> frozenset:
+    got = _DEVICE_SETS.get(id(order))
+    if got is None or got[0] is not order:
+        if len(_DEVICE_SETS) >= 256:
+            _DEVICE_SETS.clear()
+        got = _DEVICE_SETS[id(order)] = (order, frozenset(order))
+    return got[1]
 
 
 def zero_points_by_traffic(topology: Topology, model: "ModelConfig", global_batch: int,
@@ -555,6 +570,8 @@ class _Search:
             options.memory_fraction
         self._zero_cache: dict[tuple, tuple] = {}
         self._nodes_cache: dict[tuple, np.ndarray] = {}
+        # (id(device order), pp, dp, tp, stage order) -> (the order, the reordered one)
+        self._reordered: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.shortfall = _Shortfall()
         self.rejected: list[str] = []
         self.fixed_layers = False
@@ -811,9 +828,16 @@ class _Search:
                 lay.stage_shapes[i] for i in split.order), device_order=order,
                 dp=lay.stage_shapes[split.order[0]][0], tp=lay.stage_shapes[split.order[0]][1])
             return self._price(lay, split.layers, tag)
-        mesh = lay.mesh()
-        order = tuple(mesh[list(split.order)].ravel().tolist())
-        return self._price(dataclasses.replace(lay, device_order=order), split.layers, tag)
+        # the stages reordered; one tuple per (order, stage order), shared by the layouts of
+        # every ZeRO point and micro-batch count, so the caches keyed on a device order's
+        # identity (meshes, boundaries, shared sync) find it
+        key = (id(lay.device_order), lay.pp, lay.dp, lay.tp, split.order)
+        got = self._reordered.get(key)
+        if got is None or got[0] is not lay.device_order:
+            order = (lay.device_order if split.order == tuple(range(lay.pp)) else
+                     tuple(lay.mesh()[list(split.order)].ravel().tolist()))
+            got = self._reordered[key] = (lay.device_order, order)
+        return self._price(dataclasses.replace(lay, device_order=got[1]), split.layers, tag)
 
     def _price(self, layout: Layout, layers: tuple[int, ...], tag: str) -> _Candidate:
         """The candidate's estimate (the step time played without events: lockstep ticks for
