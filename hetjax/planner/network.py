@@ -306,6 +306,13 @@ def unique_rows(rows: np.ndarray, return_index: bool = False, return_inverse: bo
     np.unique sorts many times faster than rows (the search calls this for every distinct
     group of ranks it prices). Falls back to np.unique(axis=0) if the code would overflow."""
     rows = np.asarray(rows)
+    if rows.ndim == 2 and len(rows) and (rows == rows[0]).all():
+        # one kind of row (concurrent groups are mostly alike): np.unique's answer, directly
+        out = rows[:1]
+        if not (return_index or return_inverse):
+            return out
+        return (out,) + ((np.zeros(1, dtype=np.intp),) if return_index else ()) + \
+            ((np.zeros(len(rows), dtype=np.intp),) if return_inverse else ())
     if rows.ndim != 2 or rows.size == 0 or (rows.dtype != bool and rows.min() < 0):
         return np.unique(rows, axis=0, return_index=return_index,
                          return_inverse=return_inverse)
