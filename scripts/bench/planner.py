@@ -192,6 +192,7 @@ def speed(args) -> None:
                 cached.cache_clear()  # each search builds its schedule tables afresh
             partition.split_cache_clear()  # ... and finds its layer splits afresh
             zero_factors.step_collectives.cache_clear()  # ... and its ZeRO collectives
+            zero_factors.axis_pattern.cache_clear()
             t0 = time.process_time()  # CPU seconds: the machines this runs on are shared
             runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune,
                                 subsets=args.subsets, distinct=args.subsets,
