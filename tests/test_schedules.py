@@ -241,6 +241,41 @@ def test_lockstep_time_of_the_executor_grid():
                                                          timeline(g, [1] * 4, [3] * 4))
 
 
+def test_the_planner_plays_the_timelines_ends_without_events():
+    """The planner plays schedules from their order codes without building tasks or events
+    (`timeline_ends`, `simulate(events=False)`): the same floats as the timeline's events."""
+    from hetjax.core.timeline import timeline_ends
+
+    rng = np.random.default_rng(0)
+    for name in sch.SCHEDULES:
+        for stages, mb in [(1, 3), (3, 6), (4, 8)]:
+            tables = [sch.make_schedule(name, stages, mb)]
+            if sch.SCHEDULES[name].spmd_compatible:
+                tables.append(sch.folded(name, stages, mb))
+            for s in tables:
+                fwd, bwd = rng.uniform(0.5, 2, stages).tolist(), rng.uniform(1, 4, stages).tolist()
+                send = rng.uniform(0, 0.3, max(stages - 1, 0)).tolist()
+                ends = [[] for _ in range(stages)]
+                for e in timeline(s, fwd, bwd, send, send[::-1], weight_share=0.3):
+                    ends[e.stage].append(e.end)
+                assert timeline_ends(s, fwd, bwd, send, send[::-1], weight_share=0.3) == ends
+            placement = "folded" if len(tables) > 1 else "looped"
+            played = [simulate(name, mb, fwd, bwd, send, send, [0.2] * stages, 0.5,
+                               placement=placement, events=events) for events in (True, False)]
+            assert played[0] == played[1] and played[0].events and not played[1].events
+
+
+def test_a_schedule_that_runs_a_task_twice_is_refused():
+    class Twice(sch.Schedule):
+        name = "twice"
+
+        def build(self):
+            return [[sch.Task("F", 0), sch.Task("F", 0), sch.Task("B", 0)]]
+
+    with pytest.raises(ValueError, match="runs F0 of chunk 0 twice on stage 0"):
+        timeline(Twice(1, 1), [1.0], [2.0])
+
+
 # --- a schedule added here, in a test file, runs everywhere -----------------------------------
 class AllForwardsThenBackwardsReversed(sch.Schedule):
     """A toy: every forward, then every backward from the last micro-batch to the first."""

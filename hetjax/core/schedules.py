@@ -13,7 +13,9 @@ interleaved placement). Dependencies are implicit: F of model chunk k needs F of
 output) and its own F; W needs its own I.
 
 Adding a schedule is one `Schedule` subclass decorated with `@register`: its `build()` returns
-the orders; class attributes say how many chunks per stage it runs (`virtual`) and whether it
+the orders (or its `order_codes()` gives them as integer arrays, as the registered schedules
+do, so that the planner plays thousands of micro-batches without building Task objects); class
+attributes say how many chunks per stage it runs (`virtual`) and whether it
 splits the backward. Only schedules with one chunk per stage and a whole backward run on the
 SPMD executor's tick grid (`spmd_compatible`); every schedule runs on the MPMD executor.
 
@@ -37,6 +39,8 @@ weight-gradient tasks it held back.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -44,6 +48,8 @@ import numpy as np
 
 BACKWARD_KINDS = ("B", "I")  # the tasks that send a gradient to the previous chunk
 RELEASE_KINDS = ("B", "W")  # the tasks after which a micro-batch's stash is freed
+TASK_KINDS = ("F", "B", "I", "W")  # a kind's index here is its code in `Schedule.order_codes`
+_F, _B, _I, _W = range(4)
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ def register(cls: type["Schedule"]) -> type["Schedule"]:
 class Schedule:
     """A pipeline schedule for `stages` stages and `microbatches` micro-batches (see the module
     docstring). Subclasses set `name`, optionally `virtual` and `splits_backward`, implement
-    `build()`, and may refuse sizes in `check()`."""
+    `build()` or `order_codes()`, and may refuse sizes in `check()`."""
 
     name: ClassVar[str] = ""
     virtual: ClassVar[int] = 1  # model chunks per stage
@@ -96,16 +102,37 @@ class Schedule:
                              f"{stages}, {microbatches}")
         self.check(stages, microbatches)
         self.stages, self.microbatches = stages, microbatches
-        self.orders: tuple[tuple[Task, ...], ...] = tuple(
-            tuple(Task(t.kind, t.microbatch, t.stage_chunk, s) for t in order)
-            for s, order in enumerate(self.build()))
+
+    @functools.cached_property
+    def orders(self) -> tuple[tuple[Task, ...], ...]:
+        """Every stage's tasks in order (built on first use: the planner plays schedules from
+        `order_codes` alone, which is much cheaper for thousands of micro-batches)."""
+        if type(self).order_codes is not Schedule.order_codes:  # the rule is given as codes
+            return tuple(tuple(Task(TASK_KINDS[k], m, c, s) for k, m, c in codes.tolist())
+                         for s, codes in enumerate(self.order_codes()))
+        return tuple(tuple(Task(t.kind, t.microbatch, t.stage_chunk, s) for t in order)
+                     for s, order in enumerate(self.build()))
 
     @classmethod
     def check(cls, stages: int, microbatches: int) -> None:
         """Raise ValueError (saying what to change) if the schedule cannot run these sizes."""
 
     def build(self) -> list[list[Task]]:
-        raise NotImplementedError
+        """Every stage's order of tasks (their `stage` is set afterwards). A schedule gives
+        this or `order_codes`."""
+        if type(self).order_codes is Schedule.order_codes:
+            raise NotImplementedError(f"{type(self).__name__} gives neither build() nor "
+                                      f"order_codes()")
+        return [[Task(TASK_KINDS[k], m, c) for k, m, c in codes.tolist()]
+                for codes in self.order_codes()]
+
+    def order_codes(self) -> tuple[np.ndarray, ...]:
+        """Every stage's order as integer codes [tasks, 3]: kind (index in TASK_KINDS),
+        micro-batch, stage chunk. From `orders` by default; the registered schedules give
+        their rule here (as numpy) and their Task orders are built from it."""
+        return tuple(np.array([(TASK_KINDS.index(a.kind), a.microbatch, a.stage_chunk)
+                               for a in order], dtype=np.int64).reshape(-1, 3)
+                     for order in self.orders)
 
     def tick_grid(self) -> list[list["Cell"]]:
         """The SPMD tick grid of a co-executing schedule (see `tick_table`)."""
@@ -180,10 +207,11 @@ class GPipe(Schedule):
 
     name = "gpipe"
 
-    def build(self):
+    def order_codes(self):
         M = self.microbatches
-        return [[Task("F", m) for m in range(M)] + [Task("B", m) for m in range(M)]
-                for _ in range(self.stages)]
+        m = np.arange(M)
+        return tuple(_order(np.arange(2 * M), np.repeat([_F, _B], M), np.concatenate([m, m]))
+                     for _ in range(self.stages))
 
     @classmethod
     def grid_codes(cls, stages, microbatches):
@@ -204,10 +232,10 @@ class OneFOneB(Schedule):
 
     name = "1f1b"
 
-    def build(self):
+    def order_codes(self):
         M = self.microbatches
-        return [warm_up_then_alternate(min(self.stages - 1 - s, M), M, Task)
-                for s in range(self.stages)]
+        return tuple(_order(np.arange(2 * M), *warm_up_then_alternate(min(self.stages - 1 - s, M), M))
+                     for s in range(self.stages))
 
     @classmethod
     def grid_codes(cls, stages, microbatches):
@@ -225,13 +253,15 @@ class OneFOneB(Schedule):
         return tuple(float(min(stages - s, microbatches)) for s in range(stages))
 
 
-def warm_up_then_alternate(warmup: int, total: int, task) -> list[Task]:
+def warm_up_then_alternate(warmup: int, total: int) -> tuple[np.ndarray, np.ndarray]:
     """`warmup` forwards, then one forward and one backward until the forwards run out, then
-    the remaining backwards; `task(kind, i)` makes the i-th forward or backward."""
-    order = [task("F", i) for i in range(warmup)]
-    for f, b in zip(range(warmup, total), range(total)):
-        order += [task("F", f), task("B", b)]
-    return order + [task("B", i) for i in range(total - warmup, total)]
+    the remaining backwards: (kind codes, i) of the order, the i-th forward or backward."""
+    pairs = total - warmup
+    kinds = np.concatenate([np.full(warmup, _F), np.tile([_F, _B], pairs), np.full(warmup, _B)])
+    i = np.concatenate([np.arange(warmup),
+                        np.stack([np.arange(warmup, total), np.arange(pairs)], 1).ravel(),
+                        np.arange(pairs, total)])
+    return kinds, i
 
 
 @register
@@ -250,17 +280,15 @@ class Interleaved(Schedule):
             raise ValueError(f"the interleaved schedule needs the micro-batches ({microbatches}) "
                              f"to be a multiple of the pipeline stages ({stages})")
 
-    def build(self):
+    def order_codes(self):
         p, v, M = self.stages, self.virtual, self.microbatches
-        total = M * v
-
-        def task(kind, i):
+        total, out = M * v, []
+        for s in range(p):
+            kinds, i = warm_up_then_alternate(min(2 * (p - 1 - s) + (v - 1) * p, total), total)
             group = (i // p) % v
-            return Task(kind, (i // (p * v)) * p + i % p,
-                        group if kind == "F" else v - 1 - group)
-
-        return [warm_up_then_alternate(min(2 * (p - 1 - s) + (v - 1) * p, total), total, task)
-                for s in range(p)]
+            out.append(_order(np.arange(2 * total), kinds, (i // (p * v)) * p + i % p,
+                              np.where(kinds == _F, group, v - 1 - group)))
+        return tuple(out)
 
     @classmethod
     def stash_peaks(cls, stages, microbatches):
@@ -286,23 +314,22 @@ class ZeroBubbleH1(Schedule):
     name = "zb-h1"
     splits_backward = True
 
-    def build(self):
-        orders = []
-        p, M = self.stages, self.microbatches
+    def order_codes(self):
+        # Stage s: `warmup` forwards; then iteration b = 0 .. M - 1 runs F(warmup + b) (while
+        # forwards remain), I(b), and W(b - s) once s W tasks are held back; then the held-back
+        # W tasks. Sorted by the key 3 (b + 1) + (0 F, 1 I, 2 W); warm-up before, tail after.
+        p, M, out = self.stages, self.microbatches, []
+        b = np.arange(M)
         for s in range(p):
             warmup = min(p - 1 - s, M)
-            order = [Task("F", m) for m in range(warmup)]
-            w = 0  # next W to run
-            for b in range(M):
-                if warmup + b < M:
-                    order.append(Task("F", warmup + b))
-                order.append(Task("I", b))
-                if b - w >= s:  # s W tasks held back
-                    order.append(Task("W", w))
-                    w += 1
-            order += [Task("W", m) for m in range(w, M)]
-            orders.append(order)
-        return orders
+            late_f, late_w = b[:M - warmup], b[s:]
+            tail = np.arange(max(M - s, 0), M)
+            out.append(_order(
+                np.concatenate([np.arange(warmup) - warmup, 3 * (late_f + 1), 3 * (b + 1) + 1,
+                                3 * (late_w + 1) + 2, 3 * (M + 1) + tail]),
+                np.repeat([_F, _F, _I, _W, _W], [warmup, len(late_f), M, len(late_w), len(tail)]),
+                np.concatenate([np.arange(warmup), warmup + late_f, b, late_w - s, tail])))
+        return tuple(out)
 
     @classmethod
     def stash_peaks(cls, stages, microbatches):
@@ -335,17 +362,12 @@ class Strands(Schedule):
         """Ticks between a micro-batch's F and its B on `stage`: F(m + lag) pairs with B(m)."""
         return 2 * (self.stages - stage) - 1
 
-    def build(self):
-        M, orders = self.microbatches, []
-        for s in range(self.stages):
-            order = []
-            for i in range(M + self.lag(s)):
-                if i < M:
-                    order.append(Task("F", i))
-                if i >= self.lag(s):
-                    order.append(Task("B", i - self.lag(s)))
-            orders.append(order)
-        return orders
+    def order_codes(self):
+        # i = 0 .. M + lag - 1: F(i) while forwards remain, then B(i - lag) once lag ticks in
+        M, m = self.microbatches, np.arange(self.microbatches)
+        return tuple(_order(np.concatenate([2 * m, 2 * (m + self.lag(s)) + 1]),
+                            np.repeat([_F, _B], M), np.concatenate([m, m]))
+                     for s in range(self.stages))
 
     def tick_grid(self):
         p, M = self.stages, self.microbatches
@@ -440,52 +462,174 @@ class Event:
     end: float
 
 
-def play(schedule: Schedule, duration: Callable[[int, Task], float],
-          hop: Callable[[int, int], float]) -> list[Event]:
-    """Play the schedule's orders: each stage runs its tasks in order, each as soon as its
-    inputs have arrived; `duration(stage, task)` is a task's time, `hop(src, dst)` a move's.
-    Raises ValueError when the orders wait on each other."""
+@dataclass(frozen=True)
+class _Dependencies:
+    """A schedule's tasks flattened stage by stage (`offsets[s]` is stage s's first) with what
+    each waits for, as indices into that list: `wait` is the task whose end it needs (F: the
+    previous model chunk's F, -1 for the first chunk, which starts at 0; B / I: its own F; W:
+    its own I), `grad` (B / I) the next model chunk's B / I whose gradient it needs (-1 on the
+    last chunk), `src` the stage that input arrives from (the hop it pays), -1 if none. A task
+    that never runs is index `never` (its end stays unknown: `play` reports the deadlock)."""
+
+    offsets: list[int]
+    stage: np.ndarray
+    cell: np.ndarray  # stage * len(TASK_KINDS) + kind code
+    kind: list[int]
+    wait: list[int]
+    grad: list[int]
+    src: np.ndarray
+    never: int
+
+
+def _dependencies(schedule: Schedule) -> _Dependencies:
+    """`_Dependencies` of the schedule, built once per schedule object (it is immutable)."""
+    deps = schedule.__dict__.get("_dependencies")
+    if deps is not None:
+        return deps
+    codes = schedule.order_codes()
+    S = schedule.stages
+    lens = [len(c) for c in codes]
+    offsets = [0, *itertools.accumulate(lens)]
+    N = offsets[-1]
+    flat = np.concatenate(codes) if N else np.zeros((0, 3), dtype=np.int64)
+    stage = np.repeat(np.arange(S), lens)
+    kind, mb, sc = flat[:, 0], flat[:, 1], flat[:, 2]
     placement = schedule.placement()
-    last_chunk = len(placement) - 1
-    ends: dict[tuple[str, int, int], float] = {}  # (F | G | W, model chunk, micro-batch) -> end
-    orders = schedule.orders
-    chunk_of = [[schedule.model_chunk(a) for a in order] for order in orders]
-    pos = [0] * schedule.stages
-    clock = [0.0] * schedule.stages
-    events: list[Event] = []
-    remaining = sum(len(o) for o in orders)
+    V = len(placement)
+    chunks = np.zeros(S, dtype=np.int64)  # chunk index of (stage, stage chunk), model order
+    index = np.full((S, V), -1, dtype=np.int64)
+    for k, s in enumerate(placement):
+        index[s, chunks[s]] = k
+        chunks[s] += 1
+    ok = (sc >= 0) & (sc < chunks[stage])
+    if not ok.all():
+        i = int(np.argmin(ok))
+        raise ValueError(f"stage {stage[i]} has no chunk {sc[i]} in {schedule.name}")
+    chunk = index[stage, sc]
+    # the end of each (F | G | W, model chunk, micro-batch), G being a B or an I
+    slot = np.select([kind == _F, kind == _W], [0, 2], 1)
+    m = mb - (mb.min() if N else 0)
+    width = int(m.max()) + 1 if N else 1
+    key = (slot * V + chunk) * width + m
+    table = np.full(3 * V * width, N, dtype=np.int64)
+    table[key] = np.arange(N)
+    twice = np.flatnonzero(table[key] != np.arange(N))  # a later task has the same key
+    if len(twice):
+        i = int(twice[0])
+        raise ValueError(f"schedule {schedule.name} runs {TASK_KINDS[kind[i]]}{mb[i]} of chunk "
+                         f"{sc[i]} twice on stage {stage[i]}")
+    first, last = chunk == 0, chunk == V - 1
+    prev = table[(0 * V + np.maximum(chunk - 1, 0)) * width + m]
+    own_f = table[(0 * V + chunk) * width + m]
+    own_g = table[(1 * V + chunk) * width + m]
+    next_g = table[(1 * V + np.minimum(chunk + 1, V - 1)) * width + m]
+    is_f, is_w = kind == _F, kind == _W
+    wait = np.where(is_f, np.where(first, -1, prev), np.where(is_w, own_g, own_f))
+    backward = ~is_f & ~is_w
+    grad = np.where(backward & ~last, next_g, -1)
+    place = np.asarray(placement)
+    src = np.where(is_f & ~first, place[np.maximum(chunk - 1, 0)],
+                   np.where(backward & ~last, place[np.minimum(chunk + 1, V - 1)], -1))
+    deps = _Dependencies(offsets, stage, stage * len(TASK_KINDS) + kind, kind.tolist(), wait.tolist(), grad.tolist(), src, N)
+    schedule.__dict__["_dependencies"] = deps
+    return deps
 
-    def arrival(key, src_stage, dst_stage):
-        done = ends.get(key)
-        return None if done is None else done + hop(src_stage, dst_stage)
 
+def _hop_times(deps: _Dependencies, hop: Callable[[int, int], float]) -> list:
+    """Each task's input hop time (`hop(src, dst)`, asked once per pair of stages)."""
+    S = len(deps.offsets) - 1
+    out = [0.0] * deps.never
+    if deps.never:
+        pair = np.where(deps.src >= 0, deps.src * S + deps.stage, -1)
+        pairs, inverse = np.unique(pair, return_inverse=True)
+        times = [0.0 if p < 0 else hop(int(p) // S, int(p) % S) for p in pairs.tolist()]
+        out = [times[j] for j in inverse.ravel().tolist()]
+    return out
+
+
+def _run(schedule: Schedule, deps: _Dependencies, duration: list, hops: list
+         ) -> tuple[list[float], list[float], list[tuple[int, int]]]:
+    """Play the flattened tasks (see `play`): their starts and ends, and the order they ran
+    in as ranges of indices (a stage runs a range of its tasks at each visit)."""
+    kind, wait, grad, never = deps.kind, deps.wait, deps.grad, deps.never
+    end: list = [None] * (never + 1)
+    start: list = [0.0] * never
+    ran: list[tuple[int, int]] = []
+    pos, stop = deps.offsets[:-1], deps.offsets[1:]
+    clock = [0.0] * len(pos)
+    remaining = never
     while remaining:
         progressed = False
-        for s in range(schedule.stages):
-            while pos[s] < len(orders[s]):
-                a, k = orders[s][pos[s]], chunk_of[s][pos[s]]
-                m = a.microbatch
-                if a.kind == "F":
-                    dep = 0.0 if k == 0 else arrival(("F", k - 1, m), placement[k - 1], s)
-                elif a.kind == "W":
-                    dep = ends.get(("G", k, m))
+        for s in range(len(pos)):
+            i, e, c = pos[s], stop[s], clock[s]
+            while i < e:
+                k = kind[i]
+                if k == _F:
+                    j = wait[i]
+                    if j < 0:
+                        dep = 0.0
+                    else:
+                        x = end[j]
+                        if x is None:
+                            break
+                        dep = x + hops[i]
+                elif k == _W:
+                    dep = end[wait[i]]
+                    if dep is None:
+                        break
                 else:
-                    own = ends.get(("F", k, m))
-                    up = own if k == last_chunk else arrival(("G", k + 1, m), placement[k + 1], s)
-                    dep = None if own is None or up is None else max(own, up)
-                if dep is None:
-                    break
-                start = max(clock[s], dep)
-                end = start + duration(s, a)
-                ends["F" if a.kind == "F" else "W" if a.kind == "W" else "G", k, m] = end
-                clock[s] = end
-                events.append(Event(s, a, start, end))
-                pos[s] += 1
-                remaining -= 1
+                    own = end[wait[i]]
+                    if own is None:
+                        break
+                    j = grad[i]
+                    if j < 0:
+                        up = own
+                    else:
+                        x = end[j]
+                        if x is None:
+                            break
+                        up = x + hops[i]
+                    dep = up if up > own else own  # max(own, up)
+                c = dep if dep > c else c  # max(clock, dep): the task starts
+                start[i] = c
+                c = c + duration[i]
+                end[i] = c
+                i += 1
+            if i > pos[s]:
+                ran.append((pos[s], i))
                 progressed = True
+                remaining -= i - pos[s]
+                pos[s], clock[s] = i, c
         if not progressed:
             raise ValueError(f"schedule {schedule.name} deadlocks: its orders wait on each other")
-    return events
+    return start, end, ran
+
+
+def play(schedule: Schedule, duration: Callable[[int, Task], float],
+         hop: Callable[[int, int], float]) -> list[Event]:
+    """Play the schedule's orders: each stage runs its tasks in order, each as soon as its
+    inputs have arrived; `duration(stage, task)` is a task's time, `hop(src, dst)` a move's
+    (a function of the two stages). Raises ValueError when the orders wait on each other.
+    Stages are visited in turn, each running as far as its inputs allow, and the events come
+    in that order."""
+    deps = _dependencies(schedule)
+    tasks = [a for order in schedule.orders for a in order]
+    stage = deps.stage.tolist()
+    start, end, ran = _run(schedule, deps, [duration(s, a) for s, a in zip(stage, tasks)],
+                           _hop_times(deps, hop))
+    return [Event(stage[i], tasks[i], start[i], end[i]) for a, b in ran for i in range(a, b)]
+
+
+def play_ends(schedule: Schedule, duration: Callable[[int, str], float],
+              hop: Callable[[int, int], float]) -> list[list[float]]:
+    """`play`'s end times, stage by stage in each stage's order, without building tasks or
+    events (the planner plays schedules of thousands of micro-batches): a task's time here
+    depends only on its stage and kind, `duration(stage, kind)`."""
+    deps = _dependencies(schedule)
+    table = [duration(s, k) for s in range(schedule.stages) for k in TASK_KINDS]
+    _, end, _ = _run(schedule, deps, [table[c] for c in deps.cell.tolist()],
+                     _hop_times(deps, hop))
+    return [end[a:b] for a, b in zip(deps.offsets, deps.offsets[1:])]
 
 
 Cell = "Task | tuple[Task, Task] | None"  # one stage's tick: idle, a task, or (F, B)
@@ -508,6 +652,14 @@ def tick_table(schedule: Schedule) -> list[list[Task | None]]:
     for e in events:
         table[int(e.start)][e.stage] = e.action
     return table
+
+
+def _order(keys: np.ndarray, kinds, microbatches, chunks=0) -> np.ndarray:
+    """Order codes [tasks, 3] (`Schedule.order_codes`) of the tasks sorted by their distinct
+    `keys`."""
+    kinds, microbatches = np.asarray(kinds), np.asarray(microbatches)
+    codes = np.stack([kinds, microbatches, np.broadcast_to(chunks, kinds.shape)], 1)
+    return codes[np.argsort(keys, kind="stable")].astype(np.int64)
 
 
 def _codes(ticks: int, stages: int, f_tick: np.ndarray, b_tick: np.ndarray) -> np.ndarray:

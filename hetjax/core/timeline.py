@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from hetjax.core.schedules import Event, Schedule, Task, play
+from hetjax.core.schedules import Event, Schedule, play, play_ends
 
 
 def timeline(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
@@ -25,13 +25,30 @@ def timeline(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
     (stage s <-> s + 1; a move between stages further apart, such as the interleaved
     schedule's wrap from the last stage to the first, costs the slowest boundary's time).
     Returns every task's start and end (a stage does one task at a time)."""
+    duration = _durations(schedule, fwd, bwd, weight_share)
+    return play(schedule, lambda s, a: duration(s, a.kind),
+                _hops(schedule.stages, send_fwd, send_bwd))
+
+
+def timeline_ends(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
+                  send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
+                  weight_share: float = 0.5) -> list[list[float]]:
+    """The end times of `timeline`'s tasks, stage by stage in each stage's order, without
+    building the events (the planner's simulator needs no more)."""
+    return play_ends(schedule, _durations(schedule, fwd, bwd, weight_share),
+                     _hops(schedule.stages, send_fwd, send_bwd))
+
+
+def _durations(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float],
+               weight_share: float) -> Callable[[int, str], float]:
+    """A task's time by stage and kind (see `timeline`)."""
     v = schedule.virtual
     share = {"F": None, "B": 1.0, "I": 1.0 - weight_share, "W": weight_share}
 
-    def duration(s: int, a: Task) -> float:
-        return (fwd[s] if a.kind == "F" else bwd[s] * share[a.kind]) / v
+    def duration(s: int, kind: str) -> float:
+        return (fwd[s] if kind == "F" else bwd[s] * share[kind]) / v
 
-    return play(schedule, duration, _hops(schedule.stages, send_fwd, send_bwd))
+    return duration
 
 
 def _hops(stages: int, send_fwd: Sequence[float], send_bwd: Sequence[float]

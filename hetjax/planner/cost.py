@@ -27,6 +27,7 @@ Plan with the event simulator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -409,9 +410,6 @@ class CostModel:
         self._memory = np.array([topology.clusters[c].accelerator.memory_bytes
                                  for c in self._cluster])
         self._cluster_accel = [c.accelerator for c in topology.clusters]
-        # peak FLOP/s of each rank's device (a plan's peak is their sum, in rank order)
-        self._peak_of_rank = [self._cluster_accel[c].peak_tflops * 1e12
-                              for c in self._cluster.tolist()]
         self.state_bytes = zr.state_bytes_for(model.param_dtype)
         self.act_bytes = _DTYPE_BYTES.get(model.dtype, 4)
         vendors = {c.accelerator.vendor for c in topology.clusters}
@@ -1112,7 +1110,7 @@ class CostModel:
         pred = Prediction(
             step_time=step, tokens_per_s=tokens / step,
             mfu=self.model.flops_per_token(plan.seq_len) * tokens / step /
-            sum(map(self._peak_of_rank.__getitem__, plan.device_order)),
+            self._peak(plan.device_order),
             bubble=float(sim.bubble), stage_time=_floats(c.time(n) for c, n in zip(stages, layers)),
             stage_idle=_floats(sim.stage_idle),
             stage_memory=_floats(c.memory(n, lmax) for c, n in zip(stages, layers)),
@@ -1125,6 +1123,17 @@ class CostModel:
                                   for c, n in zip(stages, layers)),
             memory_margin=1.0 - self.options.memory_fraction, **self._band(stages, step))
         return (pred, sim) if with_events else pred
+
+    def _peak(self, ranks: Sequence[int]) -> float:
+        """The ranks' summed peak FLOP/s, added in their order."""
+        return sum(self._rank_peaks[r] for r in ranks)
+
+    @functools.cached_property
+    def _rank_peaks(self) -> list[float]:
+        # each rank's peak, looked up once per cost model (asking the topology for each of
+        # 4,096 ranks took a tenth of a prediction)
+        return [self.topology.accelerator_of(r).peak_tflops * 1e12
+                for r in range(self.topology.num_devices)]
 
     def exposed_sync(self, layout: Layout, stages: Sequence[StageCost], layers: Sequence[int],
                      fwd: Sequence[float], bwd: Sequence[float]) -> list[float]:

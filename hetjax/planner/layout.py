@@ -72,7 +72,7 @@ class Layout(Plan):
 
     def with_plan(self, stage_layers: Sequence[int], **kw) -> Plan:
         """The Plan of this layout with `stage_layers` layers per stage."""
-        kw = {"device_order": tuple(int(r) for r in self.device_order), **kw}
+        kw = {"device_order": tuple(map(int, self.device_order)), **kw}
         return Plan(**{f.name: getattr(self, f.name) for f in fields(Plan)
                        if f.init and f.name not in _NOT_LAYOUT and f.name not in kw},
                     stage_layers=tuple(stage_layers), **kw)

@@ -27,7 +27,7 @@ from hetjax.errors import PlanError
 from hetjax.core.plan import ScheduleSpec, resolve_schedule
 from hetjax.core.schedules import (SCHEDULES, Event, Schedule, Task, cell_tasks, tick_codes,
                                    tick_table)
-from hetjax.core.timeline import timeline
+from hetjax.core.timeline import timeline, timeline_ends
 from hetjax.planner.lockstep import folded_lockstep_ticks
 from hetjax.planner.lockstep import lockstep_ticks as schedules_lockstep_ticks
 
@@ -49,8 +49,11 @@ class Simulation:
 
 
 @functools.lru_cache(maxsize=256)
-def schedule_table(name: str, stages: int, microbatches: int) -> Schedule:
-    return resolve_schedule(ScheduleSpec(name, stages, microbatches))
+def schedule_table(name: str, stages: int, microbatches: int,
+                   placement: str = "looped") -> Schedule:
+    """The schedule object, shared: a schedule is immutable, and it keeps what playing it
+    needs (`hetjax.core.schedules.play_ends`) for the next play."""
+    return resolve_schedule(ScheduleSpec(name, stages, microbatches, placement))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -137,17 +140,22 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
     guard that skips the step on every stage). Folded (`placement`), fwd /
     bwd are per device (both chunks) and `down_share` the part of each device's work in its
     down chunk (lockstep; asynchronously each chunk takes half, as the timeline of
-    `schedules.folded` plays it). `events=False` leaves the lockstep grid's events out (the
-    step time does not need them; the planner's predictions skip building them)."""
+    `schedules.folded` plays it). `events=False` leaves the events out (the step time does not
+    need them; the planner's predictions skip building them)."""
     S, keep_events = len(fwd), events
     sync = list(sync) or [0.0] * S
     update = list(update) or [0.0] * S
-    if placement == "folded" and not lockstep:  # per-stage orders from the virtual grid
-        table = resolve_schedule(ScheduleSpec(schedule, S, microbatches, "folded"))
-        events = timeline(table, fwd, bwd, send_fwd, send_bwd)
-        last = [0.0] * S
-        for e in events:
-            last[e.stage] = max(last[e.stage], e.end)
+    if not lockstep:  # the orders played (folded: per-stage orders from the virtual grid)
+        table = schedule_table(schedule, S, microbatches, *(
+            (placement,) if placement != "looped" else ()))
+        if keep_events:
+            events = timeline(table, fwd, bwd, send_fwd, send_bwd)
+            ends: list[list[float]] = [[] for _ in range(S)]
+            for e in events:
+                ends[e.stage].append(e.end)
+        else:
+            events, ends = [], timeline_ends(table, fwd, bwd, send_fwd, send_bwd)
+        last = [functools.reduce(max, stage_ends, 0.0) for stage_ends in ends]
         hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
         step = max(last[s] + hidden[s] for s in range(S)) + max(update)
     elif placement == "folded":
@@ -166,7 +174,7 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
                     clock[d] = end
         hidden = list(sync)
         step = float(durations.sum()) + max(h + u for h, u in zip(hidden, update))
-    elif lockstep:
+    else:
         durations = lockstep_ticks(schedule, microbatches, fwd, bwd, send_fwd, send_bwd)
         starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
         events = []
@@ -180,14 +188,6 @@ def simulate(schedule: str, microbatches: int, fwd: Sequence[float], bwd: Sequen
         # One SPMD program reduces the gradients after its loop: nothing hides them.
         hidden = list(sync)
         step = float(durations.sum()) + max(h + u for h, u in zip(hidden, update))
-    else:
-        events = timeline(schedule_table(schedule, S, microbatches), fwd, bwd, send_fwd,
-                          send_bwd)
-        last = [0.0] * S
-        for e in events:
-            last[e.stage] = max(last[e.stage], e.end)
-        hidden = [exposed(sync[s], bwd[s], overlap) for s in range(S)]
-        step = max(last[s] + hidden[s] for s in range(S)) + max(update)
     busy = tuple(microbatches * (fwd[s] + bwd[s]) for s in range(S))
     return Simulation(step_time=step, bubble=1.0 - sum(busy) / (S * step) if step else 0.0,
                       stage_busy=busy, stage_idle=tuple(step - b for b in busy),
