@@ -639,3 +639,26 @@ def test_tensor_parallelism_on_pcie_shares_the_link_with_the_boundary():
     # two stages on one node: the boundary stays inside, nothing shares the NIC's path
     one = CostModel(_a100s(1, 8, intra="pcie4"), m)
     assert one.pcie_shared(lay, lay.mesh()[0].ravel()) == 0.0
+
+
+def test_zero_points_with_equal_axis_patterns_have_the_same_groups():
+    """The cost model prices a ZeRO collective's links once per axis pattern: every pair of
+    (s_os, s_p, axes) with equal `axis_pattern` must give the same rank groups, each listed in
+    the same order (a group's first and last member choose its intra-node link), and patterns
+    that differ must give different groups."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    for dp in (1, 2, 6, 8, 12, 32):
+        dp_groups = rng.permutation(3 * dp).reshape(3, dp)
+        groups_of: dict[tuple, list] = {}
+        for s_os in [d for d in range(1, dp + 1) if dp % d == 0]:
+            for s_p in [d for d in range(1, s_os + 1) if s_os % d == 0]:
+                f = ZeroFactors(s_p, s_p, s_os)
+                for r in range(4):
+                    for axes in itertools.combinations(("dp", "dp_os", "dp_p"), r):
+                        rows = sorted(map(tuple, zr.axis_groups(dp_groups, f, axes).tolist()))
+                        got = groups_of.setdefault(zr.axis_pattern(dp, s_os, s_p, axes), rows)
+                        assert got == rows, (dp, s_os, s_p, axes)
+        distinct = list(groups_of.values())
+        assert len({tuple(g) for g in distinct}) == len(distinct)

@@ -421,8 +421,10 @@ class CostModel:
         self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
+        self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
+        self._placed: dict[tuple, StageCost] = {}  # see _place
         self._slot_cache: dict[Layout, list[_Slot]] = {}
-        self._stage_slot_cache: dict[tuple, _Slot] = {}
+        self._stage_slot_cache: dict[Layout, dict[bytes, _Slot]] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
         self._a2a: dict[tuple, tuple] = {}  # MoE exchanges by (EP groups, bytes)
 
@@ -542,9 +544,10 @@ class CostModel:
             gid = self._group_ids.setdefault(groups, len(self._group_ids))
 
             def over(op: str, nbytes: float, f: ZeroFactors, axes: tuple[str, ...]) -> float:
-                # the groups depend on (s_os, s_p) alone: the points of `space` share them,
-                # so their links are read once per (DP groups, s_os, s_p, axes)
-                k = (gid, f.s_os, f.s_p, axes)
+                # the groups depend on the axes' sizes and strides alone (`axis_pattern`):
+                # the points of `space` share them, so their links are read once per (DP
+                # groups, pattern), and a collective's time once per bytes moved on them
+                k = (gid, zr.axis_pattern(dp_groups.shape[1], f.s_os, f.s_p, axes))
                 if k not in self._axis_nets:
                     groups = zr.axis_groups(dp_groups, f, axes)
                     self._axis_nets[k] = (groups.shape[1], self.network.net(groups)
@@ -642,10 +645,11 @@ class CostModel:
         (cached: they do not depend on the schedule either). Stages of different (dp, tp)
         shapes are priced each as a stage of its own shape (`stage_view`)."""
         key = dataclasses.replace(layout, schedule="")
-        if key not in self._slot_cache:
-            self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
+        slots = self._slot_cache.get(key)  # (one lookup: hashing a layout reads its devices)
+        if slots is None:
+            slots = self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
                 self._slots(self.stage_view(layout, s))[s] for s in range(layout.pp)]
-        return self._slot_cache[key]
+        return slots
 
     @staticmethod
     def stage_view(layout: Layout, s: int) -> Layout:
@@ -822,10 +826,13 @@ class CostModel:
                                    and not spmd else 0)) / tp
         slots = []
         # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
-        base = (dataclasses.replace(layout, device_order=(), schedule=""),)
+        # (by the layout less its devices and schedule, then by stage_key: the layout is
+        # hashed once a call, not once a stage)
+        alike = self._stage_slot_cache.setdefault(
+            dataclasses.replace(layout, device_order=(), schedule=""), {})
         for s, stage_key in enumerate(self.stage_keys(layout)):
-            if (base, stage_key) in self._stage_slot_cache:
-                slots.append(self._stage_slot_cache[base, stage_key])
+            if stage_key in alike:
+                slots.append(alike[stage_key])
                 continue
             ranks = mesh[s].ravel()
             accs = sorted({self._cluster_accel[c] for c in np.unique(self._cluster[ranks])},
@@ -923,25 +930,36 @@ class CostModel:
                     float(self._memory[ranks].min()) * o.memory_fraction),
                 label=self._label(ranks),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
-            self._stage_slot_cache[base, stage_key] = slots[-1]
+            alike[stage_key] = slots[-1]
         return slots
 
     def _shared_sync(self, layout: Layout, mesh: np.ndarray) -> float:
         """Moving the shared parameters' gradients between stages: Megatron all-reduces a tied
         embedding's between the first and last stage; hetjax passes embedding and head
         gradients around the ring of stages (pp - 1 hops)."""
-        m, tp, g = self.model, layout.tp, self.state_bytes.g
+        m, g = self.model, self.state_bytes.g
         if layout.pp == 1 or layout.folded:  # folded: both ends on device 0, nothing moves
             return 0.0
-        if not layout.uniform:  # (only the MPMD executor runs stages of different shapes)
-            if not m.tie_embeddings:
-                return 0.0
-            first, last = (layout.stage_mesh(s).ravel() for s in (0, layout.pp - 1))
-            n = max(len(first), len(last))
-            pairs = np.stack([first[np.arange(n) % len(first)],
-                              last[np.arange(n) % len(last)]], axis=1)
-            shards = min(layout.stage_shape(0)[1], layout.stage_shape(layout.pp - 1)[1])
-            return self.transfer(m.embed_params / shards * g, pairs)[0]
+        if layout.uniform:
+            # a uniform layout's sync depends on its mesh alone, which layouts of every
+            # micro-batch count, schedule and ZeRO point share (the mesh is kept with the
+            # value, so its id is not reused while cached)
+            got = self._shared.get(id(mesh))
+            if got is None or got[0] is not mesh:
+                got = self._shared[id(mesh)] = (mesh, self._uniform_shared_sync(layout, mesh))
+            return got[1]
+        if not m.tie_embeddings:  # (only the MPMD executor runs stages of different shapes)
+            return 0.0
+        first, last = (layout.stage_mesh(s).ravel() for s in (0, layout.pp - 1))
+        n = max(len(first), len(last))
+        pairs = np.stack([first[np.arange(n) % len(first)],
+                          last[np.arange(n) % len(last)]], axis=1)
+        shards = min(layout.stage_shape(0)[1], layout.stage_shape(layout.pp - 1)[1])
+        return self.transfer(m.embed_params / shards * g, pairs)[0]
+
+    def _uniform_shared_sync(self, layout: Layout, mesh: np.ndarray) -> float:
+        """`_shared_sync` of a layout whose stages share one shape (pp > 1, not folded)."""
+        m, tp, g = self.model, layout.tp, self.state_bytes.g
         if self.pipelined_by_spmd(layout):
             ring = np.stack([mesh.reshape(layout.pp, -1),
                              np.roll(mesh.reshape(layout.pp, -1), -1, axis=0)], axis=-1)
@@ -961,6 +979,19 @@ class CostModel:
             live = in_flight_folded(layout.schedule, layout.pp, layout.microbatches)[position]
         else:
             live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
+        # A placed stage depends on its slot, whether it runs the first or the last chunk, the
+        # micro-batches it keeps in flight and the shared gradients' sync, nothing else of its
+        # position or layout: memoised on those (most positions of a deep pipeline, and other
+        # layouts' tables over the same slots, repeat them). The slots are kept in
+        # _stage_slot_cache, so their ids are not reused while cached.
+        key = (id(slot), first, last, live, shared)
+        cost = self._placed.get(key)
+        if cost is None:
+            cost = self._placed[key] = self._place_new(slot, first, last, live, shared)
+        return cost
+
+    def _place_new(self, slot: "_Slot", first: bool, last: bool, live: int, shared: float
+                   ) -> StageCost:
         embed = first or slot.shared_everywhere
         head = last or slot.shared_everywhere
         return StageCost(

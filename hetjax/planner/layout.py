@@ -51,7 +51,16 @@ class Layout(Plan):
 
     @functools.cached_property
     def _mesh(self) -> np.ndarray:
-        return _mesh_of(self.device_order, self.pp, self.dp, self.tp)
+        # by the order's identity first: layouts copied from one another share its tuple,
+        # and hashing thousands of ranks for _mesh_of's cache cost more than the copy
+        key = (id(self.device_order), self.pp, self.dp, self.tp)
+        got = _RECENT.get(key)
+        if got is None or got[0] is not self.device_order:
+            if len(_RECENT) >= 512:
+                _RECENT.clear()
+            got = _RECENT[key] = (self.device_order,
+                                  _mesh_of(self.device_order, self.pp, self.dp, self.tp))
+        return got[1]
 
     def mesh(self) -> np.ndarray:
         """[pp, dp, tp] ranks (read-only; built once: the search asks for it often)."""
@@ -67,6 +76,10 @@ class Layout(Plan):
         return Plan(**{f.name: getattr(self, f.name) for f in fields(Plan)
                        if f.init and f.name not in _NOT_LAYOUT and f.name not in kw},
                     stage_layers=tuple(stage_layers), **kw)
+
+
+# (id(order), pp, dp, tp) -> (the order, its mesh): the order is kept, so its id is not reused
+_RECENT: dict[tuple, tuple[tuple[int, ...], np.ndarray]] = {}
 
 
 @functools.lru_cache(maxsize=512)

@@ -11,6 +11,7 @@ calibrated `LinkFit` per link class and operation used instead of the topology's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -57,6 +58,7 @@ class _Net:
     ids: np.ndarray  # slowest link id of each group
     kinds: np.ndarray  # [distinct, 5]: slowest link id, NIC flows, nodes, max per node,
     # intra-node link id (groups alike in these are priced alike)
+    rows: tuple[tuple[int, ...], ...] = ()  # `kinds` as Python ints (the pricing's memo key)
 
 
 class Network:
@@ -81,6 +83,11 @@ class Network:
         self._intra_id = np.array([self.link_id(c.intra_node) for c in topology.clusters])
         self._nic_id = np.array([self.link_id(c.nic) for c in topology.clusters])
         self._nets: dict[tuple, _Net] = {}
+        # (op, bytes, p, a row of _Net.kinds) -> (time, algorithm): a collective's price
+        # depends on nothing else (the links, their fits and the model are this network's),
+        # and the search prices the same kind of group with the same bytes many times over
+        # groups of different ranks (stages, layouts, ZeRO points)
+        self._kind_times: dict[tuple, tuple[float, str]] = {}
 
     def link_id(self, link: Link) -> int:
         if link not in self.links:
@@ -118,8 +125,9 @@ class Network:
         ends = self._intra_id[clusters[:, [0, -1]]]
         intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
         intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
-        kinds = np.stack([ids, flows, new_node.sum(axis=1), per_node, intra], axis=1)
-        net = _Net(ids, unique_rows(kinds))
+        kinds = unique_rows(np.stack([ids, flows, new_node.sum(axis=1), per_node, intra],
+                                     axis=1))
+        net = _Net(ids, kinds, tuple(map(tuple, kinds.tolist())))
         self._nets[key] = net
         return net
 
@@ -169,7 +177,7 @@ class Network:
         """Slowest link of each row of `groups`."""
         return [self.links[i] for i in self.net(np.asarray(groups)).ids]
 
-    def _group(self, op: str, kind: np.ndarray, p: int) -> coll.Group:
+    def _group(self, op: str, kind: Sequence[int], p: int) -> coll.Group:
         """The collectives model's view of one kind of group (see _Net.kinds), with the
         calibrated bandwidth and latency of `op` on its links when a calibration has them."""
         link_id, flows, nodes, per_node, intra_id = (int(x) for x in kind)
@@ -203,12 +211,16 @@ class Network:
     def choice_on(self, net: "_Net", op: str, nbytes: float, p: int) -> tuple[float, str]:
         """`collective_choice` on groups of p members whose links `net` describes."""
         worst = (0.0, "none")
-        for kind in net.kinds:
-            g = self._group(op, kind, p)
-            if self.collectives == "ring":
-                t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
-            else:
-                t = coll.collective_time(op, nbytes, g)
+        for kind in net.rows:
+            key = (op, nbytes, p, kind)
+            t = self._kind_times.get(key)
+            if t is None:
+                g = self._group(op, kind, p)
+                if self.collectives == "ring":
+                    t = (coll.flat_ring_time(op, nbytes, p, g.bw, g.lat_inter), "flat ring")
+                else:
+                    t = coll.collective_time(op, nbytes, g)
+                self._kind_times[key] = t
             worst = max(worst, t)
         return worst
 
@@ -294,6 +306,13 @@ def unique_rows(rows: np.ndarray, return_index: bool = False, return_inverse: bo
     np.unique sorts many times faster than rows (the search calls this for every distinct
     group of ranks it prices). Falls back to np.unique(axis=0) if the code would overflow."""
     rows = np.asarray(rows)
+    if rows.ndim == 2 and len(rows) and (rows == rows[0]).all():
+        # one kind of row (concurrent groups are mostly alike): np.unique's answer, directly
+        out = rows[:1]
+        if not (return_index or return_inverse):
+            return out
+        return (out,) + ((np.zeros(1, dtype=np.intp),) if return_index else ()) + \
+            ((np.zeros(len(rows), dtype=np.intp),) if return_inverse else ())
     if rows.ndim != 2 or rows.size == 0 or (rows.dtype != bool and rows.min() < 0):
         return np.unique(rows, axis=0, return_index=return_index,
                          return_inverse=return_inverse)

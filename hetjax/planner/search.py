@@ -524,7 +524,22 @@ def layout_key(p: "Plan | Layout") -> tuple:
     placement, ZeRO point, recompute policy or layer split)."""
     executor = getattr(p, "executor", "") if p.pp > 1 else ""
     shapes = getattr(p, "stage_shapes", ()) or ()
-    return (executor, p.pp, p.dp, p.tp, tuple(shapes), frozenset(p.device_order))
+    return (executor, p.pp, p.dp, p.tp, tuple(shapes), _device_set(p.device_order))
+
+
+# id(device order) -> (the order, its set): the search asks for the key of every layout, and
+# its layouts share a few orders (one tuple each, copied by reference); the order is kept with
+# its set, so its id is not reused while cached
+_DEVICE_SETS: dict[int, tuple[tuple[int, ...], frozenset]] = {}
+
+
+def _device_set(order: tuple[int, ...]) -> frozenset:
+    got = _DEVICE_SETS.get(id(order))
+    if got is None or got[0] is not order:
+        if len(_DEVICE_SETS) >= 256:
+            _DEVICE_SETS.clear()
+        got = _DEVICE_SETS[id(order)] = (order, frozenset(order))
+    return got[1]
 
 
 def zero_points_by_traffic(topology: Topology, model: "ModelConfig", global_batch: int,
@@ -555,6 +570,8 @@ class _Search:
             options.memory_fraction
         self._zero_cache: dict[tuple, tuple] = {}
         self._nodes_cache: dict[tuple, np.ndarray] = {}
+        # (id(device order), pp, dp, tp, stage order) -> (the order, the reordered one)
+        self._reordered: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.shortfall = _Shortfall()
         self.rejected: list[str] = []
         self.fixed_layers = False
@@ -710,37 +727,44 @@ class _Search:
                              if layout.ep == 1 else 1)]
         m, sb = self.model, self.cm.state_bytes
         layer_p = self.cm.layer_params_per_device(layout)
-        if key not in self._zero_cache:  # the points, and their terms on every distinct stage
-            stages = list(dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values())
-            self._zero_cache[key] = (stages, zr.space(nodes), {})
-        stages, space, terms = self._zero_cache[key]
-
-        def zero_terms(f: ZeroFactors) -> list:
-            # priced only for points that can fit memory (most collectives are theirs)
-            if f not in terms:
-                terms[f] = [self.cm.zero_times(f, layer_p, mesh[s].T) for s in stages]
-            return terms[f]
         layers = m.n_layers / layout.pp
         # Necessary for any split: the longest stage holds L = ceil(layers / pp) layers
         # (states and activations), every stage at least one layer's activations.
         L = math.ceil(layers)
+        if key not in self._zero_cache:
+            # the points, each one's model states on the longest stage (the key fixes the
+            # layer's parameters and L), and its terms on every distinct stage (priced on
+            # demand, by the point's index; ZeroFactors hash slower than ints)
+            stages = list(dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values())
+            space = zr.space(nodes)
+            self._zero_cache[key] = (
+                [np.ascontiguousarray(mesh[s].T) for s in stages], space,
+                [zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L for f in space],
+                [None] * len(space))
+        groups, space, states, terms = self._zero_cache[key]
+
+        def zero_terms(i: int) -> list:
+            # priced only for points that can fit memory (most collectives are theirs)
+            if terms[i] is None:
+                terms[i] = [self.cm.zero_times(space[i], layer_p, g) for g in groups]
+            return terms[i]
         live = in_flight(layout.schedule, layout.pp, layout.microbatches)
         act = min(self.cm.activation_bytes_per_token(layout.tp, layout.seq_len,
                                                      layout.remat or None, cpu)
                   for cpu in (True, False)) * layout.tokens_per_device()  # any device's
         acts = max(act * L * min(live), act * max(live))
-        need = {f: zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L + acts
-                for f in space}
-        points = [(max(z.per_step(layers, layout.microbatches) for z in zero_terms(f)), i, f)
-                  for i, f in enumerate(space) if need[f] <= self.max_capacity
+        need = [x + acts for x in states]
+        points = [(max(z.per_step(layers, layout.microbatches) for z in zero_terms(i)), i, f)
+                  for i, f in enumerate(space) if need[i] <= self.max_capacity
                   and layout.dp % (f.s_os * layout.ep) == 0]
         if not points:
-            f = min(need, key=need.get)
-            self._note(need[f] / self.max_capacity, (
+            i = min(range(len(space)), key=need.__getitem__)
+            f = space[i]
+            self._note(need[i] / self.max_capacity, (
                 f"pp={layout.pp} dp={layout.dp} tp={layout.tp} zero={f.name} "
                 f"M={layout.microbatches} {layout.schedule}: the longest stage's {L} layers "
-                f"alone need {need[f] / GIB:.2f} GiB per device (model states "
-                f"{(need[f] - acts) / GIB:.2f}, activations {acts / GIB:.2f}) but devices have "
+                f"alone need {need[i] / GIB:.2f} GiB per device (model states "
+                f"{(need[i] - acts) / GIB:.2f}, activations {acts / GIB:.2f}) but devices have "
                 f"{self.max_capacity / GIB:.2f} GiB usable"))
         return [f for _, _, f in sorted(points)]
 
@@ -804,9 +828,16 @@ class _Search:
                 lay.stage_shapes[i] for i in split.order), device_order=order,
                 dp=lay.stage_shapes[split.order[0]][0], tp=lay.stage_shapes[split.order[0]][1])
             return self._price(lay, split.layers, tag)
-        mesh = lay.mesh()
-        order = tuple(mesh[list(split.order)].ravel().tolist())
-        return self._price(dataclasses.replace(lay, device_order=order), split.layers, tag)
+        # the stages reordered; one tuple per (order, stage order), shared by the layouts of
+        # every ZeRO point and micro-batch count, so the caches keyed on a device order's
+        # identity (meshes, boundaries, shared sync) find it
+        key = (id(lay.device_order), lay.pp, lay.dp, lay.tp, split.order)
+        got = self._reordered.get(key)
+        if got is None or got[0] is not lay.device_order:
+            order = (lay.device_order if split.order == tuple(range(lay.pp)) else
+                     tuple(lay.mesh()[list(split.order)].ravel().tolist()))
+            got = self._reordered[key] = (lay.device_order, order)
+        return self._price(dataclasses.replace(lay, device_order=got[1]), split.layers, tag)
 
     def _price(self, layout: Layout, layers: tuple[int, ...], tag: str) -> _Candidate:
         """The candidate's estimate (the step time played without events: lockstep ticks for

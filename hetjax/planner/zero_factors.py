@@ -21,6 +21,7 @@ two ways of running the step:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -174,6 +175,27 @@ def axis_groups(dp_groups: np.ndarray, f: ZeroFactors, axes: tuple[str, ...]) ->
     return grid.transpose(outside + inside).reshape(-1, math.prod(grid.shape[i] for i in inside))
 
 
+@functools.cache
+def axis_pattern(dp: int, s_os: int, s_p: int, axes: tuple[str, ...]
+                 ) -> tuple[tuple[int, int], ...]:
+    """The (size, stride) in the dp axis of each mesh axis in `axes` that has more than one
+    member (`axis_groups`' layout), adjacent ones merged where they are contiguous. Points
+    with equal patterns have the same groups: a member's place on an axis of size n and
+    stride t is floor(x / t) mod n whatever the other axes are, so the group of position x
+    (the positions that differ from x only there) follows from the pattern alone."""
+    sizes = dict(zip(DP_AXES, (dp // s_os, s_os // s_p, s_p)))
+    strides = dict(zip(DP_AXES, (s_os, s_p, 1)))
+    out: list[tuple[int, int]] = []
+    for a in DP_AXES:
+        if a not in axes or sizes[a] == 1:
+            continue
+        if out and out[-1][1] == sizes[a] * strides[a]:  # contiguous with the one before
+            out[-1] = (out[-1][0] * sizes[a], strides[a])
+        else:
+            out.append((sizes[a], strides[a]))
+    return tuple(out)
+
+
 def subgroups(dp_groups: np.ndarray, f: ZeroFactors) -> dict[str, np.ndarray]:
     """Rank groups of each ZeRO collective, from the stage's DP groups [k, dp]:
     "p": the s_p devices sharing one parameter shard's gather / scatter;
@@ -206,7 +228,8 @@ class StepCollective:
     when: str
 
 
-def step_collectives(z: ZeroFactors) -> list[StepCollective]:
+@functools.cache  # a pure function of the factors, asked once per point and stage priced
+def step_collectives(z: ZeroFactors) -> tuple[StepCollective, ...]:
     """AMSP's terms for the JAX even-sharding case (docs/zero.md): T_p's all-gather once per
     step (parameters are gathered before the micro-batch loop) and its reduce-scatter each
     micro-batch, merged with T_g into one reduce-scatter over the G group; T_os0 as a
@@ -218,7 +241,7 @@ def step_collectives(z: ZeroFactors) -> list[StepCollective]:
     def ordered(ax) -> tuple[str, ...]:
         return tuple(a for a in DP_AXES if a in ax)
 
-    return [
+    return (
         StepCollective("all-gather", ordered(axes.p), "p", 1, "sync"),  # T_p: gather P
         StepCollective("reduce-scatter", ordered(axes.g), "g", 1, "microbatch"),  # T_p + T_g
         StepCollective("reduce-scatter", ordered(set(axes.os) - set(axes.g)), "g", z.s_g,
@@ -227,7 +250,7 @@ def step_collectives(z: ZeroFactors) -> list[StepCollective]:
         # the replicas, once per step
         StepCollective("all-gather", ordered(set(axes.os) - set(axes.p)), "p", z.s_p,
                        "refresh"),  # T_os1: refresh P inside the OS subgroup
-    ]
+    )
 
 
 Collective = Callable[[str, float, np.ndarray], float]

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from hetjax.errors import PlanError
-from hetjax.planner import assign, partition, plan, simulate
+from hetjax.planner import assign, partition, plan, simulate, zero_factors
 from hetjax.planner.reference_runs import (fit_efficiency, fit_fabrics, fit_nic_bandwidth,
                                            holmes_table1, predicted_samples_per_s)
 from hetjax.planner.cost import DEFAULT_EFFICIENCY, CostOptions
@@ -191,6 +191,8 @@ def speed(args) -> None:
                            simulate.in_flight_folded, simulate._ticks, simulate.grid_codes):
                 cached.cache_clear()  # each search builds its schedule tables afresh
             partition.split_cache_clear()  # ... and finds its layer splits afresh
+            zero_factors.step_collectives.cache_clear()  # ... and its ZeRO collectives
+            zero_factors.axis_pattern.cache_clear()
             t0 = time.process_time()  # CPU seconds: the machines this runs on are shared
             runs[prune] = (plan(t, model, 2048, 4096, options=options, prune=prune,
                                 subsets=args.subsets, distinct=args.subsets,
