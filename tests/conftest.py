@@ -15,8 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests build the same tiny programs again (a new Trainer jits anew; orbax slices every
 # array it saves), and compiling is most of the suite's time: one compilation cache for the whole
-# run -- its processes, xdist's workers and the jobs they start inherit this variable -- roughly
-# halves that CPU time. It lives and dies with the run (created by the first process that loads
+# run -- its processes, xdist's workers and the jobs they start inherit this variable -- cuts
+# that CPU time by about 40% (docs/testing.md). It lives and dies with the run (created by the first process that loads
 # this file, removed when that process exits), so every run starts cold, like a fresh clone.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
