@@ -417,7 +417,6 @@ class CostModel:
             "gpu" if vendors <= {"nvidia", "amd"} else "other"
         self.attention = mem.attention_implementation(model, platform)
         self._zero: dict[tuple, zr.ZeroTimes] = {}
-        self._group_ids: dict[tuple, int] = {}  # DP groups (shape, bytes) -> a short key
         self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
@@ -537,16 +536,17 @@ class CostModel:
         """AMSP's communication terms for `params` parameters per device of these DP groups,
         as this executor runs them (`zero_style`; cached: the same stage is priced for many
         micro-batch counts and schedules)."""
-        groups = (dp_groups.shape, dp_groups.tobytes())
-        key = (f.s_p, f.s_g, f.s_os, params, groups)
+        # on the groups' structure (`Network.shape_id`), not their ranks: stages alike in
+        # structure (of other layouts, or other positions) have equal terms
+        gid = self.network.shape_id(dp_groups)
+        key = (f.s_p, f.s_g, f.s_os, params, gid)
         if key not in self._zero:
             sb = self.state_bytes
-            gid = self._group_ids.setdefault(groups, len(self._group_ids))
 
             def over(op: str, nbytes: float, f: ZeroFactors, axes: tuple[str, ...]) -> float:
                 # the groups depend on the axes' sizes and strides alone (`axis_pattern`):
                 # the points of `space` share them, so their links are read once per (DP
-                # groups, pattern), and a collective's time once per bytes moved on them
+                # groups' structure, pattern), and a collective's time once per bytes moved
                 k = (gid, zr.axis_pattern(dp_groups.shape[1], f.s_os, f.s_p, axes))
                 if k not in self._axis_nets:
                     groups = zr.axis_groups(dp_groups, f, axes)

@@ -83,6 +83,8 @@ class Network:
         self._intra_id = np.array([self.link_id(c.intra_node) for c in topology.clusters])
         self._nic_id = np.array([self.link_id(c.nic) for c in topology.clusters])
         self._nets: dict[tuple, _Net] = {}
+        self._shapes: dict[tuple, int] = {}  # rank arrays (shape, bytes) -> `shape_id`
+        self._shape_ids: dict[tuple, int] = {}  # their clusters and node pattern -> the id
         # (op, bytes, p, a row of _Net.kinds) -> (time, algorithm): a collective's price
         # depends on nothing else (the links, their fits and the model are this network's),
         # and the search prices the same kind of group with the same bytes many times over
@@ -93,6 +95,22 @@ class Network:
         if link not in self.links:
             self.links.append(link)
         return self.links.index(link)
+
+    def shape_id(self, ranks: np.ndarray) -> int:
+        """A small int equal for two arrays of ranks of one shape exactly when each position
+        has the same cluster and the positions share nodes in the same pattern (nodes
+        numbered in increasing order). Every price this network gives for groups cut from
+        such arrays at the same positions is the same: `net` reads a group's nodes only by
+        equality and order (sorting, runs, counts per node), its clusters by index, and
+        Topology.group_link a cluster's nodes only by equality; the nodes of one cluster are
+        alike. (Cached: the search asks for the same arrays many times.)"""
+        key = (ranks.shape, ranks.tobytes())
+        got = self._shapes.get(key)
+        if got is None:
+            nodes = np.unique(self.node[ranks], return_inverse=True)[1].reshape(ranks.shape)
+            pattern = (ranks.shape, self.cluster[ranks].tobytes(), nodes.tobytes())
+            got = self._shapes[key] = self._shape_ids.setdefault(pattern, len(self._shape_ids))
+        return got
 
     def net(self, groups: np.ndarray) -> "_Net":
         """The links of concurrent rank groups `groups` [instances, size]: each row's slowest
