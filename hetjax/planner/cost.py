@@ -38,7 +38,7 @@ from hetjax.core.plan import Plan, ZeroFactors, effective_remat, schedule_proble
 from hetjax.planner import band, compute as ck, memory as mem, zero_factors as zr
 from hetjax.planner.compute_profile import ComputeProfile, Estimate
 from hetjax.planner.layout import Layout
-from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network
+from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network, Structures
 from hetjax.planner.simulate import chain, exposed, in_flight, in_flight_folded, simulate
 from hetjax.core.topology import Accelerator, Topology
 from hetjax.core.registry import EXECUTORS as REGISTERED
@@ -388,20 +388,44 @@ class Prediction:
         }
 
 
+@dataclass
+class SharedPrices:
+    """What the cost models of one search over device subsets share (`search._plan_subsets`:
+    one model and one set of options on sub-topologies of one topology): the networks'
+    links, structure ids and collective prices (`network.Structures`) and what is keyed on
+    them alone, ZeRO's terms, the links of their groups and their collectives' times, so a
+    stage the whole topology's search priced is not priced again by a subset's (its clusters
+    and node pattern are the same)."""
+
+    structures: Structures = field(default_factory=Structures)
+    axis_nets: dict[tuple, tuple] = field(default_factory=dict)  # see CostModel._axis_nets
+    zero: dict[tuple, zr.ZeroTimes] = field(default_factory=dict)  # see CostModel._zero
+    axis_times: dict[tuple, float] = field(default_factory=dict)  # see CostModel._axis_times
+    priced: tuple | None = None  # (model, options) of the cost models sharing these
+
+
 class CostModel:
-    """Prices layouts of `model` on `topology`."""
+    """Prices layouts of `model` on `topology`; `shared`: prices shared with the cost models
+    of other subsets of one topology (`SharedPrices`)."""
 
     def __init__(self, topology: Topology, model: "ModelConfig",
-                 options: CostOptions | None = None):
+                 options: CostOptions | None = None, shared: SharedPrices | None = None):
         self.topology = topology
         self.model = model
         self.options = options or CostOptions()
         o = self.options
+        shared = shared or SharedPrices()
+        if shared.priced is None:
+            shared.priced = (model, o)
+        elif shared.priced != (model, o):
+            raise PlanError("cost models that share prices must price one model with one set "
+                            "of options; build this one without `shared`")
         # a profile of another model shape prices nothing of this one (a calibration file
         # measured on another model still lends its curves and links)
         self._profile = (o.profile if o.profile is not None and o.profile.mismatch(model) is None
                          else None)
-        self.network = net = Network(topology, o.share_nics, o.collectives, o.link_fits)
+        self.network = net = Network(topology, o.share_nics, o.collectives, o.link_fits,
+                                     shared.structures)
         # the network's pricing, as the cost model's (the search and the calibration ask it)
         self.collective, self.collective_choice = net.collective, net.collective_choice
         self.transfer, self.group_links = net.transfer, net.group_links
@@ -416,9 +440,10 @@ class CostModel:
         platform = "cpu" if vendors == {"cpu"} else \
             "gpu" if vendors <= {"nvidia", "amd"} else "other"
         self.attention = mem.attention_implementation(model, platform)
-        self._zero: dict[tuple, zr.ZeroTimes] = {}
-        self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
-        self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
+        # ZeRO's terms by (factors, parameters, `Network.shape_id` of the DP groups), and
+        # their collectives' times (zero_times): keyed on structure, so shared (SharedPrices)
+        self._zero, self._axis_times = shared.zero, shared.axis_times
+        self._axis_nets = shared.axis_nets  # groups over DP mesh axes (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
         self._placed: dict[tuple, StageCost] = {}  # see _place
@@ -1223,5 +1248,5 @@ def _floats(xs) -> tuple[float, ...]:
 
 
 
-__all__ = ["CostModel", "CostOptions", "PRICED_EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
+__all__ = ["CostModel", "CostOptions", "SharedPrices", "PRICED_EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
            "Prediction", "DEFAULT_EFFICIENCY"]
