@@ -444,7 +444,8 @@ class CostModel:
         # their collectives' times (zero_times): keyed on structure, so shared (SharedPrices)
         self._zero, self._axis_times = shared.zero, shared.axis_times
         self._axis_nets = shared.axis_nets  # groups over DP mesh axes (zero_times)
-        self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
+        # id(mesh) -> (mesh, its boundaries' links, their times by bytes sent)
+        self._boundaries: dict[int, tuple] = {}
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
         self._placed: dict[tuple, StageCost] = {}  # see _place
         self._slot_cache: dict[Layout, list[_Slot]] = {}
@@ -860,8 +861,8 @@ class CostModel:
                 slots.append(alike[stage_key])
                 continue
             ranks = mesh[s].ravel()
-            accs = sorted({self._cluster_accel[c] for c in np.unique(self._cluster[ranks])},
-                          key=lambda a: a.name)
+            clusters = np.unique(self._cluster[ranks])
+            accs = sorted({self._cluster_accel[c] for c in clusters}, key=lambda a: a.name)
             # each device updates its shard of the optimizer state (1 / s_os of its parameters)
             upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
             # Megatron TP: two all-reduces of the activations in each of forward and backward
@@ -953,7 +954,7 @@ class CostModel:
                 reserve=reserve,
                 capacity=reserve.usable_for_step(
                     float(self._memory[ranks].min()) * o.memory_fraction),
-                label=self._label(ranks),
+                label=self._label(clusters),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
             alike[stage_key] = slots[-1]
         return slots
@@ -1081,13 +1082,18 @@ class CostModel:
                 crosses = (self.options.boundary_codec == "int8" and bool(
                     (self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
                 links.append((crosses, self.network.net(pairs)))
-            self._boundaries[id(mesh)] = (mesh, links)
-        times, kinds = [], []
-        for crosses, net in self._boundaries[id(mesh)][1]:
-            t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
-            times.append(t)
-            kinds.append(lk.kind)
-        return times, kinds
+            self._boundaries[id(mesh)] = (mesh, links, {})
+        _, links, priced = self._boundaries[id(mesh)]
+        if (nbytes, packed) not in priced:  # layouts of one mesh share their micro-batch
+            # sizes (by micro-batch count) and so their times
+            times, kinds = [], []
+            for crosses, net in links:
+                t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
+                times.append(t)
+                kinds.append(lk.kind)
+            priced[nbytes, packed] = (times, kinds)
+        times, kinds = priced[nbytes, packed]
+        return list(times), list(kinds)
 
     def _reshard_times(self, layout: Layout) -> tuple[list[float], list[str]]:
         """`boundary_times` between stages of different (dp, tp) shapes: a micro-batch's
@@ -1113,8 +1119,8 @@ class CostModel:
         return [min(self.group_links(m.T), key=lambda lk: lk.bandwidth_gbps).kind
                 if m.shape[0] > 1 else "-" for m in self.stage_meshes(layout)]
 
-    def _label(self, ranks) -> str:
-        clusters = np.unique(self._cluster[ranks])
+    def _label(self, clusters: np.ndarray) -> str:
+        """The clusters (indices) and accelerators of a stage, for display."""
         names = sorted(self.topology.clusters[c].name for c in clusters)
         accs = sorted({self._cluster_accel[c].name for c in clusters})
         shown = ",".join(names[:3]) + (f",+{len(names) - 3}" if len(names) > 3 else "")
