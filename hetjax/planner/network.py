@@ -217,18 +217,22 @@ class Network:
 
     def _witness(self, ranks: np.ndarray) -> list[int]:
         """A few of `ranks` with the same three facts per cluster (at most two nodes of a
-        cluster, two members of a node), so group_link stays cheap on large groups."""
-        keep, nodes_of, doubled = [], {}, set()
-        for r in sorted(ranks.tolist(), key=lambda r: self.node[r]):
-            c, node = self.cluster[r], self.node[r]
-            seen = nodes_of.setdefault(c, [])
-            if node not in seen and len(seen) < 2:
-                seen.append(node)
-                keep.append(r)
-            elif node in seen and c not in doubled:
-                doubled.add(c)
-                keep.append(r)
-        return keep
+        cluster, two members of a node), so group_link stays cheap on large groups: in node
+        order, the first member of each of a cluster's first two nodes, and the first other
+        member on those two nodes."""
+        r = ranks[np.argsort(self.node[ranks], kind="stable")]
+        node, cluster = self.node[r], self.cluster[r]
+        new = np.ones(len(r), dtype=bool)  # the first member of its node
+        new[1:] = node[1:] != node[:-1]
+        start = np.ones(len(r), dtype=bool)  # of its cluster (a cluster's nodes are numbered
+        start[1:] = cluster[1:] != cluster[:-1]  # together, so its members are together)
+        count = np.cumsum(new)
+        early = count - np.maximum.accumulate(np.where(start, count, 0)) < 2
+        keep = new & early
+        doubled = np.flatnonzero(~new & early)
+        if len(doubled):
+            keep[doubled[np.unique(cluster[doubled], return_index=True)[1]]] = True
+        return r[keep].tolist()
 
     def node_of(self, ranks: np.ndarray) -> np.ndarray:
         """The (global) node of each rank."""
