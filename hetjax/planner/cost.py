@@ -853,9 +853,10 @@ class CostModel:
         slots = []
         # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
         # (by the layout less its devices and schedule, then by stage_key: the layout is
-        # hashed once a call, not once a stage)
+        # hashed once a call, not once a stage; its devices replaced by a placeholder, since
+        # an empty order is filled with every rank, thousands to build and hash)
         alike = self._stage_slot_cache.setdefault(
-            dataclasses.replace(layout, device_order=(), schedule=""), {})
+            dataclasses.replace(layout, device_order=(-1,), schedule=""), {})
         for s, stage_key in enumerate(self.stage_keys(layout)):
             if stage_key in alike:
                 slots.append(alike[stage_key])

@@ -166,18 +166,30 @@ class Network:
         key = (groups.shape, groups.tobytes())
         if key in self._nets:
             return self._nets[key]
-        nodes, clusters = self.node[groups], self.cluster[groups]
-        snodes = np.sort(nodes, axis=1)
+        snodes = np.sort(self.node[groups], axis=1)
         new_node = np.ones_like(snodes, dtype=bool)
         new_node[:, 1:] = snodes[:, 1:] != snodes[:, :-1]
         one_node = ~new_node[:, 1:].any(axis=1)
-        one_cluster = (clusters == clusters[:, :1]).all(axis=1) & new_node.all(axis=1)
-        ids = np.where(one_node, self._intra_id[clusters[:, 0]], self._nic_id[clusters[:, 0]])
-        mixed = np.flatnonzero(~(one_node | one_cluster))
+        c = self.cluster[groups.min()]
+        if c == self.cluster[groups.max()]:
+            # all in one cluster (ranks are numbered cluster by cluster), the common case:
+            # what follows for any groups, with every cluster lookup that one's
+            ids = np.where(one_node, self._intra_id[c], self._nic_id[c])
+            mixed = np.flatnonzero(~(one_node | new_node.all(axis=1)))
+            intra = np.full(len(groups), self._intra_id[c])
+        else:
+            clusters = self.cluster[groups]
+            one_cluster = (clusters == clusters[:, :1]).all(axis=1) & new_node.all(axis=1)
+            ids = np.where(one_node, self._intra_id[clusters[:, 0]],
+                           self._nic_id[clusters[:, 0]])
+            mixed = np.flatnonzero(~(one_node | one_cluster))
+            # The slower intra-node link of the first and last member's cluster.
+            ends = self._intra_id[clusters[:, [0, -1]]]
+            intra_bw = np.array([lk.bytes_per_s for lk in self.links])[ends]
+            intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
         if len(mixed):
             ids[mixed] = self._mixed_link_ids(groups[mixed], snodes[mixed], new_node[mixed])
-        links = self.links
-        off = np.array([lk.kind not in _ON_NODE for lk in links])[ids] & ~one_node
+        off = np.array([lk.kind not in _ON_NODE for lk in self.links])[ids] & ~one_node
         flows = np.ones(len(groups), dtype=int)
         if self.share_nics and off.any():
             counts = np.bincount(snodes[off][new_node[off]], minlength=self.node.max() + 1)
@@ -186,10 +198,6 @@ class Network:
         pos = np.arange(groups.shape[1])
         run_start = np.maximum.accumulate(np.where(new_node, pos, 0), axis=1)
         per_node = (pos - run_start + 1).max(axis=1)
-        # The slower intra-node link of the first and last member's cluster.
-        ends = self._intra_id[clusters[:, [0, -1]]]
-        intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
-        intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
         kinds = unique_rows(np.stack([ids, flows, new_node.sum(axis=1), per_node, intra],
                                      axis=1))
         net = _Net(ids, kinds, tuple(map(tuple, kinds.tolist())))
