@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
+
 from hetjax.errors import PlanError
 from hetjax.core.plan import Plan
 from hetjax.core.topology import Topology
@@ -30,22 +32,30 @@ EP_ISLAND_LINKS = ("loopback", "nvlink", "pcie", "infiniband")
 def placement_problems(plan: Plan, topology: Topology) -> list[str]:
     """Human-readable reasons this plan breaks the placement rules ([] if it keeps them)."""
     problems = []
-    for g in plan.tp_groups():
-        nodes = {topology.devices[r].global_node for r in g}
-        if len(nodes) > 1:
-            problems.append(f"TP group {g} spans {len(nodes)} nodes, so every layer's "
-                            f"all-reduce crosses {topology.group_link(g).kind}")
+    # each rank's node and cluster (ranks run cluster -> node -> device), read in numpy: the
+    # search asks this of thousands of ranks for every layout
+    sizes = [c.devices_per_node for c in topology.clusters for _ in range(c.nodes)]
+    node = np.repeat(np.arange(len(sizes)), sizes)
+    cluster = np.repeat(np.arange(len(topology.clusters)),
+                        [c.num_devices for c in topology.clusters])
+    for s in range(plan.pp):  # the TP groups (Plan.tp_groups), stage by stage
+        mesh = plan.stage_mesh(s)
+        spans = np.flatnonzero((node[mesh] != node[mesh[:, :1]]).any(axis=1))
+        if len(spans):
+            g = mesh[spans[0]].tolist()
+            problems.append(f"TP group {g} spans {len(set(node[g].tolist()))} nodes, so every "
+                            f"layer's all-reduce crosses {topology.group_link(g).kind}")
             break
     # With fewer stages than clusters some stage must span clusters (check_placement notes
     # it); otherwise every stage has to fit in one, whatever the cluster sizes.
     if plan.pp >= len(topology.clusters):
         for s in range(plan.pp):
-            ranks = plan.stage_ranks(s)
-            clusters = {topology.devices[r].cluster for r in ranks}
+            clusters = np.unique(cluster[plan.stage_mesh(s)]).tolist()
             if len(clusters) > 1:
                 problems.append(f"stage {s} spans clusters "
                                 f"{sorted(topology.clusters[c].name for c in clusters)}, so its "
-                                f"DP reduction crosses {topology.group_link(ranks).kind}")
+                                f"DP reduction crosses "
+                                f"{topology.group_link(plan.stage_ranks(s)).kind}")
                 break
     if plan.ep > 1:
         for g in plan.ep_groups():
