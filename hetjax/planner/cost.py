@@ -712,11 +712,14 @@ class CostModel:
         have the same clusters in the same positions and share nodes in the same pattern: such
         stages cost the same, since nodes of one cluster are alike (cached per device order)."""
         key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.stage_shapes)
-        if key not in self._stage_keys and not layout.uniform:  # each shape's own key
-            self._stage_keys[key] = [
+        got = self._stage_keys.get(key)  # (one lookup: hashing the order reads every rank)
+        if got is not None:
+            return got
+        if not layout.uniform:  # each shape's own key
+            got = self._stage_keys[key] = [
                 bytes(np.asarray(layout.stage_shape(s), dtype=np.int64).tobytes())
                 + self.stage_keys(self.stage_view(layout, s))[s] for s in range(layout.pp)]
-        if key not in self._stage_keys:
+        else:
             mesh = layout.mesh().reshape(layout.pp, -1)
             nodes = self._node[mesh]
             order = np.argsort(nodes, axis=1, kind="stable")
@@ -726,8 +729,8 @@ class CostModel:
             labels = np.empty_like(ranked)
             np.put_along_axis(labels, order, np.cumsum(first, axis=1), axis=1)
             rows = np.stack([self._cluster[mesh], labels], axis=-1)
-            self._stage_keys[key] = [r.tobytes() for r in rows]
-        return self._stage_keys[key]
+            got = self._stage_keys[key] = [r.tobytes() for r in rows]
+        return got
 
     def step_floor(self, layout: Layout) -> float:
         """A step time no split, ZeRO point or stage order of `layout` beats (every candidate's

@@ -749,17 +749,18 @@ class _Search:
         # Necessary for any split: the longest stage holds L = ceil(layers / pp) layers
         # (states and activations), every stage at least one layer's activations.
         L = math.ceil(layers)
-        if key not in self._zero_cache:
+        got = self._zero_cache.get(key)  # (one lookup: hashing the order reads every rank)
+        if got is None:
             # the points, each one's model states on the longest stage (the key fixes the
             # layer's parameters and L), and its terms on every distinct stage (priced on
             # demand, by the point's index; ZeroFactors hash slower than ints)
             stages = list(dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values())
             space = zr.space(nodes)
-            self._zero_cache[key] = (
+            got = self._zero_cache[key] = (
                 [np.ascontiguousarray(mesh[s].T) for s in stages], space,
                 [zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L for f in space],
                 [None] * len(space))
-        groups, space, states, terms = self._zero_cache[key]
+        groups, space, states, terms = got
 
         def zero_terms(i: int) -> list:
             # priced only for points that can fit memory (most collectives are theirs)
@@ -826,10 +827,11 @@ class _Search:
     def dp_nodes(self, layout: Layout) -> np.ndarray:
         """The node of every member of every DP group ([groups, dp], cached)."""
         key = (layout.device_order, layout.pp, layout.dp, layout.tp)
-        if key not in self._nodes_cache:
-            self._nodes_cache[key] = self.cm.node_of(layout.mesh().transpose(0, 2, 1).reshape(
-                -1, layout.dp))
-        return self._nodes_cache[key]
+        got = self._nodes_cache.get(key)  # (one lookup, as in _auto_points)
+        if got is None:
+            got = self._nodes_cache[key] = self.cm.node_of(
+                layout.mesh().transpose(0, 2, 1).reshape(-1, layout.dp))
+        return got
 
     # --- pricing ------------------------------------------------------------------------------
     def evaluate(self, layout: Layout, orders, tag: str, zero: str | ZeroFactors,
