@@ -1158,20 +1158,26 @@ class CostModel:
         packed = layout.tokens_per_device() * (row + 4)  # int8 codes + one fp32 scale a row
         if self._boundaries.get(id(mesh), (None,))[0] is not mesh:
             # the links of each boundary depend on the mesh alone, which layouts share (the
-            # mesh is kept with them, so its id is not reused while cached)
+            # mesh is kept with them, so its id is not reused while cached), and their times
+            # on the bytes moved as well (memoised per bytes: layouts of every schedule and
+            # ZeRO point move the same)
             links = []
             for s in range(layout.pp - 1):
                 pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
                 crosses = (self.options.boundary_codec == "int8" and bool(
                     (self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
                 links.append((crosses, self.network.net(pairs)))
-            self._boundaries[id(mesh)] = (mesh, links)
-        times, kinds = [], []
-        for crosses, net in self._boundaries[id(mesh)][1]:
-            t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
-            times.append(t)
-            kinds.append(lk.kind)
-        return times, kinds
+            self._boundaries[id(mesh)] = (mesh, links, {})
+        _, links, priced = self._boundaries[id(mesh)]
+        if (nbytes, packed) not in priced:
+            times, kinds = [], []
+            for crosses, net in links:
+                t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
+                times.append(t)
+                kinds.append(lk.kind)
+            priced[nbytes, packed] = (times, kinds)
+        times, kinds = priced[nbytes, packed]
+        return list(times), list(kinds)
 
     def _reshard_times(self, layout: Layout) -> tuple[list[float], list[str]]:
         """`boundary_times` between stages of different (dp, tp) shapes: a micro-batch's
