@@ -1195,6 +1195,18 @@ class StageTable:
     def __iter__(self):
         return (_TableRow(self, i) for i in range(len(self)))
 
+    @property
+    def key(self) -> tuple:
+        """Equal for two tables of one cost model whose every entry is equal: an entry is
+        `CostModel._place` of its slot object at its position, which depends on nothing but
+        the slot, whether the position runs the first or the last chunk (pp, folded), the
+        micro-batches it keeps in flight and the shared gradients' sync. The slots are kept
+        in the cost model's caches for its life, so their ids are not reused meanwhile."""
+        lay = self._layout
+        live = (in_flight_folded if lay.folded else in_flight)(lay.schedule, lay.pp,
+                                                               lay.microbatches)
+        return tuple(map(id, self._slots)), lay.folded, live, self._shared
+
     def cost(self, slot: int, position: int) -> StageCost:
         key = (id(self._slots[slot]), position)  # alike stages share one slot object
         if key not in self._cache:
