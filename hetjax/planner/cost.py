@@ -293,7 +293,7 @@ class StageCost:
 
 @dataclass(frozen=True)
 class _Slot:
-    """The position-independent costs of one stage's devices (see CostModel._place)."""
+    """The position-independent costs of one stage's devices (see CostModel._placed_as)."""
 
     fwd_layer: float
     bwd_layer: float
@@ -422,7 +422,7 @@ class CostModel:
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
-        self._placed: dict[tuple, StageCost] = {}  # see _place
+        self._placed: dict[tuple, StageCost] = {}  # see _placed_as
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._stage_slot_cache: dict[Layout, dict[bytes, _Slot]] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
@@ -972,13 +972,19 @@ class CostModel:
             return self.transfer(m.embed_params / tp * g, pairs)[0]
         return self.collective("all_reduce", m.embed_params / tp * g, pairs)
 
-    def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
-        first, last = position == 0, position == layout.pp - 1
+    @staticmethod
+    def _positions(layout: Layout) -> list[tuple[bool, bool, float]]:
+        """What a stage placed at each position depends on there: whether it runs the first
+        chunk, the last, and the micro-batches it keeps in flight."""
+        pp = layout.pp
         if layout.folded:  # device 0 runs the first chunk and the last (the head)
-            last = first
-            live = in_flight_folded(layout.schedule, layout.pp, layout.microbatches)[position]
-        else:
-            live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
+            live = in_flight_folded(layout.schedule, pp, layout.microbatches)
+            return [(p == 0, p == 0, live[p]) for p in range(pp)]
+        live = in_flight(layout.schedule, pp, layout.microbatches)
+        return [(p == 0, p == pp - 1, live[p]) for p in range(pp)]
+
+    def _placed_as(self, slot: "_Slot", first: bool, last: bool, live: float, shared: float
+                   ) -> StageCost:
         # A placed stage depends on its slot, whether it runs the first or the last chunk, the
         # micro-batches it keeps in flight and the shared gradients' sync, nothing else of its
         # position or layout: memoised on those (most positions of a deep pipeline, and other
@@ -1029,8 +1035,8 @@ class CostModel:
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
         shared = self._shared_sync(layout, layout.mesh() if layout.uniform else None)
-        return [self._place(slot, s, layout, shared)
-                for s, slot in enumerate(self._slots(layout))]
+        return [self._placed_as(slot, *at, shared)
+                for slot, at in zip(self._slots(layout), self._positions(layout))]
 
     def stage_table(self, layout: Layout) -> "StageTable":
         """table[i][p]: mesh row i's stage placed at pipeline position p (for reordering
@@ -1184,7 +1190,7 @@ class StageTable:
 
     def __init__(self, model: CostModel, layout: Layout, slots: list[_Slot], shared: float):
         self._model, self._layout, self._slots, self._shared = model, layout, slots, shared
-        self._cache: dict[tuple[int, int], StageCost] = {}
+        self._positions = model._positions(layout)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -1198,21 +1204,15 @@ class StageTable:
     @property
     def key(self) -> tuple:
         """Equal for two tables of one cost model whose every entry is equal: an entry is
-        `CostModel._place` of its slot object at its position, which depends on nothing but
-        the slot, whether the position runs the first or the last chunk (pp, folded), the
-        micro-batches it keeps in flight and the shared gradients' sync. The slots are kept
-        in the cost model's caches for its life, so their ids are not reused meanwhile."""
-        lay = self._layout
-        live = (in_flight_folded if lay.folded else in_flight)(lay.schedule, lay.pp,
-                                                               lay.microbatches)
-        return tuple(map(id, self._slots)), lay.folded, live, self._shared
+        `CostModel._placed_as` of its slot object and what its position means for it (first
+        or last chunk, micro-batches in flight) and the shared gradients' sync. The slots are
+        kept in the cost model's caches for its life, so their ids are not reused meanwhile."""
+        return tuple(map(id, self._slots)), tuple(self._positions), self._shared
 
     def cost(self, slot: int, position: int) -> StageCost:
-        key = (id(self._slots[slot]), position)  # alike stages share one slot object
-        if key not in self._cache:
-            self._cache[key] = self._model._place(self._slots[slot], position, self._layout,
-                                                  self._shared)
-        return self._cache[key]
+        # (the cost model memoises placed stages: nothing to keep here)
+        return self._model._placed_as(self._slots[slot], *self._positions[position],
+                                      self._shared)
 
 
 class _TableRow:
