@@ -424,6 +424,7 @@ class CostModel:
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
         self._placed: dict[tuple, StageCost] = {}  # see _placed_as
         self._slot_cache: dict[Layout, list[_Slot]] = {}
+        self._slot_ids: dict[tuple, tuple] = {}  # see _slots
         self._stage_slot_cache: dict[Layout, dict[bytes, _Slot]] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
         self._a2a: dict[tuple, tuple] = {}  # MoE exchanges by (EP groups, bytes)
@@ -644,11 +645,20 @@ class CostModel:
         """Costs of each mesh row's devices that do not depend on where the stage sits
         (cached: they do not depend on the schedule either). Stages of different (dp, tp)
         shapes are priced each as a stage of its own shape (`stage_view`)."""
+        # by the device order's identity first: the layouts of one order's ZeRO points,
+        # micro-batch counts and schedules share its tuple, and copying a layout to hash it
+        # (its thousands of ranks) cost more than the lookup; the order is kept with the
+        # slots, so its id is not reused while cached
+        quick = (id(layout.device_order), *(getattr(layout, f) for f in _SLOT_FIELDS))
+        got = self._slot_ids.get(quick)
+        if got is not None and got[0] is layout.device_order:
+            return got[1]
         key = dataclasses.replace(layout, schedule="")
         slots = self._slot_cache.get(key)  # (one lookup: hashing a layout reads its devices)
         if slots is None:
             slots = self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
                 self._slots(self.stage_view(layout, s))[s] for s in range(layout.pp)]
+        self._slot_ids[quick] = (layout.device_order, slots)
         return slots
 
     @staticmethod
@@ -1182,6 +1192,12 @@ class CostModel:
                     memory_band=band.memory_band(measured, spread), compute_source=source,
                     extrapolation=distance,
                     compute_notes=tuple(dict.fromkeys(n for c in stages for n in c.notes)))
+
+
+# What a stage's slots depend on besides its device order: every field of the layout that
+# takes part in its equality but its schedule (`CostModel._slots`)
+_SLOT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout)
+                     if f.compare and f.name not in ("schedule", "device_order"))
 
 
 class StageTable:
