@@ -420,7 +420,7 @@ class CostModel:
         self._group_ids: dict[tuple, int] = {}  # DP groups (shape, bytes) -> a short key
         self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
-        self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, its boundaries' links)
+        self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, links, times by bytes)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
         self._placed: dict[tuple, StageCost] = {}  # see _placed_as
         self._slot_cache: dict[Layout, list[_Slot]] = {}
@@ -1065,20 +1065,26 @@ class CostModel:
         packed = layout.tokens_per_device() * (row + 4)  # int8 codes + one fp32 scale a row
         if self._boundaries.get(id(mesh), (None,))[0] is not mesh:
             # the links of each boundary depend on the mesh alone, which layouts share (the
-            # mesh is kept with them, so its id is not reused while cached)
+            # mesh is kept with them, so its id is not reused while cached), and their times
+            # on the bytes too: kept by (bytes, packed bytes) for the layouts of one mesh and
+            # micro-batch size (ZeRO points, schedules, placements)
             links = []
             for s in range(layout.pp - 1):
                 pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
                 crosses = (self.options.boundary_codec == "int8" and bool(
                     (self._cluster[pairs[:, 0]] != self._cluster[pairs[:, 1]]).any()))
                 links.append((crosses, self.network.net(pairs)))
-            self._boundaries[id(mesh)] = (mesh, links)
-        times, kinds = [], []
-        for crosses, net in self._boundaries[id(mesh)][1]:
-            t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
-            times.append(t)
-            kinds.append(lk.kind)
-        return times, kinds
+            self._boundaries[id(mesh)] = (mesh, links, {})
+        _, links, priced = self._boundaries[id(mesh)]
+        if (nbytes, packed) not in priced:
+            times, kinds = [], []
+            for crosses, net in links:
+                t, lk = self.network.transfer_on(net, packed if crosses else nbytes)
+                times.append(t)
+                kinds.append(lk.kind)
+            priced[nbytes, packed] = (times, kinds)
+        times, kinds = priced[nbytes, packed]
+        return list(times), list(kinds)  # (the caller's own lists)
 
     def _reshard_times(self, layout: Layout) -> tuple[list[float], list[str]]:
         """`boundary_times` between stages of different (dp, tp) shapes: a micro-batch's
