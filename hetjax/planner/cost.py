@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -291,6 +292,16 @@ class StageCost:
 
 
 
+class LayerFloor(NamedTuple):
+    """One layer's micro-batch on a kind of stage, less its ZeRO traffic (`layer_floor`)."""
+
+    fwd: float  # seconds: compute and TP all-reduces
+    bwd: float
+    fwd_compute: float  # of which compute (the window ZeRO's traffic may hide behind)
+    bwd_compute: float
+    stages: int  # stages of this kind
+
+
 @dataclass(frozen=True)
 class _Slot:
     """The position-independent costs of one stage's devices (see CostModel._placed_as)."""
@@ -422,6 +433,9 @@ class CostModel:
         self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, links, times by bytes)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
+        self._shared_floors: dict[int, tuple] = {}  # id(mesh) -> (mesh, _crossing_floor)
+        self._boundary_floors: dict[int, tuple] = {}  # id(mesh) -> see boundary_floor
+        self._layer_floors: dict[tuple, tuple] = {}  # see layer_floor
         self._placed: dict[tuple, StageCost] = {}  # see _placed_as
         self._slot_cache: dict[Layout, list[_Slot]] = {}
         self._slot_ids: dict[tuple, tuple] = {}  # see _slots
@@ -701,35 +715,130 @@ class CostModel:
 
     def step_floor(self, layout: Layout) -> float:
         """A step time no split, ZeRO point or stage order of `layout` beats (every candidate's
-        `simulate.lower_bound` is at least this): with t (t_f) each layer's compute (forward)
-        alone on the fastest accelerator of the layout's stages, the longest stage runs M
-        micro-batches of at least N / pp layers: t M N / pp. Where `simulate.chain` allows fill
-        and drain, the last stage also waits for the N - n_last layers ahead of it, forward and
-        backward: t (N + M - 1); where it allows the fill alone, for their forwards:
-        t_f (N - 1) + t M. The search skips layouts whose floor cannot enter the top."""
+        `simulate.lower_bound` is at least this): with t (t_f) the least time any stage spends
+        on one layer's micro-batch, forward and backward (forward), compute and TP
+        all-reduces (`layer_floor`), the longest stage runs M micro-batches of at least
+        L = ceil(N / pp) layers: t M L. Where `simulate.chain` allows fill and drain, the last
+        stage also waits for the N - n_last layers ahead of it and the pp - 1 boundaries'
+        transfers (`boundary_floor`), forward and backward: t (N + M - 1) + 2 B; where it
+        allows the fill alone, for their forwards: t_f (N - 1) + t M + B. Each of these stages
+        then syncs: the part of that no ZeRO point or stage order avoids is added
+        (`shared_floor`). The search skips layouts whose floor cannot enter the top."""
         M, N = layout.microbatches, self.model.n_layers
-        views = [layout] if layout.uniform else [self.stage_view(layout, s)
-                                                 for s in range(layout.pp)]
-        times = [self._layer_alone(v, a) for v in views for a in set(self._cluster_accel)]
-        t = min(f + b for f, b in times)
+        L = -(-N // layout.pp)
+        times = self.layer_floor(layout)
+        t = min(x.fwd + x.bwd for x in times)
+        sync = self.shared_floor(layout)
         fill, drain = chain(layout.schedule, layout.folded)
         if fill and drain:
-            return t * max(M * N / layout.pp, N + M - 1)
+            return max(t * M * L, t * (N + M - 1) + 2 * self.boundary_floor(layout)) + sync
         if fill:
-            return max(t * M * N / layout.pp, min(f for f, _ in times) * (N - 1) + t * M)
-        return t * M * N / layout.pp
+            return max(t * M * L, min(x.fwd for x in times) * (N - 1) + t * M
+                       + self.boundary_floor(layout)) + sync
+        return t * M * L + sync
 
-    def _layer_alone(self, layout: Layout, a: Accelerator) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer's micro-batch on `a` under `layout`'s
-        tokens, TP degree and recompute, communication left out (`step_floor`'s t)."""
-        remat, staged = self.remat_of(layout), self.runs_staged(layout)
-        est = self.profile_estimate(a, layout, "layer", remat, staged)
-        if est is not None:
-            return est.fwd_s, est.bwd_s
-        tok, tp = layout.tokens_per_device(), layout.tp
-        f, b = self.layer_seconds_per_token(a, layout.seq_len, remat, tok / tp, staged=staged,
-                                            tp=tp)
-        return tok * f / tp, tok * b / tp
+    def layer_floor(self, layout: Layout) -> list["LayerFloor"]:
+        """Per kind of stage (`stage_keys`, in the order of their first stage), one layer's
+        micro-batch as `_price_slots` prices it, less what depends on the ZeRO point (its
+        exposed traffic) and expert all-to-alls: the slowest of its accelerators, with the
+        stage's TP all-reduces where the flat model priced the compute (a profile's layer
+        times include them). A stage order permutes whole stages, so each stage's TP groups
+        are those of the layout's own order."""
+        # a layout's schedule, placement and ZeRO point change none of this, and the search
+        # asks for every one of them: memoised on the rest (the device order by identity,
+        # kept with the value so its id is not reused while cached)
+        key = (id(layout.device_order), layout.pp, layout.dp, layout.tp, layout.stage_shapes,
+               layout.microbatches, layout.global_batch, layout.seq_len, layout.remat)
+        got = self._layer_floors.get(key)
+        if got is None or got[0] is not layout.device_order:
+            got = self._layer_floors[key] = (layout.device_order, self._layer_floor(layout))
+        return got[1]
+
+    def _layer_floor(self, layout: Layout) -> list["LayerFloor"]:
+        views = [layout] if layout.uniform else [self.stage_view(layout, s)
+                                                 for s in range(layout.pp)]
+        out = []
+        for i, v in enumerate(views):
+            keys = self.stage_keys(v)
+            rows = range(v.pp) if layout.uniform else [i]
+            count = Counter(keys[s] for s in rows)
+            remat, staged, mesh = self.remat_of(v), self.runs_staged(v), v.mesh()
+            nbytes = v.tokens_per_device() * self.model.d_model * self.act_bytes
+            for key, s in dict(zip((keys[s] for s in rows), rows)).items():
+                tp_ar = 2 * self.collective("all_reduce", nbytes, mesh[s])
+                priced = [self.layer_times(self._cluster_accel[c], v, remat, staged)
+                          for c in np.unique(self._cluster[mesh[s].ravel()])]
+                out.append(LayerFloor(
+                    fwd=max(f + (0.0 if e is not None else tp_ar) for f, _, e in priced),
+                    bwd=max(b + (0.0 if e is not None else tp_ar) for _, b, e in priced),
+                    fwd_compute=max(f for f, _, _ in priced),
+                    bwd_compute=max(b for _, b, _ in priced), stages=count[key]))
+        return out
+
+    def boundary_floor(self, layout: Layout) -> float:
+        """The least total of one micro-batch's pp - 1 boundary transfers over the stage orders
+        the partition may try: with stages of one kind (equal `stage_keys`) the layout's own
+        order's. With stages each inside one of at most two clusters and on nodes of their
+        own, a boundary joins two stages of one cluster (a transfer like any other of that
+        cluster, as the own order has them when the cluster has two stages) or crosses
+        between the clusters (as the own order's crossing): pp - 1 times the least of the
+        own order's boundaries. Otherwise 0 (a stage sharing a node with another may have a
+        boundary that stays on the node). Stages of different shapes: 0."""
+        if not layout.uniform or layout.pp == 1:
+            return 0.0
+        mesh = layout.mesh()
+        got = self._boundary_floors.get(id(mesh))
+        if got is None or got[0] is not mesh:  # (the mesh is kept, so its id is not reused)
+            alike = len(set(self.stage_keys(layout))) == 1
+            got = self._boundary_floors[id(mesh)] = (
+                mesh, alike, alike or self._stages_apart(layout, mesh, 2), {})
+        _, alike, apart, floors = got
+        key = (layout.microbatches, layout.global_batch, layout.seq_len)  # the bytes moved
+        if key not in floors:
+            times = self.boundary_times(layout)[0] if apart else [0.0]
+            floors[key] = sum(times) if alike else (layout.pp - 1) * min(times)
+        return floors[key]
+
+    def _stages_apart(self, layout: Layout, mesh: np.ndarray, clusters: int) -> bool:
+        """Whether every stage lies inside one cluster, on nodes no other stage uses, and the
+        stages span at most `clusters` clusters."""
+        rows = mesh.reshape(layout.pp, -1)
+        cl, nodes = self._cluster[rows], self._node[rows]
+        return bool((cl == cl[:, :1]).all() and len(np.unique(cl[:, 0])) <= clusters
+                    and sum(len(np.unique(r)) for r in nodes) == len(np.unique(nodes)))
+
+    def shared_floor(self, layout: Layout) -> float:
+        """The shared gradients' sync (`_shared_sync`) that every stage's exposed sync holds
+        in every stage order the partition may try, where it is on every stage's critical
+        path: hetjax's SPMD pipeline in lockstep (every stage holds the embedding and head,
+        and nothing of its sync hides). With stages of one kind (equal `stage_keys`) the
+        partition keeps the layout's own order: its ring exactly. With stages each inside one
+        of two clusters, on nodes of their own, every order's ring crosses between the
+        clusters, each device in two transfers: a crossing takes at least as long as the own
+        order's crossing pairs alone (which share the nodes' NICs with fewer flows).
+        Otherwise 0."""
+        if not (layout.uniform and layout.pp > 1 and not layout.folded
+                and self.runs_in_lockstep(layout)):
+            return 0.0
+        mesh = layout.mesh()
+        if len(set(self.stage_keys(layout))) == 1:
+            return self._shared_sync(layout, mesh)
+        got = self._shared_floors.get(id(mesh))
+        if got is None or got[0] is not mesh:
+            got = self._shared_floors[id(mesh)] = (mesh, self._crossing_floor(layout, mesh))
+        return got[1]
+
+    def _crossing_floor(self, layout: Layout, mesh: np.ndarray) -> float:
+        """`shared_floor` of stages of several kinds (see there)."""
+        rows = mesh.reshape(layout.pp, -1)
+        if len(np.unique(self._cluster[rows[:, 0]])) != 2 or not self._stages_apart(
+                layout, mesh, 2):
+            return 0.0  # (a node holding two stages may keep a transfer of the ring on it)
+        ring = np.stack([rows, np.roll(rows, -1, axis=0)], axis=-1).reshape(-1, 2)
+        crossing = ring[self._cluster[ring[:, 0]] != self._cluster[ring[:, 1]]]
+        m, g = self.model, self.state_bytes.g
+        nbytes = (m.embed_params + m.head_params) / layout.tp * g  # as _uniform_shared_sync
+        return (layout.pp - 1) * self.transfer(nbytes, crossing)[0]
 
     def pipelined_by_spmd(self, layout: Layout) -> bool:
         """Whether the SPMD pipeline executor runs this layout (see PRICED_EXECUTORS)."""

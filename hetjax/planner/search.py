@@ -239,11 +239,12 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
     if not (floors and min(floors) < ceiling):
         if todo:  # a better plan was found elsewhere
             raise BelowNothing(f"no layout of {topology.name!r} can beat {ceiling:.4g} s")
-    elif prune and ceiling == math.inf:  # (a ceiling from elsewhere already prunes)
-        ceiling = s.probe(todo, floors, zero, tuple(stage_layers), top)
+    skipped = {i for i, floor in enumerate(floors) if floor >= ceiling}
+    if prune and todo and min(floors) < ceiling:
+        ceiling, skipped = s.explore(todo, floors, zero, tuple(stage_layers), top, ceiling)
     cands, broken = [], set()
-    for i, ((lay, orders, tag), floor) in enumerate(zip(todo, floors)):
-        if floor >= min(ceiling, s.key_ceiling.get(layout_key(lay), math.inf)):
+    for i, (lay, orders, tag) in enumerate(todo):
+        if i in skipped:
             s.pruned += 1  # no candidate of this layout can enter the top
             continue
         key = (lay.pp, lay.dp, lay.tp, lay.device_order, lay.microbatches)
@@ -710,8 +711,6 @@ class _Search:
             ok = zero in ("auto", "ddp") or (isinstance(zero, ZeroFactors) and (
                 zero.s_p, zero.s_g, zero.s_os) == (1, 1, 1))
             return [ddp] if ok else []
-        mesh = layout.mesh()
-        key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.ep)
         nodes = self.dp_nodes(layout)
         if isinstance(zero, ZeroFactors):
             zr.check(zero, layout.dp)
@@ -726,6 +725,16 @@ class _Search:
         if zero != "auto":  # a preset over the replicas of the experts (dp / ep of them)
             return [zr.named(zero, layout.dp // layout.ep, zr.node_local_factor(nodes)
                              if layout.ep == 1 else 1)]
+        return [f for f, _ in self._auto_points(layout)]
+
+    def _auto_points(self, layout: Layout) -> list[tuple[ZeroFactors, list[zr.ZeroTimes]]]:
+        """`zero_points` for zero = "auto" on a layout whose stages share one shape: each point
+        whose model states can fit at all, least AMSP communication time first, with its
+        terms on each kind of stage (`CostModel.stage_keys`, in the order of their first
+        stage); when none fits, the closest is noted."""
+        mesh = layout.mesh()
+        key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.ep)
+        nodes = self.dp_nodes(layout)
         m, sb = self.model, self.cm.state_bytes
         layer_p = self.cm.layer_params_per_device(layout)
         layers = m.n_layers / layout.pp
@@ -755,7 +764,7 @@ class _Search:
                   for cpu in (True, False)) * layout.tokens_per_device()  # any device's
         acts = max(act * L * min(live), act * max(live))
         need = [x + acts for x in states]
-        points = [(max(z.per_step(layers, layout.microbatches) for z in zero_terms(i)), i, f)
+        points = [(max(z.per_step(layers, layout.microbatches) for z in zero_terms(i)), i)
                   for i, f in enumerate(space) if need[i] <= self.max_capacity
                   and layout.dp % (f.s_os * layout.ep) == 0]
         if not points:
@@ -767,7 +776,44 @@ class _Search:
                 f"alone need {need[i] / GIB:.2f} GiB per device (model states "
                 f"{(need[i] - acts) / GIB:.2f}, activations {acts / GIB:.2f}) but devices have "
                 f"{self.max_capacity / GIB:.2f} GiB usable"))
-        return [f for _, _, f in sorted(points)]
+        return [(space[i], terms[i]) for _, i in sorted(points)]
+
+    def sync_floor(self, layout: Layout, zero: str | ZeroFactors) -> float:
+        """A step time no candidate of `layout` beats, for every ZeRO point `evaluate` may
+        price: tighter than `CostModel.step_floor` where ZeRO's traffic weighs. On a stage of
+        n layers, a layer's micro-batch takes at least f forward and b backward
+        (`CostModel.layer_floor`) plus the traffic the window of its compute cannot hide
+        (`exposed` hides no more than the window); once a step, the stage leaves exposed at
+        least its sync less one micro-batch's backward. So it takes at least n a, with
+        a = max(M (f + b), M f + (M - 1) b + sync) + refresh a layer (hetjax's executors
+        expose the refresh; in lockstep nothing of the sync hides: a = M (f + b) + sync +
+        refresh), each a its least over the points; stages of n_s whole layers, sum N, take
+        at least the N-th smallest of the k a_s (`_spread`), plus the shared gradients' sync
+        every stage waits for (`CostModel.shared_floor`). 0 where the points are not AMSP's
+        enumeration (a fixed or named point, per-stage shapes, expert parallelism) or none
+        fits (the search notes why)."""
+        if zero != "auto" or not layout.uniform or layout.ep > 1:
+            return 0.0
+        points = self._auto_points(layout)
+        if not points:
+            return 0.0
+        cm, M = self.cm, layout.microbatches
+        lockstep = cm.runs_in_lockstep(layout)
+        refresh = cm.options.executor != "megatron"  # Megatron prefetches it (exposed_sync)
+        stages = cm.layer_floor(layout)
+        per_layer = [math.inf] * len(stages)  # per kind of stage, the least a over the points
+        for _, terms in points:
+            for i, (x, z) in enumerate(zip(stages, terms)):
+                f = x.fwd + max(z.gather - x.fwd_compute, 0.0)
+                b = x.bwd + max(z.gather + z.scatter + z.accumulate * (M - 1) / M
+                                - x.bwd_compute, 0.0)
+                if lockstep:
+                    a = M * (f + b) + z.sync + z.refresh
+                else:
+                    a = max(M * (f + b), M * f + (M - 1) * b + z.sync) + refresh * z.refresh
+                per_layer[i] = min(per_layer[i], a)
+        return _spread([(a, x.stages) for a, x in zip(per_layer, stages)],
+                       self.model.n_layers) + cm.shared_floor(layout)
 
     def dp_nodes(self, layout: Layout) -> np.ndarray:
         """The node of every member of every DP group ([groups, dp], cached)."""
@@ -956,39 +1002,49 @@ class _Search:
         if ratio < self.shortfall.ratio:
             self.shortfall = _Shortfall(ratio, text)
 
-    def probe(self, todo, floors: list[float], zero, stage_layers: tuple[int, ...],
-              top: int, most: int = 24) -> float:
-        """A ceiling no skipped layout's candidate could beat into the top: the top-th best
-        simulated step time among the best-estimated candidates of the `most` layouts with the
-        lowest floors (those confirm simulates first anyway). Their evaluations are kept in
-        `probed` for the search, which replays their notes in its own order. inf if fewer than
-        `top` fit."""
-        found = []
+    def explore(self, todo, floors: list[float], zero, stage_layers: tuple[int, ...],
+                top: int, ceiling: float) -> tuple[float, set[int]]:
+        """Branch and bound over the layouts, lowest floor first: each is evaluated unless its
+        floor (or `sync_floor`) reaches the ceiling, the top-th best step simulated so far
+        (of distinct layouts with `distinct`: a layout key's best step is also its own
+        ceiling, since a candidate no faster cannot improve its layout) or the ceiling given.
+        A candidate that could lower the ceiling (while fewer than `top` are simulated, or
+        estimated below it) is simulated. The ceiling only falls, so every layout skipped
+        could not have entered the top: the plan and runners-up are the exhaustive search's.
+        Evaluations are kept in `probed` for the search, which replays their notes in its own
+        order. Returns the ceiling and the indices skipped."""
+        steps: dict = {}  # layout key (distinct) or candidate -> best simulated step
+
+        def limit() -> float:
+            best = heapq.nsmallest(top, steps.values())
+            return min(ceiling, best[-1]) if len(best) == top else ceiling
+
         order = sorted(range(len(todo)), key=floors.__getitem__)
-        if self.distinct:  # the top needs `top` layouts: probe each one's lowest floor first
-            firsts = sorted({layout_key(todo[i][0]): i for i in reversed(order)}.values(),
-                            key=floors.__getitem__)
-            order = firsts + [i for i in order if i not in set(firsts)]
-        keys = set()
+        skipped, broken = set(), set()
         for n, i in enumerate(order):
-            # distinct: go on until `top` layouts fit (many may not), else no ceiling
-            if n >= most and not (self.distinct and len(keys) < top and n < 4 * most):
-                break
             lay, orders, tag = todo[i]
+            if floors[i] >= limit():  # and so does every later floor
+                skipped.update(order[n:])
+                break
+            key = layout_key(lay)
+            bar = min(limit(), self.key_ceiling.get(key, math.inf))
+            if floors[i] >= bar or self.sync_floor(lay, zero) >= bar:
+                skipped.add(i)
+                continue
+            link_key = (lay.pp, lay.dp, lay.tp, lay.device_order, lay.microbatches)
+            if link_key in broken:  # (the search evaluates these in its own order)
+                continue
             self.probed[i] = self.evaluate_noted(lay, orders, tag, zero, stage_layers)
-            if isinstance(self.probed[i][0], _Candidate):
-                found.append(self.probed[i][0])
-                keys.add(layout_key(lay))
-        if self.distinct:  # each layout's best-estimated candidate stands for it
-            found = list({layout_key(c.layout): c for c in
-                          sorted(found, key=lambda c: -c.estimate)}.values())
-            # a candidate no better than its own layout's probed step cannot improve it
-            self.key_ceiling = {layout_key(c.layout): self.simulate(c).predicted["step_time_s"]
-                                for c in found}
-        if len(found) < top:
-            return math.inf
-        best = sorted(found, key=lambda c: c.estimate)[:top]
-        return max(self.simulate(c).predicted["step_time_s"] for c in best)
+            c = self.probed[i][0]
+            if isinstance(c, MissingLinkError):
+                broken.add(link_key)
+            elif c is not None and (len(steps) < top or c.estimate < bar):
+                step = self.simulate(c).predicted["step_time_s"]
+                if self.distinct:
+                    steps[key] = self.key_ceiling[key] = min(step, steps.get(key, math.inf))
+                else:
+                    steps[c] = step
+        return limit(), skipped
 
     def evaluate_noted(self, layout: Layout, orders, tag: str, zero,
                        stage_layers: tuple[int, ...]):
@@ -1107,6 +1163,26 @@ def _check_connected(topology: Topology) -> None:
             f"{main}, so no pipeline or gradient sync can reach them; binding constraint: "
             f"connectivity. Nearest feasible change: add a ClusterLink from {cut[0]!r} to "
             f"{main[0]!r} (or set inter_cluster), or remove {cut}")
+
+
+def _spread(per_layer: Sequence[tuple[float, int]], layers: int) -> float:
+    """The least time the slowest stage can take when `layers` whole layers, at least one a
+    stage, are spread over stages that take a_s a layer ((a_s, stages alike) pairs): the
+    `layers`-th smallest of the k a_s, k >= 1 (each layer goes where it ends soonest), and
+    at least the slowest a_s (no stage is empty)."""
+    def placed(t: float) -> int:  # layers that fit by time t (rounding up: a floor)
+        return sum(n * math.floor(t / a * (1 + 1e-9)) for a, n in per_layer)
+
+    # the answer is some k a, at least the spread of fractional layers, layers / sum(n / a):
+    # per kind, the least k from there with room for every layer
+    even = layers / sum(n / a for a, n in per_layer)
+    best = math.inf
+    for a, _ in per_layer:
+        k = max(1, math.ceil(even / a * (1 - 1e-9)))
+        while placed(k * a) < layers:
+            k += 1
+        best = min(best, k * a)
+    return max(best, max(a for a, _ in per_layer))
 
 
 def _divisors(n: int) -> list[int]:
