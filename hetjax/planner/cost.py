@@ -300,6 +300,7 @@ class LayerFloor(NamedTuple):
     fwd_compute: float  # of which compute (the window ZeRO's traffic may hide behind)
     bwd_compute: float
     stages: int  # stages of this kind
+    head: float  # the head's forward and backward, where this kind of stage runs it last
 
 
 @dataclass(frozen=True)
@@ -719,21 +720,24 @@ class CostModel:
         on one layer's micro-batch, forward and backward (forward), compute and TP
         all-reduces (`layer_floor`), the longest stage runs M micro-batches of at least
         L = ceil(N / pp) layers: t M L. Where `simulate.chain` allows fill and drain, the last
-        stage also waits for the N - n_last layers ahead of it and the pp - 1 boundaries'
-        transfers (`boundary_floor`), forward and backward: t (N + M - 1) + 2 B; where it
-        allows the fill alone, for their forwards: t_f (N - 1) + t M + B. Each of these stages
+        stage, which runs at least one layer and the head (h, its least on any kind of stage)
+        for M micro-batches, also waits for the N - n_last layers ahead of it and the pp - 1
+        boundaries' transfers (`boundary_floor`), forward and backward:
+        t (N - 1) + M (t + h) + 2 B; where it allows the fill alone, for their forwards:
+        t_f (N - 1) + M (t + h) + B. Each of these stages
         then syncs: the part of that no ZeRO point or stage order avoids is added
         (`shared_floor`). The search skips layouts whose floor cannot enter the top."""
         M, N = layout.microbatches, self.model.n_layers
         L = -(-N // layout.pp)
         times = self.layer_floor(layout)
         t = min(x.fwd + x.bwd for x in times)
+        last = t * M + M * min(x.head for x in times)  # the last stage: a layer and the head
         sync = self.shared_floor(layout)
         fill, drain = chain(layout.schedule, layout.folded)
         if fill and drain:
-            return max(t * M * L, t * (N + M - 1) + 2 * self.boundary_floor(layout)) + sync
+            return max(t * M * L, t * (N - 1) + last + 2 * self.boundary_floor(layout)) + sync
         if fill:
-            return max(t * M * L, min(x.fwd for x in times) * (N - 1) + t * M
+            return max(t * M * L, min(x.fwd for x in times) * (N - 1) + last
                        + self.boundary_floor(layout)) + sync
         return t * M * L + sync
 
@@ -766,13 +770,15 @@ class CostModel:
             nbytes = v.tokens_per_device() * self.model.d_model * self.act_bytes
             for key, s in dict(zip((keys[s] for s in rows), rows)).items():
                 tp_ar = 2 * self.collective("all_reduce", nbytes, mesh[s])
-                priced = [self.layer_times(self._cluster_accel[c], v, remat, staged)
-                          for c in np.unique(self._cluster[mesh[s].ravel()])]
+                accs = [self._cluster_accel[c] for c in np.unique(self._cluster[mesh[s].ravel()])]
+                priced = [self.layer_times(a, v, remat, staged) for a in accs]
+                heads = [self.piece_times(a, v, "head") for a in accs]
                 out.append(LayerFloor(
                     fwd=max(f + (0.0 if e is not None else tp_ar) for f, _, e in priced),
                     bwd=max(b + (0.0 if e is not None else tp_ar) for _, b, e in priced),
                     fwd_compute=max(f for f, _, _ in priced),
-                    bwd_compute=max(b for _, b, _ in priced), stages=count[key]))
+                    bwd_compute=max(b for _, b, _ in priced), stages=count[key],
+                    head=max(h for h, _, _ in heads) + max(h for _, h, _ in heads)))
         return out
 
     def boundary_floor(self, layout: Layout) -> float:
@@ -1175,8 +1181,8 @@ class CostModel:
         if self._boundaries.get(id(mesh), (None,))[0] is not mesh:
             # the links of each boundary depend on the mesh alone, which layouts share (the
             # mesh is kept with them, so its id is not reused while cached), and their times
-            # on the bytes too: kept by (bytes, packed bytes) for the layouts of one mesh and
-            # micro-batch size (ZeRO points, schedules, placements)
+            # on the bytes moved as well (memoised per bytes: layouts of every schedule and
+            # ZeRO point move the same)
             links = []
             for s in range(layout.pp - 1):
                 pairs = np.stack([mesh[s].ravel(), mesh[s + 1].ravel()], axis=1)
@@ -1193,7 +1199,7 @@ class CostModel:
                 kinds.append(lk.kind)
             priced[nbytes, packed] = (times, kinds)
         times, kinds = priced[nbytes, packed]
-        return list(times), list(kinds)  # (the caller's own lists)
+        return list(times), list(kinds)
 
     def _reshard_times(self, layout: Layout) -> tuple[list[float], list[str]]:
         """`boundary_times` between stages of different (dp, tp) shapes: a micro-batch's

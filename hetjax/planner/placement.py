@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
+
 from hetjax.errors import PlanError
 from hetjax.core.plan import Plan
 from hetjax.core.topology import Topology
@@ -30,22 +32,29 @@ EP_ISLAND_LINKS = ("loopback", "nvlink", "pcie", "infiniband")
 def placement_problems(plan: Plan, topology: Topology) -> list[str]:
     """Human-readable reasons this plan breaks the placement rules ([] if it keeps them)."""
     problems = []
-    for g in plan.tp_groups():
-        nodes = {topology.devices[r].global_node for r in g}
-        if len(nodes) > 1:
-            problems.append(f"TP group {g} spans {len(nodes)} nodes, so every layer's "
-                            f"all-reduce crosses {topology.group_link(g).kind}")
+    node, cluster = _rank_places(topology)
+    order, meshes, start = np.asarray(plan.device_order), [], 0
+    for dp, tp in plan.shapes():  # each stage's (dp_s, tp_s) ranks, as Plan.stage_mesh
+        meshes.append(order[start:start + dp * tp].reshape(dp, tp))
+        start += dp * tp
+    for mesh in meshes:  # the first TP group (a mesh row) on more than one node
+        nodes = node[mesh]
+        spans = np.flatnonzero((nodes != nodes[:, :1]).any(axis=1))
+        if len(spans):
+            g = mesh[spans[0]].tolist()
+            problems.append(f"TP group {g} spans {len(set(nodes[spans[0]].tolist()))} nodes, "
+                            f"so every layer's all-reduce crosses {topology.group_link(g).kind}")
             break
     # With fewer stages than clusters some stage must span clusters (check_placement notes
     # it); otherwise every stage has to fit in one, whatever the cluster sizes.
     if plan.pp >= len(topology.clusters):
-        for s in range(plan.pp):
-            ranks = plan.stage_ranks(s)
-            clusters = {topology.devices[r].cluster for r in ranks}
+        for s, mesh in enumerate(meshes):
+            clusters = np.unique(cluster[mesh])
             if len(clusters) > 1:
                 problems.append(f"stage {s} spans clusters "
-                                f"{sorted(topology.clusters[c].name for c in clusters)}, so its "
-                                f"DP reduction crosses {topology.group_link(ranks).kind}")
+                                f"{sorted(topology.clusters[c].name for c in clusters.tolist())}"
+                                f", so its DP reduction crosses "
+                                f"{topology.group_link(plan.stage_ranks(s)).kind}")
                 break
     if plan.ep > 1:
         for g in plan.ep_groups():
@@ -56,6 +65,23 @@ def placement_problems(plan: Plan, topology: Topology) -> list[str]:
                                 f"<= the devices joined by {'/'.join(EP_ISLAND_LINKS[1:])})")
                 break
     return problems
+
+
+# id(topology) -> (the topology, the node and the cluster of each rank): the search checks the
+# groups of every layout it builds on one topology (kept with the arrays, so its id is not
+# reused while cached)
+_PLACES: dict[int, tuple[Topology, np.ndarray, np.ndarray]] = {}
+
+
+def _rank_places(topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    got = _PLACES.get(id(topology))
+    if got is None or got[0] is not topology:
+        if len(_PLACES) >= 16:
+            _PLACES.clear()
+        devices = topology.devices
+        got = _PLACES[id(topology)] = (topology, np.array([d.global_node for d in devices]),
+                                       np.array([d.cluster for d in devices]))
+    return got[1], got[2]
 
 
 def refuse_straddle(problems: list[str]) -> None:
