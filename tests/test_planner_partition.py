@@ -161,6 +161,49 @@ def test_equal_stages_get_a_level_split():
     assert max(layers[:7]) - min(layers[:7]) <= 1 and layers[7] < max(layers)
 
 
+def level_reference(layers, caps, per, fixed):
+    """The levelling one layer at a time, as it was first written: for each distinct speed
+    (ascending), the stages within 1e-9 of it keep one layer each and every other layer goes,
+    in turn, to the stage whose time after it is least (the lowest stage on equal times)."""
+    import heapq
+
+    import numpy as np
+
+    layers = layers.copy()
+    f, p, c = fixed.tolist(), per.tolist(), caps.tolist()
+    for speed in np.unique(per):
+        group = np.flatnonzero(np.isclose(per, speed, rtol=1e-9, atol=0.0)).tolist()
+        if len(group) == 1:
+            continue
+        held = dict.fromkeys(group, 1)
+        heap = [(f[j] + p[j] * 2, j) for j in group if 1 < c[j]]
+        heapq.heapify(heap)
+        for _ in range(int(layers[group].sum()) - len(group)):
+            _, j = heapq.heappop(heap)
+            held[j] += 1
+            if held[j] < c[j]:
+                heapq.heappush(heap, (f[j] + p[j] * (held[j] + 1), j))
+        layers[group] = list(held.values())
+    return tuple(int(n) for n in layers)
+
+
+def test_levelling_equals_handing_out_one_layer_at_a_time():
+    """The levelling picks each group's layers with one sort: the same layers as the greedy
+    that hands them out one at a time, on random stages with equal speeds, speeds apart by
+    less than 1e-9 (overlapping groups) and equal times (ties to the lowest stage)."""
+    import numpy as np
+
+    rng = random.Random(7)
+    for _ in range(300):
+        S = rng.randint(2, 12)
+        base = rng.uniform(0.1, 2.0)
+        per = np.array([base * (1 + rng.choice([0.0, 0.0, 1e-16, 3e-10, 0.5])) for _ in range(S)])
+        fixed = np.array([rng.choice([0.0, 0.0, rng.uniform(0, 3 * base)]) for _ in range(S)])
+        caps = np.array([rng.randint(1, 12) for _ in range(S)])
+        layers = np.array([rng.randint(1, int(c)) for c in caps])
+        assert pt._level(layers, caps, per, fixed) == level_reference(layers, caps, per, fixed)
+
+
 def scan_reference(stages, n_layers, M):
     """The exact split as it was computed before it was memoised and batched: every lmax
     row in turn, every bottleneck of the row filled (the reference for same answers, to the

@@ -305,7 +305,7 @@ class LayerFloor(NamedTuple):
 
 @dataclass(frozen=True)
 class _Slot:
-    """The position-independent costs of one stage's devices (see CostModel._place)."""
+    """The position-independent costs of one stage's devices (see CostModel._placed_as)."""
 
     fwd_layer: float
     bwd_layer: float
@@ -456,14 +456,14 @@ class CostModel:
         # their collectives' times (zero_times): keyed on structure, so shared (SharedPrices)
         self._zero, self._axis_times = shared.zero, shared.axis_times
         self._axis_nets = shared.axis_nets  # groups over DP mesh axes (zero_times)
-        # id(mesh) -> (mesh, its boundaries' links, their times by bytes sent)
-        self._boundaries: dict[int, tuple] = {}
+        self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, links, times by bytes)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
         self._shared_floors: dict[int, tuple] = {}  # id(mesh) -> (mesh, _crossing_floor)
         self._boundary_floors: dict[int, tuple] = {}  # id(mesh) -> see boundary_floor
         self._layer_floors: dict[tuple, tuple] = {}  # see layer_floor
-        self._placed: dict[tuple, StageCost] = {}  # see _place
+        self._placed: dict[tuple, StageCost] = {}  # see _placed_as
         self._slot_cache: dict[Layout, list[_Slot]] = {}
+        self._slot_ids: dict[tuple, tuple] = {}  # see _slots
         self._stage_slot_cache: dict[Layout, dict[bytes, _Slot]] = {}
         self._stage_keys: dict[tuple, list[bytes]] = {}
         self._a2a: dict[tuple, tuple] = {}  # MoE exchanges by (EP groups, bytes)
@@ -685,11 +685,20 @@ class CostModel:
         """Costs of each mesh row's devices that do not depend on where the stage sits
         (cached: they do not depend on the schedule either). Stages of different (dp, tp)
         shapes are priced each as a stage of its own shape (`stage_view`)."""
+        # by the device order's identity first: the layouts of one order's ZeRO points,
+        # micro-batch counts and schedules share its tuple, and copying a layout to hash it
+        # (its thousands of ranks) cost more than the lookup; the order is kept with the
+        # slots, so its id is not reused while cached
+        quick = (id(layout.device_order), *(getattr(layout, f) for f in _SLOT_FIELDS))
+        got = self._slot_ids.get(quick)
+        if got is not None and got[0] is layout.device_order:
+            return got[1]
         key = dataclasses.replace(layout, schedule="")
         slots = self._slot_cache.get(key)  # (one lookup: hashing a layout reads its devices)
         if slots is None:
             slots = self._slot_cache[key] = self._price_slots(layout) if layout.uniform else [
                 self._slots(self.stage_view(layout, s))[s] for s in range(layout.pp)]
+        self._slot_ids[quick] = (layout.device_order, slots)
         return slots
 
     @staticmethod
@@ -1117,13 +1126,19 @@ class CostModel:
             return self.transfer(m.embed_params / tp * g, pairs)[0]
         return self.collective("all_reduce", m.embed_params / tp * g, pairs)
 
-    def _place(self, slot: "_Slot", position: int, layout: Layout, shared: float) -> StageCost:
-        first, last = position == 0, position == layout.pp - 1
+    @staticmethod
+    def _positions(layout: Layout) -> list[tuple[bool, bool, float]]:
+        """What a stage placed at each position depends on there: whether it runs the first
+        chunk, the last, and the micro-batches it keeps in flight."""
+        pp = layout.pp
         if layout.folded:  # device 0 runs the first chunk and the last (the head)
-            last = first
-            live = in_flight_folded(layout.schedule, layout.pp, layout.microbatches)[position]
-        else:
-            live = in_flight(layout.schedule, layout.pp, layout.microbatches)[position]
+            live = in_flight_folded(layout.schedule, pp, layout.microbatches)
+            return [(p == 0, p == 0, live[p]) for p in range(pp)]
+        live = in_flight(layout.schedule, pp, layout.microbatches)
+        return [(p == 0, p == pp - 1, live[p]) for p in range(pp)]
+
+    def _placed_as(self, slot: "_Slot", first: bool, last: bool, live: float, shared: float
+                   ) -> StageCost:
         # A placed stage depends on its slot, whether it runs the first or the last chunk, the
         # micro-batches it keeps in flight and the shared gradients' sync, nothing else of its
         # position or layout: memoised on those (most positions of a deep pipeline, and other
@@ -1174,8 +1189,8 @@ class CostModel:
     def stage_costs(self, layout: Layout) -> list[StageCost]:
         """Per-position costs of `layout` (position s = mesh row s)."""
         shared = self._shared_sync(layout, layout.mesh() if layout.uniform else None)
-        return [self._place(slot, s, layout, shared)
-                for s, slot in enumerate(self._slots(layout))]
+        return [self._placed_as(slot, *at, shared)
+                for slot, at in zip(self._slots(layout), self._positions(layout))]
 
     def stage_table(self, layout: Layout) -> "StageTable":
         """table[i][p]: mesh row i's stage placed at pipeline position p (for reordering
@@ -1329,13 +1344,19 @@ class CostModel:
                     compute_notes=tuple(dict.fromkeys(n for c in stages for n in c.notes)))
 
 
+# What a stage's slots depend on besides its device order: every field of the layout that
+# takes part in its equality but its schedule (`CostModel._slots`)
+_SLOT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout)
+                     if f.compare and f.name not in ("schedule", "device_order"))
+
+
 class StageTable:
     """Stage costs by (mesh row, pipeline position), placed on demand: a search over stage
     orders looks at few of the pp x pp entries."""
 
     def __init__(self, model: CostModel, layout: Layout, slots: list[_Slot], shared: float):
         self._model, self._layout, self._slots, self._shared = model, layout, slots, shared
-        self._cache: dict[tuple[int, int], StageCost] = {}
+        self._positions = model._positions(layout)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -1346,12 +1367,18 @@ class StageTable:
     def __iter__(self):
         return (_TableRow(self, i) for i in range(len(self)))
 
+    @property
+    def key(self) -> tuple:
+        """Equal for two tables of one cost model whose every entry is equal: an entry is
+        `CostModel._placed_as` of its slot object and what its position means for it (first
+        or last chunk, micro-batches in flight) and the shared gradients' sync. The slots are
+        kept in the cost model's caches for its life, so their ids are not reused meanwhile."""
+        return tuple(map(id, self._slots)), tuple(self._positions), self._shared
+
     def cost(self, slot: int, position: int) -> StageCost:
-        key = (id(self._slots[slot]), position)  # alike stages share one slot object
-        if key not in self._cache:
-            self._cache[key] = self._model._place(self._slots[slot], position, self._layout,
-                                                  self._shared)
-        return self._cache[key]
+        # (the cost model memoises placed stages: nothing to keep here)
+        return self._model._placed_as(self._slots[slot], *self._positions[position],
+                                      self._shared)
 
 
 class _TableRow:

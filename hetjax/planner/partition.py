@@ -199,6 +199,9 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
     S = len(stages)
     if S > n_layers:
         return None
+    if S == 1:
+        layers = _one_stage(stages[0], n_layers)
+        return None if layers is None else (layers, pipeline_time(stages, layers, microbatches))
     # one pass over the stages (the search calls this tens of thousands of times)
     columns = np.array([(c.fwd_layer, c.fwd_fixed, c.bwd_layer, c.bwd_fixed, c.mem_slot,
                          c.mem_layer, c.mem_fixed, c.capacity) for c in stages], dtype=float)
@@ -206,6 +209,24 @@ def optimal_split(stages: Sequence[StageCost], n_layers: int, microbatches: int
     if layers is None:
         return None
     return layers, pipeline_time(stages, layers, microbatches)  # its exact value
+
+
+def _one_stage(c: StageCost, n_layers: int) -> tuple[int, ...] | None:
+    """`_exact_layers` of a single stage, in the same float operations without numpy (a
+    third of the search's splits): all the layers if they fit its memory and its time at
+    all of them is a bottleneck that holds them (`time_all`, always but for a per-layer time
+    lost in rounding beside the fixed time), else None."""
+    fixed = (c.fwd_layer * 0 + c.fwd_fixed) + (c.bwd_layer * 0 + c.bwd_fixed)
+    per = ((c.fwd_layer * 1 + c.fwd_fixed) + (c.bwd_layer * 1 + c.bwd_fixed)) - fixed
+    room = c.capacity - c.mem_slot * n_layers - c.mem_fixed
+    held = 0 if room < 0 else math.floor(min(room / c.mem_layer if c.mem_layer > 0
+                                             else n_layers, n_layers))
+    if held < n_layers:
+        return None
+    if per > 0 and math.floor((per * n_layers + fixed - fixed) / per * (1 + 1e-12)
+                              + 1e-9) < n_layers:
+        return None
+    return (n_layers,)
 
 
 def split_cache_clear() -> None:
@@ -245,8 +266,11 @@ def _exact_layers(columns: bytes, S: int, n_layers: int, M: int) -> tuple[int, .
     top = int(lmaxes[feasible][0])
     counts = np.arange(1, top + 1)
     values = per[:, None] * counts[None, :] + fixed[:, None]  # [S, top]
-    B_all, where = np.unique(values, return_inverse=True)
-    where = where.reshape(values.shape)
+    # np.unique(values, return_inverse=True) without its overhead (the values are finite):
+    # the sorted distinct values, and where each value sits among them
+    ranked = np.sort(values, axis=None)
+    B_all = ranked[np.concatenate(([True], ranked[1:] != ranked[:-1]))]
+    where = np.searchsorted(B_all, values)
     with np.errstate(divide="ignore", invalid="ignore"):
         time_all = np.floor((B_all[:, None] - fixed[None, :]) / per[None, :] * (1 + 1e-12)
                             + 1e-9)
@@ -376,26 +400,29 @@ def _level(layers: np.ndarray, caps: np.ndarray, per: np.ndarray, fixed: np.ndar
            ) -> tuple[int, ...]:
     """Among stages with the same per-layer time the greedy fills the first ones up; moving
     layers to the least loaded of them (within the caps) keeps the sum of times and does
-    not raise the maximum, so ties between splits go to the balanced one."""
+    not raise the maximum, so ties between splits go to the balanced one.
+
+    Each group (the stages within 1e-9 of each distinct speed, in ascending order) keeps one
+    layer per stage and hands out the rest one at a time, each to the stage whose time after
+    it, fixed + per x (its layers + 1), is least (the lowest stage on equal times). A stage's
+    times only grow with its layers, so those hand-outs are the group's smallest (time,
+    stage) pairs among every stage's layers 2 .. cap: picked all at once by one sort."""
     layers = layers.copy()
-    f, p, c = fixed.tolist(), per.tolist(), caps.tolist()
-    for speed in np.unique(per):
-        group = np.flatnonzero(np.isclose(per, speed, rtol=1e-9, atol=0.0)).tolist()
-        if len(group) == 1:
-            continue  # nothing to level
-        total = int(layers[group].sum())
-        held = dict.fromkeys(group, 1)
-        # each layer goes to the stage whose time after it is least (first stage on ties): a
-        # heap of (that time, stage) is the same choice as an argmin over the open stages
-        heap = [(f[j] + p[j] * 2, j) for j in group if 1 < c[j]]
-        heapq.heapify(heap)
-        for _ in range(total - len(group)):
-            _, j = heapq.heappop(heap)
-            held[j] += 1
-            if held[j] < c[j]:
-                heapq.heappush(heap, (f[j] + p[j] * (held[j] + 1), j))
-        layers[group] = list(held.values())
-    return tuple(int(n) for n in layers)
+    # np.isclose(per, speed, rtol=1e-9, atol=0) for every distinct speed at once, spelt out
+    # (the same comparison, without isclose's checks of its arguments)
+    speed = np.unique(per)[:, None]
+    close = ((np.abs(per[None, :] - speed) <= 1e-9 * np.abs(speed)) & np.isfinite(speed)
+             | (per[None, :] == speed))
+    for row in close[close.sum(axis=1) > 1]:
+        group = np.flatnonzero(row)
+        extra = int(layers[group].sum()) - len(group)  # layers above one per stage
+        room = np.maximum(caps[group] - 1, 0)
+        stage = np.repeat(group, room)
+        k = np.arange(len(stage)) - np.repeat(np.cumsum(room) - room, room) + 2
+        time = fixed[stage] + per[stage] * k  # (as float as the one-at-a-time greedy's)
+        picked = stage[np.lexsort((k, stage, time))[:extra]]
+        layers[group] = 1 + np.bincount(picked, minlength=len(per))[group]
+    return tuple(layers.tolist())
 
 
 def candidate_orders(table: Table, limit: int = 120) -> list[tuple[int, ...]]:

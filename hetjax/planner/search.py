@@ -582,6 +582,7 @@ class _Search:
         self._nodes_cache: dict[tuple, np.ndarray] = {}
         # (id(device order), pp, dp, tp, stage order) -> (the order, the reordered one)
         self._reordered: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._splits: dict[tuple, partition.Split | None] = {}  # see _fitted
         self.shortfall = _Shortfall()
         self.rejected: list[str] = []
         self.fixed_layers = False
@@ -875,7 +876,14 @@ class _Search:
             if not partition.fits(partition.placed(table, split.order), stage_layers):
                 split = None
         else:
-            split = partition.best_split(table, self.model.n_layers, lay.microbatches, orders)
+            # layouts whose tables are alike (ZeRO points, schedules, device orders whose
+            # stages price the same) ask for the same split: memoised on the table's entries
+            key = (table.key, lay.microbatches,
+                   None if orders is None else tuple(map(tuple, orders)))
+            if key not in self._splits:
+                self._splits[key] = partition.best_split(table, self.model.n_layers,
+                                                         lay.microbatches, orders)
+            split = self._splits[key]
         if split is None:
             self._note_shortfall(lay, table)
             return None
