@@ -751,8 +751,8 @@ class CostModel:
         stage, which runs at least one layer and the head (h, its least on any kind of stage)
         for M micro-batches, also waits for the N - n_last layers ahead of it and the pp - 1
         boundaries' transfers (`boundary_floor`), forward and backward:
-        t (N - 1) + M (t + h) + 2 B; where it allows the fill alone, for their forwards:
-        t_f (N - 1) + M (t + h) + B. Each of these stages
+        t (N - 1) + M (t + h) + 2 B; where it allows the fill alone, for its share f of their
+        forwards: f t_f (N - 1) + M (t + h) + B. Each of these stages
         then syncs: the part of that no ZeRO point or stage order avoids is added
         (`shared_floor`). The search skips layouts whose floor cannot enter the top."""
         M, N = layout.microbatches, self.model.n_layers
@@ -765,7 +765,7 @@ class CostModel:
         if fill and drain:
             return max(t * M * L, t * (N - 1) + last + 2 * self.boundary_floor(layout)) + sync
         if fill:
-            return max(t * M * L, min(x.fwd for x in times) * (N - 1) + last
+            return max(t * M * L, min(x.fwd for x in times) * (N - 1) * fill + last
                        + self.boundary_floor(layout)) + sync
         return t * M * L + sync
 

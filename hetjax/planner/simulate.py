@@ -202,28 +202,35 @@ def closed_form(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     return sum(t) + (microbatches - 1) * max(t) + 2 * sum(send)
 
 
-def chain(schedule: str, folded: bool) -> tuple[bool, bool]:
+def chain(schedule: str, folded: bool) -> tuple[float, bool]:
     """What of the pipeline's fill and drain `lower_bound` may add to a stage's work under
-    `schedule`, as (fill, drain). With one model chunk per stage, in order, stage s starts after
-    the whole forwards ahead of it (fill) and the stages ahead then run the last backward
-    (drain). A split backward (zero-bubble) drains on input gradients alone: fill only. With
-    several chunks a stage starts after only the first chunk of the stages ahead, and the
-    folded placement puts two stages on one device group: neither (the full chain overstates
-    their steps by up to 36% on random stage times)."""
+    `schedule`, as (fill, drain): the share of each forward ahead of a stage that it waits for
+    before its first task, and whether the stages ahead then run the last backward. With one
+    model chunk per stage, in order, stage s starts after the whole forwards ahead of it
+    (fill 1) and the stages ahead then run the last backward (drain). A split backward
+    (zero-bubble) drains on input gradients alone: fill only. With V chunks a stage (each a
+    V-th of its forward and backward, as `timeline` plays them), any task of stage s waits
+    for some micro-batch's first chunk to pass the stages ahead: fill 1 / V, no drain (its
+    last backward may run before its other work). The folded placement puts two stages on one
+    device group: neither (the full chain overstates their steps by up to 36% on random stage
+    times)."""
     spec = SCHEDULES[schedule]
-    if folded or spec.virtual > 1:
-        return False, False
-    return True, not spec.splits_backward
+    if folded:
+        return 0.0, False
+    if spec.virtual > 1:
+        return 1.0 / spec.virtual, False
+    return 1.0, not spec.splits_backward
 
 
 def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
                 send_fwd: Sequence[float] = (), send_bwd: Sequence[float] = (),
-                sync_exposed: Sequence[float] = (), *, fill: bool = True,
+                sync_exposed: Sequence[float] = (), *, fill: float = 1.0,
                 drain: bool = True) -> float:
     """A bound no schedule beats, asynchronous or lockstep (lockstep only adds waiting): every
-    stage s must run all its M forwards and backwards and then its exposed sync; with `fill`
-    it cannot start before the forwards ahead of it, with `drain` the stages ahead must then
-    run the last backward (and stage 0 its sync). `chain` says which a schedule allows."""
+    stage s must run all its M forwards and backwards and then its exposed sync; it cannot
+    start before `fill` of each forward ahead of it and the transfers between (with `fill`
+    > 0), and with `drain` the stages ahead must then run the last backward (and stage 0 its
+    sync). `chain` says which a schedule allows."""
     S = len(fwd)
     sf = list(send_fwd) or [0.0] * S
     sb = list(send_bwd) or [0.0] * S
@@ -234,7 +241,7 @@ def lower_bound(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
         best = max(best, ahead_f + work + max(sx[s], ahead_b + sx[0] if s and drain else 0.0))
         if s < S - 1:
             if fill:
-                ahead_f += fwd[s] + sf[s]
+                ahead_f += fill * fwd[s] + sf[s]
             if drain:
                 ahead_b += bwd[s] + sb[s]
     return best
