@@ -10,7 +10,7 @@ import pytest
 from hetjax.errors import PlanError
 from hetjax.core.plan import Plan, ZeroFactors
 from hetjax.planner import formulas, zero_factors as zr
-from hetjax.planner.cost import CostModel, CostOptions, LayerProfile
+from hetjax.planner.cost import CostModel, CostOptions, LayerProfile, SharedPrices
 from hetjax.planner.layout import Layout
 from hetjax.planner.network import ring_time
 from hetjax.planner.simulate import closed_form, in_flight, lower_bound, simulate
@@ -455,6 +455,32 @@ def test_hetjax_zero_gathers_once_per_step_and_keeps_the_gathered_parameters():
         1e6 * (16 / 32 + 4))
     assert zr.step_state_bytes(1e6, zr.named("zero3", 32, 8), sb, "megatron") == pytest.approx(
         1e6 * 16 / 32)
+
+
+def test_cost_models_sharing_prices_price_a_subsets_stage_as_it_alone_would():
+    """ZeRO's terms depend on the DP groups' clusters and node pattern, not on their ranks or
+    the clusters' indices: the cost models of a topology and of a subset of it (the search's
+    device subsets) share them (SharedPrices), each pricing as it would alone."""
+    t = preset("holmes_hybrid")  # ib: ranks 0-15, roce: 16-31, two nodes of 8 each
+    sub = t.without_nodes([0, 1])  # roce alone, as ranks 0-15 and cluster 0
+    m, o = tiny_model(), CostOptions()
+    shared = SharedPrices()
+    whole, part = CostModel(t, m, o, shared), CostModel(sub, m, o, shared)
+    alone = CostModel(sub, m, o)
+    f = zr.named("zero3", 2, 1)
+    groups = np.arange(16).reshape(2, 8).T  # 8 DP groups of one device on each of 2 nodes
+    assert whole.network.shape_id(groups + 16) == part.network.shape_id(groups)
+    assert whole.network.shape_id(groups) != part.network.shape_id(groups)  # ib, roce
+    roce = whole.zero_times(f, 1e6, groups + 16)
+    assert roce == alone.zero_times(f, 1e6, groups)
+    assert part.zero_times(f, 1e6, groups) is roce  # priced once
+    assert whole.zero_times(f, 1e6, groups).per_step(1, 1) < roce.per_step(1, 1)  # ib
+    with pytest.raises(PlanError, match="one set of options"):
+        CostModel(sub, m, CostOptions(collectives="ring"), shared)
+    slower = dataclasses.replace(t, inter_cluster=dataclasses.replace(t.inter_cluster,
+                                                                      bandwidth_gbps=1.0))
+    with pytest.raises(PlanError, match="otherwise than"):
+        CostModel(slower, m, o, shared)
 
 
 # --- calibration on Holmes Table 1 ----------------------------------------------------------------

@@ -39,7 +39,7 @@ from hetjax.core.plan import Plan, ZeroFactors, effective_remat, schedule_proble
 from hetjax.planner import band, compute as ck, memory as mem, zero_factors as zr
 from hetjax.planner.compute_profile import ComputeProfile, Estimate
 from hetjax.planner.layout import Layout
-from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network
+from hetjax.planner.network import COLLECTIVE_MODELS, LinkFit, Network, Structures
 from hetjax.planner.simulate import chain, exposed, in_flight, in_flight_folded, simulate
 from hetjax.core.topology import Accelerator, Topology
 from hetjax.core.registry import EXECUTORS as REGISTERED
@@ -400,20 +400,44 @@ class Prediction:
         }
 
 
+@dataclass
+class SharedPrices:
+    """What the cost models of one search over device subsets share (`search._plan_subsets`:
+    one model and one set of options on sub-topologies of one topology): the networks'
+    links, structure ids and collective prices (`network.Structures`) and what is keyed on
+    them alone, ZeRO's terms, the links of their groups and their collectives' times, so a
+    stage the whole topology's search priced is not priced again by a subset's (its clusters
+    and node pattern are the same)."""
+
+    structures: Structures = field(default_factory=Structures)
+    axis_nets: dict[tuple, tuple] = field(default_factory=dict)  # see CostModel._axis_nets
+    zero: dict[tuple, zr.ZeroTimes] = field(default_factory=dict)  # see CostModel._zero
+    axis_times: dict[tuple, float] = field(default_factory=dict)  # see CostModel._axis_times
+    priced: tuple | None = None  # (model, options) of the cost models sharing these
+
+
 class CostModel:
-    """Prices layouts of `model` on `topology`."""
+    """Prices layouts of `model` on `topology`; `shared`: prices shared with the cost models
+    of other subsets of one topology (`SharedPrices`)."""
 
     def __init__(self, topology: Topology, model: "ModelConfig",
-                 options: CostOptions | None = None):
+                 options: CostOptions | None = None, shared: SharedPrices | None = None):
         self.topology = topology
         self.model = model
         self.options = options or CostOptions()
         o = self.options
+        shared = shared or SharedPrices()
+        if shared.priced is None:
+            shared.priced = (model, o)
+        elif shared.priced != (model, o):
+            raise PlanError("cost models that share prices must price one model with one set "
+                            "of options; build this one without `shared`")
         # a profile of another model shape prices nothing of this one (a calibration file
         # measured on another model still lends its curves and links)
         self._profile = (o.profile if o.profile is not None and o.profile.mismatch(model) is None
                          else None)
-        self.network = net = Network(topology, o.share_nics, o.collectives, o.link_fits)
+        self.network = net = Network(topology, o.share_nics, o.collectives, o.link_fits,
+                                     shared.structures)
         # the network's pricing, as the cost model's (the search and the calibration ask it)
         self.collective, self.collective_choice = net.collective, net.collective_choice
         self.transfer, self.group_links = net.transfer, net.group_links
@@ -428,10 +452,10 @@ class CostModel:
         platform = "cpu" if vendors == {"cpu"} else \
             "gpu" if vendors <= {"nvidia", "amd"} else "other"
         self.attention = mem.attention_implementation(model, platform)
-        self._zero: dict[tuple, zr.ZeroTimes] = {}
-        self._group_ids: dict[tuple, int] = {}  # DP groups (shape, bytes) -> a short key
-        self._axis_nets: dict[tuple, tuple] = {}  # groups over DP mesh axes (zero_times)
-        self._axis_times: dict[tuple, float] = {}  # their collectives' times (zero_times)
+        # ZeRO's terms by (factors, parameters, `Network.shape_id` of the DP groups), and
+        # their collectives' times (zero_times): keyed on structure, so shared (SharedPrices)
+        self._zero, self._axis_times = shared.zero, shared.axis_times
+        self._axis_nets = shared.axis_nets  # groups over DP mesh axes (zero_times)
         self._boundaries: dict[int, tuple] = {}  # id(mesh) -> (mesh, links, times by bytes)
         self._shared: dict[tuple, tuple] = {}  # (id(mesh), folded) -> (mesh, _shared_sync)
         self._shared_floors: dict[int, tuple] = {}  # id(mesh) -> (mesh, _crossing_floor)
@@ -553,16 +577,17 @@ class CostModel:
         """AMSP's communication terms for `params` parameters per device of these DP groups,
         as this executor runs them (`zero_style`; cached: the same stage is priced for many
         micro-batch counts and schedules)."""
-        groups = (dp_groups.shape, dp_groups.tobytes())
-        key = (f.s_p, f.s_g, f.s_os, params, groups)
+        # on the groups' structure (`Network.shape_id`), not their ranks: stages alike in
+        # structure (of other layouts, or other positions) have equal terms
+        gid = self.network.shape_id(dp_groups)
+        key = (f.s_p, f.s_g, f.s_os, params, gid)
         if key not in self._zero:
             sb = self.state_bytes
-            gid = self._group_ids.setdefault(groups, len(self._group_ids))
 
             def over(op: str, nbytes: float, f: ZeroFactors, axes: tuple[str, ...]) -> float:
                 # the groups depend on the axes' sizes and strides alone (`axis_pattern`):
                 # the points of `space` share them, so their links are read once per (DP
-                # groups, pattern), and a collective's time once per bytes moved on them
+                # groups' structure, pattern), and a collective's time once per bytes moved
                 k = (gid, zr.axis_pattern(dp_groups.shape[1], f.s_os, f.s_p, axes))
                 if k not in self._axis_nets:
                     groups = zr.axis_groups(dp_groups, f, axes)
@@ -697,11 +722,14 @@ class CostModel:
         have the same clusters in the same positions and share nodes in the same pattern: such
         stages cost the same, since nodes of one cluster are alike (cached per device order)."""
         key = (layout.device_order, layout.pp, layout.dp, layout.tp, layout.stage_shapes)
-        if key not in self._stage_keys and not layout.uniform:  # each shape's own key
-            self._stage_keys[key] = [
+        got = self._stage_keys.get(key)  # (one lookup: hashing the order reads every rank)
+        if got is not None:
+            return got
+        if not layout.uniform:  # each shape's own key
+            got = self._stage_keys[key] = [
                 bytes(np.asarray(layout.stage_shape(s), dtype=np.int64).tobytes())
                 + self.stage_keys(self.stage_view(layout, s))[s] for s in range(layout.pp)]
-        if key not in self._stage_keys:
+        else:
             mesh = layout.mesh().reshape(layout.pp, -1)
             nodes = self._node[mesh]
             order = np.argsort(nodes, axis=1, kind="stable")
@@ -711,8 +739,8 @@ class CostModel:
             labels = np.empty_like(ranked)
             np.put_along_axis(labels, order, np.cumsum(first, axis=1), axis=1)
             rows = np.stack([self._cluster[mesh], labels], axis=-1)
-            self._stage_keys[key] = [r.tobytes() for r in rows]
-        return self._stage_keys[key]
+            got = self._stage_keys[key] = [r.tobytes() for r in rows]
+        return got
 
     def step_floor(self, layout: Layout) -> float:
         """A step time no split, ZeRO point or stage order of `layout` beats (every candidate's
@@ -952,16 +980,17 @@ class CostModel:
         slots = []
         # stages alike in structure (stage_keys) share their slot: deep pipelines repeat a few
         # (by the layout less its devices and schedule, then by stage_key: the layout is
-        # hashed once a call, not once a stage)
+        # hashed once a call, not once a stage; its devices replaced by a placeholder, since
+        # an empty order is filled with every rank, thousands to build and hash)
         alike = self._stage_slot_cache.setdefault(
-            dataclasses.replace(layout, device_order=(), schedule=""), {})
+            dataclasses.replace(layout, device_order=(-1,), schedule=""), {})
         for s, stage_key in enumerate(self.stage_keys(layout)):
             if stage_key in alike:
                 slots.append(alike[stage_key])
                 continue
             ranks = mesh[s].ravel()
-            accs = sorted({self._cluster_accel[c] for c in np.unique(self._cluster[ranks])},
-                          key=lambda a: a.name)
+            clusters = np.unique(self._cluster[ranks])
+            accs = sorted({self._cluster_accel[c] for c in clusters}, key=lambda a: a.name)
             # each device updates its shard of the optimizer state (1 / s_os of its parameters)
             upd = max(self.update_seconds_per_param(a) for a in accs) / f.s_os
             # Megatron TP: two all-reduces of the activations in each of forward and backward
@@ -1053,7 +1082,7 @@ class CostModel:
                 reserve=reserve,
                 capacity=reserve.usable_for_step(
                     float(self._memory[ranks].min()) * o.memory_fraction),
-                label=self._label(ranks),
+                label=self._label(clusters),
                 update_layer=upd * layer_p, update_embed=upd * embed_p, update_head=upd * head_p))
             alike[stage_key] = slots[-1]
         return slots
@@ -1225,8 +1254,8 @@ class CostModel:
         return [min(self.group_links(m.T), key=lambda lk: lk.bandwidth_gbps).kind
                 if m.shape[0] > 1 else "-" for m in self.stage_meshes(layout)]
 
-    def _label(self, ranks) -> str:
-        clusters = np.unique(self._cluster[ranks])
+    def _label(self, clusters: np.ndarray) -> str:
+        """The clusters (indices) and accelerators of a stage, for display."""
         names = sorted(self.topology.clusters[c].name for c in clusters)
         accs = sorted({self._cluster_accel[c].name for c in clusters})
         shown = ",".join(names[:3]) + (f",+{len(names) - 3}" if len(names) > 3 else "")
@@ -1372,5 +1401,5 @@ def _floats(xs) -> tuple[float, ...]:
 
 
 
-__all__ = ["CostModel", "CostOptions", "PRICED_EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
+__all__ = ["CostModel", "CostOptions", "SharedPrices", "PRICED_EXECUTORS", "LayerProfile", "ComputeCurve", "StageCost",
            "Prediction", "DEFAULT_EFFICIENCY"]

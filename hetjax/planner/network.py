@@ -10,6 +10,7 @@ calibrated `LinkFit` per link class and operation used instead of the topology's
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -61,14 +62,59 @@ class _Net:
     rows: tuple[tuple[int, ...], ...] = ()  # `kinds` as Python ints (the pricing's memo key)
 
 
+class Structures:
+    """What describes groups of ranks independently of one topology's numbering, for one
+    network or shared by the networks of sub-topologies of one topology
+    (`Topology.without_nodes`: the device subsets' searches) with the same options: the links
+    (a `_Net`'s link ids), the ids of `Network.shape_id`, and the collectives' prices per
+    kind of group. A cluster is known by its name and hardware rather than its index, so a
+    subset's cluster 0 is the whole topology's cluster 1 when it is the same cluster, and one
+    id names groups priced alike on each of these networks (pricing reads a cluster's links
+    and the links between clusters, which such topologies share; a network joining its
+    clusters otherwise than the ones before, or priced with other options, is refused)."""
+
+    def __init__(self):
+        self._clusters: dict[tuple, int] = {}  # (name, cluster less its node count) -> code
+        self._joins: dict[tuple[int, int], Link | None] = {}  # codes -> the link between
+        self._options: tuple | None = None  # (share_nics, collectives, link_fits)
+        self.links: list[Link] = []  # by id
+        self.ids: dict[tuple, int] = {}  # (shape, cluster codes, node pattern) -> id
+        # (op, bytes, p, a row of _Net.kinds) -> (time, algorithm): a collective's price
+        # depends on nothing else (the links, their fits and the model are the networks'),
+        # and the search prices the same kind of group with the same bytes many times over
+        # groups of different ranks (stages, layouts, ZeRO points, subsets)
+        self.kind_times: dict[tuple, tuple[float, str]] = {}
+
+    def codes(self, topology: Topology, options: tuple) -> np.ndarray:
+        """The code of each of `topology`'s clusters (on a network priced with `options`)."""
+        if self._options is None:
+            self._options = options
+        elif self._options != options:
+            raise PlanError("networks that share prices must price with one set of options; "
+                            "build this one on its own")
+        codes = [self._clusters.setdefault((c.name, dataclasses.replace(c, nodes=1)),
+                                           len(self._clusters)) for c in topology.clusters]
+        for i, a in enumerate(codes):
+            for j, b in enumerate(codes[:i]):
+                link = topology.cluster_link(i, j) if topology.has_link(i, j) else None
+                if self._joins.setdefault((min(a, b), max(a, b)), link) != link:
+                    raise PlanError(f"topology {topology.name!r} joins clusters "
+                                    f"{topology.clusters[i].name!r} and "
+                                    f"{topology.clusters[j].name!r} otherwise than the topology "
+                                    "whose prices it would share; price it on its own")
+        return np.asarray(codes, dtype=np.int64)
+
+
 class Network:
     """Prices traffic between the ranks of `topology`. share_nics: concurrent groups leaving a
     node split its NIC bandwidth; collectives: "nccl" (NCCL's cheapest algorithm) or "ring"
     (the flat alpha-beta ring); link_fits: measured bandwidth and latency per link kind and
-    operation ("all_reduce", "reduce_scatter", "all_gather", "p2p")."""
+    operation ("all_reduce", "reduce_scatter", "all_gather", "p2p"); structures: the ids of
+    `shape_id`, shared with the networks of other subsets of one topology (`Structures`)."""
 
     def __init__(self, topology: Topology, share_nics: bool = True, collectives: str = "nccl",
-                 link_fits: dict[str, dict[str, LinkFit]] | None = None):
+                 link_fits: dict[str, dict[str, LinkFit]] | None = None,
+                 structures: Structures | None = None):
         self.topology = topology
         self.share_nics = share_nics
         self.collectives = collectives
@@ -78,21 +124,40 @@ class Network:
         self.node = np.array([d.global_node for d in devs])  # of each rank
         self._node_cluster = np.array([c for c, cl in enumerate(topology.clusters)
                                        for _ in range(cl.nodes)])
-        # Links interned by id, so a group's link is an index into these arrays.
-        self.links: list[Link] = []
+        self._structures = structures or Structures()
+        self._code = self._structures.codes(  # of each cluster (Structures)
+            topology, (share_nics, collectives, self.link_fits))
+        # Links interned by id (Structures.links), so a group's link is an index into these
+        # arrays.
+        self.links = self._structures.links
         self._intra_id = np.array([self.link_id(c.intra_node) for c in topology.clusters])
         self._nic_id = np.array([self.link_id(c.nic) for c in topology.clusters])
         self._nets: dict[tuple, _Net] = {}
-        # (op, bytes, p, a row of _Net.kinds) -> (time, algorithm): a collective's price
-        # depends on nothing else (the links, their fits and the model are this network's),
-        # and the search prices the same kind of group with the same bytes many times over
-        # groups of different ranks (stages, layouts, ZeRO points)
-        self._kind_times: dict[tuple, tuple[float, str]] = {}
+        self._shapes: dict[tuple, int] = {}  # rank arrays (shape, bytes) -> `shape_id`
+        self._kind_times = self._structures.kind_times
 
     def link_id(self, link: Link) -> int:
         if link not in self.links:
             self.links.append(link)
         return self.links.index(link)
+
+    def shape_id(self, ranks: np.ndarray) -> int:
+        """A small int equal for two arrays of ranks of one shape exactly when each position
+        has the same cluster and the positions share nodes in the same pattern (nodes
+        numbered in increasing order), also between the networks sharing `Structures`. Every
+        price these networks give for groups cut from such arrays at the same positions is
+        the same: `net` reads a group's nodes only by equality and order (sorting, runs,
+        counts per node), its clusters for their links, and Topology.group_link a cluster's
+        nodes only by equality; the nodes of one cluster are alike. (Cached: the search asks
+        for the same arrays many times.)"""
+        key = (ranks.shape, ranks.tobytes())
+        got = self._shapes.get(key)
+        if got is None:
+            nodes = np.unique(self.node[ranks], return_inverse=True)[1].reshape(ranks.shape)
+            pattern = (ranks.shape, self._code[self.cluster[ranks]].tobytes(), nodes.tobytes())
+            ids = self._structures.ids
+            got = self._shapes[key] = ids.setdefault(pattern, len(ids))
+        return got
 
     def net(self, groups: np.ndarray) -> "_Net":
         """The links of concurrent rank groups `groups` [instances, size]: each row's slowest
@@ -101,18 +166,30 @@ class Network:
         key = (groups.shape, groups.tobytes())
         if key in self._nets:
             return self._nets[key]
-        nodes, clusters = self.node[groups], self.cluster[groups]
-        snodes = np.sort(nodes, axis=1)
+        snodes = np.sort(self.node[groups], axis=1)
         new_node = np.ones_like(snodes, dtype=bool)
         new_node[:, 1:] = snodes[:, 1:] != snodes[:, :-1]
         one_node = ~new_node[:, 1:].any(axis=1)
-        one_cluster = (clusters == clusters[:, :1]).all(axis=1) & new_node.all(axis=1)
-        ids = np.where(one_node, self._intra_id[clusters[:, 0]], self._nic_id[clusters[:, 0]])
-        mixed = np.flatnonzero(~(one_node | one_cluster))
+        c = self.cluster[groups.min()]
+        if c == self.cluster[groups.max()]:
+            # all in one cluster (ranks are numbered cluster by cluster), the common case:
+            # what follows for any groups, with every cluster lookup that one's
+            ids = np.where(one_node, self._intra_id[c], self._nic_id[c])
+            mixed = np.flatnonzero(~(one_node | new_node.all(axis=1)))
+            intra = np.full(len(groups), self._intra_id[c])
+        else:
+            clusters = self.cluster[groups]
+            one_cluster = (clusters == clusters[:, :1]).all(axis=1) & new_node.all(axis=1)
+            ids = np.where(one_node, self._intra_id[clusters[:, 0]],
+                           self._nic_id[clusters[:, 0]])
+            mixed = np.flatnonzero(~(one_node | one_cluster))
+            # The slower intra-node link of the first and last member's cluster.
+            ends = self._intra_id[clusters[:, [0, -1]]]
+            intra_bw = np.array([lk.bytes_per_s for lk in self.links])[ends]
+            intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
         if len(mixed):
             ids[mixed] = self._mixed_link_ids(groups[mixed], snodes[mixed], new_node[mixed])
-        links = self.links
-        off = np.array([lk.kind not in _ON_NODE for lk in links])[ids] & ~one_node
+        off = np.array([lk.kind not in _ON_NODE for lk in self.links])[ids] & ~one_node
         flows = np.ones(len(groups), dtype=int)
         if self.share_nics and off.any():
             counts = np.bincount(snodes[off][new_node[off]], minlength=self.node.max() + 1)
@@ -121,10 +198,6 @@ class Network:
         pos = np.arange(groups.shape[1])
         run_start = np.maximum.accumulate(np.where(new_node, pos, 0), axis=1)
         per_node = (pos - run_start + 1).max(axis=1)
-        # The slower intra-node link of the first and last member's cluster.
-        ends = self._intra_id[clusters[:, [0, -1]]]
-        intra_bw = np.array([lk.bytes_per_s for lk in links])[ends]
-        intra = ends[np.arange(len(groups)), np.argmin(intra_bw, axis=1)]
         kinds = unique_rows(np.stack([ids, flows, new_node.sum(axis=1), per_node, intra],
                                      axis=1))
         net = _Net(ids, kinds, tuple(map(tuple, kinds.tolist())))
@@ -152,18 +225,22 @@ class Network:
 
     def _witness(self, ranks: np.ndarray) -> list[int]:
         """A few of `ranks` with the same three facts per cluster (at most two nodes of a
-        cluster, two members of a node), so group_link stays cheap on large groups."""
-        keep, nodes_of, doubled = [], {}, set()
-        for r in sorted(ranks.tolist(), key=lambda r: self.node[r]):
-            c, node = self.cluster[r], self.node[r]
-            seen = nodes_of.setdefault(c, [])
-            if node not in seen and len(seen) < 2:
-                seen.append(node)
-                keep.append(r)
-            elif node in seen and c not in doubled:
-                doubled.add(c)
-                keep.append(r)
-        return keep
+        cluster, two members of a node), so group_link stays cheap on large groups: in node
+        order, the first member of each of a cluster's first two nodes, and the first other
+        member on those two nodes."""
+        r = ranks[np.argsort(self.node[ranks], kind="stable")]
+        node, cluster = self.node[r], self.cluster[r]
+        new = np.ones(len(r), dtype=bool)  # the first member of its node
+        new[1:] = node[1:] != node[:-1]
+        start = np.ones(len(r), dtype=bool)  # of its cluster (a cluster's nodes are numbered
+        start[1:] = cluster[1:] != cluster[:-1]  # together, so its members are together)
+        count = np.cumsum(new)
+        early = count - np.maximum.accumulate(np.where(start, count, 0)) < 2
+        keep = new & early
+        doubled = np.flatnonzero(~new & early)
+        if len(doubled):
+            keep[doubled[np.unique(cluster[doubled], return_index=True)[1]]] = True
+        return r[keep].tolist()
 
     def node_of(self, ranks: np.ndarray) -> np.ndarray:
         """The (global) node of each rank."""
@@ -338,5 +415,5 @@ def _flag(clusters: np.ndarray, where: np.ndarray, topology: Topology) -> np.nda
     return out
 
 
-__all__ = ["Network", "LinkFit", "MissingLinkError", "COLLECTIVE_MODELS", "ring_time",
+__all__ = ["Network", "Structures", "LinkFit", "MissingLinkError", "COLLECTIVE_MODELS", "ring_time",
            "unique_rows"]

@@ -32,7 +32,8 @@ from hetjax.errors import PlanError
 from hetjax.core.plan import (UNUSED_KEY, Plan, ZeroFactors, batch_split_problem, even_split,
                               name_problems, placement_problem, raise_first, stage_shape_problem)
 from hetjax.planner import assign, partition, zero_factors as zr
-from hetjax.planner.cost import PLAN_EXECUTORS, CostModel, CostOptions, StageCost, runs_schedule
+from hetjax.planner.cost import (PLAN_EXECUTORS, CostModel, CostOptions, SharedPrices, StageCost,
+                                 runs_schedule)
 from hetjax.planner.layout import Layout
 from hetjax.planner.network import MissingLinkError
 from hetjax.planner.placement import placement_problems
@@ -141,7 +142,8 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
          allow_straddle: bool = False, network_aware: bool | None = None,
          assign_seconds: float = 10.0, calibration=None, placement: str = "looped",
          prune: bool = True, distinct: bool = False, subsets: bool = False,
-         stage_degrees: bool = False, ceiling: float = math.inf, ep: int = 1) -> PlanResult:
+         stage_degrees: bool = False, ceiling: float = math.inf, ep: int = 1,
+         shared: SharedPrices | None = None) -> PlanResult:
     """The best feasible Plan for training `model` on `topology` with `global_batch`
     sequences of `seq_len` tokens per step, and the runners-up.
 
@@ -176,7 +178,10 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
 
     `ep`: an MoE model's expert-parallel degree; 0 prices every divisor of n_experts that
     divides dp and keeps its groups inside a node or an InfiniBand cluster (the placement
-    rule), each with its all-to-alls on the links it crosses and its experts' memory."""
+    rule), each with its all-to-alls on the links it crosses and its experts' memory.
+
+    `shared`: prices shared with the searches of other subsets of one topology
+    (`SharedPrices`; the device subsets' searches share one)."""
     if subsets:
         return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
                              microbatches=microbatches, schedule=schedule, zero=zero,
@@ -195,7 +200,7 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
         if not (isinstance(v, int) and v >= 1):
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     s = _Search(topology, model, global_batch, seq_len, options or CostOptions(),
-                allow_straddle, network_aware, assign_seconds)
+                allow_straddle, network_aware, assign_seconds, shared)
     s.distinct = distinct
     s.fixed_layers = bool(stage_layers)
     schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
@@ -387,6 +392,9 @@ def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, s
     cm = CostModel(topology, model, options)
     results, first_error, whole, best_step = [], None, None, math.inf
     everything = tuple(range(len(topology.clusters)))
+    # the subsets' cost models price the same clusters: what a stage's structure decides
+    # is priced once for all of them
+    shared = SharedPrices()
     for keep in device_subsets(topology):
         sub, ranks = sub_topology(topology, keep)
         # DT-FM's assignment (seconds per layout) only on all devices: on a smaller set it
@@ -395,7 +403,7 @@ def _plan_subsets(topology: Topology, model: "ModelConfig", global_batch: int, s
         try:  # (the exhaustive search, prune=False, searches every subset in full)
             r = plan(sub, model, global_batch, seq_len, top=top, options=options,
                      ceiling=ceiling if kw.get("prune", True) else math.inf,
-                     **{**kw, "network_aware": aware})
+                     shared=shared, **{**kw, "network_aware": aware})
         except BelowNothing:
             continue
         except PlanError as e:  # e.g. nothing fits: say the whole topology's reason
@@ -557,11 +565,12 @@ class _Search:
 
     def __init__(self, topology: Topology, model: "ModelConfig", global_batch: int,
                  seq_len: int, options: CostOptions, allow_straddle: bool,
-                 network_aware: bool | None, assign_seconds: float):
+                 network_aware: bool | None, assign_seconds: float,
+                 shared: SharedPrices | None = None):
         _check_connected(topology)
         self.topology, self.model = topology, model
         self.global_batch, self.seq_len = global_batch, seq_len
-        self.cm = CostModel(topology, model, options)
+        self.cm = CostModel(topology, model, options, shared)
         self.allow_straddle = allow_straddle
         many_sites = len(topology.clusters) > 2
         self.network_aware = many_sites if network_aware is None else network_aware
@@ -741,17 +750,18 @@ class _Search:
         # Necessary for any split: the longest stage holds L = ceil(layers / pp) layers
         # (states and activations), every stage at least one layer's activations.
         L = math.ceil(layers)
-        if key not in self._zero_cache:
+        got = self._zero_cache.get(key)  # (one lookup: hashing the order reads every rank)
+        if got is None:
             # the points, each one's model states on the longest stage (the key fixes the
             # layer's parameters and L), and its terms on every distinct stage (priced on
             # demand, by the point's index; ZeroFactors hash slower than ints)
             stages = list(dict(zip(self.cm.stage_keys(layout), range(layout.pp))).values())
             space = zr.space(nodes)
-            self._zero_cache[key] = (
+            got = self._zero_cache[key] = (
                 [np.ascontiguousarray(mesh[s].T) for s in stages], space,
                 [zr.step_state_bytes(layer_p, f, sb, self.cm.zero_style) * L for f in space],
                 [None] * len(space))
-        groups, space, states, terms = self._zero_cache[key]
+        groups, space, states, terms = got
 
         def zero_terms(i: int) -> list:
             # priced only for points that can fit memory (most collectives are theirs)
@@ -818,10 +828,11 @@ class _Search:
     def dp_nodes(self, layout: Layout) -> np.ndarray:
         """The node of every member of every DP group ([groups, dp], cached)."""
         key = (layout.device_order, layout.pp, layout.dp, layout.tp)
-        if key not in self._nodes_cache:
-            self._nodes_cache[key] = self.cm.node_of(layout.mesh().transpose(0, 2, 1).reshape(
-                -1, layout.dp))
-        return self._nodes_cache[key]
+        got = self._nodes_cache.get(key)  # (one lookup, as in _auto_points)
+        if got is None:
+            got = self._nodes_cache[key] = self.cm.node_of(
+                layout.mesh().transpose(0, 2, 1).reshape(-1, layout.dp))
+        return got
 
     # --- pricing ------------------------------------------------------------------------------
     def evaluate(self, layout: Layout, orders, tag: str, zero: str | ZeroFactors,

@@ -33,6 +33,7 @@ from hetjax.core.plan import (DP_AXES, Plan, ZeroAxes, ZeroFactors, raise_first,
                          zero_order_problem)  # the ordering rule: the Plan's
 from hetjax.core.topology import Topology
 from hetjax.core.hlo import Collective as HloCollective
+from hetjax.planner.network import unique_rows
 
 NAMED = ("ddp", "zero1", "zero2", "zero3", "mics")
 # What config.zero.preset accepts: a named point, 'auto' (AMSP's enumeration by the planner)
@@ -87,7 +88,7 @@ def valid_factors(nodes: np.ndarray) -> list[int]:
     first[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
     labels = np.empty_like(ranked)
     np.put_along_axis(labels, order, np.cumsum(first, axis=1), axis=1)
-    patterns = {tuple(row) for row in np.unique(labels, axis=0).tolist()}
+    patterns = {tuple(row) for row in unique_rows(labels).tolist()}
     return [s for s in range(1, dp + 1) if dp % s == 0 and
             all(_fills_nodes(p, s) for p in patterns)]
 
