@@ -199,6 +199,29 @@ def test_the_planner_leaves_a_node_behind_a_slow_link_idle_and_says_why():
     assert json.loads(p.to_json())["predicted"]["unused"]["12"] == why
 
 
+def test_a_calibration_prices_the_plans_of_a_smaller_device_set_too():
+    """plan(calibration=...) with device subsets: the plans of a subset, re-priced on the whole
+    topology, are priced with the calibration's measurements as the whole set's are (they
+    were priced with the nominal links)."""
+    from hetjax.planner.calibrate import Calibration, LinkRow
+
+    t = three_plus_one()
+    m = gpu_model(d_model=2048, n_heads=16, d_ff=5632)
+    # the InfiniBand between the three fast nodes measured at 4 Gb/s with 0.2 ms a hop
+    groups = ((0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11))
+    rows = tuple(LinkRow(op, int(n), groups, steps * 2e-4 + 4 * steps / 3 * n / (4e9 / 8))
+                 for n in (1e4, 1e6, 4e6) for op, steps in (("all_reduce", 4), ("all_gather", 2)))
+    cal = Calibration(t, m, (), rows)
+    options = CostOptions(executor="mpmd")
+    by_file = plan(t, m, 24, 1024, options=options, calibration=cal, subsets=True, distinct=True)
+    by_options = plan(t, m, 24, 1024, options=cal.options(options), subsets=True, distinct=True)
+    got = [(p.device_order, p.predicted["step_time_s"]) for p in (by_file.plan,
+                                                                  *by_file.runners_up)]
+    assert got == [(p.device_order, p.predicted["step_time_s"])
+                   for p in (by_options.plan, *by_options.runners_up)]
+    assert any(len(order) < t.num_devices for order, _ in got)  # a subset's plan is among them
+
+
 def test_device_subsets_are_connected_sets_of_clusters_all_first():
     assert device_subsets(two_kinds()) == [(0, 1), (0,), (1,)]
     line = Topology("line", tuple(make_cluster(n, 1, 2, "a100", "infiniband") for n in "abc"),

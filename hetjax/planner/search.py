@@ -182,20 +182,19 @@ def plan(topology: Topology, model: "ModelConfig", global_batch: int, seq_len: i
 
     `shared`: prices shared with the searches of other subsets of one topology
     (`SharedPrices`; the device subsets' searches share one)."""
+    if calibration is not None:  # (before the subsets: their plans are re-priced with it)
+        from hetjax.planner.calibrate import load_calibration
+
+        cal = load_calibration(calibration) if isinstance(calibration, str) else calibration
+        options = cal.options(options)
     if subsets:
         return _plan_subsets(topology, model, global_batch, seq_len, ceiling, pp=pp, dp=dp, tp=tp,
                              microbatches=microbatches, schedule=schedule, zero=zero,
                              stage_layers=stage_layers, options=options, top=top,
                              allow_straddle=allow_straddle, network_aware=network_aware,
-                             assign_seconds=assign_seconds, calibration=calibration,
-                             placement=placement, prune=prune, distinct=distinct,
-                             stage_degrees=stage_degrees, ep=ep)
+                             assign_seconds=assign_seconds, placement=placement, prune=prune,
+                             distinct=distinct, stage_degrees=stage_degrees, ep=ep)
     t0 = time.perf_counter()
-    if calibration is not None:
-        from hetjax.planner.calibrate import load_calibration
-
-        cal = load_calibration(calibration) if isinstance(calibration, str) else calibration
-        options = cal.options(options)
     for name, v in (("global_batch", global_batch), ("seq_len", seq_len), ("top", top)):
         if not (isinstance(v, int) and v >= 1):
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
