@@ -57,10 +57,12 @@ Run 'hetjax <command> --help' for a command's flags.
 
 
 def ensure_cpu_devices(n: int) -> None:
-    """Ask XLA for n host devices unless the user already chose a count (before jax import)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    """Ask XLA for n simulated host devices (`nic.simulated_cpu_flags`) before jax starts; a
+    flag the user already set (a device count, a collective timeout) keeps its value."""
+    from hetjax.parallel import nic
+
+    os.environ.update(nic.merge_environment(
+        os.environ, {"XLA_FLAGS": nic.simulated_cpu_flags(n)}, override=False))
 
 
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")

@@ -77,10 +77,27 @@ def xla_gpu_flags(plan: Plan) -> tuple[str, ...]:
     return flags
 
 
+# Simulated devices run their programs on the threads of one shared pool, and a collective
+# waits until every peer's thread reaches it. On a busy machine (two cores running two test
+# workers, each job with 8 devices) a peer can arrive tens of seconds late, and XLA's default
+# then ends the whole process (a warning after 20 s, the end 40 s later). Longer limits keep
+# such a wait from killing a healthy run; a collective that truly hangs is still ended, after
+# 5 minutes, with XLA's message naming it (tests/test_nic.py checks this jaxlib honours both).
+CPU_COLLECTIVE_PATIENCE = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=240",  # counted after the warning
+)
+
+
+def simulated_cpu_flags(num_devices: int) -> str:
+    """XLA_FLAGS for `num_devices` simulated CPU devices that wait for late peers."""
+    return " ".join((f"--xla_force_host_platform_device_count={num_devices}",
+                     *CPU_COLLECTIVE_PATIENCE))
+
+
 def simulated_cpu_env(num_devices: int) -> dict[str, str]:
     """A process that stands in for `num_devices` devices with simulated CPU devices."""
-    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
-            "JAX_PLATFORMS": "cpu"}
+    return {"XLA_FLAGS": simulated_cpu_flags(num_devices), "JAX_PLATFORMS": "cpu"}
 
 
 # --- NCCL settings ---------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 import os
 import sys
 
+from hetjax.cli import ensure_cpu_devices
+
 # The suite's programs are tiny, so its time is XLA's compile time, much of it LLVM optimising
 # CPU code the tests never time. Level 0 leaves XLA's own passes (sharding, collectives,
 # fusion, buffer assignment: what the tests read from compiled programs) as they are and cut
@@ -11,6 +13,8 @@ import sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
+# ... and the CLI's patience for collectives whose peers start late on a busy machine.
+ensure_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests build the same tiny programs again (a new Trainer jits anew; orbax slices every

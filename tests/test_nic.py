@@ -116,7 +116,9 @@ def test_stock_nccl_notes_name_groups_that_leave_their_fabric():
 def test_cpu_processes_get_their_share_of_simulated_devices():
     topo = preset("cpu_hybrid")
     envs = [nic.process_environment(topo, plan(1, 8, 1), s) for s in process_slots(topo, 2)]
-    assert [e["XLA_FLAGS"] for e in envs] == ["--xla_force_host_platform_device_count=4"] * 2
+    assert [e["XLA_FLAGS"].split()[0] for e in envs] == \
+        ["--xla_force_host_platform_device_count=4"] * 2
+    assert all(set(nic.CPU_COLLECTIVE_PATIENCE) <= set(e["XLA_FLAGS"].split()) for e in envs)
     assert all(e["JAX_PLATFORMS"] == "cpu" for e in envs)
     assert [e["NCCL_IB_HCA"] for e in envs] == [IB_HCAS, ROCE_HCAS]
 
@@ -158,6 +160,64 @@ def test_xla_gpu_flags_exist_in_this_jaxlib():
     assert ok.returncode == 0, ok.stderr[-2000:]
     bad = _jax_accepts("--xla_gpu_enable_latency_hiding_scheduler_typo=true")
     assert bad.returncode != 0 and "Unknown flag" in bad.stderr
+
+
+# Device 1 reaches the psum `late` seconds after device 0 (a host callback sleeps first).
+LATE_PEER = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import io_callback
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((2,), ("x",))
+late = float(sys.argv[1])
+
+def wait(i):
+    if int(i) == 1:
+        time.sleep(late)
+    return np.float32(1.0)
+
+def body(x):
+    y = io_callback(wait, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.axis_index("x"))
+    return jax.lax.psum(x * y, "x")
+
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P()))
+print("sum", float(f(jax.device_put(jnp.ones(2), NamedSharding(mesh, P("x"))))[0]))
+"""
+
+
+def _late_peer(late_s: float, warn_s: int, end_s: int) -> subprocess.CompletedProcess:
+    flags = nic.merge_environment({"XLA_FLAGS": nic.simulated_cpu_flags(2)}, {"XLA_FLAGS": (
+        f"--xla_cpu_collective_call_warn_stuck_timeout_seconds={warn_s} "
+        f"--xla_cpu_collective_call_terminate_timeout_seconds={end_s}")}, override=True)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **flags}
+    return subprocess.run([sys.executable, "-c", LATE_PEER, str(late_s)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_simulated_devices_wait_for_a_late_peer_as_long_as_the_flags_say():
+    """The patience flags hetjax gives simulated devices are the ones this jaxlib reads: a peer
+    6 s late ends the process when warning + end allow 2 s, and is waited for when they allow
+    31 s (XLA's own limit, 60 s, would wait too: the flags' effect is what is checked)."""
+    assert set(nic.CPU_COLLECTIVE_PATIENCE) <= set(nic.simulated_cpu_flags(8).split())
+    ended = _late_peer(6, warn_s=1, end_s=1)
+    assert ended.returncode != 0 and "Termination timeout" in ended.stderr, ended.stderr[-2000:]
+    waited = _late_peer(3, warn_s=1, end_s=30)
+    assert waited.returncode == 0 and "sum 2.0" in waited.stdout, waited.stderr[-2000:]
+    assert "may be stuck" in waited.stderr
+
+
+def test_the_cli_asks_for_patience_but_keeps_what_the_user_set(monkeypatch):
+    from hetjax.cli import ensure_cpu_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=9 "
+                                    "--xla_dump_to=/tmp/d")
+    ensure_cpu_devices(4)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_force_host_platform_device_count=4" in flags
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=9" in flags
+    assert "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60" in flags
+    assert "--xla_dump_to=/tmp/d" in flags
 
 
 def test_groups_of_a_plan_with_per_stage_shapes_on_some_of_the_devices():
