@@ -57,12 +57,13 @@ Run 'hetjax <command> --help' for a command's flags.
 
 
 def ensure_cpu_devices(n: int) -> None:
-    """Ask XLA for n simulated host devices (`nic.simulated_cpu_flags`) before jax starts; a
-    flag the user already set (a device count, a collective timeout) keeps its value."""
-    from hetjax.parallel import nic
+    """Ask XLA for n simulated host devices (`hardware.simulated_cpu_flags`) before jax
+    starts; a flag the user already set (a device count, a collective timeout) keeps its
+    value."""
+    from hetjax.core.hardware import merge_xla_flags, simulated_cpu_flags
 
-    os.environ.update(nic.merge_environment(
-        os.environ, {"XLA_FLAGS": nic.simulated_cpu_flags(n)}, override=False))
+    os.environ["XLA_FLAGS"] = merge_xla_flags(os.environ.get("XLA_FLAGS", ""),
+                                              simulated_cpu_flags(n), override=False)
 
 
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from hetjax.distributed import ProcessSlot, process_slots
 from hetjax.errors import HetjaxError, PlanError
+from hetjax.core.hardware import merge_xla_flags, simulated_cpu_flags
 from hetjax.core.plan import Plan
 from hetjax.core.topology import Topology
 
@@ -75,24 +76,6 @@ def xla_gpu_flags(plan: Plan) -> tuple[str, ...]:
     if plan.pp > 1:
         flags += XLA_GPU_FLAGS_PIPELINE
     return flags
-
-
-# Simulated devices run their programs on the threads of one shared pool, and a collective
-# waits until every peer's thread reaches it. On a busy machine (two cores running two test
-# workers, each job with 8 devices) a peer can arrive tens of seconds late, and XLA's default
-# then ends the whole process (a warning after 20 s, the end 40 s later). Longer limits keep
-# such a wait from killing a healthy run; a collective that truly hangs is still ended, after
-# 5 minutes, with XLA's message naming it (tests/test_nic.py checks this jaxlib honours both).
-CPU_COLLECTIVE_PATIENCE = (
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=240",  # counted after the warning
-)
-
-
-def simulated_cpu_flags(num_devices: int) -> str:
-    """XLA_FLAGS for `num_devices` simulated CPU devices that wait for late peers."""
-    return " ".join((f"--xla_force_host_platform_device_count={num_devices}",
-                     *CPU_COLLECTIVE_PATIENCE))
 
 
 def simulated_cpu_env(num_devices: int) -> dict[str, str]:
@@ -176,17 +159,10 @@ def merge_environment(base, env: dict[str, str], override: bool) -> dict[str, st
     out = dict(base)
     for key, value in env.items():
         if key == "XLA_FLAGS":
-            mine = _flags(value)
-            theirs = _flags(out.get(key, ""))
-            merged = {**mine, **theirs} if not override else {**theirs, **mine}
-            out[key] = " ".join(merged.values())
+            out[key] = merge_xla_flags(out.get(key, ""), value, override)
         elif override or key not in out:
             out[key] = value
     return out
-
-
-def _flags(text: str) -> dict[str, str]:
-    return {f.split("=", 1)[0]: f for f in text.split()}
 
 
 # --- which link each group uses --------------------------------------------------------------

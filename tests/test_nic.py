@@ -10,6 +10,7 @@ import pytest
 from conftest import holmes_dp_group, holmes_pp_group, holmes_tp_group
 from hetjax.distributed import DistributedError, ProcessSlot, process_slots
 from hetjax.errors import HetjaxError, PlanError
+from hetjax.core.hardware import CPU_COLLECTIVE_PATIENCE, merge_xla_flags, simulated_cpu_flags
 from hetjax.core.plan import Plan
 from hetjax.core.topology import NicSettings, Topology, LINKS, make_cluster, preset
 from hetjax.parallel import nic
@@ -118,7 +119,7 @@ def test_cpu_processes_get_their_share_of_simulated_devices():
     envs = [nic.process_environment(topo, plan(1, 8, 1), s) for s in process_slots(topo, 2)]
     assert [e["XLA_FLAGS"].split()[0] for e in envs] == \
         ["--xla_force_host_platform_device_count=4"] * 2
-    assert all(set(nic.CPU_COLLECTIVE_PATIENCE) <= set(e["XLA_FLAGS"].split()) for e in envs)
+    assert all(set(CPU_COLLECTIVE_PATIENCE) <= set(e["XLA_FLAGS"].split()) for e in envs)
     assert all(e["JAX_PLATFORMS"] == "cpu" for e in envs)
     assert [e["NCCL_IB_HCA"] for e in envs] == [IB_HCAS, ROCE_HCAS]
 
@@ -187,10 +188,10 @@ print("sum", float(f(jax.device_put(jnp.ones(2), NamedSharding(mesh, P("x"))))[0
 
 
 def _late_peer(late_s: float, warn_s: int, end_s: int) -> subprocess.CompletedProcess:
-    flags = nic.merge_environment({"XLA_FLAGS": nic.simulated_cpu_flags(2)}, {"XLA_FLAGS": (
+    flags = merge_xla_flags(simulated_cpu_flags(2), (
         f"--xla_cpu_collective_call_warn_stuck_timeout_seconds={warn_s} "
-        f"--xla_cpu_collective_call_terminate_timeout_seconds={end_s}")}, override=True)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **flags}
+        f"--xla_cpu_collective_call_terminate_timeout_seconds={end_s}"), override=True)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     return subprocess.run([sys.executable, "-c", LATE_PEER, str(late_s)], env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -200,7 +201,7 @@ def test_simulated_devices_wait_for_a_late_peer_as_long_as_the_flags_say():
     10 s late ends the process when warning + end allow 2 s (XLA's defaults would wait 60 s),
     and a peer 3 s late is waited for when they allow 31 s. The margins are wide because the
     suite runs on a busy machine (the process ends 2 s after the early peer arrives)."""
-    assert set(nic.CPU_COLLECTIVE_PATIENCE) <= set(nic.simulated_cpu_flags(8).split())
+    assert set(CPU_COLLECTIVE_PATIENCE) <= set(simulated_cpu_flags(8).split())
     ended = _late_peer(10, warn_s=1, end_s=1)
     assert ended.returncode != 0 and "Termination timeout" in ended.stderr, ended.stderr[-2000:]
     waited = _late_peer(3, warn_s=1, end_s=30)
@@ -218,6 +219,20 @@ def test_the_cli_asks_for_patience_but_keeps_what_the_user_set(monkeypatch):
     assert "--xla_cpu_collective_call_terminate_timeout_seconds=9" in flags
     assert "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60" in flags
     assert "--xla_dump_to=/tmp/d" in flags
+
+
+def test_a_fresh_process_asking_a_topology_for_devices_gets_them_with_patience():
+    """The notebook path: no XLA_FLAGS, jax imported, then `Topology.jax_devices()` (what a
+    Trainer calls) before any backend started: 8 devices, and the patience flags set."""
+    code = ("import os, jax\n"
+            "from hetjax.core.topology import preset\n"
+            "print(len(preset('cpu_hybrid').jax_devices()), os.environ['XLA_FLAGS'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, *flags = out.stdout.split()
+    assert count == "8" and set(CPU_COLLECTIVE_PATIENCE) <= set(flags)
 
 
 def test_groups_of_a_plan_with_per_stage_shapes_on_some_of_the_devices():

@@ -526,11 +526,41 @@ class Topology:
         return avail[: self.num_devices]
 
 
+# --- simulated CPU devices --------------------------------------------------------------------
+# Simulated devices run their programs on the threads of one shared pool, and a collective
+# waits until every peer's thread reaches it. On a busy machine (two cores running two test
+# workers, each job with 8 devices) a peer can arrive tens of seconds late, and XLA's default
+# then ends the whole process (a warning after 20 s, the end 40 s later). Longer limits keep
+# such a wait from killing a healthy run; a collective that truly hangs is still ended, after
+# 5 minutes, with XLA's message naming it (tests/test_nic.py checks this jaxlib honours both).
+CPU_COLLECTIVE_PATIENCE = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=240",  # counted after the warning
+)
+
+
+def simulated_cpu_flags(num_devices: int) -> str:
+    """XLA_FLAGS for `num_devices` simulated CPU devices that wait for late peers."""
+    return " ".join((f"--xla_force_host_platform_device_count={num_devices}",
+                     *CPU_COLLECTIVE_PATIENCE))
+
+
+def merge_xla_flags(base: str, ours: str, override: bool) -> str:
+    """Two XLA_FLAGS values merged flag by flag (by name); on a clash `ours` wins if
+    `override`, else `base` does."""
+    def by_name(text: str) -> dict[str, str]:
+        return {f.split("=", 1)[0]: f for f in text.split()}
+
+    mine, theirs = by_name(ours), by_name(base)
+    return " ".join(({**theirs, **mine} if override else {**mine, **theirs}).values())
+
+
 def _simulate_cpu_devices(jax, n: int) -> None:
     """Before JAX starts its backends (a fresh notebook kernel that only imported jax), give
     its CPU backend `n` devices, unless the user already chose a count (XLA_FLAGS or
-    jax_num_cpu_devices). Accelerator backends are not affected; once JAX has started, the
-    caller's error message says how to restart with the right count."""
+    jax_num_cpu_devices), and `CPU_COLLECTIVE_PATIENCE` (XLA reads XLA_FLAGS when a backend
+    starts). Accelerator backends are not affected; once JAX has started, the caller's error
+    message says how to restart with the right count."""
     import os
 
     try:
@@ -539,9 +569,11 @@ def _simulate_cpu_devices(jax, n: int) -> None:
         started = xla_bridge.backends_are_initialized()
     except (ImportError, AttributeError):  # a JAX without this (private) probe: leave it
         return
-    chosen = jax.config.jax_num_cpu_devices != -1 or \
-        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-    if not started and not chosen:
+    if started:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = merge_xla_flags(flags, " ".join(CPU_COLLECTIVE_PATIENCE), False)
+    if jax.config.jax_num_cpu_devices == -1 and "xla_force_host_platform_device_count" not in flags:
         jax.config.update("jax_num_cpu_devices", n)
 
 
